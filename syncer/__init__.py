@@ -1,0 +1,1 @@
+"""The yeto syncer: the outer loop of a DiLoCo run (`python -m syncer --help`)."""

@@ -1,0 +1,124 @@
+"""python -m syncer: run the outer loop of a DiLoCo run.
+
+Example (two islands, 10 rounds, state and tape in runs/syncer):
+    python -m syncer --quorum 2 --rounds 10 --state-dir runs/syncer
+then start islands with `python -m yeto.learner --syncer 127.0.0.1:29400 ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from yeto import wire
+from syncer.merge import MERGE_RULES
+from syncer.run import Config, Run
+from syncer.service import is_loopback, serve
+
+log = logging.getLogger("syncer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m syncer",
+        description="The yeto syncer: waits for a quorum of islands, merges their "
+                    "pseudo-gradients (weighted by loss tokens), applies an outer Nesterov "
+                    "step and broadcasts the result.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Example: python -m syncer --quorum 2 --rounds 10 --state-dir runs/syncer\n"
+               "The tape (state-dir/tape.jsonl) holds one JSON line per merge.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; beyond loopback a token or TLS is required")
+    p.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="port (0 = any free port)")
+    p.add_argument("--quorum", type=int, default=1, metavar="K",
+                   help="islands that must join before round 1, and pushes that commit a round")
+    p.add_argument("--rounds", type=int, default=0, metavar="N",
+                   help="rounds to run; 0 = until every island has finished")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="outer Nesterov momentum (lr 1, momentum 0 = plain averaging)")
+    p.add_argument("--merge", choices=MERGE_RULES, default="mean",
+                   help="mean = weighted by loss tokens; uniform; rda = norm-preserving mean")
+    p.add_argument("--grace-ms", type=int, default=500,
+                   help="after K pushes, wait this long for stragglers before committing")
+    p.add_argument("--round-timeout-s", type=float, default=600.0,
+                   help="commit with whatever arrived this long after a round's first push")
+    p.add_argument("--max-staleness", type=int, default=1,
+                   help="accept late pushes up to this many versions old into the open round")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="where the tape (tape.jsonl) and final weights (final/) are written")
+    p.add_argument("--token", default=None,
+                   help=f"shared secret islands must send (default: ${wire.TOKEN_ENV})")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM server private key")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow listening beyond loopback with neither token nor TLS")
+    p.add_argument("--port-file", type=Path, default=None,
+                   help="write the bound port here once listening (for scripts using --port 0)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s syncer %(message)s",
+                        datefmt="%H:%M:%S")
+    token = wire.token_from_env(args.token)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            sys.exit("error: --tls-cert and --tls-key go together")
+        tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes(),
+               args.tls_ca.read_bytes() if args.tls_ca else None)
+    if not is_loopback(args.host) and not (token or tls) and not args.insecure:
+        sys.exit(f"error: refusing to listen on {args.host} without a token or TLS: anyone who "
+                 "can reach the port could join. Example:\n"
+                 f"  {wire.TOKEN_ENV}=$(openssl rand -hex 16) python -m syncer --host {args.host}"
+                 "\n(or pass --insecure on a trusted network)")
+    if args.quorum < 1:
+        sys.exit("error: --quorum must be at least 1")
+    cfg = Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
+                 outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
+                 round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
+                 state_dir=args.state_dir)
+    run = Run(cfg)
+    try:
+        server, port = serve(run, args.host, args.port, token=token, tls=tls)
+    except OSError as e:
+        sys.exit(f"error: {e}")
+    if args.port_file:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        os.replace(tmp, args.port_file)
+    log.info("listening on %s:%d (quorum %d, rounds %s, merge %s, outer lr %g momentum %g)",
+             args.host, port, cfg.quorum, cfg.rounds or "until islands finish", cfg.merge,
+             cfg.outer_lr, cfg.outer_momentum)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(0.2):
+        if run.finished:
+            drain_until = time.monotonic() + 30
+            # let islands receive the final broadcast before the server goes away
+            while time.monotonic() < drain_until and not stop.is_set():
+                if run.final_done():
+                    break
+                time.sleep(0.1)
+            break
+    server.ticker_stop.set()
+    server.stop(grace=2).wait()
+    run.tape.close()
+    log.info("stopped at version %d", run.version)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""The outer loop's state machine: islands, Θ and momentum, the open round.
+
+Transport-free: the gRPC service validates wire framing and calls in here; all
+state changes happen under one lock, and every input is checked before it
+touches state (a rejected call leaves the run exactly as it was).
+
+Rules worth knowing:
+- Round r is open on base version r-1. It commits when K = quorum distinct
+  islands have pushed, after a grace window; at once when every live island has
+  pushed; or `round_timeout_s` after its first push with whatever arrived.
+- Late push: a push whose base version is older than the open round's (its round
+  committed without it) is *accepted into the open round* with its staleness
+  recorded in the tape, up to `max_staleness`; older ones are rejected and the
+  island carries the work into its next push. Nothing is mixed silently.
+- Duplicate push: a repeated (learner, generation, seq) is answered "duplicate"
+  and counted in the tape, never merged twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from yeto import codec
+from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
+from syncer.merge import MergeAccumulator, NesterovOuter
+from syncer.tape import Tape
+
+log = logging.getLogger("syncer")
+
+LEARNER_ID = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
+
+
+class Reject(Exception):
+    """A call that must be refused; `code` maps to a gRPC status."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code  # invalid | precondition | not_found | unauthenticated
+
+
+@dataclass
+class Config:
+    quorum: int = 1
+    rounds: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    merge: str = "mean"
+    grace_ms: int = 0
+    round_timeout_s: float = 600.0
+    max_staleness: int = 1
+    state_dir: Path | None = None
+
+
+@dataclass
+class Island:
+    learner_id: str
+    generation: int
+    backend: str
+    last_contact: float
+    state: str = "waiting"  # waiting | training | finished | gone
+    pushes: int = 0
+    loss_tokens: int = 0
+    last_seq: int = -1
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    version: int
+    round: int
+    payload: bytes
+    encoding: str
+    final: bool
+
+
+@dataclass
+class OpenRound:
+    number: int
+    acc: MergeAccumulator
+    responders: list = field(default_factory=list)
+    learners: set = field(default_factory=set)
+    first_push_at: float | None = None
+    quorum_at: float | None = None
+    bytes_in: int = 0
+    duplicates: int = 0
+
+
+class Run:
+    def __init__(self, config: Config):
+        self.cfg = config
+        self.run_id = uuid.uuid4().hex[:12]
+        self.cond = threading.Condition()
+        self.outer = NesterovOuter(config.outer_lr, config.outer_momentum)
+        tape_path = config.state_dir / "tape.jsonl" if config.state_dir else None
+        self.tape = Tape(tape_path)
+        self.layout: Layout | None = None
+        self.weights_file = "weights.safetensors"
+        self.export_files: dict[str, str] = {}
+        self.theta: np.ndarray | None = None
+        self.momentum: np.ndarray | None = None
+        self.version = 0
+        self.started = False
+        self.finished = False
+        self.islands: dict[str, Island] = {}
+        self.next_generation = 1
+        self.open: OpenRound | None = None
+        self.broadcast: Broadcast | None = None
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.rejected = 0
+        self.last_commit_at: float | None = None
+        self.final_delivered: set[str] = set()
+
+    # ---- join -------------------------------------------------------------
+    def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
+             weights_file: str, export_files: dict[str, str]) -> dict:
+        if not LEARNER_ID.match(learner_id or ""):
+            raise Reject("invalid", f"learner id {learner_id!r} must be 1-128 characters of "
+                         "letters, digits and _.@:- (example: --learner-id island-0)")
+        try:
+            layout = Layout(specs)
+        except (LayoutMismatch, ValueError) as e:
+            raise Reject("invalid", f"bad layout from {learner_id}: {e}") from None
+        if fingerprint(specs) != fp:
+            raise Reject("invalid", f"layout fingerprint from {learner_id} does not match its "
+                         "tensor list (corrupted join message?)")
+        with self.cond:
+            if self.finished:
+                raise Reject("precondition", "this run has finished; start a new syncer")
+            if self.layout is None:
+                self.layout = layout
+                self.weights_file = weights_file or self.weights_file
+                self.export_files = dict(export_files)
+            else:
+                try:
+                    self.layout.check_same(layout)
+                except LayoutMismatch as e:
+                    raise Reject("precondition", f"{learner_id} cannot join: {e}. Every island "
+                                 "must train the same model with the same --lora-r/"
+                                 "--lora-targets/--tuning; check with "
+                                 "scripts/check_name_parity.py") from None
+            gen = self.next_generation
+            self.next_generation += 1
+            old = self.islands.get(learner_id)
+            isl = Island(learner_id, gen, backend or "?", time.monotonic(),
+                         state="training" if self.started else "waiting")
+            if old is not None:  # a rejoin keeps the ledger: seqs are never counted twice
+                isl.pushes, isl.loss_tokens, isl.last_seq = old.pushes, old.loss_tokens, old.last_seq
+            self.islands[learner_id] = isl
+            log.info("%s joined (generation %d, %s): %d/%d islands", learner_id, gen, backend,
+                     self._live_count(), self.cfg.quorum)
+            self._maybe_start()
+            return dict(run_id=self.run_id, generation=gen, num_fragments=1,
+                        send_seed=self.theta is None, quorum=self.cfg.quorum,
+                        joined=self._live_count(), version=self.version, finished=self.finished,
+                        last_seq=isl.last_seq)
+
+    def _live(self) -> list[Island]:
+        return [i for i in self.islands.values() if i.state in ("waiting", "training")]
+
+    def _live_count(self) -> int:
+        return len(self._live())
+
+    def _maybe_start(self) -> None:
+        if self.started or self.theta is None or self._live_count() < self.cfg.quorum:
+            return
+        self.started = True
+        self.open = OpenRound(1, MergeAccumulator(self.layout.numel, self.cfg.merge))
+        for isl in self._live():
+            isl.state = "training"
+        self._publish(final=False)
+        log.info("quorum of %d reached: round 1 starts from the seed", self.cfg.quorum)
+
+    # ---- push -------------------------------------------------------------
+    def check_island(self, learner_id: str, generation: int) -> Island:
+        isl = self.islands.get(learner_id)
+        if isl is None:
+            raise Reject("not_found", f"{learner_id!r} has not joined this run (join first)")
+        if isl.generation != generation:
+            raise Reject("precondition", f"{learner_id}: connection generation {generation} is "
+                         f"stale (current {isl.generation}); the island must rejoin")
+        isl.last_contact = time.monotonic()
+        return isl
+
+    def check_push_header(self, h) -> int:
+        """Validate a push header before any payload is read; returns the payload size."""
+        with self.cond:
+            isl = self.check_island(h.learner_id, h.generation)
+            if self.layout is None:
+                raise Reject("precondition", "no layout yet")
+            if h.encoding not in codec.ENCODINGS:
+                raise Reject("invalid", f"unknown encoding {h.encoding!r}; "
+                             f"use one of {', '.join(codec.ENCODINGS)}")
+            if h.fragment != 0:
+                raise Reject("invalid", f"fragment {h.fragment} does not exist (run has 1)")
+            if h.numel != self.layout.numel:
+                raise Reject("invalid", f"push has {h.numel} elements, the layout has "
+                             f"{self.layout.numel}")
+            want = codec.encoded_size(h.encoding, h.numel)
+            if h.payload_bytes != want:
+                raise Reject("invalid", f"{h.encoding} payload for {h.numel} elements must be "
+                             f"{want} bytes, header says {h.payload_bytes}")
+            if h.kind == 1:  # SEED
+                if h.encoding != "f32":
+                    raise Reject("invalid", "the seed must be sent in f32")
+            else:
+                if self.finished:
+                    raise Reject("precondition", "the run has finished")
+                if not self.started:
+                    raise Reject("precondition", "round 1 has not started (waiting for quorum)")
+                if h.base_version > self.version:
+                    raise Reject("invalid", f"base version {h.base_version} is newer than the "
+                                 f"syncer's {self.version}")
+                if h.seq <= isl.last_seq:
+                    pass  # duplicate: answered in push(), never merged
+            return want
+
+    def push(self, h, payload: bytearray) -> dict:
+        with self.cond:
+            isl = self.check_island(h.learner_id, h.generation)
+            self.bytes_in += len(payload)
+            if h.kind == 1:
+                return self._seed(isl, payload)
+            rnd = self.open
+            if h.seq <= isl.last_seq:
+                rnd.duplicates += 1
+                self._reject_note(h.learner_id, "duplicate", f"seq {h.seq} already received")
+                return dict(accepted=False, status="duplicate", round=rnd.number, staleness=0)
+            staleness = self.version - h.base_version
+            if staleness > self.cfg.max_staleness:
+                self._reject_note(h.learner_id, "stale", f"staleness {staleness}")
+                raise Reject("precondition", f"push from {h.learner_id} is {staleness} versions "
+                             f"stale (max {self.cfg.max_staleness}); apply the newest broadcast "
+                             "and push again")
+            try:
+                weight = rnd.acc.add(payload, h.encoding, h.loss_tokens)
+            except codec.CodecError as e:
+                self._reject_note(h.learner_id, "payload", str(e))
+                raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
+            now = time.monotonic()
+            isl.last_seq = h.seq
+            isl.pushes += 1
+            isl.loss_tokens += h.loss_tokens
+            rnd.bytes_in += len(payload)
+            rnd.learners.add(h.learner_id)
+            rnd.responders.append(dict(
+                learner=h.learner_id, tokens=int(h.loss_tokens), steps=int(h.steps),
+                weight=weight, staleness=staleness, encoding=h.encoding, seq=int(h.seq),
+                train_loss=_finite_or_none(h.train_loss), eval_loss=_finite_or_none(h.eval_loss)))
+            if rnd.first_push_at is None:
+                rnd.first_push_at = now
+            if rnd.quorum_at is None and len(rnd.learners) >= self.cfg.quorum:
+                rnd.quorum_at = now
+            self._maybe_commit(now)
+            return dict(accepted=True, status="accepted", round=rnd.number, staleness=staleness)
+
+    def _seed(self, isl: Island, payload) -> dict:
+        if self.theta is not None:
+            return dict(accepted=False, status="duplicate", round=0, staleness=0)
+        try:
+            theta = codec.decode(payload, "f32", self.layout.numel)
+        except codec.CodecError as e:
+            raise Reject("invalid", f"seed from {isl.learner_id} rejected: {e}") from None
+        self.theta = theta
+        self.momentum = np.zeros_like(theta)
+        log.info("Θ seeded by %s (%d parameters)", isl.learner_id, theta.size)
+        self._maybe_start()
+        return dict(accepted=True, status="accepted", round=0, staleness=0)
+
+    def _reject_note(self, learner: str, kind: str, detail: str) -> None:
+        self.rejected += 1
+        self.tape.write(dict(event="rejected", learner=learner, kind=kind, detail=detail,
+                             round=self.open.number if self.open else 0, time=time.time()))
+
+    # ---- commit -----------------------------------------------------------
+    def tick(self) -> None:
+        """Called periodically: commits rounds whose grace or timeout has passed."""
+        with self.cond:
+            if self.started and not self.finished:
+                self._maybe_commit(time.monotonic())
+
+    def _maybe_commit(self, now: float) -> None:
+        rnd = self.open
+        if rnd is None or not rnd.responders:
+            return
+        live = {i.learner_id for i in self._live()}
+        reason = None
+        if live and live <= rnd.learners:
+            reason = "all"  # nobody else is expected: no reason to wait for grace
+        elif rnd.quorum_at is not None and now >= rnd.quorum_at + self.cfg.grace_ms / 1000:
+            reason = "quorum"
+        elif now >= rnd.first_push_at + self.cfg.round_timeout_s:
+            reason = "timeout"
+        elif not live:
+            reason = "finish"
+        if reason:
+            self._commit(rnd, reason, now)
+
+    def _commit(self, rnd: OpenRound, reason: str, now: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            g = rnd.acc.result()
+        except ValueError as e:  # all pushes had zero loss tokens: skip the step
+            log.warning("round %d: %s; Θ unchanged", rnd.number, e)
+            g = None
+        if g is not None:
+            self.outer.step(self.theta, self.momentum, g)
+        self.version += 1
+        merge_s = time.perf_counter() - t0
+        total_w = sum(r["weight"] for r in rnd.responders) or 1.0
+        for r in rnd.responders:
+            r["share"] = r["weight"] / total_w
+        done = self.cfg.rounds and self.version >= self.cfg.rounds
+        self.open = OpenRound(rnd.number + 1, MergeAccumulator(self.layout.numel, self.cfg.merge))
+        self.last_commit_at = now
+        self._publish(final=bool(done))
+        subscribers = self._live_count()
+        self.tape.write(dict(
+            event="merge", round=rnd.number, fragment=0, version=self.version, reason=reason,
+            responders=rnd.responders, quorum=self.cfg.quorum, islands_live=subscribers,
+            bytes_in=rnd.bytes_in, bytes_out=len(self.broadcast.payload) * subscribers,
+            duplicates=rnd.duplicates, merge_seconds=merge_s,
+            round_seconds=now - rnd.first_push_at, outer_lr=self.outer.lr,
+            outer_momentum=self.outer.momentum, merge_rule=self.cfg.merge, time=time.time()))
+        log.info("round %d committed (%s): %d pushes from %s, version %d", rnd.number, reason,
+                 len(rnd.responders), ",".join(sorted(rnd.learners)), self.version)
+        if done:
+            self._finish_run()
+
+    def _publish(self, final: bool) -> None:
+        self.broadcast = Broadcast(self.version, self.open.number if self.open else 0,
+                                   codec.encode(self.theta, "f32"), "f32", final)
+        self.cond.notify_all()
+
+    # ---- finish -----------------------------------------------------------
+    def finish_island(self, learner_id: str, generation: int) -> bool:
+        with self.cond:
+            isl = self.check_island(learner_id, generation)
+            isl.state = "finished"
+            log.info("%s finished training", learner_id)
+            self._maybe_finish_run()
+            return self.finished
+
+    def island_gone(self, learner_id: str, generation: int) -> None:
+        with self.cond:
+            isl = self.islands.get(learner_id)
+            if isl and isl.generation == generation and isl.state in ("waiting", "training"):
+                isl.state = "gone"
+                log.warning("%s disconnected", learner_id)
+                self._maybe_finish_run()
+
+    def _maybe_finish_run(self) -> None:
+        if self.finished or not self.started or self._live():
+            return
+        if not any(i.state == "finished" for i in self.islands.values()):
+            return  # everyone vanished: keep Θ and wait for islands to come back
+        if self.open and self.open.responders:
+            self._commit(self.open, "finish", time.monotonic())
+        if not self.finished:
+            self._publish(final=True)
+            self._finish_run()
+
+    def _finish_run(self) -> None:
+        self.finished = True
+        self.cond.notify_all()
+        if self.cfg.state_dir is not None:
+            self._write_final()
+        log.info("run finished at version %d", self.version)
+
+    def _write_final(self) -> None:
+        from safetensors.numpy import save_file
+
+        out = self.cfg.state_dir / "final"
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: np.ascontiguousarray(v) for k, v in self.layout.unflatten(self.theta).items()}
+        tmp = out / (self.weights_file + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt", "yeto_version": str(self.version)})
+        tmp.replace(out / self.weights_file)
+        for name, text in self.export_files.items():
+            if "/" in name or name.startswith("."):
+                continue  # file names only: never a path from the wire
+            (out / name).write_text(text)
+
+    def mark_final_delivered(self, learner_id: str) -> None:
+        with self.cond:
+            self.final_delivered.add(learner_id)
+
+    def final_done(self) -> bool:
+        """Every island that is still around has received the final weights."""
+        with self.cond:
+            waiting = {i.learner_id for i in self.islands.values() if i.state != "gone"}
+            return waiting <= self.final_delivered
+
+    # ---- status -----------------------------------------------------------
+    def status(self) -> dict:
+        with self.cond:
+            now = time.monotonic()
+            return dict(
+                run_id=self.run_id, round=self.open.number if self.open else 0,
+                version=self.version, quorum=self.cfg.quorum, finished=self.finished,
+                bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                last_merge_s=now - self.last_commit_at if self.last_commit_at else -1.0,
+                islands=[dict(learner_id=i.learner_id, state=i.state, generation=i.generation,
+                              last_contact_s=now - i.last_contact, pushes=i.pushes,
+                              loss_tokens=i.loss_tokens, backend=i.backend)
+                         for i in self.islands.values()])
+
+
+def _finite_or_none(x: float):
+    return float(x) if math.isfinite(x) else None

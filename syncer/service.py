@@ -1,0 +1,202 @@
+"""gRPC edge of the syncer: framing, auth, status codes. State lives in `Run`."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import socket
+import threading
+from concurrent import futures
+
+import grpc
+
+from yeto import wire
+from yeto.layout import TensorSpec
+from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
+from syncer.run import Reject, Run
+
+log = logging.getLogger("syncer")
+
+_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def _abort(context, reject: Reject):
+    context.abort(_CODES[reject.code], str(reject))
+
+
+class SyncerService(pb_grpc.SyncerServicer):
+    def __init__(self, run: Run):
+        self.run = run
+
+    def Join(self, request, context):
+        specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype) for t in request.layout]
+        try:
+            r = self.run.join(request.learner_id, specs, request.fingerprint, request.backend,
+                              request.weights_file, dict(request.export_files))
+        except Reject as e:
+            _abort(context, e)
+        return pb.JoinReply(**r)
+
+    def Push(self, request_iterator, context):
+        try:
+            first = next(request_iterator, None)
+            if first is None or not first.HasField("header"):
+                raise Reject("invalid", "a push must start with a header chunk")
+            h = first.header
+            size = self.run.check_push_header(h)
+            payload = bytearray(size)
+            view, n = memoryview(payload), 0
+            for chunk in _chain(first, request_iterator):
+                if chunk.HasField("header") and chunk is not first:
+                    raise Reject("invalid", "a push carries exactly one header")
+                k = len(chunk.data)
+                if n + k > size:
+                    raise Reject("invalid", f"push payload exceeds the {size} bytes its header "
+                                 "announced")
+                view[n:n + k] = chunk.data
+                n += k
+            if n != size:
+                raise Reject("invalid", f"push payload ended after {n} of {size} bytes")
+            return pb.PushReply(**self.run.push(h, payload))
+        except Reject as e:
+            _abort(context, e)
+
+    def Subscribe(self, request, context):
+        run = self.run
+        try:
+            with run.cond:
+                run.check_island(request.learner_id, request.generation)
+        except Reject as e:
+            _abort(context, e)
+        context.add_callback(lambda: run.island_gone(request.learner_id, request.generation))
+        sent = request.after_version if request.have_any else -1
+        sent_final = False
+        while context.is_active():
+            with run.cond:
+                bc = run.broadcast
+                while context.is_active() and not (
+                        bc is not None and (bc.version > sent or (bc.final and not sent_final))):
+                    run.cond.wait(timeout=1.0)
+                    bc = run.broadcast
+                try:
+                    run.check_island(request.learner_id, request.generation)
+                except Reject as e:  # superseded by a newer connection of the same island
+                    _abort(context, e)
+            if not context.is_active():
+                return
+            header = pb.BroadcastHeader(version=bc.version, round=bc.round, fragment=0,
+                                        encoding=bc.encoding, numel=run.layout.numel,
+                                        payload_bytes=len(bc.payload), final=bc.final)
+            for i, piece in enumerate(wire.chunks(bc.payload)):
+                yield pb.BroadcastChunk(header=header if i == 0 else None, data=bytes(piece))
+            with run.cond:
+                run.bytes_out += len(bc.payload)
+            sent, sent_final = bc.version, bc.final
+            if bc.final:
+                run.mark_final_delivered(request.learner_id)
+                return
+
+    def Heartbeat(self, request, context):
+        try:
+            with self.run.cond:
+                self.run.check_island(request.learner_id, request.generation)
+                return pb.HeartbeatReply(version=self.run.version,
+                                         round=self.run.open.number if self.run.open else 0,
+                                         finished=self.run.finished)
+        except Reject as e:
+            _abort(context, e)
+
+    def Status(self, request, context):
+        s = self.run.status()
+        islands = [pb.IslandStatus(**i) for i in s.pop("islands")]
+        return pb.StatusReply(islands=islands, **s)
+
+    def Finish(self, request, context):
+        try:
+            return pb.FinishReply(run_finished=self.run.finish_island(request.learner_id,
+                                                                     request.generation))
+        except Reject as e:
+            _abort(context, e)
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Every call must carry `authorization: Bearer <token>` metadata."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        got = dict(details.invocation_metadata).get(wire.AUTH_KEY, "")
+        if hmac.compare_digest(got.encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token: pass the syncer's token with --token "
+                          f"or the {wire.TOKEN_ENV} environment variable")
+
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:
+            return False
+
+
+def serve(run: Run, host: str, port: int, token: str | None = None,
+          tls: tuple[bytes, bytes, bytes | None] | None = None, max_workers: int = 64):
+    """Start the server; returns (server, bound port). A ticker thread commits
+    rounds whose grace window or timeout has passed."""
+    interceptors = [TokenAuth(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=interceptors, options=wire.GRPC_OPTIONS)
+    pb_grpc.add_SyncerServicer_to_server(SyncerService(run), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls:
+        cert, key, ca = tls
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                            require_client_auth=ca is not None)
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}: is the port in use? (try --port 0 for any "
+                      "free port)")
+    server.start()
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(0.05):
+            run.tick()
+
+    threading.Thread(target=tick, name="syncer-ticker", daemon=True).start()
+    server.ticker_stop = stop
+    return server, bound

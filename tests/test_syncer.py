@@ -1,0 +1,195 @@
+"""The syncer over real gRPC on loopback, driven by synthetic numpy islands."""
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import make_client, running_syncer, wait_until
+from syncer.tape import read_tape
+from yeto import codec
+
+
+def _join_all(address, layout, ids, init):
+    clients = [make_client(address, i, layout) for i in ids]
+    for c in clients:
+        c.start(init)
+    return clients
+
+
+def _push(c, delta, tokens, base, seq, encoding="f32"):
+    return c.push(codec.encode(delta, encoding), encoding=encoding, base_version=base,
+                  loss_tokens=tokens, steps=3, seq=seq).result(timeout=20)
+
+
+def test_token_weighted_nesterov_matches_hand_computation(toy_layout, rng, tmp_state):
+    lr, mu = 0.7, 0.9
+    init = rng.standard_normal(toy_layout.numel).astype(np.float32)
+    tokens = [100, 300, 600]
+    with running_syncer(quorum=3, outer_lr=lr, outer_momentum=mu, state_dir=tmp_state) as (run, addr):
+        clients = _join_all(addr, toy_layout, ["a", "b", "c"], init)
+        theta0 = clients[0].wait(timeout=20).theta
+        for c in clients[1:]:
+            np.testing.assert_array_equal(c.wait(timeout=20).theta, theta0)
+        np.testing.assert_array_equal(theta0, init)  # seeded from the first island, bit-exact
+        theta, m = init.astype(np.float64), np.zeros(toy_layout.numel)
+        for r in range(4):
+            deltas = [rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.1 for _ in clients]
+            for c, d, t in zip(clients, deltas, tokens):
+                assert _push(c, d, t, base=r, seq=r)["accepted"]
+            g = sum(t * d.astype(np.float64) for d, t in zip(deltas, tokens)) / sum(tokens)
+            m = mu * m + g
+            theta = theta - lr * (g + mu * m)
+            got = [c.wait(timeout=20) for c in clients]
+            assert all(x.version == r + 1 for x in got)
+            np.testing.assert_allclose(got[0].theta, theta, atol=1e-6)
+            np.testing.assert_allclose(run.momentum, m, atol=1e-6)
+        for c in clients:
+            c.close()
+    merges = [r for r in read_tape(tmp_state / "tape.jsonl") if r["event"] == "merge"]
+    assert [r["round"] for r in merges] == [1, 2, 3, 4]
+    for rec in merges:
+        assert sorted((x["learner"], x["tokens"]) for x in rec["responders"]) == \
+            [("a", 100), ("b", 300), ("c", 600)]
+        assert rec["quorum"] == 3 and rec["bytes_in"] == 3 * 4 * toy_layout.numel
+        assert abs(sum(x["share"] for x in rec["responders"]) - 1) < 1e-9
+
+
+def test_round_one_waits_for_quorum(toy_layout, rng):
+    init = rng.standard_normal(toy_layout.numel).astype(np.float32)
+    with running_syncer(quorum=2) as (run, addr):
+        a = make_client(addr, "a", toy_layout)
+        a.start(init)
+        assert wait_until(lambda: run.theta is not None)
+        assert a.wait(timeout=1.0) is None and not run.started  # alone: no round 1
+        with pytest.raises(grpc.RpcError) as e:  # and pushes are refused until it starts
+            _push(a, init, 10, base=0, seq=0)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        b = make_client(addr, "b", toy_layout)
+        b.start(init)
+        assert a.wait(timeout=20).version == 0 and b.wait(timeout=20).version == 0
+        assert run.started
+        a.close(), b.close()
+
+
+def test_silent_island_does_not_stall_past_timeout(toy_layout, rng, tmp_state):
+    init = np.zeros(toy_layout.numel, dtype=np.float32)
+    with running_syncer(quorum=2, round_timeout_s=1.0, grace_ms=0, state_dir=tmp_state,
+                        outer_lr=1.0, outer_momentum=0.0) as (run, addr):
+        a, b = _join_all(addr, toy_layout, ["a", "b"], init)
+        a.wait(timeout=20), b.wait(timeout=20)
+        t0 = time.monotonic()
+        delta = np.full(toy_layout.numel, 0.5, np.float32)
+        _push(a, delta, 10, base=0, seq=0)  # b never pushes
+        got = a.wait(timeout=10)
+        elapsed = time.monotonic() - t0
+        assert got is not None and got.version == 1
+        assert 0.9 <= elapsed < 5.0, elapsed
+        np.testing.assert_array_equal(got.theta, init - delta)
+        a.close(), b.close()
+    rec = [r for r in read_tape(tmp_state / "tape.jsonl") if r["event"] == "merge"][0]
+    assert rec["reason"] == "timeout" and [x["learner"] for x in rec["responders"]] == ["a"]
+
+
+def test_late_and_duplicate_pushes_follow_the_stated_rule(toy_layout, tmp_state):
+    init = np.zeros(toy_layout.numel, dtype=np.float32)
+    with running_syncer(quorum=2, round_timeout_s=0.3, grace_ms=0, state_dir=tmp_state,
+                        outer_lr=1.0, outer_momentum=0.0, max_staleness=1) as (run, addr):
+        a, b = _join_all(addr, toy_layout, ["a", "b"], init)
+        a.wait(timeout=20), b.wait(timeout=20)
+        one = np.ones(toy_layout.numel, np.float32)
+        _push(a, one, 10, base=0, seq=0)
+        assert a.wait(timeout=10).version == 1  # committed by timeout without b
+        # b pushes against version 0: accepted into round 2 with staleness 1
+        reply = _push(b, 2 * one, 10, base=0, seq=0)
+        assert reply == dict(accepted=True, status="accepted", round=2, staleness=1)
+        # the same seq again is a duplicate, never merged twice
+        assert _push(b, 2 * one, 10, base=0, seq=0)["status"] == "duplicate"
+        assert b.wait(timeout=10).version >= 1
+        got = a.wait(timeout=10)
+        np.testing.assert_array_equal(got.theta, init - one - 2 * one)
+        a.close(), b.close()
+    tape = read_tape(tmp_state / "tape.jsonl")
+    merges = [r for r in tape if r["event"] == "merge"]
+    assert merges[1]["responders"][0]["staleness"] == 1 and merges[1]["duplicates"] == 1
+    assert any(r["event"] == "rejected" and r["kind"] == "duplicate" for r in tape)
+
+
+def test_q4_wire_within_documented_bound(toy_layout, rng):
+    init = rng.standard_normal(toy_layout.numel).astype(np.float32)
+    deltas = [rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05 for _ in range(3)]
+    tokens = [5, 10, 20]
+    results = {}
+    for enc in ("f32", "q4"):
+        with running_syncer(quorum=3, outer_lr=0.7, outer_momentum=0.9) as (run, addr):
+            clients = _join_all(addr, toy_layout, ["a", "b", "c"], init)
+            for c in clients:
+                c.wait(timeout=20)
+            for c, d, t in zip(clients, deltas, tokens):
+                _push(c, d, t, base=0, seq=0, encoding=enc)
+            results[enc] = clients[0].wait(timeout=20).theta
+            for c in clients:
+                c.close()
+    # Θ moves by lr·(1+μ)·g, and g's error is the weighted mean of per-push q4 errors
+    bound = sum(t * codec.q4_error_bound(d) for d, t in zip(deltas, tokens)) / sum(tokens)
+    err = np.abs(results["q4"] - results["f32"])
+    assert (err <= 0.7 * 1.9 * bound + 1e-6).all()
+    assert err.max() > 0  # the q4 path really quantized
+
+
+def test_bad_pushes_are_refused_and_leave_state_unchanged(toy_layout, rng, tmp_state):
+    init = rng.standard_normal(toy_layout.numel).astype(np.float32)
+    with running_syncer(quorum=1, state_dir=tmp_state) as (run, addr):
+        a = make_client(addr, "a", toy_layout)
+        a.start(init)
+        a.wait(timeout=20)
+        before = run.theta.copy()
+        bad = np.ones(toy_layout.numel, np.float32)
+        bad[7] = np.nan
+        payload = bytearray(codec.encode(np.ones(toy_layout.numel, np.float32), "f32"))
+        payload[28:32] = np.array([np.inf], np.float32).tobytes()
+        with pytest.raises(grpc.RpcError) as e:
+            a.push(bytes(payload), encoding="f32", base_version=0, loss_tokens=1, steps=1,
+                   seq=0).result(timeout=20)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "non-finite" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            a.push(b"\0" * 12, encoding="f32", base_version=0, loss_tokens=1, steps=1,
+                   seq=0).result(timeout=20)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        np.testing.assert_array_equal(run.theta, before)
+        assert run.version == 0 and run.open.acc.count == 0
+        # the syncer still serves: a good push commits
+        assert _push(a, np.full(toy_layout.numel, 0.1, np.float32), 5, base=0, seq=0)["accepted"]
+        assert a.wait(timeout=20).version == 1
+        a.close()
+
+
+def test_layout_mismatch_names_first_differing_tensor(toy_layout, rng):
+    from yeto.layout import Layout
+
+    other = Layout.from_shapes({s.name: (s.shape if i != 2 else (8, 16))
+                                for i, s in enumerate(toy_layout.specs)})
+    with running_syncer(quorum=1) as (run, addr):
+        a = make_client(addr, "a", toy_layout)
+        a.start(np.zeros(toy_layout.numel, np.float32))
+        a.wait(timeout=20)
+        b = make_client(addr, "b", other)
+        b.start(np.zeros(other.numel, np.float32))
+        assert wait_until(lambda: b.fatal is not None)
+        assert toy_layout.specs[2].name in b.fatal and "[4, 16]" in b.fatal and "[8, 16]" in b.fatal
+        a.close(), b.close()
+
+
+def test_wrong_token_is_unauthenticated(toy_layout):
+    with running_syncer(token="s3cret", quorum=1) as (run, addr):
+        c = make_client(addr, "a", toy_layout, token="wrong")
+        c.start(np.zeros(toy_layout.numel, np.float32))
+        assert wait_until(lambda: c.fatal is not None)
+        assert "token" in c.fatal and not run.islands
+        c.close()
+        ok = make_client(addr, "a", toy_layout, token="s3cret")
+        ok.start(np.zeros(toy_layout.numel, np.float32))
+        assert ok.wait(timeout=20).version == 0
+        ok.close()

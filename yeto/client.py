@@ -1,0 +1,263 @@
+"""gRPC client of the syncer, run on background threads.
+
+The training loop never blocks on the network: joining (with exponential
+backoff), seeding, and receiving broadcasts happen on a connection thread;
+pushes go through a one-thread executor and return futures. The caller applies
+received weights at a step boundary (see `yeto.island.Island`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from yeto import codec, wire
+from yeto.layout import Layout
+from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
+
+log = logging.getLogger("yeto.client")
+
+
+class SyncerError(RuntimeError):
+    """The syncer refused a call for a reason retrying will not fix."""
+
+
+@dataclass(frozen=True)
+class Received:
+    """One broadcast of Θ."""
+
+    version: int
+    round: int
+    final: bool
+    theta: np.ndarray
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    ca: bytes | None = None      # CA that signed the syncer's certificate
+    cert: bytes | None = None    # client certificate (mutual TLS)
+    key: bytes | None = None
+
+
+def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+    host, port = wire.parse_address(address)
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                             certificate_chain=tls.cert)
+        return grpc.secure_channel(target, creds, options=wire.GRPC_OPTIONS)
+    return grpc.insecure_channel(target, options=wire.GRPC_OPTIONS)
+
+
+class SyncerClient:
+    def __init__(self, address: str, learner_id: str, layout: Layout, *, token: str | None = None,
+                 backend: str = "numpy", weights_file: str = "weights.safetensors",
+                 export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
+                 backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+        self.address, self.learner_id, self.layout = address, learner_id, layout
+        self._metadata = wire.auth_metadata(wire.token_from_env(token))
+        self._join_request = pb.JoinRequest(
+            learner_id=learner_id, fingerprint=layout.fingerprint, backend=backend,
+            weights_file=weights_file, export_files=export_files or {},
+            layout=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
+                    for s in layout.specs])
+        self._channel = open_channel(address, tls)
+        self._stub = pb_grpc.SyncerStub(self._channel)
+        self._backoff = (backoff_s, max_backoff_s)
+        self._cond = threading.Condition()
+        self._latest: Received | None = None
+        self._taken_version = -1
+        self._closed = False
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yeto-push")
+        self.generation = 0
+        self.connected = threading.Event()
+        self.acked_seq = -1           # newest push seq the syncer confirmed (from join)
+        self.fatal: str | None = None  # a refusal that retrying cannot fix
+        self.finished = False          # the final broadcast arrived
+        self.run_id = ""
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.wait_s = 0.0
+
+    # ---- connection thread ------------------------------------------------
+    def start(self, initial: np.ndarray) -> None:
+        """Connect in the background; `initial` seeds Θ if the syncer asks for it."""
+        self._initial = initial
+        self._thread = threading.Thread(target=self._connection_loop, daemon=True,
+                                        name=f"yeto-client-{self.learner_id}")
+        self._thread.start()
+
+    def _connection_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self._closed and not self.finished and self.fatal is None:
+            try:
+                self._join_and_listen()
+                delay = self._backoff[0]
+            except grpc.RpcError as e:
+                self.connected.clear()
+                if self._closed:
+                    return
+                code = e.code()
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
+                            grpc.StatusCode.FAILED_PRECONDITION) and self.generation == 0:
+                    self.fatal = f"syncer at {self.address} refused {self.learner_id}: {e.details()}"
+                    log.error("%s", self.fatal)
+                    with self._cond:
+                        self._cond.notify_all()
+                    return
+                log.warning("syncer %s unreachable (%s: %s); retrying in %.1fs, training "
+                            "continues locally", self.address, code.name, e.details(), delay)
+                if self._sleep(delay):
+                    return
+                delay = min(delay * 2, self._backoff[1])
+
+    def _sleep(self, seconds: float) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed, timeout=seconds)
+            return self._closed
+
+    def _join_and_listen(self) -> None:
+        reply = self._stub.Join(self._join_request, metadata=self._metadata, timeout=30)
+        if reply.finished:
+            log.info("syncer reports the run already finished")
+        self.generation, self.run_id = reply.generation, reply.run_id
+        self.acked_seq = reply.last_seq
+        self.connected.set()
+        log.info("joined syncer %s as %s (generation %d, %d/%d islands, version %d)",
+                 self.address, self.learner_id, reply.generation, reply.joined, reply.quorum,
+                 reply.version)
+        if reply.send_seed:
+            header = pb.PushHeader(learner_id=self.learner_id, generation=self.generation,
+                                   kind=pb.SEED, encoding="f32", numel=self.layout.numel,
+                                   payload_bytes=4 * self.layout.numel)
+            self._stream_push(header, codec.encode(self._initial, "f32"))
+        # every new connection asks for the current Θ (a rejoined island catches up)
+        stream = self._stub.Subscribe(
+            pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
+            metadata=self._metadata)
+        self._stream = stream
+        header, buf, view, n = None, None, None, 0
+        for chunk in stream:
+            if chunk.HasField("header"):
+                header = chunk.header
+                buf = bytearray(header.payload_bytes)
+                view, n = memoryview(buf), 0
+            if header is None:
+                raise SyncerError("broadcast stream started without a header")
+            view[n:n + len(chunk.data)] = chunk.data
+            n += len(chunk.data)
+            if n == header.payload_bytes:
+                theta = codec.decode(buf, header.encoding, header.numel)
+                self.bytes_down += n
+                got = Received(header.version, header.round, header.final, theta)
+                with self._cond:
+                    self._latest = got
+                    self.finished = self.finished or header.final
+                    self._cond.notify_all()
+                header = None
+        if not self.finished and not self._closed:
+            raise _StreamEnded()
+
+    # ---- caller side ------------------------------------------------------
+    def take(self) -> Received | None:
+        """The newest broadcast not yet taken, or None."""
+        with self._cond:
+            got = self._latest
+            if got is None or got.version == self._taken_version and not got.final:
+                return None
+            self._latest = None
+            self._taken_version = got.version
+            return got
+
+    def wait(self, timeout: float | None, need_connection: bool = False) -> Received | None:
+        """Block until a broadcast arrives (or timeout / fatal error / close)."""
+        t0 = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = self._latest
+                if got is not None and (got.version != self._taken_version or got.final):
+                    break
+                if self._closed or self.fatal or (need_connection and not self.connected.is_set()):
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(timeout=0.5 if left is None else min(left, 0.5))
+        self.wait_s += time.perf_counter() - t0
+        return self.take()
+
+    def push(self, payload: bytes, *, encoding: str, base_version: int, loss_tokens: int,
+             steps: int, seq: int, fragment: int = 0, train_loss: float = float("nan"),
+             eval_loss: float = float("nan")) -> Future:
+        """Send one pseudo-gradient in the background; the future resolves to the
+        syncer's reply (dict) or raises (grpc.RpcError / SyncerError)."""
+        if not self.connected.is_set():
+            f: Future = Future()
+            f.set_exception(SyncerError("not connected to the syncer"))
+            return f
+        header = pb.PushHeader(
+            learner_id=self.learner_id, generation=self.generation, round=base_version + 1,
+            fragment=fragment, base_version=base_version, loss_tokens=loss_tokens, steps=steps,
+            encoding=encoding, numel=self.layout.numel, payload_bytes=len(payload), kind=pb.DELTA,
+            seq=seq, train_loss=train_loss, eval_loss=eval_loss)
+        return self._sender.submit(self._stream_push, header, payload)
+
+    def _stream_push(self, header, payload) -> dict:
+        def chunks():
+            for i, piece in enumerate(wire.chunks(payload)):
+                yield pb.PushChunk(header=header if i == 0 else None, data=bytes(piece))
+
+        reply = self._stub.Push(chunks(), metadata=self._metadata, timeout=300)
+        self.bytes_up += len(payload)
+        return dict(accepted=reply.accepted, status=reply.status, round=reply.round,
+                    staleness=reply.staleness)
+
+    def finish(self) -> None:
+        """Tell the syncer this island trained its last step."""
+        if self.connected.is_set():
+            try:
+                self._stub.Finish(pb.FinishRequest(learner_id=self.learner_id,
+                                                   generation=self.generation),
+                                  metadata=self._metadata, timeout=30)
+            except grpc.RpcError as e:
+                log.warning("finish not delivered (%s); the syncer will notice the island "
+                            "leave", e.details())
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._sender.shutdown(wait=True, cancel_futures=False)
+        stream = getattr(self, "_stream", None)
+        if stream is not None:
+            stream.cancel()
+        self._channel.close()
+
+
+class _StreamEnded(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "broadcast stream ended"
+
+
+def status(address: str, token: str | None = None, tls: TLSConfig | None = None,
+           timeout: float = 10) -> dict:
+    """One Status call (for `yeto status` and tests)."""
+    from google.protobuf.json_format import MessageToDict
+
+    with open_channel(address, tls) as ch:
+        reply = pb_grpc.SyncerStub(ch).Status(pb.StatusRequest(),
+                                              metadata=wire.auth_metadata(
+                                                  wire.token_from_env(token)), timeout=timeout)
+    return MessageToDict(reply, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)

@@ -1,0 +1,52 @@
+"""What islands and the syncer share about the transport: chunking and auth."""
+
+from __future__ import annotations
+
+import os
+
+CHUNK_BYTES = 4 << 20  # 4 MiB: near raw gRPC throughput, far below message limits
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)  # a chunk plus its header
+AUTH_KEY = "authorization"
+DEFAULT_PORT = 29400
+TOKEN_ENV = "YETO_TOKEN"
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def chunks(payload: bytes | memoryview, size: int = CHUNK_BYTES):
+    """Zero-copy slices of a payload; at least one (possibly empty) slice."""
+    view = memoryview(payload)
+    if len(view) == 0:
+        yield view
+        return
+    for lo in range(0, len(view), size):
+        yield view[lo:lo + size]
+
+
+def auth_metadata(token: str | None) -> tuple:
+    return ((AUTH_KEY, f"Bearer {token}"),) if token else ()
+
+
+def token_from_env(token: str | None) -> str | None:
+    return token or os.environ.get(TOKEN_ENV) or None
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' or 'host' (default port); '[::1]:29400' for IPv6."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port = rest.lstrip(":")
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            host, port = address, ""
+    if not host:
+        raise ValueError(f"syncer address {address!r} has no host; example: --syncer 127.0.0.1:29400")
+    try:
+        return host, int(port) if port else DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"syncer address {address!r} has a bad port; example: "
+                         f"--syncer 127.0.0.1:{DEFAULT_PORT}") from None
