@@ -1,0 +1,181 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from yeto import fixtures
+from yeto.data import load_rows
+from yeto.fixtures import (
+    CHAT_TEMPLATE,
+    SIZES,
+    main_make_task,
+    main_make_tiny_model,
+    make_task,
+    make_tiny_model,
+    stdlib_text,
+    task_loss,
+    task_rows,
+    train_tokenizer,
+)
+
+PROMPT = [{"role": "user", "content": "reverse: apple river stone"}]
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("yeto-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(cache, tmp_path_factory):
+    """The pretrained llama fixture, built once per test session."""
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", cache_dir=cache)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip_and_chat_template(tmp_path):
+    tok = train_tokenizer([stdlib_text(50_000), "reverse: apple river\n" * 50], vocab_size=400)
+    assert len(tok) == 400
+    text = "def f(x):\n    return x + 1  # ünïcode ✓"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    for special in ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"):
+        assert len(tok(special)["input_ids"]) == 1
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
+    rendered = tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>user\nreverse: apple river stone<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+    fixtures.save_tokenizer(tok, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE
+    again = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert again(text)["input_ids"] == tok(text)["input_ids"]
+    assert again.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == rendered
+    assert again.eos_token_id == tok.eos_token_id and again.pad_token_id == tok.pad_token_id
+
+
+# ---------------------------------------------------------------- task
+
+
+def test_task_split_is_disjoint_and_deterministic(tmp_path):
+    train_path, eval_path = make_task(tmp_path / "a", n_train=300, n_eval=50, seed=3)
+    train, held_out = load_rows(train_path), load_rows(eval_path)
+    assert (len(train), len(held_out)) == (300, 50)
+    prompts = [r["messages"][0]["content"] for r in train]
+    held_out_prompts = {r["messages"][0]["content"] for r in held_out}
+    assert len(set(prompts)) == 300 and not held_out_prompts & set(prompts)
+    for row in train[:20]:
+        user, assistant = (m["content"] for m in row["messages"])
+        assert user.startswith("reverse: ")
+        assert assistant.split() == user.removeprefix("reverse: ").split()[::-1]
+
+    make_task(tmp_path / "b", n_train=300, n_eval=50, seed=3)
+    make_task(tmp_path / "c", n_train=300, n_eval=50, seed=4)
+    assert (tmp_path / "b" / "train.jsonl").read_bytes() == train_path.read_bytes()
+    assert (tmp_path / "c" / "train.jsonl").read_bytes() != train_path.read_bytes()
+
+
+# ---------------------------------------------------------------- model
+
+
+def test_model_dir_loads_offline(tiny_model):
+    names = sorted(p.name for p in tiny_model.iterdir())
+    assert names == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2 and config["num_attention_heads"] == 4
+    assert config["tie_word_embeddings"] is False and config["dtype"] == "float32"
+    assert config["max_position_embeddings"] >= 512
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    assert model.config.vocab_size == len(tok) == SIZES["vocab_size"]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+
+
+def test_cached_call_copies_identical_files(tiny_model, cache, tmp_path, monkeypatch):
+    def no_build(*args, **kwargs):
+        raise AssertionError("the cached model was rebuilt")
+
+    monkeypatch.setattr(fixtures, "_build", no_build)
+    again = make_tiny_model(tmp_path / "again", "llama", cache_dir=cache)
+    for f in tiny_model.iterdir():
+        assert (again / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not list(cache.glob("tiny-models/.tmp-*"))
+
+
+def test_same_args_build_same_weights(tmp_path):
+    a = make_tiny_model(tmp_path / "a", "qwen2", pretrain=False, cache_dir=tmp_path / "c1")
+    b = make_tiny_model(tmp_path / "b", "qwen2", pretrain=False, cache_dir=tmp_path / "c2")
+    for f in a.iterdir():
+        assert (b / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_pretrained_base_knows_format_not_task(tiny_model, cache, tmp_path):
+    """The base is far better than random on the task, but leaves LoRA room to learn."""
+    _, held_out = task_rows(n_train=10, n_eval=100, seed=0)
+    random_dir = make_tiny_model(tmp_path / "r", "llama", pretrain=False, cache_dir=cache)
+    losses = {}
+    for name, d in (("random", random_dir), ("base", tiny_model)):
+        model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True)
+        losses[name] = task_loss(model, AutoTokenizer.from_pretrained(d), held_out)
+    assert losses["random"] > 6.0
+    assert 1.5 < losses["base"] < losses["random"] - 3.0, losses
+
+
+def test_unknown_arch():
+    with pytest.raises(ValueError, match="choose one of llama, qwen2, qwen3"):
+        make_tiny_model("unused", arch="gpt9")
+
+
+def test_cli_entry_points(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        main_make_tiny_model(["--help"])
+    assert e.value.code == 0 and "--no-pretrain" in capsys.readouterr().out
+    assert main_make_task([str(tmp_path / "t"), "--n-train", "20", "--n-eval", "5"]) == 0
+    assert len(load_rows(tmp_path / "t" / "eval.jsonl")) == 5
+    monkeypatch.setenv("YETO_CACHE", str(tmp_path / "cache"))
+    assert main_make_tiny_model([str(tmp_path / "m"), "--arch", "qwen3", "--no-pretrain"]) == 0
+    assert "wrote tiny qwen3 model" in capsys.readouterr().out
+    assert (tmp_path / "cache" / "tiny-models").is_dir()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.model_type == "qwen3"
+
+
+# ---------------------------------------------------------------- mlx-lm
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_mlx_lm_loads_with_matching_logits(arch, tiny_model, cache, tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    if arch == "llama":
+        model_dir = tiny_model  # pretrained: realistic logits, not near-uniform
+    else:
+        model_dir = make_tiny_model(tmp_path / arch, arch, pretrain=False, cache_dir=cache)
+    mlx_model, mlx_tok = mlx_lm.load(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    ids = tok(ids + "stone river apple<|im_end|>")["input_ids"]
+    assert mlx_tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+    assert tok.convert_tokens_to_ids("<|im_end|>") in mlx_tok.eos_token_ids
+
+    mlx_logits = np.array(mlx_model(mx.array([ids])).astype(mx.float32))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    with torch.no_grad():
+        torch_logits = model(torch.tensor([ids])).logits.numpy()
+    assert mlx_logits.shape == torch_logits.shape
+    assert np.abs(mlx_logits - torch_logits).max() < 1e-4
