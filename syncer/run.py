@@ -229,6 +229,8 @@ class Run:
             self.bytes_in += len(payload)
             if h.kind == 1:
                 return self._seed(isl, payload)
+            if self.finished:
+                raise Reject("precondition", "the run has finished")
             rnd = self.open
             if h.seq <= isl.last_seq:
                 rnd.duplicates += 1
@@ -289,7 +291,7 @@ class Run:
 
     def _maybe_commit(self, now: float) -> None:
         rnd = self.open
-        if rnd is None or not rnd.responders:
+        if rnd is None or not rnd.responders or self.finished:
             return
         live = {i.learner_id for i in self._live()}
         reason = None

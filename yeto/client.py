@@ -223,10 +223,10 @@ class SyncerClient:
     def finish(self) -> None:
         """Tell the syncer this island trained its last step."""
         if self.connected.is_set():
-            try:
-                self._stub.Finish(pb.FinishRequest(learner_id=self.learner_id,
-                                                   generation=self.generation),
-                                  metadata=self._metadata, timeout=30)
+            request = pb.FinishRequest(learner_id=self.learner_id, generation=self.generation)
+            try:  # through the sender thread: it must arrive after the last push
+                self._sender.submit(self._stub.Finish, request, metadata=self._metadata,
+                                    timeout=30).result()
             except grpc.RpcError as e:
                 log.warning("finish not delivered (%s); the syncer will notice the island "
                             "leave", e.details())

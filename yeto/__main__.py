@@ -1,0 +1,5 @@
+import sys
+
+from yeto.cli import main
+
+sys.exit(main())
