@@ -24,8 +24,9 @@ PROMPT = [{"role": "user", "content": "reverse: apple river stone"}]
 
 
 @pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("yeto-cache")
+def cache():
+    # the shared cache: the pretrained base is built once per machine, not per test run
+    return fixtures.cache_root()
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,8 @@ class Island:
                  set_weights: Callable[[np.ndarray], None], *, client: SyncerClient | None,
                  sync_every: int = 50, wire: str = "q4", blocking: bool = False,
                  on_sync: Callable[[], float] | None = None, start_timeout_s: float | None = None,
-                 connect_grace_s: float = 5.0, finish_timeout_s: float = 1800.0):
+                 connect_grace_s: float = 5.0, finish_timeout_s: float = 1800.0,
+                 offline_give_up_s: float = 60.0):
         if sync_every < 1:
             raise ValueError("sync_every must be >= 1")
         self.layout, self.client = layout, client
@@ -62,6 +63,7 @@ class Island:
         self.on_sync = on_sync
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
         self.finish_timeout_s = finish_timeout_s
+        self.offline_give_up_s = offline_give_up_s
         self.feedback = ErrorFeedback(layout.numel, wire)
         self.anchor: np.ndarray | None = None
         self.version = -1            # version of the anchor; -1 = not yet joined a run
@@ -204,11 +206,13 @@ class Island:
                 self.sync()
             if not self.finished:
                 self.client.finish()
-            t0 = time.monotonic()
-            while not self.finished and time.monotonic() - t0 < self.finish_timeout_s:
-                got = self.client.wait(timeout=5.0)
-                self._apply(got)
-                if self.client.fatal:
+            t0 = last_seen = time.monotonic()
+            while (not self.finished and self.version >= 0
+                   and time.monotonic() - t0 < self.finish_timeout_s):
+                self._apply(self.client.wait(timeout=1.0))
+                if self.client.connected.is_set():
+                    last_seen = time.monotonic()
+                if self.client.fatal or time.monotonic() - last_seen > self.offline_give_up_s:
                     break
             if not self.finished:
                 log.warning("no final weights from the syncer; keeping local weights")

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv and installs yeto with its test and MLX extras.
+# torch is installed first, pinned, so pip takes the local CPU build instead of
+# pulling a multi-GB CUDA build (on a CUDA box, install your CUDA torch first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev,mlx]"
+echo "yeto installed in .venv"
