@@ -19,6 +19,7 @@ from pathlib import Path
 from yeto import wire
 from syncer.merge import MERGE_RULES
 from syncer.run import Config, Run
+from syncer.state import StateError
 from syncer.service import is_loopback, serve
 
 log = logging.getLogger("syncer")
@@ -51,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="commit with whatever arrived this long after a round's first push")
     p.add_argument("--max-staleness", type=int, default=1,
                    help="accept late pushes up to this many versions old into the open round")
+    p.add_argument("--clip-factor", type=float, default=0.0,
+                   help="clip each push's norm to this multiple of the round's median norm "
+                        "(0 = off); pushes are then held compressed until the round commits")
     p.add_argument("--state-dir", type=Path, default=None,
-                   help="where the tape (tape.jsonl) and final weights (final/) are written")
+                   help="where state (state.safetensors, saved after every round), the tape "
+                        "(tape.jsonl) and final weights (final/) are written")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run saved in --state-dir")
     p.add_argument("--token", default=None,
                    help=f"shared secret islands must send (default: ${wire.TOKEN_ENV})")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate")
@@ -88,8 +95,11 @@ def main(argv=None) -> int:
     cfg = Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
                  outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                 state_dir=args.state_dir)
-    run = Run(cfg)
+                 clip_factor=args.clip_factor, state_dir=args.state_dir, resume=args.resume)
+    try:
+        run = Run(cfg)
+    except StateError as e:
+        sys.exit(f"error: {e}")
     try:
         server, port = serve(run, args.host, args.port, token=token, tls=tls)
     except OSError as e:

@@ -31,6 +31,7 @@ import numpy as np
 
 from yeto import codec
 from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
+from syncer import state
 from syncer.merge import MergeAccumulator, NesterovOuter
 from syncer.tape import Tape
 
@@ -57,7 +58,9 @@ class Config:
     grace_ms: int = 0
     round_timeout_s: float = 600.0
     max_staleness: int = 1
+    clip_factor: float = 0.0
     state_dir: Path | None = None
+    resume: bool = False
 
 
 @dataclass
@@ -118,6 +121,52 @@ class Run:
         self.rejected = 0
         self.last_commit_at: float | None = None
         self.final_delivered: set[str] = set()
+        if config.state_dir is not None:
+            self._restore_or_refuse(config.state_dir, config.resume)
+        elif config.resume:
+            raise state.StateError("--resume needs --state-dir (where the state was saved)")
+
+    # ---- state on disk ----------------------------------------------------
+    def _flags(self) -> dict:
+        return {k: getattr(self.cfg, k) for k in state.MATH_FLAGS}
+
+    def _restore_or_refuse(self, state_dir: Path, resume: bool) -> None:
+        exists = (state_dir / state.STATE_FILE).exists()
+        if exists and not resume:
+            raise state.StateError(
+                f"{state_dir} already holds a run's state; continue it with --resume, or "
+                "choose a new --state-dir (it is never overwritten silently)")
+        if not resume:
+            return
+        theta, momentum, meta = state.load(state_dir)
+        state.check_flags(meta, self._flags())
+        specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
+        self.layout = Layout(specs)
+        if self.layout.fingerprint != meta["fingerprint"] or self.layout.numel != theta.size:
+            raise state.StateError(f"{state_dir}: layout and weights disagree (corrupt state)")
+        self.run_id, self.version = meta["run_id"], meta["version"]
+        self.theta, self.momentum = theta.copy(), momentum.copy()
+        self.weights_file, self.export_files = meta["weights_file"], meta["export_files"]
+        self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]
+        for lid, led in meta["islands"].items():
+            self.islands[lid] = Island(lid, 0, led["backend"], time.monotonic(), state="gone",
+                                       pushes=led["pushes"], loss_tokens=led["loss_tokens"],
+                                       last_seq=led["last_seq"])
+        log.info("resumed run %s at version %d (%d islands in the ledger)", self.run_id,
+                 self.version, len(self.islands))
+
+    def _save(self) -> None:
+        if self.cfg.state_dir is None:
+            return
+        state.save(self.cfg.state_dir, self.theta, self.momentum, dict(
+            run_id=self.run_id, version=self.version, round=self.version,
+            fingerprint=self.layout.fingerprint,
+            layout=[[s.name, list(s.shape), s.dtype] for s in self.layout.specs],
+            flags=self._flags(), weights_file=self.weights_file, export_files=self.export_files,
+            bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+            islands={i.learner_id: dict(backend=i.backend, pushes=i.pushes,
+                                        loss_tokens=i.loss_tokens, last_seq=i.last_seq)
+                     for i in self.islands.values()}))
 
     # ---- join -------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
@@ -173,7 +222,7 @@ class Run:
         if self.started or self.theta is None or self._live_count() < self.cfg.quorum:
             return
         self.started = True
-        self.open = OpenRound(1, MergeAccumulator(self.layout.numel, self.cfg.merge))
+        self.open = OpenRound(1, MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor))
         for isl in self._live():
             isl.state = "training"
         self._publish(final=False)
@@ -231,6 +280,9 @@ class Run:
                 return self._seed(isl, payload)
             if self.finished:
                 raise Reject("precondition", "the run has finished")
+            if h.round != h.base_version + 1:
+                raise Reject("invalid", f"push for round {h.round} against base version "
+                             f"{h.base_version}: a push joins round base_version + 1")
             rnd = self.open
             if h.seq <= isl.last_seq:
                 rnd.duplicates += 1
@@ -238,14 +290,12 @@ class Run:
                 return dict(accepted=False, status="duplicate", round=rnd.number, staleness=0)
             staleness = self.version - h.base_version
             if staleness > self.cfg.max_staleness:
-                self._reject_note(h.learner_id, "stale", f"staleness {staleness}")
                 raise Reject("precondition", f"push from {h.learner_id} is {staleness} versions "
                              f"stale (max {self.cfg.max_staleness}); apply the newest broadcast "
                              "and push again")
             try:
                 weight = rnd.acc.add(payload, h.encoding, h.loss_tokens)
             except codec.CodecError as e:
-                self._reject_note(h.learner_id, "payload", str(e))
                 raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
             now = time.monotonic()
             isl.last_seq = h.seq
@@ -276,6 +326,11 @@ class Run:
         log.info("Θ seeded by %s (%d parameters)", isl.learner_id, theta.size)
         self._maybe_start()
         return dict(accepted=True, status="accepted", round=0, staleness=0)
+
+    def note_rejected(self, call: str, learner: str, reject: Reject) -> None:
+        """Every refused call is counted and written to the tape."""
+        with self.cond:
+            self._reject_note(learner, f"{call}:{reject.code}", str(reject))
 
     def _reject_note(self, learner: str, kind: str, detail: str) -> None:
         self.rejected += 1
@@ -316,12 +371,13 @@ class Run:
         if g is not None:
             self.outer.step(self.theta, self.momentum, g)
         self.version += 1
+        self._save()  # before anyone sees the new version: a crash never loses it
         merge_s = time.perf_counter() - t0
         total_w = sum(r["weight"] for r in rnd.responders) or 1.0
         for r in rnd.responders:
             r["share"] = r["weight"] / total_w
         done = self.cfg.rounds and self.version >= self.cfg.rounds
-        self.open = OpenRound(rnd.number + 1, MergeAccumulator(self.layout.numel, self.cfg.merge))
+        self.open = OpenRound(rnd.number + 1, MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor))
         self.last_commit_at = now
         self._publish(final=bool(done))
         subscribers = self._live_count()
@@ -329,7 +385,7 @@ class Run:
             event="merge", round=rnd.number, fragment=0, version=self.version, reason=reason,
             responders=rnd.responders, quorum=self.cfg.quorum, islands_live=subscribers,
             bytes_in=rnd.bytes_in, bytes_out=len(self.broadcast.payload) * subscribers,
-            duplicates=rnd.duplicates, merge_seconds=merge_s,
+            duplicates=rnd.duplicates, merge_seconds=merge_s, clip_scales=rnd.acc.clipped,
             round_seconds=now - rnd.first_push_at, outer_lr=self.outer.lr,
             outer_momentum=self.outer.momentum, merge_rule=self.cfg.merge, time=time.time()))
         log.info("round %d committed (%s): %d pushes from %s, version %d", rnd.number, reason,

@@ -27,7 +27,10 @@ _CODES = {
 }
 
 
-def _abort(context, reject: Reject):
+def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
+           learner: str = ""):
+    if run is not None:
+        run.note_rejected(call, learner, reject)
     context.abort(_CODES[reject.code], str(reject))
 
 
@@ -41,15 +44,18 @@ class SyncerService(pb_grpc.SyncerServicer):
             r = self.run.join(request.learner_id, specs, request.fingerprint, request.backend,
                               request.weights_file, dict(request.export_files))
         except Reject as e:
-            _abort(context, e)
+            _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)
 
     def Push(self, request_iterator, context):
+        first = None
         try:
             first = next(request_iterator, None)
             if first is None or not first.HasField("header"):
                 raise Reject("invalid", "a push must start with a header chunk")
             h = first.header
+            if h.kind not in (pb.DELTA, pb.SEED):
+                raise Reject("invalid", f"unknown push kind {h.kind}")
             size = self.run.check_push_header(h)
             payload = bytearray(size)
             view, n = memoryview(payload), 0
@@ -66,7 +72,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 raise Reject("invalid", f"push payload ended after {n} of {size} bytes")
             return pb.PushReply(**self.run.push(h, payload))
         except Reject as e:
-            _abort(context, e)
+            _abort(context, e, self.run, "push", first.header.learner_id if first is not None else "")
 
     def Subscribe(self, request, context):
         run = self.run

@@ -4,16 +4,20 @@ An island owns a flat float32 view of its trainable weights through two
 callbacks, `get_weights() -> np.ndarray` and `set_weights(np.ndarray)`, supplied
 by the torch or MLX edge. Everything else is here:
 
-- anchor: the exact Θ bytes last received; a push sends Δ = anchor − local,
-  quantized with error feedback.
+- anchor: the exact Θ bytes last received. `base` is the local weights whose
+  progress the syncer already holds (the anchor, or the weights at the last push
+  while its round is open); a push sends base − local, quantized with error
+  feedback, so the pushes since an anchor add up to anchor − local.
 - counters: loss tokens and optimizer steps since the last push.
 - apply: broadcasts are applied only at step boundaries, inside `after_step`.
   Training overlaps the round trip, so when Θ arrives the island keeps the steps it
-  made since its push: local ← Θ + (local − local_at_push), anchor ← Θ. Every step
+  made since its push: local ← Θ + (local − base), anchor ← base ← Θ. Every step
   is pushed exactly once; with `blocking=True` the island waits for Θ right after
   each push, so all islands hold bit-identical weights after every round.
 - a push the syncer refuses is carried forward: its work, tokens, steps and
-  quantization residual go into the next push.
+  quantization residual go into the next push. So is a push the syncer accepted
+  but lost (it restarted from its last saved round): on rejoin the syncer reports
+  the newest push it holds, and the island rolls back to before any newer one.
 - finish: a last push, then the final Θ (f32) replaces the local weights exactly,
   so every island ends bit-identical to the syncer.
 """
@@ -38,14 +42,15 @@ log = logging.getLogger("yeto.island")
 
 
 @dataclass
-class _Pending:
+class _Push:
     seq: int
-    base_version: int
-    local_at_push: np.ndarray
+    generation: int
+    base_before: np.ndarray      # what `base` was before this push
     prev_residual: np.ndarray
     tokens: int
     steps: int
     future: Future
+    accepted: bool | None = None  # None until the reply (or its loss) is known
 
 
 class Island:
@@ -62,10 +67,11 @@ class Island:
         self.sync_every, self.wire, self.blocking = sync_every, wire, blocking
         self.on_sync = on_sync
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
-        self.finish_timeout_s = finish_timeout_s
-        self.offline_give_up_s = offline_give_up_s
+        self.finish_timeout_s, self.offline_give_up_s = finish_timeout_s, offline_give_up_s
         self.feedback = ErrorFeedback(layout.numel, wire)
         self.anchor: np.ndarray | None = None
+        self.base: np.ndarray | None = None
+        self.pushed: list[_Push] = []  # pushes since the anchor was last replaced
         self.version = -1            # version of the anchor; -1 = not yet joined a run
         self.round = 0
         self.step = 0
@@ -73,7 +79,6 @@ class Island:
         self.steps = 0               # optimizer steps since the last push
         self.total_tokens = 0
         self.seq = 0
-        self.pending: _Pending | None = None
         self.finished = False
         self.train_loss = float("nan")
         self.eval_loss = float("nan")
@@ -82,13 +87,11 @@ class Island:
     # ---- start ------------------------------------------------------------
     def start(self) -> None:
         """Join the run and adopt its Θ; trains locally if the syncer is unreachable."""
-        local = self._get()
-        self.anchor = local.copy()
+        self.anchor = self.base = self._get()
         if self.client is None:
             return
-        self.client.start(local)
-        t0 = time.monotonic()
-        last_log = t0
+        self.client.start(self.anchor)
+        t0 = last_log = time.monotonic()
         while True:
             got = self.client.wait(timeout=1.0)
             if got is not None:
@@ -126,74 +129,92 @@ class Island:
         return self.finished
 
     def sync(self) -> None:
-        """Push Δ = anchor − local now (the training loop continues meanwhile)."""
+        """Push base − local now (the training loop continues meanwhile)."""
         if self.client is None or self.finished:
             return
-        if self.pending is not None:
+        self._settle()
+        if self._awaiting_round():
             # one push in flight at most: wait for the round it joined to commit
-            got = self.client.wait(timeout=self.finish_timeout_s, need_connection=True)
-            self._apply(got)
-            if self.finished or self.pending is not None:
+            self._apply(self.client.wait(timeout=self.finish_timeout_s, need_connection=True))
+            self._settle()
+            if self.finished or self._awaiting_round():
                 return  # run over, or offline: the work waits for a later push
         if self.on_sync is not None:
             self.eval_loss = float(self.on_sync())
         if not self.client.connected.is_set() or self.version < 0:
-            return  # offline: the work stays in local − anchor for a later push
+            return  # offline: the work stays in base − local for a later push
         local = self._get()
         prev = self.feedback.residual.copy()
-        payload = self.feedback.encode(self.anchor - local)
+        payload = self.feedback.encode(self.base - local)
         self.seq = max(self.seq, self.client.acked_seq + 1)
         fut = self.client.push(payload, encoding=self.wire, base_version=self.version,
                                loss_tokens=self.tokens, steps=self.steps, seq=self.seq,
                                train_loss=_nan(self.train_loss), eval_loss=_nan(self.eval_loss))
-        self.pending = _Pending(self.seq, self.version, local, prev, self.tokens, self.steps, fut)
+        self.pushed.append(_Push(self.seq, self.client.generation, self.base, prev,
+                                 self.tokens, self.steps, fut))
+        self.base = local
         self.seq += 1
         self.pushes += 1
         self.tokens = self.steps = 0
         if self.blocking:
             self._apply(self.client.wait(timeout=self.finish_timeout_s, need_connection=True))
 
+    def _awaiting_round(self) -> bool:
+        return any(p.accepted is not False for p in self.pushed)
+
     # ---- apply ------------------------------------------------------------
     def _apply(self, got: Received | None) -> None:
         if got is None:
             return
+        self._settle(wait=True)
         if got.version == self.version and not got.final:
-            return
-        base = self._resolve_pending()
+            return  # a rejoin re-sends the current Θ: nothing new
         if got.final:
             new = got.theta.copy()
         else:
-            local = self._get()
-            new = got.theta + (local - base)
+            new = got.theta + (self._get() - self.base)
         self._set(new)
-        self.anchor = got.theta
+        self.anchor = self.base = got.theta
+        self.pushed.clear()
         self.version, self.round = got.version, got.round
         self.finished = got.final
         log.debug("applied version %d%s", got.version, " (final)" if got.final else "")
 
-    def _resolve_pending(self) -> np.ndarray:
-        """The local weights whose progress the syncer now holds."""
-        p, self.pending = self.pending, None
-        if p is None:
-            return self.anchor
-        accepted = False
+    def _settle(self, wait: bool = False) -> None:
+        """Learn the fate of pushes in flight; undo those the syncer does not hold."""
+        for p in self.pushed:
+            if p.accepted is None and (wait or p.future.done()):
+                p.accepted = self._outcome(p)
+        gen, acked = self.client.generation, self.client.acked_seq
+        for p in self.pushed:  # the syncer restarted from a round saved before this push
+            if p.accepted and p.generation != gen and p.seq > acked:
+                p.accepted = False
+        lost = next((i for i, p in enumerate(self.pushed) if p.accepted is False), None)
+        if lost is None:
+            return
+        undone = self.pushed[lost:]
+        log.warning("push %d not held by the syncer; its work goes into the next push",
+                    undone[0].seq)
+        self.base, self.feedback.residual = undone[0].base_before, undone[0].prev_residual
+        self.tokens += sum(p.tokens for p in undone)
+        self.steps += sum(p.steps for p in undone)
+        del self.pushed[lost:]
+
+    def _outcome(self, p: _Push) -> bool | None:
         try:
             reply = p.future.result(timeout=300)
-            accepted = reply["accepted"] or reply["status"] == "duplicate"
+            return bool(reply["accepted"] or reply["status"] == "duplicate")
         except grpc.RpcError as e:
-            definite = e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
-                                    grpc.StatusCode.INVALID_ARGUMENT)
-            accepted = not definite and self.client.acked_seq >= p.seq
-            log.warning("push %d %s (%s)", p.seq, "landed" if accepted else "not merged, "
-                        "carried into the next push", e.details())
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                log.warning("push %d refused: %s", p.seq, e.details())
+                return False
+            if self.client.generation != p.generation:
+                return self.client.acked_seq >= p.seq
+            log.warning("push %d: no reply (%s); the rejoin will tell", p.seq, e.details())
+            return None
         except (SyncerError, TimeoutError) as e:
-            log.warning("push %d not delivered (%s); carried into the next push", p.seq, e)
-        if accepted:
-            return p.local_at_push
-        self.feedback.residual = p.prev_residual
-        self.tokens += p.tokens
-        self.steps += p.steps
-        return self.anchor
+            log.warning("push %d not delivered (%s)", p.seq, e)
+            return False
 
     # ---- finish -----------------------------------------------------------
     def finish(self) -> bool:
