@@ -1,0 +1,91 @@
+"""Shared helpers for the benchmark scripts (scripts/bench_*.py).
+
+Every benchmark measures its baseline in the same run as the thing it measures,
+prints a short table, and ends with one machine-readable line:
+
+    RESULT ratio=<value> key=value ...
+
+Nothing here asserts a speed: the numbers are for people (and CI logs) to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/bench_x.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+MIB = 1 << 20
+
+
+def parser(description: str, epilog: str = "") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats (and smaller sizes where noted); finishes in well "
+                        "under 30 s, for tests and smoke checks")
+    return p
+
+
+def timeit(fn, repeat: int, setup=None) -> float:
+    """Best wall time of `repeat` calls (after `setup()` each time, untimed)."""
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        if setup is not None:
+            setup()
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def interleaved(fns: dict, repeat: int) -> dict:
+    """Best time of each function, measured round-robin so that load from other
+    processes on a shared machine hits the baseline and the candidate alike."""
+    best = {k: math.inf for k in fns}
+    for _ in range(max(1, repeat)):
+        for k, fn in fns.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def rate(nbytes: float, seconds: float) -> float:
+    """Bytes per second in MiB/s."""
+    return nbytes / MIB / seconds if seconds > 0 else math.inf
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in cells]
+    return "\n".join(out)
+
+
+def result_line(ratio: float, **kv) -> str:
+    parts = [f"ratio={_num(ratio)}"] + [f"{k}={_num(v)}" for k, v in kv.items()]
+    return "RESULT " + " ".join(parts)
+
+
+def _num(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v).replace(" ", "_")
+
+
+def _fmt(c) -> str:
+    if isinstance(c, float):
+        return f"{c:,.1f}" if abs(c) >= 100 else f"{c:.3g}"
+    return str(c)

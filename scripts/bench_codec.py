@@ -1,0 +1,76 @@
+"""Wire codec throughput: q4 encode + decode against a plain numpy copy.
+
+What is measured (all on one flat float32 vector, 64 MiB = 16M parameters by
+default, best of N runs, measured round-robin in one process):
+
+  baseline   `x.copy()`: a new float32 array with the same bytes. It allocates its
+             output like `codec.decode` does, so both pay for fresh pages.
+  q4         `codec.encode(x, "q4")` then `codec.decode(payload, "q4", n)`.
+  f32, bf16  the same round trip, for context.
+
+Throughputs are float32 input bytes per second (4 bytes per parameter) for every
+row, so they compare directly. `ratio` = q4 round-trip throughput / copy
+throughput. Goal: ratio >= 0.25, i.e. a q4 round trip costs at most four copies
+of the f32 data.
+
+Also shown: `decode_add` (what the syncer runs per push: acc += w * decode(p)) and
+a copy into a preallocated array (no page faults) as a second reference point.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
+from _bench import MIB, interleaved, parser, rate, result_line, table
+
+from yeto import codec
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__.split("\n\n")[0], "\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--mib", type=float, default=64, help="size of the f32 vector in MiB")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="runs per measurement (default 10, 3 with --quick)")
+    args = p.parse_args(argv)
+    repeat = args.repeat or (3 if args.quick else 10)
+    n = int(args.mib * MIB) // 4
+    nbytes = 4 * n
+    x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    dst = np.empty_like(x)
+    acc = np.zeros_like(x)
+    payload = {enc: codec.encode(x, enc) for enc in codec.ENCODINGS}
+
+    fns = {"copy": lambda: x.copy(), "copyto": lambda: np.copyto(dst, x)}
+    for enc in codec.ENCODINGS:
+        fns[f"{enc}.encode"] = lambda enc=enc: codec.encode(x, enc)
+        fns[f"{enc}.decode"] = lambda enc=enc: codec.decode(payload[enc], enc, n)
+        fns[f"{enc}.decode_add"] = lambda enc=enc: codec.decode_add(payload[enc], enc, n, acc, 0.5)
+    t = interleaved(fns, repeat)
+
+    rows = [["copy (new array)", t["copy"] * 1e3, "", "", rate(nbytes, t["copy"]), 1.0],
+            ["copyto (preallocated)", t["copyto"] * 1e3, "", "", rate(nbytes, t["copyto"]),
+             t["copy"] / t["copyto"]]]
+    ratios = {}
+    for enc in codec.ENCODINGS:
+        rt = t[f"{enc}.encode"] + t[f"{enc}.decode"]
+        ratios[enc] = t["copy"] / rt
+        rows.append([f"{enc} encode+decode", rt * 1e3, t[f"{enc}.encode"] * 1e3,
+                     t[f"{enc}.decode"] * 1e3, rate(nbytes, rt), ratios[enc]])
+    for enc in codec.ENCODINGS:
+        td = t[f"{enc}.decode_add"]
+        rows.append([f"{enc} decode_add", td * 1e3, "", "", rate(nbytes, td), t["copy"] / td])
+    print(f"codec round trip of {nbytes / MIB:g} MiB f32 ({n:,} parameters), best of {repeat}; "
+          "throughput in f32 MiB/s")
+    print(table(["path", "ms", "encode ms", "decode ms", "MiB/s", "vs copy"], rows))
+    q4 = t["q4.encode"] + t["q4.decode"]
+    print(result_line(ratios["q4"], goal=">=0.25", mib=nbytes / MIB,
+                      q4_mib_s=rate(nbytes, q4), copy_mib_s=rate(nbytes, t["copy"]),
+                      q4_encode_ms=t["q4.encode"] * 1e3, q4_decode_ms=t["q4.decode"] * 1e3,
+                      q4_decode_add_ms=t["q4.decode_add"] * 1e3, copy_ms=t["copy"] * 1e3,
+                      f32_ratio=ratios["f32"], bf16_ratio=ratios["bf16"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""Transfer cost of the syncer path against raw gRPC bytes on loopback.
+
+What is measured, in one process (server threads and client threads share it,
+as in tests/conftest.py `running_syncer`):
+
+  syncer   A real `syncer.run.Run` served by `syncer.service.serve`, one
+           `yeto.client.SyncerClient` (quorum 1, so every push commits a round).
+           Per round the client pushes a 64 MiB f32 pseudo-gradient (16M
+           parameters); the syncer merges it, steps Θ and broadcasts Θ (f32) back.
+             push       client.push() -> the syncer holds the whole payload
+             broadcast  Θ published by the syncer -> Θ decoded on the client
+             merge      the rest of the push call: validate, merge, outer step,
+                        publish (compute, not transfer; shown for context)
+  raw      A generic gRPC server in the same process with identity serializers,
+           streaming the same total as 4 MiB `bytes` chunks: one client-streaming
+           call up, one server-streaming call down (receivers only count bytes).
+
+`ratio` = raw (up + down) time / syncer (push + broadcast) time: what moving the
+payload through the syncer's protocol costs against raw gRPC bytes (the design
+says a transfer should cost about what raw bytes cost). Goal: ratio >= 0.7.
+`push_ratio` and `bcast_ratio` split it by direction; `round_ratio` also counts
+the merge (the whole round as an island sees it). A q4 push of the same fragment
+is shown for context, as parameters per second and the f32 bytes it stands for.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+# _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
+from _bench import MIB, parser, rate, result_line, table
+
+from syncer.run import Config, Run
+from syncer.service import serve
+from yeto import codec, wire
+from yeto.client import SyncerClient
+from yeto.layout import Layout
+
+RAW_SERVICE = "yetobench.Raw"
+
+
+# ---- raw gRPC baseline ---------------------------------------------------------
+def raw_server(total: int):
+    piece = np.random.default_rng(1).bytes(wire.CHUNK_BYTES)
+    sizes = [min(wire.CHUNK_BYTES, total - lo) for lo in range(0, total, wire.CHUNK_BYTES)]
+    pieces = [piece[:k] for k in sizes]
+
+    def up(request_iterator, context):
+        n = 0
+        for chunk in request_iterator:
+            n += len(chunk)
+        return n.to_bytes(8, "little")
+
+    def down(request, context):
+        yield from pieces
+
+    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
+        "Up": grpc.stream_unary_rpc_method_handler(up),
+        "Down": grpc.unary_stream_rpc_method_handler(down),
+    })
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=wire.GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, pieces
+
+
+def raw_round(channel, pieces, total) -> tuple[float, float]:
+    up = channel.stream_unary(f"/{RAW_SERVICE}/Up")
+    down = channel.unary_stream(f"/{RAW_SERVICE}/Down")
+    t0 = time.perf_counter()
+    got = int.from_bytes(up(iter(pieces), timeout=300), "little")
+    t1 = time.perf_counter()
+    n = 0
+    for chunk in down(b"", timeout=300):
+        n += len(chunk)
+    t2 = time.perf_counter()
+    assert got == total and n == total, (got, n, total)
+    return t1 - t0, t2 - t1
+
+
+# ---- the syncer path -----------------------------------------------------------
+class Probe:
+    """Timestamps from inside the syncer (same process, same clock)."""
+
+    def __init__(self, run: Run):
+        self.received = self.published = 0.0
+        push, publish = run.push, run._publish
+
+        def timed_push(h, payload):
+            self.received = time.perf_counter()
+            return push(h, payload)
+
+        def timed_publish(final):
+            publish(final)
+            self.published = time.perf_counter()
+
+        run.push, run._publish = timed_push, timed_publish
+
+
+def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
+    layout = Layout.from_shapes({"bench.weight": (n,)})
+    run = Run(Config(quorum=1, grace_ms=0, outer_lr=1.0, outer_momentum=0.0,
+                     max_staleness=1))
+    probe = Probe(run)
+    server, port = serve(run, "127.0.0.1", 0)
+    client = SyncerClient(f"127.0.0.1:{port}", "bench", layout, backoff_s=0.05)
+    rng = np.random.default_rng(0)
+    rows = []
+    try:
+        client.start(rng.standard_normal(n, dtype=np.float32))
+        first = client.wait(timeout=300)
+        if first is None:
+            raise RuntimeError(f"no first broadcast from the syncer: {client.fatal}")
+        version = first.version
+        # warm-up rounds (untimed): first-touch page faults of fresh buffers, on a VM
+        # also the host backing guest memory, cost more than the transfer itself
+        for r in range(warmup + rounds + q4_rounds):
+            enc = "f32" if r < warmup + rounds else "q4"
+            payload = codec.encode(rng.standard_normal(n, dtype=np.float32) * 1e-3, enc)
+            t0 = time.perf_counter()
+            reply = client.push(payload, encoding=enc, base_version=version, loss_tokens=100,
+                                steps=1, seq=r).result(timeout=300)
+            t_reply = time.perf_counter()
+            got = client.wait(timeout=300)
+            t_got = time.perf_counter()
+            if not reply["accepted"] or got is None or got.version != version + 1:
+                raise RuntimeError(f"round {r} went wrong: {reply}, {got}")
+            version = got.version
+            if r < warmup:
+                continue
+            rows.append({"enc": enc, "bytes": len(payload), "push": probe.received - t0,
+                         "push_rpc": t_reply - t0, "bcast": t_got - probe.published,
+                         "total": t_got - t0})
+            del payload, got
+    finally:
+        client.close()
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+        run.tape.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__.split("\n\n")[0], "\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--mib", type=float, default=64, help="f32 fragment size in MiB")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="f32 rounds for each path (default 5, 2 with --quick)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    rounds = args.rounds or (2 if args.quick else 5)
+    n = int(args.mib * MIB) // 4
+    total = 4 * n
+
+    server, port, pieces = raw_server(total)
+    raw = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.GRPC_OPTIONS) as ch:
+            raw_round(ch, pieces, total)  # warm-up (untimed): connection, first allocations
+            raw = [raw_round(ch, pieces, total) for _ in range(rounds)]
+    finally:
+        server.stop(grace=0).wait()
+        del pieces
+    rows = syncer_rounds(n, rounds, q4_rounds=1 if args.quick else 2)
+
+    raw_up = min(u for u, _ in raw)
+    raw_down = min(d for _, d in raw)
+    f32 = [r for r in rows if r["enc"] == "f32"]
+    q4 = [r for r in rows if r["enc"] == "q4"]
+
+    def best(key, rs=f32):
+        return min(r[key] for r in rs)
+
+    def median_ms(key, rs=f32):
+        return f"({statistics.median(r[key] for r in rs) * 1e3:.0f})"
+
+    push, bcast, total_s = best("push"), best("bcast"), best("total")
+    merge = min(r["push_rpc"] - r["push"] for r in f32)
+    ratio = (raw_up + raw_down) / (push + bcast)
+    print(f"{total / MIB:g} MiB f32 fragment ({n:,} parameters) over loopback gRPC, best of "
+          f"{rounds} rounds (median); MiB/s of payload")
+    raw_med = [f"({statistics.median(x) * 1e3:.0f})" for x in zip(*raw)]
+    tab = [
+        ["raw gRPC up", raw_up * 1e3, raw_med[0], rate(total, raw_up), ""],
+        ["raw gRPC down", raw_down * 1e3, raw_med[1], rate(total, raw_down), ""],
+        ["syncer push", push * 1e3, median_ms("push"), rate(total, push), raw_up / push],
+        ["syncer broadcast", bcast * 1e3, median_ms("bcast"), rate(total, bcast),
+         raw_down / bcast],
+        ["syncer push + broadcast", (push + bcast) * 1e3, "", rate(2 * total, push + bcast),
+         ratio],
+        ["  merge+step+publish", merge * 1e3, "", "", ""],
+        ["  whole round", total_s * 1e3, median_ms("total"), rate(2 * total, total_s),
+         (raw_up + raw_down) / total_s],
+        ["q4 push (f32-equivalent)", best("push", q4) * 1e3, median_ms("push", q4),
+         rate(total, best("push", q4)), raw_up / best("push", q4)],
+    ]
+    print(table(["path", "ms", "median", "MiB/s", "raw/this"], tab))
+    print(result_line(ratio, goal=">=0.7", mib=total / MIB,
+                      push_ratio=raw_up / push, bcast_ratio=raw_down / bcast,
+                      round_ratio=(raw_up + raw_down) / total_s,
+                      raw_up_mib_s=rate(total, raw_up), raw_down_mib_s=rate(total, raw_down),
+                      push_mib_s=rate(total, push), bcast_mib_s=rate(total, bcast),
+                      merge_ms=merge * 1e3,
+                      q4_push_mparams_s=n / 1e6 / best("push", q4),
+                      q4_payload_mib=q4[0]["bytes"] / MIB))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
