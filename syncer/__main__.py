@@ -16,11 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-from yeto import wire
 from syncer.merge import MERGE_RULES
 from syncer.run import Config, Run
-from syncer.state import StateError
 from syncer.service import is_loopback, serve
+from syncer.state import StateError
+from yeto import wire
 
 log = logging.getLogger("syncer")
 

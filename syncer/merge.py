@@ -46,18 +46,22 @@ class MergeAccumulator:
             self.total_weight += w
             self.count += 1
             return w
-        if self.sum is None:
-            self.sum = np.zeros(self.numel, dtype=np.float32)
         if self.rule == "rda":
             delta = codec.decode(payload, encoding, self.numel)
+            self._buffer()
             self.norm_sum += w * float(np.linalg.norm(delta))
             self.sum += w * delta
         else:
             codec.validate(payload, encoding, self.numel)
-            codec.decode_add(payload, encoding, self.numel, self.sum, w)
+            codec.decode_add(payload, encoding, self.numel, self._buffer(), w)
         self.total_weight += w
         self.count += 1
         return w
+
+    def _buffer(self) -> np.ndarray:
+        if self.sum is None:
+            self.sum = np.zeros(self.numel, dtype=np.float32)
+        return self.sum
 
     def result(self) -> np.ndarray:
         """The merged pseudo-gradient g (reuses the accumulator's buffer)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -29,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from yeto import codec
-from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
 from syncer import state
 from syncer.merge import MergeAccumulator, NesterovOuter
 from syncer.tape import Tape
+from yeto import codec
+from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
 
 log = logging.getLogger("syncer")
 
@@ -113,7 +114,9 @@ class Run:
         self.started = False
         self.finished = False
         self.islands: dict[str, Island] = {}
-        self.next_generation = 1
+        # random high bits: a restarted syncer never reuses a generation an island
+        # remembers from before the restart
+        self.next_generation = (secrets.randbits(31) << 32) + 1
         self.open: OpenRound | None = None
         self.broadcast: Broadcast | None = None
         self.bytes_in = 0
@@ -222,11 +225,13 @@ class Run:
         if self.started or self.theta is None or self._live_count() < self.cfg.quorum:
             return
         self.started = True
-        self.open = OpenRound(1, MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor))
+        self.open = OpenRound(1, self._accumulator())
         for isl in self._live():
             isl.state = "training"
+        self.open.number = self.version + 1
         self._publish(final=False)
-        log.info("quorum of %d reached: round 1 starts from the seed", self.cfg.quorum)
+        log.info("quorum of %d reached: round %d starts from version %d", self.cfg.quorum,
+                 self.open.number, self.version)
 
     # ---- push -------------------------------------------------------------
     def check_island(self, learner_id: str, generation: int) -> Island:
@@ -327,6 +332,22 @@ class Run:
         self._maybe_start()
         return dict(accepted=True, status="accepted", round=0, staleness=0)
 
+    def state_digest(self) -> str:
+        """SHA-256 over everything a rejected message must leave untouched."""
+        import hashlib
+
+        with self.cond:
+            h = hashlib.sha256(f"{self.version}|{self.started}|{self.finished}".encode())
+            for a in (self.theta, self.momentum, self.open.acc.sum if self.open else None):
+                h.update(b"-" if a is None else a.tobytes())
+            if self.open:
+                h.update(repr((self.open.number, len(self.open.responders),
+                               self.open.acc.total_weight)).encode())
+            for i in sorted(self.islands.values(), key=lambda i: i.learner_id):
+                h.update(repr((i.learner_id, i.generation, i.pushes, i.loss_tokens,
+                               i.last_seq)).encode())
+            return h.hexdigest()
+
     def note_rejected(self, call: str, learner: str, reject: Reject) -> None:
         """Every refused call is counted and written to the tape."""
         with self.cond:
@@ -377,21 +398,24 @@ class Run:
         for r in rnd.responders:
             r["share"] = r["weight"] / total_w
         done = self.cfg.rounds and self.version >= self.cfg.rounds
-        self.open = OpenRound(rnd.number + 1, MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor))
+        self.open = OpenRound(rnd.number + 1, self._accumulator())
         self.last_commit_at = now
-        self._publish(final=bool(done))
         subscribers = self._live_count()
         self.tape.write(dict(
             event="merge", round=rnd.number, fragment=0, version=self.version, reason=reason,
             responders=rnd.responders, quorum=self.cfg.quorum, islands_live=subscribers,
-            bytes_in=rnd.bytes_in, bytes_out=len(self.broadcast.payload) * subscribers,
+            bytes_in=rnd.bytes_in, bytes_out=4 * self.layout.numel * subscribers,
             duplicates=rnd.duplicates, merge_seconds=merge_s, clip_scales=rnd.acc.clipped,
             round_seconds=now - rnd.first_push_at, outer_lr=self.outer.lr,
             outer_momentum=self.outer.momentum, merge_rule=self.cfg.merge, time=time.time()))
+        self._publish(final=bool(done))
         log.info("round %d committed (%s): %d pushes from %s, version %d", rnd.number, reason,
                  len(rnd.responders), ",".join(sorted(rnd.learners)), self.version)
         if done:
             self._finish_run()
+
+    def _accumulator(self) -> MergeAccumulator:
+        return MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor)
 
     def _publish(self, final: bool) -> None:
         self.broadcast = Broadcast(self.version, self.open.number if self.open else 0,

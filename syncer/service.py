@@ -11,11 +11,11 @@ from concurrent import futures
 
 import grpc
 
+from syncer.run import Reject, Run
 from yeto import wire
 from yeto.layout import TensorSpec
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
-from syncer.run import Reject, Run
 
 log = logging.getLogger("syncer")
 

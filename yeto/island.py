@@ -57,7 +57,9 @@ class Island:
     def __init__(self, layout: Layout, get_weights: Callable[[], np.ndarray],
                  set_weights: Callable[[np.ndarray], None], *, client: SyncerClient | None,
                  sync_every: int = 50, wire: str = "q4", blocking: bool = False,
-                 on_sync: Callable[[], float] | None = None, start_timeout_s: float | None = None,
+                 on_sync: Callable[[], float] | None = None,
+                 on_apply: Callable[[Received], None] | None = None,
+                 start_timeout_s: float | None = None,
                  connect_grace_s: float = 5.0, finish_timeout_s: float = 1800.0,
                  offline_give_up_s: float = 60.0):
         if sync_every < 1:
@@ -65,7 +67,7 @@ class Island:
         self.layout, self.client = layout, client
         self._get, self._set = get_weights, set_weights
         self.sync_every, self.wire, self.blocking = sync_every, wire, blocking
-        self.on_sync = on_sync
+        self.on_sync, self.on_apply = on_sync, on_apply
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
         self.finish_timeout_s, self.offline_give_up_s = finish_timeout_s, offline_give_up_s
         self.feedback = ErrorFeedback(layout.numel, wire)
@@ -179,6 +181,8 @@ class Island:
         self.version, self.round = got.version, got.round
         self.finished = got.final
         log.debug("applied version %d%s", got.version, " (final)" if got.final else "")
+        if self.on_apply is not None:
+            self.on_apply(got)
 
     def _settle(self, wait: bool = False) -> None:
         """Learn the fate of pushes in flight; undo those the syncer does not hold."""
@@ -223,16 +227,20 @@ class Island:
         if self.client is None:
             return False
         try:
-            if not self.finished and self.steps > 0:
-                self.sync()
-            if not self.finished:
-                self.client.finish()
+            finish_sent = 0  # generation the Finish went to; a rejoin needs it again
             t0 = last_seen = time.monotonic()
             while (not self.finished and self.version >= 0
                    and time.monotonic() - t0 < self.finish_timeout_s):
-                self._apply(self.client.wait(timeout=1.0))
                 if self.client.connected.is_set():
                     last_seen = time.monotonic()
+                    self._settle()
+                    if not self._awaiting_round():
+                        if self.steps > 0:
+                            self.sync()  # the last work (again, if a restart lost it)
+                        elif finish_sent != self.client.generation:
+                            finish_sent = self.client.generation
+                            self.client.finish()
+                self._apply(self.client.wait(timeout=1.0))
                 if self.client.fatal or time.monotonic() - last_seen > self.offline_give_up_s:
                     break
             if not self.finished:

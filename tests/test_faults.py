@@ -1,0 +1,456 @@
+"""Faults and bad input: auth, TLS, state and --resume, rejoin, validation, clipping.
+
+Process tests run the real syncer (`python -m syncer`) and synthetic numpy islands
+(`scripts/synthetic_island.py`) as subprocesses and kill them with SIGKILL.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import make_client, running_syncer, wait_until
+from syncer import state
+from syncer.run import Config, Run
+from syncer.tape import read_tape
+from yeto import codec, wire
+from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+SIM = [sys.executable, str(ROOT / "scripts" / "synthetic_island.py")]
+
+
+# ---- helpers ------------------------------------------------------------------
+def start_syncer(state_dir: Path, *args, port: int = 0) -> tuple[subprocess.Popen, int]:
+    port_file = state_dir.parent / f"port-{time.monotonic_ns()}"
+    log = open(state_dir.parent / "syncer.log", "a")
+    proc = subprocess.Popen([sys.executable, "-m", "syncer", "--port", str(port), "--port-file",
+                             str(port_file), "--state-dir", str(state_dir), *args],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    assert wait_until(lambda: port_file.exists() or proc.poll() is not None, timeout=60)
+    assert proc.poll() is None, (state_dir.parent / "syncer.log").read_text()[-2000:]
+    return proc, int(port_file.read_text())
+
+
+def start_island(port: int, lid: str, record: Path, *args) -> subprocess.Popen:
+    log = open(record.with_suffix(".log"), "a")
+    return subprocess.Popen([*SIM, "--syncer", f"127.0.0.1:{port}", "--learner-id", lid,
+                             "--record", str(record), *args], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def merges(state_dir: Path) -> list[dict]:
+    path = state_dir / "tape.jsonl"
+    return [r for r in read_tape(path) if r["event"] == "merge"] if path.exists() else []
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- processes killed with signals ------------------------------------------------
+def test_killed_island_restarts_rejoins_and_run_completes(tmp_path):
+    sd = tmp_path / "state"
+    syncer, port = start_syncer(sd, "--quorum", "2", "--grace-ms", "100")
+    common = ["--steps", "120", "--sync-every", "5", "--step-seconds", "0.02", "--dim", "2048"]
+    recs = {i: tmp_path / f"island-{i}.jsonl" for i in range(3)}
+    islands = {i: start_island(port, f"island-{i}", recs[i], *common, "--seed", str(i))
+               for i in range(3)}
+    try:
+        assert wait_until(lambda: len(merges(sd)) >= 3, timeout=120)
+        islands[2].send_signal(signal.SIGKILL)
+        islands[2].wait()
+        killed_at = len(merges(sd))
+        # the others carry on at quorum 2 without it
+        assert wait_until(lambda: len(merges(sd)) >= killed_at + 3, timeout=120)
+        islands[2] = start_island(port, "island-2", recs[2], *common, "--seed", "2")
+        for p in islands.values():
+            assert p.wait(timeout=300) == 0
+        assert syncer.wait(timeout=60) == 0
+    finally:
+        for p in [*islands.values(), syncer]:
+            if p.poll() is None:
+                p.kill()
+    tape = merges(sd)
+    who = [{x["learner"] for x in r["responders"]} for r in tape]
+    assert "island-2" in set().union(*who[:3])
+    gap = [i for i, w in enumerate(who) if i >= killed_at and "island-2" not in w]
+    back = [i for i, w in enumerate(who) if i > killed_at + 2 and "island-2" in w]
+    assert gap and back, who  # absent after the kill, back in later rounds
+    assert [r["version"] for r in tape] == list(range(1, len(tape) + 1))
+    finals = {i: [r for r in records(recs[i]) if r["event"] == "done"][-1] for i in recs}
+    assert all(f["final"] for f in finals.values())
+    assert len({f["weights_sha256"] for f in finals.values()}) == 1  # bit-identical
+
+
+def test_killed_syncer_resumes_without_losing_a_round(tmp_path):
+    sd = tmp_path / "state"
+    args = ["--quorum", "2", "--grace-ms", "100", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+    syncer, port = start_syncer(sd, *args)
+    common = ["--steps", "150", "--sync-every", "5", "--step-seconds", "0.02", "--dim", "2048"]
+    recs = {i: tmp_path / f"island-{i}.jsonl" for i in range(2)}
+    islands = [start_island(port, f"island-{i}", recs[i], *common, "--seed", str(i))
+               for i in range(2)]
+    try:
+        assert wait_until(lambda: len(merges(sd)) >= 4, timeout=120)
+        syncer.send_signal(signal.SIGKILL)
+        syncer.wait()
+        _, _, saved = state.load(sd)
+        time.sleep(1.0)  # islands notice, back off and keep training locally
+        # a restart without --resume refuses to overwrite the saved run
+        r = subprocess.run([sys.executable, "-m", "syncer", "--port", "0", "--state-dir",
+                            str(sd)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "--resume" in r.stderr
+        syncer, _ = start_syncer(sd, *args, "--resume", port=port)
+        for p in islands:
+            assert p.wait(timeout=300) == 0
+        assert syncer.wait(timeout=60) == 0
+    finally:
+        for p in [*islands, syncer]:
+            if p.poll() is None:
+                p.kill()
+    tape = merges(sd)
+    versions = [r["version"] for r in tape]
+    # the round counter continues from the saved state: no committed round lost or repeated
+    assert versions == list(range(1, len(tape) + 1)) and len(tape) > saved["version"]
+    # state exactly: the Θ every island applied at the saved version is the saved Θ
+    for i in recs:
+        applied = {r["version"]: r["theta_sha256"] for r in records(recs[i])
+                   if r["event"] == "applied"}
+        if saved["version"] in applied:
+            assert applied[saved["version"]] == saved["theta_sha256"]
+    finals = [[r for r in records(recs[i]) if r["event"] == "done"][-1] for i in recs]
+    assert all(f["final"] for f in finals) and finals[0]["weights_sha256"] == \
+        finals[1]["weights_sha256"]
+    assert "resumed run" in (tmp_path / "syncer.log").read_text()
+
+
+def test_syncer_killed_mid_push_merges_nothing_partial(tmp_path, toy_layout):
+    """A push half streamed when the syncer dies is gone; the resumed state is the saved one."""
+    from yeto.layout import Layout
+
+    big = Layout.from_shapes({"w.layers.0.a": (4096, 4096)})  # 64 MiB in f32
+    sd = tmp_path / "state"
+    syncer, port = start_syncer(sd, "--quorum", "1")
+    c = make_client(f"127.0.0.1:{port}", "a", big)
+    c.start(np.zeros(big.numel, np.float32))
+    assert c.wait(timeout=60).version == 0
+    assert c.push(codec.encode(np.ones(big.numel, np.float32), "f32"), encoding="f32",
+                  base_version=0, loss_tokens=1, steps=1, seq=0).result(60)["accepted"]
+    assert c.wait(timeout=60).version == 1
+    _, _, before = state.load(sd)
+    fut = c.push(codec.encode(np.full(big.numel, 5.0, np.float32), "f32"), encoding="f32",
+                 base_version=1, loss_tokens=1, steps=1, seq=1)
+    assert wait_until(lambda: syncer_rss_grew(syncer.pid), timeout=30, interval=0.001)
+    syncer.send_signal(signal.SIGKILL)
+    syncer.wait()
+    with pytest.raises(grpc.RpcError):
+        fut.result(60)
+    c.close()
+    theta, _, after = state.load(sd)
+    assert after["version"] == 1 and after["theta_sha256"] == before["theta_sha256"]
+    np.testing.assert_allclose(theta, -0.7 * 1.9 * np.ones(big.numel, np.float32), atol=1e-6)
+
+
+def syncer_rss_grew(pid: int, floor_kb: int = 300_000) -> bool:
+    """True once the syncer holds part of the second push (its RSS passed the floor)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) > floor_kb
+    except OSError:
+        return False
+    return False
+
+
+# ---- state on disk ------------------------------------------------------------------
+def _committed_run(state_dir: Path, layout, **cfg) -> Run:
+    with running_syncer(state_dir=state_dir, quorum=1, **cfg) as (run, addr):
+        c = make_client(addr, "a", layout)
+        c.start(np.linspace(-1, 1, layout.numel).astype(np.float32))
+        c.wait(timeout=20)
+        for v in range(3):
+            d = np.sin(np.arange(layout.numel) + v).astype(np.float32)
+            c.push(codec.encode(d, "f32"), encoding="f32", base_version=v, loss_tokens=7,
+                   steps=1, seq=v).result(20)
+            c.wait(timeout=20)
+        c.close()
+        return run
+
+
+def test_resume_restores_momentum_bit_exact_and_refuses_mismatches(tmp_path, toy_layout):
+    sd = tmp_path / "s"
+    first = _committed_run(sd, toy_layout)
+    resumed = Run(Config(state_dir=sd, resume=True, quorum=1))
+    assert resumed.version == 3 and resumed.run_id == first.run_id
+    assert resumed.theta.tobytes() == first.theta.tobytes()
+    assert resumed.momentum.tobytes() == first.momentum.tobytes()
+    assert resumed.islands["a"].last_seq == 2
+    resumed.tape.close()
+    with pytest.raises(state.StateError, match="--outer-lr was 0.7, now 0.5"):
+        Run(Config(state_dir=sd, resume=True, outer_lr=0.5))
+    with pytest.raises(state.StateError, match="--resume"):
+        Run(Config(state_dir=sd))
+    # a corrupt or truncated file is refused, and left as it was
+    path = sd / state.STATE_FILE
+    good = path.read_bytes()
+    for bad in (good[: len(good) // 2], good[:-8] + b"\xff" * 8, b"garbage"):
+        path.write_bytes(bad)
+        with pytest.raises(state.StateError, match="corrupt|digests"):
+            Run(Config(state_dir=sd, resume=True))
+        assert path.read_bytes() == bad
+    path.write_bytes(good)
+
+
+def test_resumed_syncer_refuses_other_layout(tmp_path, toy_layout):
+    from yeto.layout import Layout
+
+    sd = tmp_path / "s"
+    _committed_run(sd, toy_layout)
+    other = Layout.from_shapes({"x.layers.0.a": (3, 3)})
+    with running_syncer(state_dir=sd, resume=True, quorum=1) as (run, addr):
+        c = make_client(addr, "b", other)
+        c.start(np.zeros(other.numel, np.float32))
+        assert wait_until(lambda: c.fatal is not None)
+        assert "differ" in c.fatal
+        c.close()
+
+
+# ---- rejoin ----------------------------------------------------------------------------
+def test_late_joiner_starts_from_current_theta_and_rejoin_never_double_counts(toy_layout):
+    init = np.zeros(toy_layout.numel, np.float32)
+    one = np.ones(toy_layout.numel, np.float32)
+    with running_syncer(quorum=1, outer_lr=1.0, outer_momentum=0.0) as (run, addr):
+        a = make_client(addr, "a", toy_layout)
+        a.start(init)
+        a.wait(timeout=20)
+        a.push(codec.encode(one, "f32"), encoding="f32", base_version=0, loss_tokens=1,
+               steps=1, seq=0).result(20)
+        assert a.wait(timeout=20).version == 1
+        late = make_client(addr, "late", toy_layout)
+        late.start(init)
+        got = late.wait(timeout=20)
+        assert got.version == 1 and np.array_equal(got.theta, init - one)
+        # "a" reconnects (new generation): its old push seq is known, a replay is a duplicate
+        a2 = make_client(addr, "a", toy_layout)
+        a2.start(init)
+        assert a2.wait(timeout=20).version == 1 and a2.acked_seq == 0
+        assert a2.generation > a.generation
+        with pytest.raises(grpc.RpcError) as e:  # the old connection is superseded
+            a.push(codec.encode(one, "f32"), encoding="f32", base_version=1, loss_tokens=1,
+                   steps=1, seq=1).result(20)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        r = a2.push(codec.encode(one, "f32"), encoding="f32", base_version=1, loss_tokens=1,
+                    steps=1, seq=0).result(20)
+        assert r["status"] == "duplicate" and run.version == 1
+        for c in (a, late, a2):
+            c.close()
+
+
+# ---- validation before state ------------------------------------------------------------
+def _raw_push(stub, chunks, token=None):
+    return stub.Push(iter(chunks), metadata=wire.auth_metadata(token), timeout=20)
+
+
+def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
+    init = np.zeros(toy_layout.numel, np.float32)
+    n = toy_layout.numel
+    with running_syncer(quorum=1, state_dir=tmp_path / "s", token="tok") as (run, addr):
+        a = make_client(addr, "a", toy_layout, token="tok")
+        a.start(init)
+        a.wait(timeout=20)
+        gen = a.generation
+        digest = run.state_digest()
+        channel = grpc.insecure_channel(addr, options=wire.GRPC_OPTIONS)
+        stub = pb_grpc.SyncerStub(channel)
+
+        def header(**kw):
+            base = dict(learner_id="a", generation=gen, round=1, base_version=0,
+                        loss_tokens=5, steps=1, encoding="f32", numel=n, payload_bytes=4 * n,
+                        seq=0)
+            return pb.PushHeader(**{**base, **kw})
+
+        good = codec.encode(np.ones(n, np.float32), "f32")
+        nan = np.ones(n, np.float32)
+        nan[3] = np.nan
+        inf = bytearray(good)
+        inf[8:12] = np.array([np.inf], np.float32).tobytes()
+        cases = {
+            "truncated stream": [pb.PushChunk(header=header(), data=good[:100])],
+            "wrong shape": [pb.PushChunk(header=header(numel=n + 1, payload_bytes=4 * n + 4),
+                                         data=good + b"\0\0\0\0")],
+            "NaN payload": [pb.PushChunk(header=header(), data=nan.tobytes())],
+            "Inf payload": [pb.PushChunk(header=header(), data=bytes(inf))],
+            "overlong payload": [pb.PushChunk(header=header(), data=good + b"x")],
+            "wrong round": [pb.PushChunk(header=header(round=5), data=good)],
+            "future version": [pb.PushChunk(header=header(base_version=9, round=10),
+                                            data=good)],
+            "unknown learner": [pb.PushChunk(header=header(learner_id="mallory"), data=good)],
+            "stale generation": [pb.PushChunk(header=header(generation=gen + 7), data=good)],
+            "bad encoding": [pb.PushChunk(header=header(encoding="q8"), data=good)],
+            "no header": [pb.PushChunk(data=good)],
+            "two headers": [pb.PushChunk(header=header(), data=good[:8]),
+                            pb.PushChunk(header=header(), data=good[8:])],
+        }
+        for name, chunks in cases.items():
+            with pytest.raises(grpc.RpcError) as e:
+                _raw_push(stub, chunks, token="tok")
+            assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                      grpc.StatusCode.FAILED_PRECONDITION,
+                                      grpc.StatusCode.NOT_FOUND), name
+            assert e.value.details(), name
+            assert run.state_digest() == digest, name
+        # oversize message: one chunk past the message limit
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_push(stub, [pb.PushChunk(header=header(), data=b"\0" * (wire.MAX_MESSAGE_BYTES
+                                                                         + 10))], token="tok")
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # missing and wrong tokens: UNAUTHENTICATED, nothing else happens
+        for token in (None, "wrong"):
+            with pytest.raises(grpc.RpcError) as e:
+                _raw_push(stub, cases["NaN payload"], token=token)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Join(pb.JoinRequest(learner_id="x"), metadata=wire.auth_metadata(token))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # a wrong layout fingerprint at join
+        bad_join = pb.JoinRequest(learner_id="b", fingerprint="0" * 64, layout=[
+            pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
+            for s in toy_layout.specs])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Join(bad_join, metadata=wire.auth_metadata("tok"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # garbage bytes straight onto the port
+        host, port = wire.parse_address(addr)
+        with socket.create_connection((host, port)) as s:
+            s.sendall(os.urandom(4096))
+            s.settimeout(2)
+            try:
+                s.recv(100)
+            except OSError:
+                pass
+        assert run.state_digest() == digest
+        # a replayed push: accepted once, then a duplicate, merged once
+        assert _raw_push(stub, [pb.PushChunk(header=header(), data=good)], "tok").accepted
+        assert a.wait(timeout=20).version == 1
+        replay = _raw_push(stub, [pb.PushChunk(header=header(), data=good)], "tok")
+        assert replay.status == "duplicate" and run.version == 1
+        channel.close()
+        # still serving a valid island after all of it
+        r = a.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32", base_version=1,
+                   loss_tokens=3, steps=1, seq=1).result(20)
+        assert r["accepted"] and a.wait(timeout=20).version == 2
+        a.close()
+    tape = read_tape(tmp_path / "s" / "tape.jsonl")
+    rejected = [r for r in tape if r["event"] == "rejected"]
+    assert len(rejected) >= len(cases)  # every refusal is counted in the tape
+
+
+# ---- robust merge -------------------------------------------------------------------------
+def test_clip_factor_bounds_a_poisoned_island(toy_layout, rng):
+    init = np.zeros(toy_layout.numel, np.float32)
+    honest = [rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.01 for _ in range(2)]
+    poison = honest[0] * 1000
+    lr, mu, clip = 0.7, 0.9, 2.0
+    moved = {}
+    for factor in (0.0, clip):
+        with running_syncer(quorum=3, outer_lr=lr, outer_momentum=mu,
+                            clip_factor=factor) as (run, addr):
+            cs = [make_client(addr, i, toy_layout) for i in ("a", "b", "evil")]
+            for c in cs:
+                c.start(init)
+            for c in cs:
+                c.wait(timeout=20)
+            for c, d in zip(cs, [*honest, poison]):
+                c.push(codec.encode(d, "f32"), encoding="f32", base_version=0, loss_tokens=10,
+                       steps=1, seq=0).result(20)
+            moved[factor] = float(np.linalg.norm(cs[0].wait(timeout=20).theta - init))
+            for c in cs:
+                c.close()
+    median = float(np.median([np.linalg.norm(x) for x in [*honest, poison]]))
+    bound = lr * (1 + mu) * clip * median  # first round: Θ moves lr·(1+μ)·g, ‖g‖ ≤ clip·median
+    assert moved[clip] <= bound * (1 + 1e-5)
+    assert moved[0.0] > 100 * bound  # without clipping the poison dominates
+
+
+# ---- TLS ------------------------------------------------------------------------------------
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def certs(tmp_path):
+    if not shutil_which("openssl"):
+        pytest.skip("openssl not installed")
+    d = tmp_path / "pki"
+    d.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.pem", "-days", "2", "-subj", "/CN=yeto-test-ca", cwd=d)
+    for name, san in (("server", "IP:127.0.0.1,DNS:localhost"), ("client", "DNS:island")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile",
+                 f"{name}.ext", cwd=d)
+    return d
+
+
+def shutil_which(x):
+    import shutil
+
+    return shutil.which(x)
+
+
+def test_tls_and_mutual_tls(certs, toy_layout):
+    from syncer.service import serve
+    from yeto.client import TLSConfig
+
+    read = lambda n: (certs / n).read_bytes()  # noqa: E731
+    for mutual in (False, True):
+        run = Run(Config(quorum=1))
+        server, port = serve(run, "127.0.0.1", 0, tls=(read("server.pem"), read("server.key"),
+                                                       read("ca.pem") if mutual else None))
+        try:
+            addr = f"127.0.0.1:{port}"
+            tls = TLSConfig(ca=read("ca.pem"), cert=read("client.pem") if mutual else None,
+                            key=read("client.key") if mutual else None)
+            ok = make_client(addr, "a", toy_layout, tls=tls)
+            ok.start(np.zeros(toy_layout.numel, np.float32))
+            assert ok.wait(timeout=20).version == 0
+            ok.close()
+            # plaintext against a TLS port never joins
+            plain = make_client(addr, "b", toy_layout)
+            plain.start(np.zeros(toy_layout.numel, np.float32))
+            assert plain.wait(timeout=2) is None and "b" not in run.islands
+            plain.close()
+            if mutual:  # no client certificate: refused
+                anon = make_client(addr, "c", toy_layout, tls=TLSConfig(ca=read("ca.pem")))
+                anon.start(np.zeros(toy_layout.numel, np.float32))
+                assert anon.wait(timeout=2) is None and "c" not in run.islands
+                anon.close()
+        finally:
+            server.ticker_stop.set()
+            server.stop(0).wait()
+
+
+def test_refuses_public_address_without_token_or_tls():
+    r = subprocess.run([sys.executable, "-m", "syncer", "--host", "0.0.0.0", "--port", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != wire.TOKEN_ENV})
+    assert r.returncode != 0 and "--insecure" in r.stderr and "YETO_TOKEN" in r.stderr
