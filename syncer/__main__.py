@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-factor", type=float, default=0.0,
                    help="clip each push's norm to this multiple of the round's median norm "
                         "(0 = off); pushes are then held compressed until the round commits")
+    p.add_argument("--max-inflight-pushes", type=int, default=4,
+                   help="pushes received at once; each holds its payload until merged, so "
+                        "this bounds the syncer's memory")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where state (state.safetensors, saved after every round), the tape "
                         "(tape.jsonl) and final weights (final/) are written")
@@ -101,7 +104,8 @@ def main(argv=None) -> int:
     except StateError as e:
         sys.exit(f"error: {e}")
     try:
-        server, port = serve(run, args.host, args.port, token=token, tls=tls)
+        server, port = serve(run, args.host, args.port, token=token, tls=tls,
+                             max_inflight_pushes=max(1, args.max_inflight_pushes))
     except OSError as e:
         sys.exit(f"error: {e}")
     if args.port_file:

@@ -80,7 +80,7 @@ class Island:
 class Broadcast:
     version: int
     round: int
-    payload: bytes
+    payload: np.ndarray  # uint8 view of the encoded weights
     encoding: str
     final: bool
 
@@ -398,7 +398,7 @@ class Run:
         for r in rnd.responders:
             r["share"] = r["weight"] / total_w
         done = self.cfg.rounds and self.version >= self.cfg.rounds
-        self.open = OpenRound(rnd.number + 1, self._accumulator())
+        self.open = OpenRound(rnd.number + 1, self._accumulator(reuse=g))
         self.last_commit_at = now
         subscribers = self._live_count()
         self.tape.write(dict(
@@ -414,12 +414,18 @@ class Run:
         if done:
             self._finish_run()
 
-    def _accumulator(self) -> MergeAccumulator:
-        return MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor)
+    def _accumulator(self, reuse: np.ndarray | None = None) -> MergeAccumulator:
+        acc = MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor)
+        if reuse is not None:  # the last round's scratch: no new fragment-sized allocation
+            reuse.fill(0.0)
+            acc.sum = reuse
+        return acc
 
     def _publish(self, final: bool) -> None:
+        # f32 bytes of Θ as a numpy view: no bytes-object copy per broadcast
+        payload = self.theta.copy().view(np.uint8)
         self.broadcast = Broadcast(self.version, self.open.number if self.open else 0,
-                                   codec.encode(self.theta, "f32"), "f32", final)
+                                   payload, "f32", final)
         self.cond.notify_all()
 
     # ---- finish -----------------------------------------------------------

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import itertools
 import logging
 import socket
 import threading
 from concurrent import futures
 
 import grpc
+import numpy as np
 
 from syncer.run import Reject, Run
 from yeto import wire
@@ -35,8 +37,9 @@ def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
 
 
 class SyncerService(pb_grpc.SyncerServicer):
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, max_inflight_pushes: int = 4):
         self.run = run
+        self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
 
     def Join(self, request, context):
         specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype) for t in request.layout]
@@ -57,22 +60,12 @@ class SyncerService(pb_grpc.SyncerServicer):
             if h.kind not in (pb.DELTA, pb.SEED):
                 raise Reject("invalid", f"unknown push kind {h.kind}")
             size = self.run.check_push_header(h)
-            payload = bytearray(size)
-            view, n = memoryview(payload), 0
-            for chunk in _chain(first, request_iterator):
-                if chunk.HasField("header") and chunk is not first:
-                    raise Reject("invalid", "a push carries exactly one header")
-                k = len(chunk.data)
-                if n + k > size:
-                    raise Reject("invalid", f"push payload exceeds the {size} bytes its header "
-                                 "announced")
-                view[n:n + k] = chunk.data
-                n += k
-            if n != size:
-                raise Reject("invalid", f"push payload ended after {n} of {size} bytes")
-            return pb.PushReply(**self.run.push(h, payload))
+            # bounded: concurrent pushes each hold a payload buffer until merged
+            with self.inflight:
+                payload = _receive(first, request_iterator, size)
+                return pb.PushReply(**self.run.push(h, payload))
         except Reject as e:
-            _abort(context, e, self.run, "push", first.header.learner_id if first is not None else "")
+            _abort(context, e, self.run, "push", first.header.learner_id if first else "")
 
     def Subscribe(self, request, context):
         run = self.run
@@ -132,9 +125,22 @@ class SyncerService(pb_grpc.SyncerServicer):
             _abort(context, e)
 
 
-def _chain(first, rest):
-    yield first
-    yield from rest
+def _receive(first, rest, size: int) -> np.ndarray:
+    """Assemble a push payload of exactly `size` bytes from its chunks."""
+    payload = np.empty(size, np.uint8)  # numpy buffers avoid bytearray's page-fault cost
+    n = 0
+    for chunk in itertools.chain([first], rest):
+        if chunk is not first and chunk.HasField("header"):
+            raise Reject("invalid", "a push carries exactly one header")
+        data = chunk.data  # each access copies: read once
+        k = len(data)
+        if n + k > size:
+            raise Reject("invalid", f"push payload exceeds the {size} bytes its header announced")
+        payload[n:n + k] = np.frombuffer(data, np.uint8)
+        n += k
+    if n != size:
+        raise Reject("invalid", f"push payload ended after {n} of {size} bytes")
+    return payload
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -178,13 +184,14 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(run: Run, host: str, port: int, token: str | None = None,
-          tls: tuple[bytes, bytes, bytes | None] | None = None, max_workers: int = 64):
+          tls: tuple[bytes, bytes, bytes | None] | None = None, max_workers: int = 64,
+          max_inflight_pushes: int = 4):
     """Start the server; returns (server, bound port). A ticker thread commits
     rounds whose grace window or timeout has passed."""
     interceptors = [TokenAuth(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=wire.GRPC_OPTIONS)
-    pb_grpc.add_SyncerServicer_to_server(SyncerService(run), server)
+    pb_grpc.add_SyncerServicer_to_server(SyncerService(run, max_inflight_pushes), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls:
         cert, key, ca = tls

@@ -143,18 +143,24 @@ class SyncerClient:
             pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
             metadata=self._metadata)
         self._stream = stream
-        header, buf, view, n = None, None, None, 0
+        header, buf, n = None, None, 0
         for chunk in stream:
             if chunk.HasField("header"):
                 header = chunk.header
-                buf = bytearray(header.payload_bytes)
-                view, n = memoryview(buf), 0
+                buf, n = np.empty(header.payload_bytes, np.uint8), 0
             if header is None:
                 raise SyncerError("broadcast stream started without a header")
-            view[n:n + len(chunk.data)] = chunk.data
-            n += len(chunk.data)
+            data = chunk.data  # each access copies: read once
+            if n + len(data) > len(buf):
+                raise SyncerError("broadcast payload longer than its header announced")
+            buf[n:n + len(data)] = np.frombuffer(data, np.uint8)
+            n += len(data)
             if n == header.payload_bytes:
-                theta = codec.decode(buf, header.encoding, header.numel)
+                if header.encoding == "f32":  # validated, then used in place: no copy
+                    codec.validate(buf, "f32", header.numel)
+                    theta = buf.view(np.float32)
+                else:
+                    theta = codec.decode(buf, header.encoding, header.numel)
                 self.bytes_down += n
                 got = Received(header.version, header.round, header.final, theta)
                 with self._cond:
