@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-factor", type=float, default=0.0,
                    help="clip each push's norm to this multiple of the round's median norm "
                         "(0 = off); pushes are then held compressed until the round commits")
+    p.add_argument("--downlink", choices=("f32", "bf16", "q4"), default="f32",
+                   help="encoding of broadcast updates; islands hold bit-identical weights "
+                        "either way, and the final weights always go out in f32")
     p.add_argument("--max-inflight-pushes", type=int, default=4,
                    help="pushes received at once; each holds its payload until merged, so "
                         "this bounds the syncer's memory")
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     cfg = Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
                  outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                 clip_factor=args.clip_factor, state_dir=args.state_dir, resume=args.resume)
+                 clip_factor=args.clip_factor, downlink=args.downlink, state_dir=args.state_dir, resume=args.resume)
     try:
         run = Run(cfg)
     except StateError as e:

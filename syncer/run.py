@@ -60,6 +60,7 @@ class Config:
     round_timeout_s: float = 600.0
     max_staleness: int = 1
     clip_factor: float = 0.0
+    downlink: str = "f32"
     state_dir: Path | None = None
     resume: bool = False
 
@@ -80,9 +81,11 @@ class Island:
 class Broadcast:
     version: int
     round: int
-    payload: np.ndarray  # uint8 view of the encoded weights
+    payload: np.ndarray  # uint8 view of the f32 weights every island holds
     encoding: str
     final: bool
+    delta: bytes | None = None  # q4(Θ − held) against base_version, for islands holding it
+    base_version: int = 0
 
 
 @dataclass
@@ -110,6 +113,10 @@ class Run:
         self.export_files: dict[str, str] = {}
         self.theta: np.ndarray | None = None
         self.momentum: np.ndarray | None = None
+        # the weights every island holds: Θ itself with an f32 downlink; with q4, the
+        # sum of the q4 updates sent so far (islands add the same bytes, so they hold
+        # these exact bits; the gap to Θ rides along in the next update)
+        self.held: np.ndarray | None = None
         self.version = 0
         self.started = False
         self.finished = False
@@ -141,7 +148,7 @@ class Run:
                 "choose a new --state-dir (it is never overwritten silently)")
         if not resume:
             return
-        theta, momentum, meta = state.load(state_dir)
+        theta, momentum, held, meta = state.load(state_dir)
         state.check_flags(meta, self._flags())
         specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
         self.layout = Layout(specs)
@@ -149,6 +156,7 @@ class Run:
             raise state.StateError(f"{state_dir}: layout and weights disagree (corrupt state)")
         self.run_id, self.version = meta["run_id"], meta["version"]
         self.theta, self.momentum = theta.copy(), momentum.copy()
+        self.held = held
         self.weights_file, self.export_files = meta["weights_file"], meta["export_files"]
         self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]
         for lid, led in meta["islands"].items():
@@ -161,7 +169,7 @@ class Run:
     def _save(self) -> None:
         if self.cfg.state_dir is None:
             return
-        state.save(self.cfg.state_dir, self.theta, self.momentum, dict(
+        state.save(self.cfg.state_dir, self.theta, self.momentum, self.held, dict(
             run_id=self.run_id, version=self.version, round=self.version,
             fingerprint=self.layout.fingerprint,
             layout=[[s.name, list(s.shape), s.dtype] for s in self.layout.specs],
@@ -392,7 +400,6 @@ class Run:
         if g is not None:
             self.outer.step(self.theta, self.momentum, g)
         self.version += 1
-        self._save()  # before anyone sees the new version: a crash never loses it
         merge_s = time.perf_counter() - t0
         total_w = sum(r["weight"] for r in rnd.responders) or 1.0
         for r in rnd.responders:
@@ -400,19 +407,26 @@ class Run:
         done = self.cfg.rounds and self.version >= self.cfg.rounds
         self.open = OpenRound(rnd.number + 1, self._accumulator(reuse=g))
         self.last_commit_at = now
+        broadcast = self._next_broadcast(final=bool(done))
+        self._save()  # before anyone sees the new version: a crash never loses it
         subscribers = self._live_count()
         self.tape.write(dict(
             event="merge", round=rnd.number, fragment=0, version=self.version, reason=reason,
             responders=rnd.responders, quorum=self.cfg.quorum, islands_live=subscribers,
-            bytes_in=rnd.bytes_in, bytes_out=4 * self.layout.numel * subscribers,
+            bytes_in=rnd.bytes_in, bytes_out=self._broadcast_bytes(done) * subscribers,
             duplicates=rnd.duplicates, merge_seconds=merge_s, clip_scales=rnd.acc.clipped,
             round_seconds=now - rnd.first_push_at, outer_lr=self.outer.lr,
             outer_momentum=self.outer.momentum, merge_rule=self.cfg.merge, time=time.time()))
-        self._publish(final=bool(done))
+        self.broadcast = broadcast
+        self.cond.notify_all()
         log.info("round %d committed (%s): %d pushes from %s, version %d", rnd.number, reason,
                  len(rnd.responders), ",".join(sorted(rnd.learners)), self.version)
         if done:
             self._finish_run()
+
+    def _broadcast_bytes(self, final: bool) -> int:
+        enc = "f32" if final else self.cfg.downlink
+        return codec.encoded_size(enc, self.layout.numel)
 
     def _accumulator(self, reuse: np.ndarray | None = None) -> MergeAccumulator:
         acc = MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor)
@@ -422,11 +436,21 @@ class Run:
         return acc
 
     def _publish(self, final: bool) -> None:
-        # f32 bytes of Θ as a numpy view: no bytes-object copy per broadcast
-        payload = self.theta.copy().view(np.uint8)
-        self.broadcast = Broadcast(self.version, self.open.number if self.open else 0,
-                                   payload, "f32", final)
+        self.broadcast = self._next_broadcast(final)
         self.cond.notify_all()
+
+    def _next_broadcast(self, final: bool) -> Broadcast:
+        """Θ for the islands (updates `held`); published by the caller."""
+        delta, base = None, self.broadcast.version if self.broadcast else 0
+        if final or self.cfg.downlink == "f32" or self.held is None:
+            self.held = self.theta.copy()  # the final weights always go out exact, in f32
+        else:
+            delta = codec.encode(self.theta - self.held, self.cfg.downlink)
+            held = self.held.copy()
+            codec.decode_add(delta, self.cfg.downlink, held.size, held, 1.0)
+            self.held = held
+        return Broadcast(self.version, self.open.number if self.open else 0,
+                         self.held.view(np.uint8), "f32", final, delta, base)
 
     # ---- finish -----------------------------------------------------------
     def finish_island(self, learner_id: str, generation: int) -> bool:

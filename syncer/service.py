@@ -90,13 +90,18 @@ class SyncerService(pb_grpc.SyncerServicer):
                     _abort(context, e)
             if not context.is_active():
                 return
-            header = pb.BroadcastHeader(version=bc.version, round=bc.round, fragment=0,
-                                        encoding=bc.encoding, numel=run.layout.numel,
-                                        payload_bytes=len(bc.payload), final=bc.final)
-            for i, piece in enumerate(wire.chunks(bc.payload)):
+            # islands holding the previous version get the compressed update
+            use_delta = bc.delta is not None and sent == bc.base_version
+            payload = bc.delta if use_delta else bc.payload
+            header = pb.BroadcastHeader(
+                version=bc.version, round=bc.round, fragment=0,
+                encoding=run.cfg.downlink if use_delta else bc.encoding, numel=run.layout.numel,
+                payload_bytes=len(payload), final=bc.final, delta=use_delta,
+                base_version=bc.base_version)
+            for i, piece in enumerate(wire.chunks(payload)):
                 yield pb.BroadcastChunk(header=header if i == 0 else None, data=bytes(piece))
             with run.cond:
-                run.bytes_out += len(bc.payload)
+                run.bytes_out += len(payload)
             sent, sent_final = bc.version, bc.final
             if bc.final:
                 run.mark_final_delivered(request.learner_id)

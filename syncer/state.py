@@ -19,7 +19,7 @@ import numpy as np
 STATE_FILE = "state.safetensors"
 FORMAT = 1
 # flags whose change would make a resumed run a different computation
-MATH_FLAGS = ("outer_lr", "outer_momentum", "merge", "clip_factor")
+MATH_FLAGS = ("outer_lr", "outer_momentum", "merge", "clip_factor", "downlink")
 
 
 class StateError(RuntimeError):
@@ -30,11 +30,16 @@ def digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray, meta: dict) -> None:
+def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray, held: np.ndarray | None,
+         meta: dict) -> None:
+    """`held`: the weights islands hold when the downlink is compressed (else None)."""
     from safetensors.numpy import save
 
-    meta = dict(meta, format=FORMAT, theta_sha256=digest(theta), momentum_sha256=digest(momentum))
-    blob = save({"theta": theta, "momentum": momentum},
+    tensors = {"theta": theta, "momentum": momentum}
+    if held is not None and held is not theta and not np.array_equal(held, theta):
+        tensors["held"] = held
+    meta = dict(meta, format=FORMAT, **{f"{k}_sha256": digest(v) for k, v in tensors.items()})
+    blob = save(tensors,
                 metadata={"yeto_state": json.dumps(meta, sort_keys=True)})
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / STATE_FILE
@@ -51,7 +56,7 @@ def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray, meta: dict) -
         os.close(dir_fd)
 
 
-def load(state_dir: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+def load(state_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict]:
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
@@ -70,10 +75,10 @@ def load(state_dir: Path) -> tuple[np.ndarray, np.ndarray, dict]:
     theta, momentum = tensors.get("theta"), tensors.get("momentum")
     if theta is None or momentum is None or meta.get("format") != FORMAT:
         raise StateError(f"{path} is not a yeto syncer state (format {meta.get('format')})")
-    if digest(theta) != meta["theta_sha256"] or digest(momentum) != meta["momentum_sha256"]:
+    if any(digest(v) != meta.get(f"{k}_sha256") for k, v in tensors.items()):
         raise StateError(f"{path}: tensor digests do not match (corrupted on disk); it was "
                          "left untouched")
-    return theta, momentum, meta
+    return theta, momentum, tensors.get("held"), meta
 
 
 def check_flags(meta: dict, current: dict) -> None:

@@ -110,7 +110,7 @@ def test_killed_syncer_resumes_without_losing_a_round(tmp_path):
         assert wait_until(lambda: len(merges(sd)) >= 4, timeout=120)
         syncer.send_signal(signal.SIGKILL)
         syncer.wait()
-        _, _, saved = state.load(sd)
+        _, _, _, saved = state.load(sd)
         time.sleep(1.0)  # islands notice, back off and keep training locally
         # a restart without --resume refuses to overwrite the saved run
         r = subprocess.run([sys.executable, "-m", "syncer", "--port", "0", "--state-dir",
@@ -153,7 +153,7 @@ def test_syncer_killed_mid_push_merges_nothing_partial(tmp_path, toy_layout):
     assert c.push(codec.encode(np.ones(big.numel, np.float32), "f32"), encoding="f32",
                   base_version=0, loss_tokens=1, steps=1, seq=0).result(60)["accepted"]
     assert c.wait(timeout=60).version == 1
-    _, _, before = state.load(sd)
+    _, _, _, before = state.load(sd)
     fut = c.push(codec.encode(np.full(big.numel, 5.0, np.float32), "f32"), encoding="f32",
                  base_version=1, loss_tokens=1, steps=1, seq=1)
     assert wait_until(lambda: syncer_rss_grew(syncer.pid), timeout=30, interval=0.001)
@@ -162,7 +162,7 @@ def test_syncer_killed_mid_push_merges_nothing_partial(tmp_path, toy_layout):
     with pytest.raises(grpc.RpcError):
         fut.result(60)
     c.close()
-    theta, _, after = state.load(sd)
+    theta, _, _, after = state.load(sd)
     assert after["version"] == 1 and after["theta_sha256"] == before["theta_sha256"]
     np.testing.assert_allclose(theta, -0.7 * 1.9 * np.ones(big.numel, np.float32), atol=1e-6)
 

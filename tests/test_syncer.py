@@ -5,8 +5,8 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from conftest import make_client, running_syncer, wait_until
+
 from syncer.tape import read_tape
 from yeto import codec
 
@@ -193,3 +193,41 @@ def test_wrong_token_is_unauthenticated(toy_layout):
         ok.start(np.zeros(toy_layout.numel, np.float32))
         assert ok.wait(timeout=20).version == 0
         ok.close()
+
+
+def test_q4_downlink_keeps_islands_bit_identical_and_finishes_exact(toy_layout, rng, tmp_state):
+    init = rng.standard_normal(toy_layout.numel).astype(np.float32)
+    with running_syncer(quorum=2, downlink="q4", state_dir=tmp_state) as (run, addr):
+        a, b = _join_all(addr, toy_layout, ["a", "b"], init)
+        a.wait(timeout=20), b.wait(timeout=20)
+        for r in range(5):
+            for c in (a, b):
+                d = rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05
+                _push(c, d, 10, base=r, seq=r, encoding="q4")
+            ga, gb = a.wait(timeout=20), b.wait(timeout=20)
+            assert ga.version == gb.version == r + 1
+            assert ga.theta.tobytes() == gb.theta.tobytes() == run.held.tobytes()
+            # held tracks Θ within one q4 step of the update (the gap rides along)
+            assert not np.array_equal(run.held, run.theta)
+        late = make_client(addr, "late", toy_layout)  # a late joiner gets the held Θ in full
+        late.start(init)
+        assert late.wait(timeout=20).theta.tobytes() == run.held.tobytes()
+        for c in (a, b, late):
+            c.close()
+    merges = [r for r in read_tape(tmp_state / "tape.jsonl") if r["event"] == "merge"]
+    assert merges[-1]["bytes_out"] == 2 * codec.encoded_size("q4", toy_layout.numel)
+    assert merges[-1]["bytes_out"] < 2 * 4 * toy_layout.numel / 5
+
+
+def test_final_broadcast_is_exact_f32_with_q4_downlink(toy_layout, rng):
+    init = rng.standard_normal(toy_layout.numel).astype(np.float32)
+    with running_syncer(quorum=1, downlink="q4", rounds=3) as (run, addr):
+        a = make_client(addr, "a", toy_layout)
+        a.start(init)
+        a.wait(timeout=20)
+        for r in range(3):
+            _push(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
+                  base=r, seq=r, encoding="q4")
+            got = a.wait(timeout=20)
+        assert got.final and got.theta.tobytes() == run.theta.tobytes()
+        a.close()

@@ -73,6 +73,7 @@ class SyncerClient:
         self._backoff = (backoff_s, max_backoff_s)
         self._cond = threading.Condition()
         self._latest: Received | None = None
+        self._held: tuple[int, np.ndarray] | None = None  # (version, Θ) last received
         self._taken_version = -1
         self._closed = False
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yeto-push")
@@ -156,11 +157,20 @@ class SyncerClient:
             buf[n:n + len(data)] = np.frombuffer(data, np.uint8)
             n += len(data)
             if n == header.payload_bytes:
-                if header.encoding == "f32":  # validated, then used in place: no copy
+                if header.delta:  # an update to the version we hold: same adds as the syncer
+                    held = self._held
+                    if held is None or held[0] != header.base_version:
+                        raise SyncerError(f"broadcast update against version "
+                                          f"{header.base_version}, but this island holds "
+                                          f"{held and held[0]}")
+                    theta = held[1].copy()
+                    codec.decode_add(buf, header.encoding, header.numel, theta, 1.0)
+                elif header.encoding == "f32":  # validated, then used in place: no copy
                     codec.validate(buf, "f32", header.numel)
                     theta = buf.view(np.float32)
                 else:
                     theta = codec.decode(buf, header.encoding, header.numel)
+                self._held = (header.version, theta)
                 self.bytes_down += n
                 got = Received(header.version, header.round, header.final, theta)
                 with self._cond:

@@ -56,7 +56,8 @@ class _Push:
 class Island:
     def __init__(self, layout: Layout, get_weights: Callable[[], np.ndarray],
                  set_weights: Callable[[np.ndarray], None], *, client: SyncerClient | None,
-                 sync_every: int = 50, wire: str = "q4", blocking: bool = False,
+                 sync_every: int = 50, sync_every_seconds: float = 0.0, wire: str = "q4",
+                 blocking: bool = False,
                  on_sync: Callable[[], float] | None = None,
                  on_apply: Callable[[Received], None] | None = None,
                  start_timeout_s: float | None = None,
@@ -67,6 +68,10 @@ class Island:
         self.layout, self.client = layout, client
         self._get, self._set = get_weights, set_weights
         self.sync_every, self.wire, self.blocking = sync_every, wire, blocking
+        # sync by wall time instead of steps: islands of mixed speed push at the same
+        # rate, and token weighting lets the faster one count for more
+        self.sync_every_seconds = float(sync_every_seconds)
+        self._last_sync = time.monotonic()
         self.on_sync, self.on_apply = on_sync, on_apply
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
         self.finish_timeout_s, self.offline_give_up_s = finish_timeout_s, offline_give_up_s
@@ -126,14 +131,20 @@ class Island:
         if self.client is None:
             return False
         self._apply(self.client.take())
-        if not self.finished and self.step % self.sync_every == 0:
+        if not self.finished and self.sync_due():
             self.sync()
         return self.finished
+
+    def sync_due(self) -> bool:
+        if self.sync_every_seconds > 0:
+            return time.monotonic() - self._last_sync >= self.sync_every_seconds
+        return self.step % self.sync_every == 0
 
     def sync(self) -> None:
         """Push base − local now (the training loop continues meanwhile)."""
         if self.client is None or self.finished:
             return
+        self._last_sync = time.monotonic()
         self._settle()
         if self._awaiting_round():
             # one push in flight at most: wait for the round it joined to commit

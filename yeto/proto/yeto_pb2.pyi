@@ -134,7 +134,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., generation: _Optional[int] = ..., after_version: _Optional[int] = ..., have_any: _Optional[bool] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
-    __slots__ = ("version", "round", "fragment", "encoding", "numel", "payload_bytes", "final")
+    __slots__ = ("version", "round", "fragment", "encoding", "numel", "payload_bytes", "final", "delta", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class BroadcastHeader(_message.Message):
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     round: int
     fragment: int
@@ -149,7 +151,9 @@ class BroadcastHeader(_message.Message):
     numel: int
     payload_bytes: int
     final: bool
-    def __init__(self, version: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., encoding: _Optional[str] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    delta: bool
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., encoding: _Optional[str] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., final: _Optional[bool] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class BroadcastChunk(_message.Message):
     __slots__ = ("header", "data")
