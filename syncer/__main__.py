@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-factor", type=float, default=0.0,
                    help="clip each push's norm to this multiple of the round's median norm "
                         "(0 = off); pushes are then held compressed until the round commits")
+    p.add_argument("--fragments", type=int, default=1, metavar="P",
+                   help="cut the weights into P fragments synced in turn (Streaming DiLoCo): "
+                        "each round moves about 1/P of the bytes")
     p.add_argument("--downlink", choices=("f32", "bf16", "q4"), default="f32",
                    help="encoding of broadcast updates; islands hold bit-identical weights "
                         "either way, and the final weights always go out in f32")
@@ -76,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow listening beyond loopback with neither token nor TLS")
     p.add_argument("--port-file", type=Path, default=None,
                    help="write the bound port here once listening (for scripts using --port 0)")
+    p.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
+                   help="serve the live dashboard (HTML + JSON API) on this port (0 = any free "
+                        "port); off by default")
+    p.add_argument("--dashboard-host", default="127.0.0.1",
+                   help="address the dashboard listens on; beyond loopback the token is "
+                        "required on every request (open http://HOST:PORT/?token=TOKEN)")
+    p.add_argument("--dashboard-port-file", type=Path, default=None,
+                   help="write the dashboard's bound port here once it listens")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -101,7 +112,7 @@ def main(argv=None) -> int:
     cfg = Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
                  outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                 clip_factor=args.clip_factor, downlink=args.downlink, state_dir=args.state_dir, resume=args.resume)
+                 clip_factor=args.clip_factor, downlink=args.downlink, fragments=max(1, args.fragments), state_dir=args.state_dir, resume=args.resume)
     try:
         run = Run(cfg)
     except StateError as e:
@@ -111,6 +122,21 @@ def main(argv=None) -> int:
                              max_inflight_pushes=max(1, args.max_inflight_pushes))
     except OSError as e:
         sys.exit(f"error: {e}")
+    dashboard = None
+    if args.dashboard_port is not None:
+        from syncer.dashboard import DashboardError, start_dashboard
+
+        try:
+            dashboard = start_dashboard(run, args.dashboard_host, args.dashboard_port,
+                                        token=token, insecure=args.insecure)
+        except DashboardError as e:
+            server.stop(grace=0)
+            sys.exit(f"error: {e}")
+        log.info("dashboard on %s", dashboard.url)
+        if args.dashboard_port_file:
+            tmp = args.dashboard_port_file.with_suffix(".tmp")
+            tmp.write_text(str(dashboard.port))
+            os.replace(tmp, args.dashboard_port_file)
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")
         tmp.write_text(str(port))
@@ -132,6 +158,8 @@ def main(argv=None) -> int:
             break
     server.ticker_stop.set()
     server.stop(grace=2).wait()
+    if dashboard is not None:
+        dashboard.stop()
     run.tape.close()
     log.info("stopped at version %d", run.version)
     return 0

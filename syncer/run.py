@@ -61,6 +61,7 @@ class Config:
     max_staleness: int = 1
     clip_factor: float = 0.0
     downlink: str = "f32"
+    fragments: int = 1
     state_dir: Path | None = None
     resume: bool = False
 
@@ -80,8 +81,8 @@ class Island:
 @dataclass(frozen=True)
 class Broadcast:
     version: int
-    round: int
-    payload: np.ndarray  # uint8 view of the f32 weights every island holds
+    fragment: int
+    payload: np.ndarray  # uint8 view of the f32 weights every island holds (this fragment)
     encoding: str
     final: bool
     delta: bytes | None = None  # q4(Θ − held) against base_version, for islands holding it
@@ -90,7 +91,7 @@ class Broadcast:
 
 @dataclass
 class OpenRound:
-    number: int
+    fragment: int
     acc: MergeAccumulator
     responders: list = field(default_factory=list)
     learners: set = field(default_factory=set)
@@ -124,8 +125,11 @@ class Run:
         # random high bits: a restarted syncer never reuses a generation an island
         # remembers from before the restart
         self.next_generation = (secrets.randbits(31) << 32) + 1
-        self.open: OpenRound | None = None
-        self.broadcast: Broadcast | None = None
+        # one open round and one newest broadcast per fragment; fragment f's round
+        # merges only f's slice of the flat vector (Streaming DiLoCo)
+        self.open: dict[int, OpenRound] = {}
+        self.broadcasts: dict[int, Broadcast] = {}
+        self.commits: dict[int, list[int]] = {}  # versions at which each fragment committed
         self.bytes_in = 0
         self.bytes_out = 0
         self.rejected = 0
@@ -151,12 +155,13 @@ class Run:
         theta, momentum, held, meta = state.load(state_dir)
         state.check_flags(meta, self._flags())
         specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
-        self.layout = Layout(specs)
+        self.layout = Layout(specs, self.cfg.fragments)
         if self.layout.fingerprint != meta["fingerprint"] or self.layout.numel != theta.size:
             raise state.StateError(f"{state_dir}: layout and weights disagree (corrupt state)")
         self.run_id, self.version = meta["run_id"], meta["version"]
         self.theta, self.momentum = theta.copy(), momentum.copy()
         self.held = held
+        self.commits = {f: [v] for f, v in enumerate(meta["fragment_versions"])}
         self.weights_file, self.export_files = meta["weights_file"], meta["export_files"]
         self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]
         for lid, led in meta["islands"].items():
@@ -171,6 +176,7 @@ class Run:
             return
         state.save(self.cfg.state_dir, self.theta, self.momentum, self.held, dict(
             run_id=self.run_id, version=self.version, round=self.version,
+            fragment_versions=[self._fragment_version(f) for f in range(self.cfg.fragments)],
             fingerprint=self.layout.fingerprint,
             layout=[[s.name, list(s.shape), s.dtype] for s in self.layout.specs],
             flags=self._flags(), weights_file=self.weights_file, export_files=self.export_files,
@@ -186,7 +192,7 @@ class Run:
             raise Reject("invalid", f"learner id {learner_id!r} must be 1-128 characters of "
                          "letters, digits and _.@:- (example: --learner-id island-0)")
         try:
-            layout = Layout(specs)
+            layout = Layout(specs, self.cfg.fragments)
         except (LayoutMismatch, ValueError) as e:
             raise Reject("invalid", f"bad layout from {learner_id}: {e}") from None
         if fingerprint(specs) != fp:
@@ -218,7 +224,7 @@ class Run:
             log.info("%s joined (generation %d, %s): %d/%d islands", learner_id, gen, backend,
                      self._live_count(), self.cfg.quorum)
             self._maybe_start()
-            return dict(run_id=self.run_id, generation=gen, num_fragments=1,
+            return dict(run_id=self.run_id, generation=gen, num_fragments=self.cfg.fragments,
                         send_seed=self.theta is None, quorum=self.cfg.quorum,
                         joined=self._live_count(), version=self.version, finished=self.finished,
                         last_seq=isl.last_seq)
@@ -233,13 +239,14 @@ class Run:
         if self.started or self.theta is None or self._live_count() < self.cfg.quorum:
             return
         self.started = True
-        self.open = OpenRound(1, self._accumulator())
         for isl in self._live():
             isl.state = "training"
-        self.open.number = self.version + 1
-        self._publish(final=False)
+        for f in range(self.cfg.fragments):
+            self.open[f] = OpenRound(f, self._accumulator(f))
+            self.commits.setdefault(f, [self.version])
+            self._publish(f, final=False)
         log.info("quorum of %d reached: round %d starts from version %d", self.cfg.quorum,
-                 self.open.number, self.version)
+                 self.version + 1, self.version)
 
     # ---- push -------------------------------------------------------------
     def check_island(self, learner_id: str, generation: int) -> Island:
@@ -261,11 +268,15 @@ class Run:
             if h.encoding not in codec.ENCODINGS:
                 raise Reject("invalid", f"unknown encoding {h.encoding!r}; "
                              f"use one of {', '.join(codec.ENCODINGS)}")
-            if h.fragment != 0:
-                raise Reject("invalid", f"fragment {h.fragment} does not exist (run has 1)")
-            if h.numel != self.layout.numel:
-                raise Reject("invalid", f"push has {h.numel} elements, the layout has "
-                             f"{self.layout.numel}")
+            numel = self.layout.numel
+            if h.kind != 1:
+                if h.fragment >= self.cfg.fragments:
+                    raise Reject("invalid", f"fragment {h.fragment} does not exist (the run has "
+                                 f"{self.cfg.fragments})")
+                numel = self.layout.fragments[h.fragment].numel
+            if h.numel != numel:
+                raise Reject("invalid", f"push has {h.numel} elements, fragment {h.fragment} "
+                             f"has {numel}")
             want = codec.encoded_size(h.encoding, h.numel)
             if h.payload_bytes != want:
                 raise Reject("invalid", f"{h.encoding} payload for {h.numel} elements must be "
@@ -296,12 +307,14 @@ class Run:
             if h.round != h.base_version + 1:
                 raise Reject("invalid", f"push for round {h.round} against base version "
                              f"{h.base_version}: a push joins round base_version + 1")
-            rnd = self.open
+            rnd = self.open[h.fragment]
             if h.seq <= isl.last_seq:
                 rnd.duplicates += 1
                 self._reject_note(h.learner_id, "duplicate", f"seq {h.seq} already received")
-                return dict(accepted=False, status="duplicate", round=rnd.number, staleness=0)
-            staleness = self.version - h.base_version
+                return dict(accepted=False, status="duplicate", round=self.version + 1,
+                            staleness=0)
+            # commits of this fragment the island had not seen when it pushed
+            staleness = sum(v > h.base_version for v in self.commits[h.fragment])
             if staleness > self.cfg.max_staleness:
                 raise Reject("precondition", f"push from {h.learner_id} is {staleness} versions "
                              f"stale (max {self.cfg.max_staleness}); apply the newest broadcast "
@@ -325,7 +338,8 @@ class Run:
             if rnd.quorum_at is None and len(rnd.learners) >= self.cfg.quorum:
                 rnd.quorum_at = now
             self._maybe_commit(now)
-            return dict(accepted=True, status="accepted", round=rnd.number, staleness=staleness)
+            return dict(accepted=True, status="accepted", round=self.version + 1,
+                        staleness=staleness)
 
     def _seed(self, isl: Island, payload) -> dict:
         if self.theta is not None:
@@ -346,11 +360,11 @@ class Run:
 
         with self.cond:
             h = hashlib.sha256(f"{self.version}|{self.started}|{self.finished}".encode())
-            for a in (self.theta, self.momentum, self.open.acc.sum if self.open else None):
+            for a in (self.theta, self.momentum):
                 h.update(b"-" if a is None else a.tobytes())
-            if self.open:
-                h.update(repr((self.open.number, len(self.open.responders),
-                               self.open.acc.total_weight)).encode())
+            for f, rnd in sorted(self.open.items()):
+                h.update(b"-" if rnd.acc.sum is None else rnd.acc.sum.tobytes())
+                h.update(repr((f, len(rnd.responders), rnd.acc.total_weight)).encode())
             for i in sorted(self.islands.values(), key=lambda i: i.learner_id):
                 h.update(repr((i.learner_id, i.generation, i.pushes, i.loss_tokens,
                                i.last_seq)).encode())
@@ -364,7 +378,7 @@ class Run:
     def _reject_note(self, learner: str, kind: str, detail: str) -> None:
         self.rejected += 1
         self.tape.write(dict(event="rejected", learner=learner, kind=kind, detail=detail,
-                             round=self.open.number if self.open else 0, time=time.time()))
+                             round=self.version + 1, time=time.time()))
 
     # ---- commit -----------------------------------------------------------
     def tick(self) -> None:
@@ -374,9 +388,11 @@ class Run:
                 self._maybe_commit(time.monotonic())
 
     def _maybe_commit(self, now: float) -> None:
-        rnd = self.open
-        if rnd is None or not rnd.responders or self.finished:
-            return
+        for rnd in list(self.open.values()):
+            if rnd.responders and not self.finished:
+                self._maybe_commit_round(rnd, now)
+
+    def _maybe_commit_round(self, rnd: OpenRound, now: float) -> None:
         live = {i.learner_id for i in self._live()}
         reason = None
         if live and live <= rnd.learners:
@@ -392,65 +408,81 @@ class Run:
 
     def _commit(self, rnd: OpenRound, reason: str, now: float) -> None:
         t0 = time.perf_counter()
+        f = rnd.fragment
+        lo, hi = self._span(f)
         try:
             g = rnd.acc.result()
         except ValueError as e:  # all pushes had zero loss tokens: skip the step
-            log.warning("round %d: %s; Θ unchanged", rnd.number, e)
+            log.warning("round %d: %s; Θ unchanged", self.version + 1, e)
             g = None
         if g is not None:
-            self.outer.step(self.theta, self.momentum, g)
+            self.outer.step(self.theta[lo:hi], self.momentum[lo:hi], g)
         self.version += 1
+        self.commits[f].append(self.version)
         merge_s = time.perf_counter() - t0
         total_w = sum(r["weight"] for r in rnd.responders) or 1.0
         for r in rnd.responders:
             r["share"] = r["weight"] / total_w
         done = self.cfg.rounds and self.version >= self.cfg.rounds
-        self.open = OpenRound(rnd.number + 1, self._accumulator(reuse=g))
+        self.open[f] = OpenRound(f, self._accumulator(f, reuse=g))
         self.last_commit_at = now
-        broadcast = self._next_broadcast(final=bool(done))
+        broadcast = self._next_broadcast(f, final=bool(done))
         self._save()  # before anyone sees the new version: a crash never loses it
         subscribers = self._live_count()
         self.tape.write(dict(
-            event="merge", round=rnd.number, fragment=0, version=self.version, reason=reason,
+            event="merge", round=self.version, fragment=f, version=self.version, reason=reason,
             responders=rnd.responders, quorum=self.cfg.quorum, islands_live=subscribers,
-            bytes_in=rnd.bytes_in, bytes_out=self._broadcast_bytes(done) * subscribers,
+            bytes_in=rnd.bytes_in, bytes_out=len(broadcast.delta or broadcast.payload) * subscribers,
             duplicates=rnd.duplicates, merge_seconds=merge_s, clip_scales=rnd.acc.clipped,
             round_seconds=now - rnd.first_push_at, outer_lr=self.outer.lr,
             outer_momentum=self.outer.momentum, merge_rule=self.cfg.merge, time=time.time()))
-        self.broadcast = broadcast
+        self.broadcasts[f] = broadcast
         self.cond.notify_all()
-        log.info("round %d committed (%s): %d pushes from %s, version %d", rnd.number, reason,
-                 len(rnd.responders), ",".join(sorted(rnd.learners)), self.version)
+        log.info("round %d (fragment %d) committed (%s): %d pushes from %s", self.version, f,
+                 reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
         if done:
+            self._final_broadcasts()
             self._finish_run()
 
-    def _broadcast_bytes(self, final: bool) -> int:
-        enc = "f32" if final else self.cfg.downlink
-        return codec.encoded_size(enc, self.layout.numel)
+    def _span(self, f: int) -> tuple[int, int]:
+        frag = self.layout.fragments[f]
+        return frag.start, frag.stop
 
-    def _accumulator(self, reuse: np.ndarray | None = None) -> MergeAccumulator:
-        acc = MergeAccumulator(self.layout.numel, self.cfg.merge, self.cfg.clip_factor)
+    def _fragment_version(self, f: int) -> int:
+        return self.commits[f][-1] if self.commits.get(f) else self.version
+
+    def _accumulator(self, f: int, reuse: np.ndarray | None = None) -> MergeAccumulator:
+        acc = MergeAccumulator(self.layout.fragments[f].numel, self.cfg.merge,
+                               self.cfg.clip_factor)
         if reuse is not None:  # the last round's scratch: no new fragment-sized allocation
             reuse.fill(0.0)
             acc.sum = reuse
         return acc
 
-    def _publish(self, final: bool) -> None:
-        self.broadcast = self._next_broadcast(final)
+    def _publish(self, f: int, final: bool) -> None:
+        self.broadcasts[f] = self._next_broadcast(f, final)
         self.cond.notify_all()
 
-    def _next_broadcast(self, final: bool) -> Broadcast:
-        """Θ for the islands (updates `held`); published by the caller."""
-        delta, base = None, self.broadcast.version if self.broadcast else 0
-        if final or self.cfg.downlink == "f32" or self.held is None:
-            self.held = self.theta.copy()  # the final weights always go out exact, in f32
+    def _next_broadcast(self, f: int, final: bool) -> Broadcast:
+        """Fragment f of Θ for the islands (updates `held`); published by the caller."""
+        lo, hi = self._span(f)
+        prev = self.broadcasts.get(f)
+        if self.held is None:
+            self.held = self.theta.copy()
+        delta = None
+        if final or self.cfg.downlink == "f32" or prev is None:
+            new = self.theta[lo:hi].copy()  # the final weights always go out exact, in f32
         else:
-            delta = codec.encode(self.theta - self.held, self.cfg.downlink)
-            held = self.held.copy()
-            codec.decode_add(delta, self.cfg.downlink, held.size, held, 1.0)
-            self.held = held
-        return Broadcast(self.version, self.open.number if self.open else 0,
-                         self.held.view(np.uint8), "f32", final, delta, base)
+            delta = codec.encode(self.theta[lo:hi] - self.held[lo:hi], self.cfg.downlink)
+            new = self.held[lo:hi].copy()
+            codec.decode_add(delta, self.cfg.downlink, new.size, new, 1.0)
+        self.held[lo:hi] = new  # `new` is what goes out: later rounds never touch it
+        return Broadcast(self._fragment_version(f), f, new.view(np.uint8), "f32", final, delta,
+                         prev.version if prev else 0)
+
+    def _final_broadcasts(self) -> None:
+        for f in range(self.cfg.fragments):
+            self._publish(f, final=True)
 
     # ---- finish -----------------------------------------------------------
     def finish_island(self, learner_id: str, generation: int) -> bool:
@@ -474,10 +506,11 @@ class Run:
             return
         if not any(i.state == "finished" for i in self.islands.values()):
             return  # everyone vanished: keep Θ and wait for islands to come back
-        if self.open and self.open.responders:
-            self._commit(self.open, "finish", time.monotonic())
+        for rnd in list(self.open.values()):
+            if rnd.responders and not self.finished:
+                self._commit(rnd, "finish", time.monotonic())
         if not self.finished:
-            self._publish(final=True)
+            self._final_broadcasts()
             self._finish_run()
 
     def _finish_run(self) -> None:
@@ -516,7 +549,7 @@ class Run:
         with self.cond:
             now = time.monotonic()
             return dict(
-                run_id=self.run_id, round=self.open.number if self.open else 0,
+                run_id=self.run_id, round=self.version + 1,
                 version=self.version, quorum=self.cfg.quorum, finished=self.finished,
                 bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                 last_merge_s=now - self.last_commit_at if self.last_commit_at else -1.0,

@@ -75,37 +75,50 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Reject as e:
             _abort(context, e)
         context.add_callback(lambda: run.island_gone(request.learner_id, request.generation))
-        sent = request.after_version if request.have_any else -1
-        sent_final = False
+        # per fragment: the newest version sent, and whether its final went out
+        sent: dict[int, int] = {}
+        sent_final: set[int] = set()
+
+        def pending():
+            for f, bc in sorted(run.broadcasts.items()):
+                if bc.version > sent.get(f, -1) or (bc.final and f not in sent_final):
+                    return bc
+            return None
+
         while context.is_active():
             with run.cond:
-                bc = run.broadcast
-                while context.is_active() and not (
-                        bc is not None and (bc.version > sent or (bc.final and not sent_final))):
+                bc = pending()
+                while context.is_active() and bc is None:
                     run.cond.wait(timeout=1.0)
-                    bc = run.broadcast
+                    bc = pending()
+                if bc is None:
+                    return
                 try:
                     run.check_island(request.learner_id, request.generation)
                 except Reject as e:  # superseded by a newer connection of the same island
                     _abort(context, e)
+                n_fragments = run.cfg.fragments
+                numel = run.layout.fragments[bc.fragment].numel
             if not context.is_active():
                 return
             # islands holding the previous version get the compressed update
-            use_delta = bc.delta is not None and sent == bc.base_version
+            use_delta = bc.delta is not None and sent.get(bc.fragment) == bc.base_version
             payload = bc.delta if use_delta else bc.payload
             header = pb.BroadcastHeader(
-                version=bc.version, round=bc.round, fragment=0,
-                encoding=run.cfg.downlink if use_delta else bc.encoding, numel=run.layout.numel,
+                version=bc.version, round=bc.version, fragment=bc.fragment,
+                encoding=run.cfg.downlink if use_delta else bc.encoding, numel=numel,
                 payload_bytes=len(payload), final=bc.final, delta=use_delta,
                 base_version=bc.base_version)
             for i, piece in enumerate(wire.chunks(payload)):
                 yield pb.BroadcastChunk(header=header if i == 0 else None, data=bytes(piece))
             with run.cond:
                 run.bytes_out += len(payload)
-            sent, sent_final = bc.version, bc.final
+            sent[bc.fragment] = bc.version
             if bc.final:
-                run.mark_final_delivered(request.learner_id)
-                return
+                sent_final.add(bc.fragment)
+                if len(sent_final) == n_fragments:
+                    run.mark_final_delivered(request.learner_id)
+                    return
 
     def Heartbeat(self, request, context):
         try:

@@ -19,7 +19,7 @@ import numpy as np
 STATE_FILE = "state.safetensors"
 FORMAT = 1
 # flags whose change would make a resumed run a different computation
-MATH_FLAGS = ("outer_lr", "outer_momentum", "merge", "clip_factor", "downlink")
+MATH_FLAGS = ("outer_lr", "outer_momentum", "merge", "clip_factor", "downlink", "fragments")
 
 
 class StateError(RuntimeError):

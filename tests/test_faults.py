@@ -149,10 +149,10 @@ def test_syncer_killed_mid_push_merges_nothing_partial(tmp_path, toy_layout):
     syncer, port = start_syncer(sd, "--quorum", "1")
     c = make_client(f"127.0.0.1:{port}", "a", big)
     c.start(np.zeros(big.numel, np.float32))
-    assert c.wait(timeout=60).version == 0
+    assert c.wait_one(timeout=60).version == 0
     assert c.push(codec.encode(np.ones(big.numel, np.float32), "f32"), encoding="f32",
                   base_version=0, loss_tokens=1, steps=1, seq=0).result(60)["accepted"]
-    assert c.wait(timeout=60).version == 1
+    assert c.wait_one(timeout=60).version == 1
     _, _, _, before = state.load(sd)
     fut = c.push(codec.encode(np.full(big.numel, 5.0, np.float32), "f32"), encoding="f32",
                  base_version=1, loss_tokens=1, steps=1, seq=1)
@@ -183,12 +183,12 @@ def _committed_run(state_dir: Path, layout, **cfg) -> Run:
     with running_syncer(state_dir=state_dir, quorum=1, **cfg) as (run, addr):
         c = make_client(addr, "a", layout)
         c.start(np.linspace(-1, 1, layout.numel).astype(np.float32))
-        c.wait(timeout=20)
+        c.wait_one(timeout=20)
         for v in range(3):
             d = np.sin(np.arange(layout.numel) + v).astype(np.float32)
             c.push(codec.encode(d, "f32"), encoding="f32", base_version=v, loss_tokens=7,
                    steps=1, seq=v).result(20)
-            c.wait(timeout=20)
+            c.wait_one(timeout=20)
         c.close()
         return run
 
@@ -238,18 +238,18 @@ def test_late_joiner_starts_from_current_theta_and_rejoin_never_double_counts(to
     with running_syncer(quorum=1, outer_lr=1.0, outer_momentum=0.0) as (run, addr):
         a = make_client(addr, "a", toy_layout)
         a.start(init)
-        a.wait(timeout=20)
+        a.wait_one(timeout=20)
         a.push(codec.encode(one, "f32"), encoding="f32", base_version=0, loss_tokens=1,
                steps=1, seq=0).result(20)
-        assert a.wait(timeout=20).version == 1
+        assert a.wait_one(timeout=20).version == 1
         late = make_client(addr, "late", toy_layout)
         late.start(init)
-        got = late.wait(timeout=20)
+        got = late.wait_one(timeout=20)
         assert got.version == 1 and np.array_equal(got.theta, init - one)
         # "a" reconnects (new generation): its old push seq is known, a replay is a duplicate
         a2 = make_client(addr, "a", toy_layout)
         a2.start(init)
-        assert a2.wait(timeout=20).version == 1 and a2.acked_seq == 0
+        assert a2.wait_one(timeout=20).version == 1 and a2.acked_seq == 0
         assert a2.generation > a.generation
         with pytest.raises(grpc.RpcError) as e:  # the old connection is superseded
             a.push(codec.encode(one, "f32"), encoding="f32", base_version=1, loss_tokens=1,
@@ -273,7 +273,7 @@ def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
     with running_syncer(quorum=1, state_dir=tmp_path / "s", token="tok") as (run, addr):
         a = make_client(addr, "a", toy_layout, token="tok")
         a.start(init)
-        a.wait(timeout=20)
+        a.wait_one(timeout=20)
         gen = a.generation
         digest = run.state_digest()
         channel = grpc.insecure_channel(addr, options=wire.GRPC_OPTIONS)
@@ -347,14 +347,14 @@ def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
         assert run.state_digest() == digest
         # a replayed push: accepted once, then a duplicate, merged once
         assert _raw_push(stub, [pb.PushChunk(header=header(), data=good)], "tok").accepted
-        assert a.wait(timeout=20).version == 1
+        assert a.wait_one(timeout=20).version == 1
         replay = _raw_push(stub, [pb.PushChunk(header=header(), data=good)], "tok")
         assert replay.status == "duplicate" and run.version == 1
         channel.close()
         # still serving a valid island after all of it
         r = a.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32", base_version=1,
                    loss_tokens=3, steps=1, seq=1).result(20)
-        assert r["accepted"] and a.wait(timeout=20).version == 2
+        assert r["accepted"] and a.wait_one(timeout=20).version == 2
         a.close()
     tape = read_tape(tmp_path / "s" / "tape.jsonl")
     rejected = [r for r in tape if r["event"] == "rejected"]
@@ -375,11 +375,11 @@ def test_clip_factor_bounds_a_poisoned_island(toy_layout, rng):
             for c in cs:
                 c.start(init)
             for c in cs:
-                c.wait(timeout=20)
+                c.wait_one(timeout=20)
             for c, d in zip(cs, [*honest, poison]):
                 c.push(codec.encode(d, "f32"), encoding="f32", base_version=0, loss_tokens=10,
                        steps=1, seq=0).result(20)
-            moved[factor] = float(np.linalg.norm(cs[0].wait(timeout=20).theta - init))
+            moved[factor] = float(np.linalg.norm(cs[0].wait_one(timeout=20).theta - init))
             for c in cs:
                 c.close()
     median = float(np.median([np.linalg.norm(x) for x in [*honest, poison]]))
@@ -432,17 +432,17 @@ def test_tls_and_mutual_tls(certs, toy_layout):
                             key=read("client.key") if mutual else None)
             ok = make_client(addr, "a", toy_layout, tls=tls)
             ok.start(np.zeros(toy_layout.numel, np.float32))
-            assert ok.wait(timeout=20).version == 0
+            assert ok.wait_one(timeout=20).version == 0
             ok.close()
             # plaintext against a TLS port never joins
             plain = make_client(addr, "b", toy_layout)
             plain.start(np.zeros(toy_layout.numel, np.float32))
-            assert plain.wait(timeout=2) is None and "b" not in run.islands
+            assert plain.wait_one(timeout=2) is None and "b" not in run.islands
             plain.close()
             if mutual:  # no client certificate: refused
                 anon = make_client(addr, "c", toy_layout, tls=TLSConfig(ca=read("ca.pem")))
                 anon.start(np.zeros(toy_layout.numel, np.float32))
-                assert anon.wait(timeout=2) is None and "c" not in run.islands
+                assert anon.wait_one(timeout=2) is None and "c" not in run.islands
                 anon.close()
         finally:
             server.ticker_stop.set()

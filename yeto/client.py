@@ -31,10 +31,10 @@ class SyncerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Received:
-    """One broadcast of Θ."""
+    """One broadcast of fragment `fragment` of Θ (`theta` is that fragment's slice)."""
 
     version: int
-    round: int
+    fragment: int
     final: bool
     theta: np.ndarray
 
@@ -72,9 +72,9 @@ class SyncerClient:
         self._stub = pb_grpc.SyncerStub(self._channel)
         self._backoff = (backoff_s, max_backoff_s)
         self._cond = threading.Condition()
-        self._latest: Received | None = None
-        self._held: tuple[int, np.ndarray] | None = None  # (version, Θ) last received
-        self._taken_version = -1
+        self._latest: dict[int, Received] = {}  # newest untaken broadcast per fragment
+        self._held: dict[int, tuple[int, np.ndarray]] = {}  # fragment -> (version, Θ slice)
+        self.num_fragments = 1
         self._closed = False
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yeto-push")
         self.generation = 0
@@ -129,6 +129,7 @@ class SyncerClient:
         if reply.finished:
             log.info("syncer reports the run already finished")
         self.generation, self.run_id = reply.generation, reply.run_id
+        self.num_fragments = max(1, reply.num_fragments)
         self.acked_seq = reply.last_seq
         self.connected.set()
         log.info("joined syncer %s as %s (generation %d, %d/%d islands, version %d)",
@@ -158,7 +159,7 @@ class SyncerClient:
             n += len(data)
             if n == header.payload_bytes:
                 if header.delta:  # an update to the version we hold: same adds as the syncer
-                    held = self._held
+                    held = self._held.get(header.fragment)
                     if held is None or held[0] != header.base_version:
                         raise SyncerError(f"broadcast update against version "
                                           f"{header.base_version}, but this island holds "
@@ -170,11 +171,11 @@ class SyncerClient:
                     theta = buf.view(np.float32)
                 else:
                     theta = codec.decode(buf, header.encoding, header.numel)
-                self._held = (header.version, theta)
+                self._held[header.fragment] = (header.version, theta)
                 self.bytes_down += n
-                got = Received(header.version, header.round, header.final, theta)
+                got = Received(header.version, header.fragment, header.final, theta)
                 with self._cond:
-                    self._latest = got
+                    self._latest[header.fragment] = got
                     self.finished = self.finished or header.final
                     self._cond.notify_all()
                 header = None
@@ -182,25 +183,18 @@ class SyncerClient:
             raise _StreamEnded()
 
     # ---- caller side ------------------------------------------------------
-    def take(self) -> Received | None:
-        """The newest broadcast not yet taken, or None."""
+    def take(self) -> list[Received]:
+        """The newest broadcast of each fragment not yet taken (maybe none)."""
         with self._cond:
-            got = self._latest
-            if got is None or got.version == self._taken_version and not got.final:
-                return None
-            self._latest = None
-            self._taken_version = got.version
+            got, self._latest = list(self._latest.values()), {}
             return got
 
-    def wait(self, timeout: float | None, need_connection: bool = False) -> Received | None:
+    def wait(self, timeout: float | None, need_connection: bool = False) -> list[Received]:
         """Block until a broadcast arrives (or timeout / fatal error / close)."""
         t0 = time.perf_counter()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                got = self._latest
-                if got is not None and (got.version != self._taken_version or got.final):
-                    break
+            while not self._latest:
                 if self._closed or self.fatal or (need_connection and not self.connected.is_set()):
                     break
                 left = None if deadline is None else deadline - time.monotonic()
@@ -210,9 +204,14 @@ class SyncerClient:
         self.wait_s += time.perf_counter() - t0
         return self.take()
 
+    def wait_one(self, timeout: float | None) -> Received | None:
+        """The newest broadcast (single-fragment runs), or None on timeout."""
+        got = self.wait(timeout)
+        return max(got, key=lambda r: r.version) if got else None
+
     def push(self, payload: bytes, *, encoding: str, base_version: int, loss_tokens: int,
-             steps: int, seq: int, fragment: int = 0, train_loss: float = float("nan"),
-             eval_loss: float = float("nan")) -> Future:
+             steps: int, seq: int, fragment: int = 0, numel: int | None = None,
+             train_loss: float = float("nan"), eval_loss: float = float("nan")) -> Future:
         """Send one pseudo-gradient in the background; the future resolves to the
         syncer's reply (dict) or raises (grpc.RpcError / SyncerError)."""
         if not self.connected.is_set():
@@ -222,7 +221,8 @@ class SyncerClient:
         header = pb.PushHeader(
             learner_id=self.learner_id, generation=self.generation, round=base_version + 1,
             fragment=fragment, base_version=base_version, loss_tokens=loss_tokens, steps=steps,
-            encoding=encoding, numel=self.layout.numel, payload_bytes=len(payload), kind=pb.DELTA,
+            encoding=encoding, numel=self.layout.numel if numel is None else numel,
+            payload_bytes=len(payload), kind=pb.DELTA,
             seq=seq, train_loss=train_loss, eval_loss=eval_loss)
         return self._sender.submit(self._stream_push, header, payload)
 

@@ -237,12 +237,14 @@ class ErrorFeedback:
         self.encoding = encoding
         self.residual = np.zeros(numel, dtype=np.float32)
 
-    def encode(self, x: np.ndarray) -> bytes:
+    def encode(self, x: np.ndarray, offset: int = 0) -> bytes:
+        """Encode x, which covers residual[offset:offset + len(x)] (a fragment)."""
         _check_finite(np.asarray(x))
-        target = self.residual + x
+        span = slice(offset, offset + x.size)
+        target = self.residual[span] + x
         payload = encode(target, self.encoding)
         if self.encoding == "f32":
-            self.residual[:] = 0.0
+            self.residual[span] = 0.0
         else:
-            self.residual = target - decode(payload, self.encoding, target.size)
+            self.residual[span] = target - decode(payload, self.encoding, target.size)
         return payload

@@ -1,0 +1,278 @@
+"""The syncer's live dashboard: one HTML page and a small JSON API over HTTP.
+
+Started by ``python -m syncer --dashboard-port PORT`` (loopback by default), it
+serves, read-only:
+
+  /              the page: islands table, held-out and training loss per island
+                 over rounds, tokens per island, merge weights (shares), bytes on
+                 the wire, round timings, rejected messages. It polls the API
+                 every 2 s; everything (CSS, JS, SVG charts) is inline, so it
+                 works with no internet access.
+  /api/status    the run: `Run.status()` plus its config and counters
+  /api/tape      the tape's records (``?since=N`` skips the first N)
+  /healthz       "ok"
+
+Beyond loopback the syncer's token is required (``Authorization: Bearer TOKEN``
+header, or ``?token=TOKEN`` in the page's address, which the page then sends
+with its API calls); without a token it refuses to listen there unless told
+``insecure=True``. Plain HTTP: the token crosses the network in clear, so beyond
+loopback prefer an SSH tunnel (``ssh -L 8080:127.0.0.1:8080 host``).
+
+Standard library only: `http.server.ThreadingHTTPServer` in a daemon thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from syncer.service import is_loopback
+from yeto.metrics import JsonlFollower
+
+log = logging.getLogger("syncer.dashboard")
+
+MAX_RECORDS_PER_REPLY = 5000
+
+
+class DashboardError(RuntimeError):
+    """The dashboard cannot start as asked."""
+
+
+class TapeCache:
+    """The tape's records, read incrementally from its file."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._follower = JsonlFollower(path) if path is not None else None
+        self._records: list[dict] = []
+        self._lock = threading.Lock()
+
+    def since(self, n: int) -> tuple[list[dict], int]:
+        with self._lock:
+            if self._follower is not None:
+                self._records.extend(self._follower.read_new())
+            n = max(0, min(n, len(self._records)))
+            out = self._records[n:n + MAX_RECORDS_PER_REPLY]
+            return out, n + len(out)
+
+
+class Dashboard:
+    """What the HTTP handler serves: built from a live `Run` (or only a tape file,
+    for looking at a finished run)."""
+
+    def __init__(self, run=None, tape_path: Path | None = None, token: str | None = None,
+                 require_token: bool = False):
+        if tape_path is None and run is not None and getattr(run, "tape", None) is not None:
+            tape_path = run.tape.path
+        self.run = run
+        self.tape = TapeCache(Path(tape_path) if tape_path else None)
+        self.token = token
+        self.require_token = require_token
+        self.started_at = time.time()
+
+    def status(self) -> dict:
+        out: dict = dict(time=time.time(), tape=str(self.tape.path) if self.tape.path else None,
+                         live=self.run is not None)
+        if self.run is None:
+            return out
+        run = self.run
+        out.update(run.status())
+        out.update(started=bool(getattr(run, "started", False)),
+                   rejected=int(getattr(run, "rejected", 0)))
+        cfg = getattr(run, "cfg", None)
+        if dataclasses.is_dataclass(cfg):
+            out["config"] = {k: (str(v) if isinstance(v, Path) else v)
+                             for k, v in dataclasses.asdict(cfg).items()}
+        layout = getattr(run, "layout", None)
+        if layout is not None:
+            out["parameters"] = int(layout.numel)
+            out["tensors"] = len(layout.specs)
+        return out
+
+    def authorized(self, headers, query: dict) -> bool:
+        if not self.require_token:
+            return True
+        if not self.token:
+            return False
+        got = headers.get("Authorization", "")
+        if got.startswith("Bearer "):
+            got = got[len("Bearer "):]
+        else:
+            got = (query.get("token") or [""])[0]
+        return hmac.compare_digest(got.encode(), self.token.encode())
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, handler, dashboard: Dashboard, family):
+        self.address_family = family
+        self.dashboard = dashboard
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "yeto-dashboard"
+    sys_version = ""
+
+    def log_message(self, fmt, *args):  # quiet: standard logging at debug level
+        log.debug("%s %s", self.address_string(), fmt % args)
+
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        dash: Dashboard = self.server.dashboard
+        if url.path == "/healthz":
+            return self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
+        if not dash.authorized(self.headers, query):
+            return self._send(HTTPStatus.UNAUTHORIZED,
+                              b"missing or wrong token: open the page as "
+                              b"http://HOST:PORT/?token=TOKEN (the syncer's token)\n",
+                              "text/plain; charset=utf-8")
+        try:
+            if url.path in ("/", "/index.html"):
+                return self._send(HTTPStatus.OK, page(), "text/html; charset=utf-8")
+            if url.path == "/api/status":
+                return self._json(dash.status())
+            if url.path == "/api/tape":
+                try:
+                    since = int((query.get("since") or ["0"])[0])
+                except ValueError:
+                    return self._json({"error": "since must be an integer"},
+                                      HTTPStatus.BAD_REQUEST)
+                records, nxt = dash.tape.since(since)
+                return self._json({"records": records, "next": nxt})
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+        except Exception as e:  # noqa: BLE001 - a broken request must not kill the server
+            log.exception("dashboard request %s failed", url.path)
+            return self._json({"error": f"{type(e).__name__}: {e}"},
+                              HTTPStatus.INTERNAL_SERVER_ERROR)
+        return self._send(HTTPStatus.NOT_FOUND, b"not found: try / or /api/status or /api/tape\n",
+                          "text/plain; charset=utf-8")
+
+    def _json(self, obj, status=HTTPStatus.OK):
+        body = json.dumps(obj, default=_plain, allow_nan=False).encode()
+        self._send(status, body, "application/json")
+
+    def _send(self, status, body: bytes, ctype: str):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Content-Security-Policy",
+                         "default-src 'none'; script-src 'unsafe-inline'; "
+                         "style-src 'unsafe-inline'; connect-src 'self'; img-src data:")
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def _plain(x):
+    if hasattr(x, "__float__"):
+        f = float(x)
+        return f if f == f and abs(f) != float("inf") else None
+    return str(x)
+
+
+class DashboardServer:
+    """A running dashboard; `url` is where to open it, `stop()` ends it."""
+
+    def __init__(self, httpd: _Server, thread: threading.Thread, host: str, port: int):
+        self.httpd, self.thread, self.host, self.port = httpd, thread, host, port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def start_dashboard(run=None, host: str = "127.0.0.1", port: int = 0, *,
+                    token: str | None = None, insecure: bool = False,
+                    tape_path: Path | None = None) -> DashboardServer:
+    """Serve the dashboard of ``run`` (a `syncer.run.Run`) on host:port (0 = any free
+    port) from a daemon thread. Beyond loopback ``token`` is required on every
+    request; without one this refuses to start unless ``insecure``."""
+    loopback = is_loopback(host)
+    if not loopback and not token and not insecure:
+        raise DashboardError(
+            f"refusing to serve the dashboard on {host} without a token: anyone who can reach "
+            "the port could watch the run. Set the syncer's --token (or $YETO_TOKEN), keep "
+            "--dashboard-host 127.0.0.1 and use an SSH tunnel, or pass --insecure")
+    dash = Dashboard(run, tape_path=tape_path, token=token, require_token=not loopback and
+                     bool(token))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        httpd = _Server((host, port), _Handler, dash, family)
+    except OSError as e:
+        raise DashboardError(f"cannot serve the dashboard on {host}:{port}: {e} (is the port "
+                             "in use? --dashboard-port 0 picks a free one)") from None
+    bound = httpd.server_address[1]
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="syncer-dashboard", daemon=True)
+    thread.start()
+    return DashboardServer(httpd, thread, host, bound)
+
+
+def main(argv=None) -> int:
+    """`python -m syncer.dashboard --tape runs/demo/syncer/tape.jsonl`: the dashboard of
+    a finished (or another process's) run, from its tape alone."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m syncer.dashboard",
+                                description="Serve the dashboard for a tape file (the charts "
+                                            "and rejected messages; no live island table).")
+    p.add_argument("--tape", type=Path, required=True, help="a syncer's tape.jsonl")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    args = p.parse_args(argv)
+    if not args.tape.is_file():
+        p.error(f"{args.tape} not found: pass a syncer's <state-dir>/tape.jsonl")
+    server = start_dashboard(None, args.host, args.port, tape_path=args.tape,
+                             token=None, insecure=False)
+    print(f"dashboard on {server.url} (Ctrl-C ends)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
+PAGE_FILE = Path(__file__).with_name("dashboard.html")
+
+
+def page() -> bytes:
+    """The page (read once; `syncer/dashboard.html`, inline CSS/JS, no external assets)."""
+    global _PAGE
+    if _PAGE is None:
+        _PAGE = PAGE_FILE.read_bytes()
+    return _PAGE
+
+
+_PAGE: bytes | None = None
+
+
+if __name__ == "__main__":
+    import sys
+
+    logging.basicConfig(level="INFO")
+    sys.exit(main())
