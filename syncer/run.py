@@ -33,7 +33,7 @@ import numpy as np
 from syncer import state
 from syncer.merge import MergeAccumulator, NesterovOuter
 from syncer.tape import Tape
-from yeto import codec
+from yeto import codec, frozen
 from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
 
 log = logging.getLogger("syncer")
@@ -526,11 +526,13 @@ class Run:
         out = self.cfg.state_dir / "final"
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: np.ascontiguousarray(v) for k, v in self.layout.unflatten(self.theta).items()}
+        if frozen.EXPORT_FILE in self.export_files:  # frozen-A mode: A never travelled
+            tensors.update(frozen.rebuild(self.export_files[frozen.EXPORT_FILE]))
         tmp = out / (self.weights_file + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt", "yeto_version": str(self.version)})
         tmp.replace(out / self.weights_file)
         for name, text in self.export_files.items():
-            if "/" in name or name.startswith("."):
+            if "/" in name or name.startswith(".") or name == frozen.EXPORT_FILE:
                 continue  # file names only: never a path from the wire
             (out / name).write_text(text)
 

@@ -279,3 +279,29 @@ def test_streaming_fragments_merge_in_turn_and_end_identical(toy_layout, tmp_sta
     assert max(per_round) <= 2 * 4 * toy_layout.numel / P + 64  # ~1/P of the bytes per round
     assert slices_ok and all(slices_ok)
     assert finals[0].tobytes() == finals[1].tobytes() == final_theta.tobytes()
+
+
+def test_frozen_a_is_rebuilt_into_the_final_adapter(tmp_state):
+    """Frozen-A mode: only B travels; the syncer regenerates A from the shared seed."""
+    from safetensors.numpy import load_file
+
+    from yeto import frozen
+    from yeto.layout import Layout
+
+    a_shapes = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (4, 16)}
+    b_layout = Layout.from_shapes(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": (16, 4)})
+    with running_syncer(quorum=1, rounds=1, state_dir=tmp_state) as (run, addr):
+        c = make_client(addr, "a", b_layout, weights_file="adapter_model.safetensors",
+                        export_files={frozen.EXPORT_FILE: frozen.describe(7, a_shapes),
+                                      "adapter_config.json": "{}"})
+        c.start(np.zeros(b_layout.numel, np.float32))
+        c.wait_one(timeout=20)
+        _push(c, np.ones(b_layout.numel, np.float32), 5, base=0, seq=0)
+        assert c.wait_one(timeout=20).final
+        c.close()
+    final = load_file(tmp_state / "final" / "adapter_model.safetensors")
+    name = next(iter(a_shapes))
+    assert np.array_equal(final[name], frozen.frozen_lora_a(name, (4, 16), 7))
+    assert np.abs(final[name]).max() <= 0.25 and final[name].std() > 0.05  # U(±1/√16)
+    assert not (tmp_state / "final" / frozen.EXPORT_FILE).exists()
