@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     cfg = Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
                  outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                 clip_factor=args.clip_factor, downlink=args.downlink, fragments=max(1, args.fragments), state_dir=args.state_dir, resume=args.resume)
+                 clip_factor=args.clip_factor, downlink=args.downlink,
+                 fragments=max(1, args.fragments), state_dir=args.state_dir, resume=args.resume)
     try:
         run = Run(cfg)
     except StateError as e:

@@ -219,7 +219,8 @@ class Run:
             isl = Island(learner_id, gen, backend or "?", time.monotonic(),
                          state="training" if self.started else "waiting")
             if old is not None:  # a rejoin keeps the ledger: seqs are never counted twice
-                isl.pushes, isl.loss_tokens, isl.last_seq = old.pushes, old.loss_tokens, old.last_seq
+                isl.pushes, isl.loss_tokens = old.pushes, old.loss_tokens
+                isl.last_seq = old.last_seq
             self.islands[learner_id] = isl
             log.info("%s joined (generation %d, %s): %d/%d islands", learner_id, gen, backend,
                      self._live_count(), self.cfg.quorum)
@@ -432,7 +433,8 @@ class Run:
         self.tape.write(dict(
             event="merge", round=self.version, fragment=f, version=self.version, reason=reason,
             responders=rnd.responders, quorum=self.cfg.quorum, islands_live=subscribers,
-            bytes_in=rnd.bytes_in, bytes_out=len(broadcast.delta or broadcast.payload) * subscribers,
+            bytes_in=rnd.bytes_in,
+            bytes_out=len(broadcast.delta or broadcast.payload) * subscribers,
             duplicates=rnd.duplicates, merge_seconds=merge_s, clip_scales=rnd.acc.clipped,
             round_seconds=now - rnd.first_push_at, outer_lr=self.outer.lr,
             outer_momentum=self.outer.momentum, merge_rule=self.cfg.merge, time=time.time()))

@@ -42,7 +42,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
 
     def Join(self, request, context):
-        specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype) for t in request.layout]
+        specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype)
+                 for t in request.layout]
         try:
             r = self.run.join(request.learner_id, specs, request.fingerprint, request.backend,
                               request.weights_file, dict(request.export_files))

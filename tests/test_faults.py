@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
 from conftest import make_client, running_syncer, wait_until
+
 from syncer import state
 from syncer.run import Config, Run
 from syncer.tape import read_tape

@@ -27,7 +27,8 @@ def test_token_weighted_nesterov_matches_hand_computation(toy_layout, rng, tmp_s
     lr, mu = 0.7, 0.9
     init = rng.standard_normal(toy_layout.numel).astype(np.float32)
     tokens = [100, 300, 600]
-    with running_syncer(quorum=3, outer_lr=lr, outer_momentum=mu, state_dir=tmp_state) as (run, addr):
+    cfg = dict(quorum=3, outer_lr=lr, outer_momentum=mu, state_dir=tmp_state)
+    with running_syncer(**cfg) as (run, addr):
         clients = _join_all(addr, toy_layout, ["a", "b", "c"], init)
         theta0 = clients[0].wait_one(timeout=20).theta
         for c in clients[1:]:
@@ -35,7 +36,8 @@ def test_token_weighted_nesterov_matches_hand_computation(toy_layout, rng, tmp_s
         np.testing.assert_array_equal(theta0, init)  # seeded from the first island, bit-exact
         theta, m = init.astype(np.float64), np.zeros(toy_layout.numel)
         for r in range(4):
-            deltas = [rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.1 for _ in clients]
+            deltas = [rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.1
+                      for _ in clients]
             for c, d, t in zip(clients, deltas, tokens):
                 assert _push(c, d, t, base=r, seq=r)["accepted"]
             g = sum(t * d.astype(np.float64) for d, t in zip(deltas, tokens)) / sum(tokens)

@@ -108,7 +108,8 @@ class SyncerClient:
                 code = e.code()
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
                             grpc.StatusCode.FAILED_PRECONDITION) and self.generation == 0:
-                    self.fatal = f"syncer at {self.address} refused {self.learner_id}: {e.details()}"
+                    self.fatal = (f"syncer at {self.address} refused {self.learner_id}: "
+                                  f"{e.details()}")
                     log.error("%s", self.fatal)
                     with self._cond:
                         self._cond.notify_all()

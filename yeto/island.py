@@ -204,7 +204,8 @@ class Island:
         self.seq = max(self.seq, self.client.acked_seq + 1)
         tokens, steps = self.tokens.get(f, 0), self.steps.get(f, 0)
         fut = self.client.push(payload, encoding=self.wire, base_version=self.versions[f],
-                               fragment=f, numel=frag.numel, loss_tokens=tokens, steps=steps, seq=self.seq,
+                               fragment=f, numel=frag.numel, loss_tokens=tokens, steps=steps,
+                               seq=self.seq,
                                train_loss=_nan(self.train_loss), eval_loss=_nan(self.eval_loss))
         self.pushed.append(_Push(f, self.seq, self.client.generation, self.base[span].copy(),
                                  prev, tokens, steps, fut))

@@ -97,7 +97,8 @@ class Layout:
             if a is None:
                 raise LayoutMismatch(f"tensor {s.name} is missing")
             if tuple(a.shape) != s.shape:
-                raise LayoutMismatch(f"tensor {s.name}: shape {tuple(a.shape)}, layout says {s.shape}")
+                raise LayoutMismatch(f"tensor {s.name}: shape {tuple(a.shape)}, "
+                                     f"layout says {s.shape}")
             lo, hi = self.offsets[s.name]
             out[lo:hi] = np.asarray(a, dtype=np.float32).reshape(-1)
         return out

@@ -44,7 +44,8 @@ def parse_address(address: str) -> tuple[str, int]:
         if not sep:
             host, port = address, ""
     if not host:
-        raise ValueError(f"syncer address {address!r} has no host; example: --syncer 127.0.0.1:29400")
+        raise ValueError(f"syncer address {address!r} has no host; "
+                         "example: --syncer 127.0.0.1:29400")
     try:
         return host, int(port) if port else DEFAULT_PORT
     except ValueError:
