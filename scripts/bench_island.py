@@ -1,0 +1,122 @@
+"""Island overhead: tokens/s of a torch island syncing with a real syncer ÷ a bare
+peft training loop on the same model and data, measured in the same run.
+
+Both arms run in this process with the same threads, model, LoRA config, batches
+and AdamW; the island arm adds `yeto.island.Island` (push every --sync-every
+steps, q4 wire, error feedback) against a real syncer subprocess (quorum 1).
+Arms alternate (bare, island, bare, island) and each arm's tokens/s is the mean
+of its runs. Also measured: the time the island waits on the network per round,
+as a share of round time (goal <= 1%). Goal for the ratio: >= 0.97.
+
+Last line: RESULT ratio=<tokens/s ratio> wait_share=<share> ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from yeto.client import SyncerClient  # noqa: E402
+from yeto.data import BatchSampler, load_blocks  # noqa: E402
+from yeto.fixtures import make_task, make_tiny_model  # noqa: E402
+from yeto.island import Island  # noqa: E402
+from yeto.learner import TorchWeights, attach_lora, load_base, train_step  # noqa: E402
+
+
+def setup(model_dir: Path, train: Path, seq_len: int):
+    model, tok = load_base(str(model_dir))
+    model = attach_lora(model, 16, 32, "auto", seed=0).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    blocks = load_blocks(train, tok, seq_len)
+    return model, opt, blocks
+
+
+def run_arm(model_dir, train, args, syncer_addr: str | None) -> tuple[float, float]:
+    """Returns (tokens/s, wait share)."""
+    model, opt, blocks = setup(model_dir, train, args.seq_len)
+    sampler = BatchSampler(blocks, args.batch_size, seed=0)
+    weights = TorchWeights(model, "lora")
+    island = None
+    if syncer_addr:
+        client = SyncerClient(syncer_addr, f"bench-{time.monotonic_ns()}", weights.layout)
+        island = Island(weights.layout, weights.get, weights.set, client=client,
+                        sync_every=args.sync_every, wire="q4")
+        island.start()
+    for _ in range(3):  # warm-up, not timed
+        train_step(model, opt, [next(sampler)], "cpu")
+    tokens = 0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        mb = next(sampler)
+        _, loss_tokens = train_step(model, opt, [mb], "cpu")
+        tokens += mb[0].shape[0] * (mb[0].shape[1] - 1)
+        if island is not None:
+            island.after_step(loss_tokens)
+    elapsed = time.perf_counter() - t0
+    wait_share = 0.0
+    if island is not None:
+        wait_share = island.client.wait_s / elapsed
+        island.client.close()
+    return tokens / elapsed, wait_share
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="timed steps per arm run")
+    p.add_argument("--sync-every", type=int, default=50)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2, help="runs per arm (alternating)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="100 steps, 1 run per arm (< 30 s)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 100, 1
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = make_tiny_model(tmp / "model", "llama")
+        train, _ = make_task(tmp / "data")
+        port_file = tmp / "port"
+        syncer = subprocess.Popen([sys.executable, "-m", "syncer", "--port", "0", "--port-file",
+                                   str(port_file), "--quorum", "1", "--log-level", "WARNING"],
+                                  cwd=ROOT)
+        try:
+            while not port_file.exists():
+                time.sleep(0.05)
+            addr = f"127.0.0.1:{port_file.read_text()}"
+            bare, isl, waits = [], [], []
+            for _ in range(args.repeats):
+                bare.append(run_arm(model_dir, train, args, None)[0])
+                tps, wait = run_arm(model_dir, train, args, addr)
+                isl.append(tps)
+                waits.append(wait)
+        finally:
+            syncer.terminate()
+            syncer.wait(timeout=30)
+    b, i = sum(bare) / len(bare), sum(isl) / len(isl)
+    w = sum(waits) / len(waits)
+    print(f"{'arm':<28}{'tokens/s':>12}")
+    print(f"{'bare peft loop':<28}{b:>12.0f}")
+    print(f"{'island, sync every ' + str(args.sync_every):<28}{i:>12.0f}")
+    print(f"network wait: {100 * w:.3f}% of the island's time")
+    print(f"RESULT ratio={i / b:.4f} wait_share={w:.5f} goal_ratio=>=0.97 goal_wait=<=0.01 "
+          f"bare_tok_s={b:.0f} island_tok_s={i:.0f} steps={args.steps} "
+          f"sync_every={args.sync_every} repeats={args.repeats}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
