@@ -6,6 +6,9 @@ import sys
 
 COMMANDS = {
     "demo": ("yeto.demo", "main", "a local federated run on a tiny model built here"),
+    "launch": ("yeto.launch", "main",
+               "a syncer + islands as local processes, with a live display"),
+    "status": ("yeto.status", "main", "a running syncer's islands, round, bytes (HOST:PORT)"),
     "make-tiny-model": ("yeto.fixtures", "main_make_tiny_model",
                         "write a tiny Llama/Qwen2-style model dir with a local tokenizer"),
     "make-task": ("yeto.fixtures", "main_make_task",

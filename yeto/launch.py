@@ -1,0 +1,775 @@
+"""`yeto launch`: a syncer and its islands as local processes, with one live display.
+
+For a one-machine run or a simulation of a fleet:
+
+    yeto launch --islands torch,torch,mlx --model runs/demo/model \\
+        --data runs/demo/data/train.jsonl --eval-data runs/demo/data/eval.jsonl \\
+        --max-steps 200 --sync-every 20
+
+Flags the launcher does not know go to every island unchanged (see
+``python -m yeto.learner --help``); ``--torch-args`` / ``--mlx-args`` go to one
+kind only. Outputs, in --out:
+
+  syncer/            the syncer's state, tape.jsonl, log.txt, final/ (its adapter)
+  islands/<id>/      each island's adapter/, metrics.jsonl, summary.json, log.txt
+  adapter/           a copy of syncer/final/ (peft; `yeto export` converts it)
+  summary.json       held-out loss before/after, rounds, bytes up/down, seconds
+  tensorboard/       with --report-to tensorboard
+
+The display shows per island its step, training and held-out loss, loss tokens
+per second, the round (version) it holds and its state, read from the islands'
+``metrics.jsonl`` files and the syncer's Status. Ctrl-C stops the run cleanly:
+every island gets SIGINT, ends its step, pushes its last work and waits for the
+final weights, the syncer finishes the run and writes ``final/``, and every
+island saves its adapter. A second Ctrl-C stops at once (no outputs saved by
+islands still running); the launcher escalates by itself after --stop-timeout.
+
+Islands run through a small wrapper (``python -m yeto.launch island MODULE ...``)
+that turns SIGINT/SIGTERM into "stop after this step, then finish and save".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from yeto.metrics import JsonlFollower, MetricsError, check_report_to, finite, tape_scalars
+from yeto.status import human_bytes, human_seconds, table
+
+log = logging.getLogger("yeto.launch")
+
+ISLAND_MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
+# island flags the launcher sets itself
+OWN_ISLAND_FLAGS = ("--syncer", "--learner-id", "--learner-index", "--num-learners", "--output",
+                    "--model", "--data", "--eval-data", "--token")
+SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
+    "outer_lr": ("--outer-lr", float, None, "outer Nesterov learning rate (syncer default 0.7)"),
+    "outer_momentum": ("--outer-momentum", float, None, "outer momentum (syncer default 0.9)"),
+    "merge": ("--merge", str, None, "mean | uniform | rda (syncer default mean)"),
+    "rounds": ("--rounds", int, None, "rounds to run (syncer default: until islands finish)"),
+    "grace_ms": ("--grace-ms", int, None, "straggler grace after the quorum's pushes"),
+    "round_timeout_s": ("--round-timeout-s", float, None, "commit a round after this long"),
+    "downlink": ("--downlink", str, None, "encoding of broadcasts: f32 | bf16 | q4"),
+    "quorum": ("--quorum", int, None, "pushes that commit a round (default: every island)"),
+}
+
+
+# ---- the island wrapper --------------------------------------------------------------
+def island_entry(argv: list[str]) -> int:
+    """``python -m yeto.launch island MODULE ARGS``: run an island's ``main(ARGS)`` so
+    that SIGINT/SIGTERM end training at the next step boundary; the island then
+    finishes (last push, final weights) and saves its outputs as after its last step.
+    A second signal interrupts at once."""
+    if not argv or argv[0] not in ISLAND_MODULES.values():
+        print(f"usage: python -m yeto.launch island {{{','.join(ISLAND_MODULES.values())}}} "
+              "ARGS", file=sys.stderr)
+        return 2
+    module, args = argv[0], argv[1:]
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        logging.getLogger("yeto.launch").warning(
+            "%s: stopping after this step; the island finishes and saves its outputs "
+            "(again to stop at once)", signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    from yeto.island import Island
+
+    after_step = Island.after_step
+
+    def stopping_after_step(self, *a, **kw):
+        return after_step(self, *a, **kw) or stop.is_set()
+
+    Island.after_step = stopping_after_step
+    try:
+        return importlib.import_module(module).main(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        # outputs are saved: a signal during interpreter shutdown (which restores the
+        # default handlers) must not turn a clean exit into "killed by SIGINT"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+# ---- one local run -------------------------------------------------------------------
+@dataclass
+class IslandProc:
+    id: str
+    backend: str
+    dir: Path
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    metrics: JsonlFollower | None = None
+    step: int = 0
+    train_loss: float | None = None
+    eval_loss: float | None = None
+    eval_before: float | None = None
+    version: int | None = None
+    tokens_per_s: float | None = None
+    done: dict | None = None          # the final summary record, once written
+    code: int | None = None
+    t_first: float | None = None      # wall time of its step-0 record (training starts)
+    t_tokens: float | None = None     # wall time of the last merge that counted its tokens
+    loss_tokens: int = 0              # merged loss tokens (from the tape)
+    syncer_state: str = ""
+    pushes: int = 0
+    last_contact_s: float | None = None
+
+    @property
+    def state(self) -> str:
+        if self.code is not None:
+            return "done" if self.code == 0 else f"failed ({self.code})"
+        return self.syncer_state or "starting"
+
+
+@dataclass
+class LaunchConfig:
+    out: Path
+    backends: list[str]
+    model: str
+    data: str
+    eval_data: str | None = None
+    island_args: list[str] = field(default_factory=list)
+    backend_args: dict[str, list[str]] = field(default_factory=dict)
+    syncer_args: list[str] = field(default_factory=list)
+    quorum: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    dashboard_port: int | None = 0      # None = no dashboard
+    display: str = "auto"               # auto | live | plain | none
+    report_to: tuple[str, ...] = ()
+    stop_timeout_s: float = 120.0
+    keep_going: bool = False
+    max_steps: int | None = None        # for the display only
+    overwrite: bool = False
+    status_every_s: float = 30.0        # plain display: a table this often
+
+
+class LocalRun:
+    """A syncer and islands as child processes of this one (each in its own session,
+    so a terminal's Ctrl-C reaches only the launcher, which then stops them in order)."""
+
+    def __init__(self, cfg: LaunchConfig):
+        self.cfg = cfg
+        self.out = cfg.out.resolve()
+        self.syncer_dir = self.out / "syncer"
+        self.islands: list[IslandProc] = []
+        self.syncer: subprocess.Popen | None = None
+        self.address = ""
+        self.dashboard_url: str | None = None
+        self.status: dict = {}
+        self.merges: list[dict] = []
+        self.rejected = 0
+        self.tape = JsonlFollower(self.syncer_dir / "tape.jsonl")
+        self.stopping: str | None = None   # why, once a stop began
+        self.stop_started = 0.0
+        self.hard_stop = False
+        self.t0 = time.monotonic()
+        self._logs: list = []
+        self._tb: dict = {}
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if cfg.token:
+            self.env["YETO_TOKEN"] = cfg.token  # not on the command line (visible in ps)
+
+    # ---- start ------------------------------------------------------------------
+    def prepare(self) -> None:
+        for sub in ("syncer", "islands", "adapter", "tensorboard"):
+            p = self.out / sub
+            if p.is_dir() and any(p.iterdir()):
+                if not self.cfg.overwrite:
+                    raise LaunchError(f"{p} already holds a run's outputs: pass --overwrite to "
+                                      "replace them, or choose another --out")
+                shutil.rmtree(p, ignore_errors=True)
+        (self.out / "summary.json").unlink(missing_ok=True)
+        self.syncer_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.report_to:
+            from yeto.metrics import MetricsWriter
+
+            self._tb["syncer"] = MetricsWriter(None, self.cfg.report_to,
+                                               tb_dir=self.out / "tensorboard" / "syncer")
+
+    def start_syncer(self, timeout: float = 60.0) -> str:
+        port_file = self.syncer_dir / "port"
+        dash_file = self.syncer_dir / "dashboard_port"
+        quorum = self.cfg.quorum or len(self.cfg.backends)
+        cmd = [sys.executable, "-m", "syncer", "--host", self.cfg.host,
+               "--port", str(self.cfg.port), "--port-file", str(port_file),
+               "--quorum", str(quorum), "--state-dir", str(self.syncer_dir),
+               *self.cfg.syncer_args]
+        if self.cfg.dashboard_port is not None:
+            cmd += ["--dashboard-port", str(self.cfg.dashboard_port),
+                    "--dashboard-port-file", str(dash_file)]
+        logf = open(self.syncer_dir / "log.txt", "w")
+        self._logs.append(logf)
+        self.syncer = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
+                                       start_new_session=True)
+        t0 = time.monotonic()
+        while not port_file.exists():
+            if self.syncer.poll() is not None:
+                raise LaunchError(f"the syncer exited with code {self.syncer.returncode}:\n"
+                                  + tail(self.syncer_dir / "log.txt"))
+            if time.monotonic() - t0 > timeout:
+                raise LaunchError(f"the syncer did not listen within {timeout:.0f} s; see "
+                                  f"{self.syncer_dir / 'log.txt'}")
+            time.sleep(0.05)
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else (
+            "::1" if self.cfg.host == "::" else self.cfg.host)
+        port = int(port_file.read_text())
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if dash_file.exists():
+            self.dashboard_url = f"http://{'127.0.0.1'}:{int(dash_file.read_text())}/"
+        return self.address
+
+    def start_islands(self) -> None:
+        n = len(self.cfg.backends)
+        threads = max(1, (os.cpu_count() or 1) // n)
+        for i, backend in enumerate(self.cfg.backends):
+            iid = f"island-{i}"
+            d = self.out / "islands" / iid
+            d.mkdir(parents=True, exist_ok=True)
+            extra = list(self.cfg.backend_args.get(backend, []))
+            if backend == "torch" and "--threads" not in self.cfg.island_args + extra:
+                extra += ["--threads", str(threads)]
+            args = ["--model", str(self.cfg.model), "--data", str(self.cfg.data),
+                    *(["--eval-data", str(self.cfg.eval_data)] if self.cfg.eval_data else []),
+                    "--syncer", self.address, "--learner-id", iid, "--num-learners", str(n),
+                    "--output", str(d), "--no-progress", *self.cfg.island_args, *extra]
+            cmd = [sys.executable, "-m", "yeto.launch", "island", ISLAND_MODULES[backend], *args]
+            isl = IslandProc(iid, backend, d, cmd, metrics=JsonlFollower(d / "metrics.jsonl"))
+            logf = open(d / "log.txt", "w")
+            self._logs.append(logf)
+            isl.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
+                                        start_new_session=True)
+            self.islands.append(isl)
+            if self.cfg.report_to:
+                from yeto.metrics import MetricsWriter
+
+                self._tb[iid] = MetricsWriter(None, self.cfg.report_to,
+                                              tb_dir=self.out / "tensorboard" / iid)
+
+    # ---- follow -----------------------------------------------------------------
+    def poll(self, with_status: bool = True) -> tuple[list[dict], list[IslandProc]]:
+        """Read what is new; returns (new merge/rejection records, islands that just exited)."""
+        now = time.monotonic()
+        exited = []
+        for isl in self.islands:
+            for rec in isl.metrics.read_new():
+                self._island_record(isl, rec, now)
+            if isl.code is None and isl.proc.poll() is not None:
+                isl.code = isl.proc.returncode
+                for rec in isl.metrics.read_new():
+                    self._island_record(isl, rec, now)
+                exited.append(isl)
+        new = self.tape.read_new()
+        for rec in new:
+            if rec.get("event") == "merge":
+                self.merges.append(rec)
+                by_id = {i.id: i for i in self.islands}
+                for r in rec.get("responders", []):
+                    isl = by_id.get(r.get("learner"))
+                    if isl is not None:
+                        isl.pushes += 1
+                        isl.loss_tokens += int(r.get("tokens") or 0)
+                        isl.t_tokens = finite(rec.get("time")) or time.time()
+                for prefix, scalars in tape_scalars(rec).items():
+                    w = self._tb.get("syncer")
+                    if w is not None:
+                        w.scalars(scalars, rec.get("round"), prefix=prefix)
+            elif rec.get("event") == "rejected":
+                self.rejected += 1
+        if with_status and self.address and self.syncer and self.syncer.poll() is None:
+            self._poll_status(now)
+        return new, exited
+
+    def _island_record(self, isl: IslandProc, rec: dict, now: float) -> None:
+        if "eval_loss_before" in rec:  # the summary record written at the end
+            isl.done = rec
+        if rec.get("step") == 0 and isl.t_first is None:
+            isl.t_first = finite(rec.get("time")) or time.time()
+            isl.eval_before = finite(rec.get("eval_loss"))
+        if isinstance(rec.get("step"), int):
+            isl.step = max(isl.step, rec["step"])
+        for k in ("train_loss", "eval_loss"):
+            if finite(rec.get(k)) is not None:
+                setattr(isl, k, finite(rec[k]))
+        if isinstance(rec.get("version"), int):
+            isl.version = rec["version"]
+        if finite(rec.get("tokens_per_s")) is not None:
+            isl.tokens_per_s = finite(rec["tokens_per_s"])
+        w = self._tb.get(isl.id)
+        if w is not None and isinstance(rec.get("step"), int):
+            w.scalars({k: v for k, v in rec.items() if k not in ("version", "final")},
+                      rec["step"])
+
+    def _poll_status(self, now: float) -> None:
+        from yeto.status import fetch
+
+        try:
+            self.status = fetch(self.address, self.cfg.token, timeout=2.0)
+        except Exception:  # noqa: BLE001 - the display keeps its last view
+            return
+        by_id = {i["learner_id"]: i for i in self.status.get("islands", [])}
+        for isl in self.islands:
+            s = by_id.get(isl.id)
+            if s is None:
+                continue
+            isl.syncer_state = s["state"]
+            isl.last_contact_s = s.get("last_contact_s")
+
+    def rate(self, isl: IslandProc) -> float | None:
+        """Loss tokens per second: the island's own figure when its metrics carry one,
+        else the loss tokens merged from it over the time from its step 0 to its last
+        merged push (waits for rounds included)."""
+        if isl.tokens_per_s is not None:
+            return isl.tokens_per_s
+        if isl.t_first is None or isl.t_tokens is None or isl.t_tokens <= isl.t_first:
+            return None
+        return isl.loss_tokens / (isl.t_tokens - isl.t_first)
+
+    def running(self) -> list[IslandProc]:
+        return [i for i in self.islands if i.code is None]
+
+    # ---- stop -------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        """First call: SIGINT to the islands (finish and save). Second: stop at once."""
+        if self.stopping is None:
+            self.stopping, self.stop_started = reason, time.monotonic()
+            self._signal_islands(signal.SIGINT)
+        elif not self.hard_stop:
+            self.hard_stop = True
+            self._signal_islands(signal.SIGTERM)  # the wrapper: a second signal interrupts
+
+    def _signal_islands(self, sig) -> None:
+        for isl in self.running():
+            _send(isl.proc, sig)
+
+    def escalate(self) -> None:
+        """Called while stopping: SIGTERM after --stop-timeout, SIGKILL 15 s later."""
+        if self.stopping is None or not self.running():
+            return
+        waited = time.monotonic() - self.stop_started
+        if waited > self.cfg.stop_timeout_s and not self.hard_stop:
+            log.warning("islands still running %.0f s after the stop: interrupting them", waited)
+            self.hard_stop = True
+            self._signal_islands(signal.SIGTERM)
+        elif waited > self.cfg.stop_timeout_s + 15:
+            self._signal_islands(signal.SIGKILL)
+
+    def stop_syncer(self, wait_s: float = 60.0) -> int | None:
+        """The syncer exits by itself once the run finished and the final weights went
+        out; otherwise it gets SIGTERM (it saves state every round) after ``wait_s``."""
+        if self.syncer is None:
+            return None
+        try:
+            return self.syncer.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            _send(self.syncer, signal.SIGTERM)
+            try:
+                return self.syncer.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                _send(self.syncer, signal.SIGKILL)
+                return self.syncer.wait()
+
+    def kill_all(self) -> None:
+        for p in [i.proc for i in self.islands] + [self.syncer]:
+            if p is not None and p.poll() is None:
+                _send(p, signal.SIGKILL)
+                p.wait()
+
+    def close(self) -> None:
+        for f in self._logs:
+            f.close()
+        for w in self._tb.values():
+            w.close()
+
+    # ---- outputs ----------------------------------------------------------------
+    def collect(self, seconds: float) -> dict | None:
+        """Copy the syncer's final adapter to out/adapter and write summary.json."""
+        final = self.syncer_dir / "final"
+        if final.is_dir():
+            shutil.rmtree(self.out / "adapter", ignore_errors=True)
+            shutil.copytree(final, self.out / "adapter")
+        try:
+            summary = summarize(self.out, seconds)
+        except (OSError, ValueError, StopIteration):
+            return None
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+class LaunchError(RuntimeError):
+    """The run could not start (the message says why and what to do)."""
+
+
+def _send(proc: subprocess.Popen, sig) -> None:
+    try:
+        proc.send_signal(sig)
+    except (ProcessLookupError, OSError):
+        pass
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def summarize(out: Path, seconds: float) -> dict:
+    """summary.json of a local run (the format `yeto demo` has always written):
+    held-out loss before/after (island-0's), rounds, bytes up/down, seconds, and
+    per island its held-out loss, loss tokens and whether it got the final weights."""
+    from syncer.tape import read_tape
+
+    tape = out / "syncer" / "tape.jsonl"
+    merges = [r for r in read_tape(tape) if r.get("event") == "merge"] if tape.exists() else []
+    islands = {}
+    for d in sorted((out / "islands").iterdir()):
+        if (d / "summary.json").is_file():
+            islands[d.name] = json.loads((d / "summary.json").read_text())
+    first = next(iter(islands.values()), {})
+    return dict(eval_loss_before=first.get("eval_loss_before"),
+                eval_loss_after=first.get("eval_loss"),
+                rounds=len(merges), bytes_up=sum(r["bytes_in"] for r in merges),
+                bytes_down=sum(r["bytes_out"] for r in merges), seconds=round(seconds, 1),
+                islands={k: dict(eval_loss=v.get("eval_loss"), loss_tokens=v.get("loss_tokens"),
+                                 final=v.get("final")) for k, v in islands.items()})
+
+
+# ---- display ---------------------------------------------------------------------------
+def _loss(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
+def render_table(run: LocalRun) -> str:
+    steps = run.cfg.max_steps
+    elapsed = human_seconds(time.monotonic() - run.t0)
+    m = run.merges
+    state = ("stopping: " + run.stopping if run.stopping and run.running() else
+             "finished" if run.status.get("finished") or (run.syncer and run.syncer.poll() == 0)
+             else "training" if m or run.status.get("version") else "starting")
+    head = (f"syncer {run.address}  {state}  round {m[-1]['round'] if m else 0}  merges "
+            f"{len(m)}  up {human_bytes(sum(r.get('bytes_in', 0) for r in m))}  down "
+            f"{human_bytes(sum(r.get('bytes_out', 0) for r in m))}  rejected {run.rejected}  "
+            f"{elapsed}")
+    rows = []
+    for isl in run.islands:
+        rate = run.rate(isl)
+        rows.append([isl.id, isl.backend, f"{isl.step}/{steps}" if steps else str(isl.step),
+                     _loss(isl.train_loss), _loss(isl.eval_loss),
+                     "-" if rate is None else f"{rate:,.0f}",
+                     "-" if isl.version is None or isl.version < 0 else str(isl.version),
+                     str(isl.pushes), isl.state])
+    return head + "\n" + table(rows, ["island", "backend", "step", "train loss", "held-out",
+                                      "loss tok/s", "round", "pushes", "state"])
+
+
+def merge_line(r: dict) -> str:
+    parts = [f"{x['learner']} {x['tokens']} tok"
+             + (f" eval {x['eval_loss']:.3f}" if x.get("eval_loss") is not None else "")
+             for x in r.get("responders", [])]
+    return f"round {r['round']:3d}: " + ", ".join(parts)
+
+
+class Display:
+    """live: a table redrawn in place (a terminal); plain: a line per merged round and
+    per island that exits, and the table every `status_every_s`; none: quiet."""
+
+    def __init__(self, mode: str, stream=None, status_every_s: float = 30.0):
+        self.stream = stream or sys.stdout
+        if mode == "auto":
+            mode = "live" if self.stream.isatty() and os.environ.get("TERM") != "dumb" else "plain"
+        self.mode = mode
+        self.status_every_s = status_every_s
+        self._drawn = 0
+        self._last_table = time.monotonic()
+
+    def say(self, text: str) -> None:
+        if self.mode == "none":
+            return
+        self._erase()
+        print(text, file=self.stream, flush=True)
+
+    def update(self, run: LocalRun, new: list[dict], exited: list[IslandProc]) -> None:
+        if self.mode == "none":
+            return
+        lines = [merge_line(r) for r in new if r.get("event") == "merge"]
+        lines += [f"rejected: {r.get('learner')} {r.get('kind')}: {r.get('detail')}"
+                  for r in new if r.get("event") == "rejected"]
+        for isl in exited:
+            lines.append(f"{isl.id} exited with code {isl.code}" if isl.code else
+                         f"{isl.id} done at step {isl.step}")
+        if self.mode == "live":
+            self._erase()
+            for line in lines:
+                print(line, file=self.stream)
+            text = render_table(run)
+            print(text, file=self.stream, flush=True)
+            self._drawn = text.count("\n") + 1
+            return
+        for line in lines:
+            print(line, file=self.stream, flush=True)
+        if time.monotonic() - self._last_table >= self.status_every_s:
+            self._last_table = time.monotonic()
+            print(render_table(run), file=self.stream, flush=True)
+
+    def _erase(self) -> None:
+        if self.mode == "live" and self._drawn:
+            self.stream.write(f"\x1b[{self._drawn}F\x1b[J")
+            self._drawn = 0
+
+    def final(self, run: LocalRun) -> None:
+        if self.mode == "none":
+            return
+        self._erase()
+        print(render_table(run), file=self.stream, flush=True)
+
+
+# ---- the whole run ---------------------------------------------------------------------
+def run_local(cfg: LaunchConfig, display: Display | None = None,
+              on_started=None) -> tuple[int, LocalRun, dict | None]:
+    """Start, follow and stop a local run. Returns (exit code, the run, summary).
+    Exit code: 0 when every island finished with the final weights, 130 when
+    stopped by a signal (outputs saved), 1 when an island or the syncer failed."""
+    display = display or Display(cfg.display, status_every_s=cfg.status_every_s)
+    run = LocalRun(cfg)
+    run.prepare()
+    handlers = _install_signal_handlers(run)
+    t0 = time.monotonic()
+    code = 0
+    try:
+        run.start_syncer()
+        display.say(f"syncer on {run.address}" + (f", dashboard {run.dashboard_url}"
+                                                  if run.dashboard_url else "")
+                    + f"; starting {len(cfg.backends)} islands ({', '.join(cfg.backends)})")
+        run.start_islands()
+        if on_started is not None:
+            on_started(run)
+        last_status = 0.0
+        while run.running():
+            now = time.monotonic()
+            with_status = now - last_status >= 1.0
+            if with_status:
+                last_status = now
+            new, exited = run.poll(with_status=with_status)
+            display.update(run, new, exited)
+            failed = [i for i in exited if i.code not in (0, None)]
+            for isl in failed:
+                display.say(f"error: {isl.id} exited with code {isl.code}; the end of "
+                            f"{isl.dir / 'log.txt'}:\n{tail(isl.dir / 'log.txt')}")
+            if failed and not cfg.keep_going and run.stopping is None and run.running():
+                display.say("stopping the other islands (--keep-going keeps them training)")
+                run.request_stop(f"{failed[0].id} failed")
+            if run.syncer.poll() not in (None, 0) and run.stopping is None:
+                # (code 0: the run finished and the final weights went out; the islands
+                # are saving their outputs and exit by themselves)
+                display.say(f"error: the syncer exited with code {run.syncer.returncode}:\n"
+                            + tail(run.syncer_dir / "log.txt"))
+                run.request_stop("the syncer failed")
+            run.escalate()
+            time.sleep(0.25)
+        by_signal = bool(run.stopping and run.stopping.startswith("signal"))
+        interrupted = (130, -signal.SIGTERM, -signal.SIGKILL) if by_signal else ()
+        failed = [i for i in run.islands if i.code != 0 and i.code not in interrupted]
+        run.stop_syncer(wait_s=1.0 if failed else 60.0)
+        new, exited = run.poll(with_status=False)
+        display.update(run, new, exited)
+        code = 1 if failed else 130 if by_signal else 0
+    except BaseException:
+        run.kill_all()
+        raise
+    finally:
+        _restore_signal_handlers(handlers)
+        run.close()
+    summary = run.collect(time.monotonic() - t0)
+    display.final(run)
+    return code, run, summary
+
+
+def _install_signal_handlers(run: LocalRun):
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        run.request_stop(f"signal {name}")
+        print(f"\n{name}: stopping the islands; they finish their step, push, and save "
+              f"(again to stop at once)" if not run.hard_stop else
+              f"\n{name}: stopping at once", file=sys.stderr, flush=True)
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, on_signal)
+    return old
+
+
+def _restore_signal_handlers(old) -> None:
+    if old:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ---- CLI -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="yeto launch", allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a syncer and islands as local processes (one machine, or a "
+                    "simulation of a fleet) with a live display; Ctrl-C stops everything "
+                    "cleanly with outputs saved.\n\nFlags not listed here go to every island "
+                    "(python -m yeto.learner --help lists them), e.g. --max-steps 200 "
+                    "--sync-every 20 --lora-r 8.",
+        epilog="Example:\n  yeto launch --islands torch,torch,mlx --model runs/demo/model "
+               "--data runs/demo/data/train.jsonl \\\n      --eval-data runs/demo/data/eval.jsonl "
+               "--max-steps 200 --sync-every 20")
+    p.add_argument("--islands", default="torch,torch",
+                   help="comma list of island backends, one island each: torch, mlx "
+                        "(default: torch,torch)")
+    p.add_argument("--model", help="local Hugging Face model dir or hub id (required)")
+    p.add_argument("--data", help="training data, sharded over the islands (required)")
+    p.add_argument("--eval-data", default=None, help="held-out data, evaluated at every sync")
+    p.add_argument("--out", type=Path, default=Path("runs/launch"),
+                   help="output folder (default: runs/launch)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of an earlier run in --out")
+    p.add_argument("--torch-args", default="", help="extra flags for torch islands only")
+    p.add_argument("--mlx-args", default="", help="extra flags for MLX islands only")
+    p.add_argument("--host", default="127.0.0.1", help="syncer address (default: loopback)")
+    p.add_argument("--port", type=int, default=0, help="syncer port (default 0: any free port)")
+    p.add_argument("--token", default=None,
+                   help="shared token for the syncer and islands (default: $YETO_TOKEN)")
+    p.add_argument("--dashboard-port", type=int, default=0,
+                   help="the syncer's dashboard port (default 0: any free port)")
+    p.add_argument("--no-dashboard", action="store_true", help="no dashboard")
+    p.add_argument("--syncer-args", default="", help="extra flags for the syncer "
+                                                     "(python -m syncer --help)")
+    for name, (flag, typ, default, text) in SYNCER_FLAGS.items():
+        p.add_argument(flag, dest=name, type=typ, default=default, help=text)
+    p.add_argument("--display", choices=("auto", "live", "plain", "none"), default="auto",
+                   help="live: a table redrawn in place; plain: a line per round (default: "
+                        "live on a terminal)")
+    p.add_argument("--report-to", default="",
+                   help="also write metrics to: tensorboard (in OUT/tensorboard; needs the "
+                        "tensorboard package). JSONL metrics are always written")
+    p.add_argument("--stop-timeout", type=float, default=120.0,
+                   help="seconds islands get to finish and save after Ctrl-C before they are "
+                        "interrupted")
+    p.add_argument("--keep-going", action="store_true",
+                   help="keep the other islands training when one fails")
+    return p
+
+
+def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> LaunchConfig:
+    backends = [b.strip() for b in args.islands.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ISLAND_MODULES]
+    if not backends or bad:
+        p.error(f"--islands {args.islands!r}: use a comma list of {', '.join(ISLAND_MODULES)}, "
+                "e.g. --islands torch,torch,mlx")
+    if not args.model or not args.data:
+        p.error("--model and --data are required, e.g. yeto launch --model runs/demo/model "
+                "--data runs/demo/data/train.jsonl (`yeto make-tiny-model DIR` and `yeto "
+                "make-task DIR` build small local ones)")
+    taken = [a for a in rest if a.split("=")[0] in OWN_ISLAND_FLAGS]
+    if taken:
+        p.error(f"{', '.join(taken)}: the launcher sets these for every island itself")
+    if "mlx" in backends:
+        from yeto.mlx import INSTALL_HINT, mlx_available
+
+        if not mlx_available():
+            p.error(f"--islands {args.islands}: {INSTALL_HINT}")
+    try:
+        report_to = check_report_to(args.report_to)
+    except MetricsError as e:
+        p.error(str(e))
+    syncer_args = shlex.split(args.syncer_args)
+    for name, (flag, _, _, _) in SYNCER_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and name != "quorum":
+            syncer_args += [flag, str(value)]
+    steps = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    steps.add_argument("--max-steps", type=int, default=None)
+    known, _ = steps.parse_known_args(rest)
+    return LaunchConfig(
+        out=args.out, backends=backends, model=args.model, data=args.data,
+        eval_data=args.eval_data, island_args=rest,
+        backend_args={"torch": shlex.split(args.torch_args), "mlx": shlex.split(args.mlx_args)},
+        syncer_args=syncer_args, quorum=args.quorum, host=args.host, port=args.port,
+        token=args.token or os.environ.get("YETO_TOKEN") or None,
+        dashboard_port=None if args.no_dashboard else args.dashboard_port,
+        display=args.display, report_to=report_to, stop_timeout_s=args.stop_timeout,
+        keep_going=args.keep_going, max_steps=known.max_steps or 200, overwrite=args.overwrite)
+
+
+def print_outputs(run: LocalRun, summary: dict | None, code: int, stream=None) -> None:
+    stream = stream or sys.stdout
+    out = run.out
+    if summary and summary.get("eval_loss_before") is not None and \
+            summary.get("eval_loss_after") is not None:
+        print(f"\nheld-out loss: {summary['eval_loss_before']:.4f} -> "
+              f"{summary['eval_loss_after']:.4f}  ({summary['rounds']} rounds, "
+              f"{summary['bytes_up'] / 1e6:.2f} MB up, {summary['bytes_down'] / 1e6:.2f} MB "
+              f"down, {summary['seconds']:.0f} s)", file=stream)
+    elif summary:
+        print(f"\n{summary['rounds']} rounds, {summary['bytes_up'] / 1e6:.2f} MB up, "
+              f"{summary['bytes_down'] / 1e6:.2f} MB down, {summary['seconds']:.0f} s",
+              file=stream)
+    print(f"outputs in {out}:", file=stream)
+    if (out / "adapter").is_dir():
+        print(f"  adapter/         the final adapter (peft; `yeto export --state-dir "
+              f"{out / 'syncer'} --format mlx --out DIR` for mlx-lm)", file=stream)
+    else:
+        print("  (no final adapter: the run did not finish; `yeto export --state-dir "
+              f"{out / 'syncer'} ...` exports its last merged weights)", file=stream)
+    print("  islands/<id>/    adapter/, metrics.jsonl, summary.json, log.txt", file=stream)
+    print("  syncer/          tape.jsonl (one line per merge), state, log.txt", file=stream)
+    if (out / "summary.json").exists():
+        print("  summary.json", file=stream)
+    if (out / "tensorboard").is_dir():
+        print(f"  tensorboard/     tensorboard --logdir {out / 'tensorboard'}", file=stream)
+    if code == 130:
+        print("stopped early by a signal; outputs above are as of the stop", file=stream)
+    stream.flush()
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    args, rest = p.parse_known_args(argv)
+    cfg = config_from_args(p, args, rest)
+    logging.basicConfig(level="WARNING", format="%(message)s")
+    try:
+        code, run, summary = run_local(cfg)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_outputs(run, summary, code)
+    if code == 1:
+        print(f"error: a process failed; see {run.out}/islands/<id>/log.txt and "
+              f"{run.out}/syncer/log.txt", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "island":
+        sys.exit(island_entry(sys.argv[2:]))
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""`yeto status HOST:PORT`: where a running syncer stands.
+
+One Status call over gRPC (`yeto.client.status`): the run's round, version,
+quorum, last merge, bytes received and sent, and per island its backend, state
+(waiting | training | finished | gone), last contact, pushes and loss tokens.
+
+    yeto status 127.0.0.1:29400
+    yeto status 10.0.0.5:29400 --token $YETO_TOKEN --json
+    yeto status 127.0.0.1:29400 --watch 2        # refresh every 2 s (Ctrl-C ends)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="yeto status", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Show a running syncer's islands (state, last contact, pushes, tokens), "
+                    "round, version, last merge and bytes on the wire.",
+        epilog="Example: yeto status 127.0.0.1:29400 --json")
+    p.add_argument("address", help="the syncer's HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.add_argument("--token", default=None, help="the syncer's token (default: $YETO_TOKEN)")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="CA of the syncer's certificate (a TLS syncer)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", type=Path, default=None, help="client key (mutual TLS)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the reply")
+    p.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
+                   help="refresh every SECONDS until Ctrl-C (0 = once)")
+    return p
+
+
+def fetch(address: str, token: str | None = None, tls=None, timeout: float = 10.0) -> dict:
+    """The syncer's status as a plain dict (numbers as numbers)."""
+    from yeto.client import status
+
+    s = status(address, token=token, tls=tls, timeout=timeout)
+    return normalize(s)
+
+
+def normalize(s: dict) -> dict:
+    """protobuf's JSON mapping writes 64-bit integers as strings: make them ints."""
+    ints = ("round", "version", "quorum", "bytes_in", "bytes_out", "pushes", "loss_tokens",
+            "generation")
+    out = {k: (int(v) if k in ints and isinstance(v, str) else v) for k, v in s.items()}
+    out["islands"] = [normalize(i) for i in s.get("islands", [])]
+    return out
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None or s < 0:
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s" if s < 10 else f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def render(s: dict, address: str = "") -> str:
+    state = "finished" if s.get("finished") else (
+        "training" if s.get("round", 0) and any(i["state"] == "training" for i in s["islands"])
+        else "waiting for islands")
+    head = (f"syncer {address}  run {s.get('run_id', '?')}  {state}\n"
+            f"round {s.get('round', 0)}  version {s.get('version', 0)}  quorum "
+            f"{s.get('quorum', 0)}  last merge {human_seconds(s.get('last_merge_s'))} ago  "
+            f"bytes in {human_bytes(s.get('bytes_in'))}  out {human_bytes(s.get('bytes_out'))}")
+    if not s["islands"]:
+        return head + "\nno islands have joined yet"
+    rows = [[i["learner_id"], i.get("backend", "?"), i["state"],
+             human_seconds(i.get("last_contact_s")) + " ago", str(i.get("pushes", 0)),
+             str(i.get("loss_tokens", 0))]
+            for i in sorted(s["islands"], key=lambda i: i["learner_id"])]
+    return head + "\n\n" + table(rows, ["island", "backend", "state", "last contact", "pushes",
+                                        "loss tokens"])
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import grpc
+
+    from yeto.client import TLSConfig
+
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        tls = TLSConfig(ca=args.tls_ca.read_bytes() if args.tls_ca else None,
+                        cert=args.tls_cert.read_bytes() if args.tls_cert else None,
+                        key=args.tls_key.read_bytes() if args.tls_key else None)
+    try:
+        while True:
+            try:
+                s = fetch(args.address, args.token, tls, args.timeout)
+            except grpc.RpcError as e:
+                hint = {grpc.StatusCode.UNAUTHENTICATED: " (pass --token or set $YETO_TOKEN)",
+                        grpc.StatusCode.UNAVAILABLE: " (is the syncer running? check HOST:PORT)",
+                        }.get(e.code(), "")
+                print(f"error: syncer {args.address}: {e.code().name}: {e.details()}{hint}",
+                      file=sys.stderr)
+                return 1
+            except ValueError as e:  # a malformed address
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            if args.json:
+                print(json.dumps(s, indent=2, sort_keys=True), flush=True)
+            else:
+                if args.watch and sys.stdout.isatty():
+                    print("\x1b[2J\x1b[H", end="")
+                print(render(s, args.address), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+            if not args.json and not sys.stdout.isatty():
+                print()
+    except KeyboardInterrupt:
+        return 0
