@@ -43,10 +43,13 @@ CHAT = {
 
 
 def test_load_rows_accepts_each_schema(tmp_path):
-    rows = [{"text": "hello"}, CHAT, {"prompt": "2+2=", "completion": "4", "id": 7}]
-    assert load_rows(write_jsonl(tmp_path / "d.jsonl", rows)) == rows
-    (tmp_path / "d.json").write_text(json.dumps(rows))
-    assert load_rows(tmp_path / "d.json") == rows
+    # One format per file (a mixed file is refused: tests/test_formats.py).
+    each = [{"text": "hello"}, CHAT, {"prompt": "2+2=", "completion": "4", "id": 7}]
+    for i, row in enumerate(each):
+        rows = [row, row]
+        assert load_rows(write_jsonl(tmp_path / f"d{i}.jsonl", rows)) == rows
+        (tmp_path / f"d{i}.json").write_text(json.dumps(rows))
+        assert load_rows(tmp_path / f"d{i}.json") == rows
 
 
 def test_blank_lines_are_skipped_but_counted(tmp_path):
@@ -257,3 +260,24 @@ def test_sampler_with_fewer_blocks_than_batch():
     tokens, weights = next(s)
     assert tokens.shape == (8, 5) and weights.shape == (8, 4)
     assert iter(s) is s
+
+
+# ---------------------------------------------------------------- positions and batches
+
+
+def test_blocks_default_positions_are_plain_and_slicing_keeps_them():
+    b = _blocks(5)
+    np.testing.assert_array_equal(b.positions, np.tile(np.arange(4), (5, 1)))
+    doc = pack_blocks([([1, 2, 3], [1.0] * 3), ([4, 5, 6, 7, 8], [1.0] * 5)], 4, packing="document")
+    head = doc[:1]
+    assert isinstance(head, Blocks) and len(head) == 1
+    np.testing.assert_array_equal(head.positions, doc.positions[:1])
+
+
+def test_sampler_batches_unpack_as_pairs_and_carry_positions():
+    doc = pack_blocks([([1, 2, 3], [1.0] * 3), ([4, 5, 6, 7, 8], [1.0] * 5)], 4, packing="document")
+    batch = next(BatchSampler(doc, 2, seed=0))
+    tokens, weights = batch  # the pair every island unpacks
+    assert tokens.shape == (2, 5) and weights.shape == (2, 4)
+    assert batch.positions.shape == (2, 4) and batch.positions.dtype == np.int32
+    assert batch.tokens is tokens and batch.weights is weights

@@ -9,10 +9,16 @@ COMMANDS = {
     "launch": ("yeto.launch", "main",
                "a syncer + islands as local processes, with a live display"),
     "status": ("yeto.status", "main", "a running syncer's islands, round, bytes (HOST:PORT)"),
+    "export": ("yeto.export", "main_export",
+               "a run's adapter (state dir) as a peft or mlx-lm adapter"),
+    "convert": ("yeto.export", "main_convert",
+                "convert a LoRA adapter between peft and mlx-lm, exactly"),
     "make-tiny-model": ("yeto.fixtures", "main_make_tiny_model",
                         "write a tiny Llama/Qwen2-style model dir with a local tokenizer"),
     "make-task": ("yeto.fixtures", "main_make_task",
                   "write the synthetic chat task (train.jsonl, eval.jsonl)"),
+    "data": ("yeto.datacli", "main",
+             "check a data source with a model's tokenizer: format, tokens, loss mask"),
 }
 
 

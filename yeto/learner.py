@@ -24,27 +24,34 @@ import numpy as np
 import torch
 
 from yeto import codec, wire
-from yeto.data import BatchSampler, Blocks, DataError, load_blocks
+from yeto.data import PACKING, BatchSampler, Blocks, DataError, load_blocks
 from yeto.island import Island
 from yeto.layout import Layout
+from yeto.provenance import (
+    ModelSource,
+    ProvenanceError,
+    build_record,
+    resolve_model,
+    write_provenance,
+)
 from yeto.targets import TARGET_MODES, select_targets
 
 log = logging.getLogger("yeto.learner")
 
 
 # ---- model ------------------------------------------------------------------
-def load_base(model: str, dtype=torch.float32):
-    """Load model + tokenizer from a local dir or a hub id (already cached)."""
+def load_base(model: str | ModelSource, dtype=torch.float32, *, revision: str | None = None,
+              trust_remote_code: bool = False):
+    """Load model + tokenizer from a local dir or a hub id, pinned and checked first
+    (`yeto.provenance.resolve_model`: safetensors only, no repo code unless trusted)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(model)
-    if not path.exists() and (model.startswith((".", "/")) or model.count("/") != 1):
-        raise FileNotFoundError(
-            f"model {model!r} not found: pass a local Hugging Face model dir or a hub id. "
-            "Example: yeto make-tiny-model runs/tiny && python -m yeto.learner --model "
-            "runs/tiny ...")
-    tok = AutoTokenizer.from_pretrained(model)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, use_safetensors=True)
+    src = model if isinstance(model, ModelSource) else resolve_model(
+        model, revision=revision, trust_remote_code=trust_remote_code)
+    trust = src.trust_remote_code
+    tok = AutoTokenizer.from_pretrained(str(src.path), trust_remote_code=trust)
+    lm = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype, use_safetensors=True,
+                                              trust_remote_code=trust)
     return lm, tok
 
 
@@ -96,12 +103,67 @@ def canonical_name(param_name: str, tuning: str) -> str:
 
 
 # ---- loss -------------------------------------------------------------------
-def weighted_ce_sum(model, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ w·CE over the batch (normalised by the caller over the whole step)."""
-    logits = model(input_ids=tokens[:, :-1]).logits
+def packed_inputs(model, tokens: torch.Tensor, positions: torch.Tensor | None) -> dict:
+    """Forward kwargs for blocks whose documents must not attend to each other.
+
+    ``positions`` (b, seq_len) restart at 0 at every document start (see yeto.data).
+    Plain blocks (one causal sequence each, as with ``--packing naive``) get plain
+    inputs. Otherwise the model gets per-document ``position_ids`` and, for eager and
+    sdpa attention, an explicit 4D block-diagonal causal mask (bool for sdpa, additive
+    float for eager), which transformers passes through as-is. Other attention
+    implementations (flash_attention_*, flex_attention), and models whose sliding
+    window is shorter than the block, get ``position_ids`` alone, from which
+    transformers 5 splits packed sequences itself. The KV cache is off either way:
+    with a cache transformers ignores position-id packing.
+    """
+    kw: dict = {"input_ids": tokens[:, :-1]}
+    if positions is None:
+        return kw
+    pos = positions.long()
+    if bool((pos == torch.arange(pos.shape[1], device=pos.device)).all()):
+        return kw
+    kw.update(position_ids=pos, use_cache=False)
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl in ("eager", "sdpa") and not _sliding_window_applies(model.config, pos.shape[1]):
+        seg = torch.cumsum(pos == 0, dim=1)
+        n = pos.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
+        allowed = ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+        if impl == "sdpa":
+            kw["attention_mask"] = allowed
+        else:
+            dtype = next(model.parameters()).dtype
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device)
+            kw["attention_mask"] = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    return kw
+
+
+def _sliding_window_applies(config, seq_len: int) -> bool:
+    # A 4D mask is used as-is by every layer, so it would drop a sliding window (and
+    # per-layer mixes of sliding and full attention); such models get position ids.
+    window = getattr(config, "sliding_window", None)
+    return bool(window) and seq_len > window and getattr(config, "use_sliding_window", True)
+
+
+def weighted_ce_from_logits(logits: torch.Tensor, targets: torch.Tensor,
+                            weights: torch.Tensor) -> torch.Tensor:
+    """Σ w·CE, in float32 (the loss both islands compute; see yeto.data)."""
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                           tokens[:, 1:].reshape(-1).long(), reduction="none")
+                                           targets.reshape(-1).long(), reduction="none")
     return (ce * weights.reshape(-1)).sum()
+
+
+def weighted_ce_sum(model, tokens: torch.Tensor, weights: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ w·CE over the batch (normalised by the caller over the whole step); with
+    ``positions``, packed documents do not attend to each other."""
+    logits = model(**packed_inputs(model, tokens, positions)).logits
+    return weighted_ce_from_logits(logits, tokens[:, 1:], weights)
+
+
+def _positions(batch, device) -> torch.Tensor | None:
+    pos = getattr(batch, "positions", None)  # a yeto.data.Batch; plain pairs have none
+    return None if pos is None else torch.from_numpy(np.ascontiguousarray(pos)).to(device)
 
 
 @torch.no_grad()
@@ -111,27 +173,30 @@ def evaluate(model, blocks: Blocks, batch_size: int, device) -> float:
     model.eval()
     total, weight = 0.0, 0.0
     for lo in range(0, len(blocks), batch_size):
-        t = torch.from_numpy(blocks.tokens[lo:lo + batch_size]).to(device)
-        w = torch.from_numpy(blocks.weights[lo:lo + batch_size]).to(device)
-        total += float(weighted_ce_sum(model, t, w))
+        b = blocks[lo:lo + batch_size]
+        t = torch.from_numpy(b.tokens).to(device)
+        w = torch.from_numpy(b.weights).to(device)
+        p = torch.from_numpy(np.ascontiguousarray(b.positions)).to(device)
+        total += float(weighted_ce_sum(model, t, w, p))
         weight += float(w.sum())
     model.train(was_training)
     return total / max(weight, 1.0)
 
 
 def train_step(model, opt, micro_batches, device) -> tuple[float, int]:
-    """One optimizer step over grad-accum micro-batches; returns (loss, loss tokens)."""
-    total_w = float(sum(w.sum() for _, w in micro_batches))
+    """One optimizer step over grad-accum micro-batches (`yeto.data.Batch`, or plain
+    (tokens, weights) pairs); returns (loss, loss tokens)."""
+    total_w = float(sum(mb[1].sum() for mb in micro_batches))
     opt.zero_grad(set_to_none=True)
     loss_sum = 0.0
-    for tokens, weights in micro_batches:
-        t = torch.from_numpy(tokens).to(device)
-        w = torch.from_numpy(weights).to(device)
-        loss = weighted_ce_sum(model, t, w) / max(total_w, 1.0)
+    for mb in micro_batches:
+        t = torch.from_numpy(mb[0]).to(device)
+        w = torch.from_numpy(mb[1]).to(device)
+        loss = weighted_ce_sum(model, t, w, _positions(mb, device)) / max(total_w, 1.0)
         loss.backward()
         loss_sum += float(loss.detach())
     opt.step()
-    return loss_sum, int(sum(np.count_nonzero(w) for _, w in micro_batches))
+    return loss_sum, int(sum(np.count_nonzero(mb[1]) for mb in micro_batches))
 
 
 # ---- outputs ----------------------------------------------------------------
@@ -174,8 +239,27 @@ def build_parser() -> argparse.ArgumentParser:
 def add_island_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by the torch and MLX islands."""
     p.add_argument("--model", help="local Hugging Face model dir or hub id (required)")
-    p.add_argument("--data", help="training JSONL (text | messages | prompt/completion rows)")
-    p.add_argument("--eval-data", default=None, help="held-out JSONL, evaluated at every sync")
+    p.add_argument("--model-revision", default=None,
+                   help="branch, tag or commit of a hub --model (default main), pinned to its "
+                        "commit before training; local dirs are pinned by a content digest")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow code shipped in the model repo (auto_map) to run; off by default")
+    p.add_argument("--data", help="training data: a .jsonl/.json/.parquet file, a folder of them, "
+                                  "a datasets save_to_disk folder or a hub dataset id; rows are "
+                                  "text | messages | conversations (ShareGPT) | Alpaca | "
+                                  "prompt/completion (see `yeto data --help`)")
+    p.add_argument("--data-revision", default=None,
+                   help="branch, tag or commit of a hub --data (default main), pinned to a commit")
+    p.add_argument("--data-split", default=None,
+                   help="split of a folder / hub / saved dataset --data (default train)")
+    p.add_argument("--eval-data", default=None,
+                   help="held-out data (same kinds as --data), evaluated at every sync")
+    p.add_argument("--eval-data-revision", default=None, help="as --data-revision, for --eval-data")
+    p.add_argument("--eval-split", default=None,
+                   help="split of --eval-data (default validation, else test)")
+    p.add_argument("--packing", choices=PACKING, default="document",
+                   help="document: packed rows never attend to each other (block-diagonal "
+                        "mask, positions restart per row); naive: plain causal blocks")
     p.add_argument("--syncer", default="none",
                    help="syncer host:port, or 'none' to train as a single island")
     p.add_argument("--learner-id", default="island-0", help="this island's name in the run")
@@ -196,6 +280,18 @@ def add_island_args(p: argparse.ArgumentParser) -> None:
                    help="push to the syncer every H optimizer steps")
     p.add_argument("--wire", choices=codec.ENCODINGS, default="q4",
                    help="encoding of pushes (q4 keeps the residual: error feedback)")
+    p.add_argument("--sync-every-seconds", type=float, default=0.0, metavar="T",
+                   help="push every T seconds of wall time instead of every H steps (fleets "
+                        "of mixed speed; token weighting lets faster islands count more)")
+    p.add_argument("--merge-alpha", type=float, default=0.0,
+                   help="keep this share of the local weights when merged weights arrive "
+                        "(Streaming DiLoCo's alpha; 0 = adopt the merge plus the steps "
+                        "made since the push)")
+    p.add_argument("--pipeline", type=int, default=1,
+                   help="fragments in flight at once when the syncer runs --fragments P")
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="simulate a slower machine: each step takes this many times as "
+                        "long (benchmarks of mixed-speed fleets)")
     p.add_argument("--blocking-sync", action="store_true",
                    help="wait for the merged weights after every push (islands then hold "
                         "identical weights after each round) instead of training on")
@@ -274,15 +370,23 @@ def main(argv=None) -> int:
                           if args.device == "auto" else args.device)
     torch.manual_seed(args.seed)
     try:
-        model, tok = load_base(args.model)
+        source = resolve_model(args.model, args.model_revision, args.trust_remote_code)
+        model, tok = load_base(source)
         shard = (args.learner_index, args.num_learners)
-        train = load_blocks(args.data, tok, args.seq_len, shard=shard)
-        held_out = load_blocks(args.eval_data, tok, args.seq_len) if args.eval_data else None
-    except (FileNotFoundError, OSError, DataError) as e:
+        train = load_blocks(args.data, tok, args.seq_len, shard=shard, packing=args.packing,
+                            revision=args.data_revision, split=args.data_split)
+        held_out = load_blocks(args.eval_data, tok, args.seq_len, packing=args.packing,
+                               revision=args.eval_data_revision, split=args.eval_split,
+                               held_out=True) if args.eval_data else None
+    except (FileNotFoundError, OSError, DataError, ProvenanceError) as e:
         log.error("%s", e)
         return 2
+    provenance = build_record(source, train.info["source"], args, backend="torch",
+                              eval_data=held_out.info["source"] if held_out else None)
+    if args.output:
+        write_provenance(args.output, provenance)  # pinned before training starts
     if held_out is not None and args.eval_blocks:
-        held_out = Blocks(held_out.tokens[:args.eval_blocks], held_out.weights[:args.eval_blocks])
+        held_out = held_out[:args.eval_blocks]
     if args.tuning == "lora":
         model = attach_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.seed)
     model.to(device).train()
@@ -296,7 +400,9 @@ def main(argv=None) -> int:
         return evaluate(model, held_out, args.batch_size, device) if held_out else float("nan")
 
     island = Island(weights.layout, weights.get, weights.set, client=client,
-                    sync_every=args.sync_every, wire=args.wire, blocking=args.blocking_sync,
+                    sync_every=args.sync_every, sync_every_seconds=args.sync_every_seconds,
+                    merge_alpha=args.merge_alpha, pipeline=args.pipeline,
+                    wire=args.wire, blocking=args.blocking_sync,
                     on_sync=eval_loss)
     log.info("%d trainable tensors, %d parameters (%s); %d training blocks, %d loss tokens",
              len(weights.layout.specs), weights.layout.numel, args.tuning, len(train),
@@ -316,8 +422,9 @@ def main(argv=None) -> int:
                    bytes_down=client.bytes_down if client else 0,
                    wait_s=client.wait_s if client else 0.0)
     if args.output:
-        save_output(model, args.output / "adapter" if args.tuning == "lora"
-                    else args.output / "model", args.tuning, tok)
+        saved = args.output / "adapter" if args.tuning == "lora" else args.output / "model"
+        save_output(model, saved, args.tuning, tok)
+        write_provenance(saved, provenance)
         write_metrics(args.output, summary)
         (args.output / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("saved to %s", args.output)
@@ -329,11 +436,16 @@ def run_training(args, model, opt, train, island: Island, device, backend: str) 
     bar = progress_bar(args, f"{args.learner_id} ({backend})")
     t0, tokens_seen = time.perf_counter(), 0
     for _ in range(args.max_steps):
+        t_step = time.perf_counter()
         micro = [next(sampler) for _ in range(args.grad_accum)]
         loss, loss_tokens = train_step(model, opt, micro, device)
         tokens_seen += sum(t.shape[0] * (t.shape[1] - 1) for t, _ in micro)
+        if args.slowdown > 1:  # a slower machine, simulated: stretch the step
+            step_s = time.perf_counter() - t_step
+            time.sleep((args.slowdown - 1) * step_s)
+        pushes = island.pushes
         done = island.after_step(loss_tokens, train_loss=loss)
-        if island.step % args.sync_every == 0:
+        if island.pushes != pushes:
             write_metrics(args.output, dict(step=island.step, train_loss=loss,
                                             eval_loss=island.eval_loss, version=island.version))
         bar.update(1)
