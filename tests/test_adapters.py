@@ -1,0 +1,197 @@
+"""peft <-> mlx-lm adapter conversion (numpy only; no mlx needed)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from yeto.adapters import (
+    MLX_CONFIG,
+    MLX_WEIGHTS,
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    AdapterConversionError,
+    mlx_to_peft,
+    peft_adapter_config,
+    peft_to_mlx,
+    save_peft_adapter,
+)
+
+KEYS = ("mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj")
+SHAPES = {"mlp.down_proj": (256, 128), "self_attn.q_proj": (128, 128),
+          "self_attn.v_proj": (128, 64)}  # (in, out)
+
+
+@pytest.fixture
+def base(tmp_path) -> Path:
+    d = tmp_path / "base"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3}))
+    return d
+
+
+def make_peft(out: Path, base: Path, layers=(0, 1, 2), r=4, alpha=8.0, keys=KEYS,
+              seed=0, **cfg_changes) -> Path:
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in layers:
+        for k in keys:
+            fan_in, fan_out = SHAPES[k]
+            m = f"base_model.model.model.layers.{i}.{k}"
+            tensors[f"{m}.lora_A.weight"] = rng.standard_normal((r, fan_in)).astype(np.float32)
+            tensors[f"{m}.lora_B.weight"] = rng.standard_normal((fan_out, r)).astype(np.float32)
+    modules = [f"model.layers.{i}.{k}" for i in layers for k in keys]
+    cfg = json.loads(peft_adapter_config(str(base), r, alpha, modules))
+    cfg.update(cfg_changes)
+    return save_peft_adapter(out, tensors, json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def test_peft_to_mlx_layout(tmp_path, base):
+    peft = make_peft(tmp_path / "peft", base, layers=(1, 2))
+    mlx = peft_to_mlx(peft, tmp_path / "mlx")
+    cfg = json.loads((mlx / MLX_CONFIG).read_text())
+    assert cfg["fine_tune_type"] == "lora" and cfg["num_layers"] == 2
+    assert cfg["lora_parameters"] == {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": list(KEYS)}
+    src = load_file(str(peft / PEFT_WEIGHTS))
+    out = load_file(str(mlx / MLX_WEIGHTS))
+    assert len(out) == len(src)
+    a = src["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"]
+    b = src["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    assert out["model.layers.1.self_attn.v_proj.lora_a"].shape == (128, 4)  # (in, r)
+    assert out["model.layers.1.self_attn.v_proj.lora_b"].shape == (4, 64)  # (r, out)
+    assert np.array_equal(out["model.layers.1.self_attn.v_proj.lora_a"], a.T)
+    assert np.array_equal(out["model.layers.1.self_attn.v_proj.lora_b"], b.T)
+
+
+def test_round_trip_is_bit_exact(tmp_path, base):
+    peft = make_peft(tmp_path / "peft", base, alpha=7.0, r=3)
+    peft_to_mlx(peft, tmp_path / "mlx")
+    back = mlx_to_peft(tmp_path / "mlx", tmp_path / "back", base_model=str(base))
+    a, b = load_file(str(peft / PEFT_WEIGHTS)), load_file(str(back / PEFT_WEIGHTS))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+    assert (peft / PEFT_WEIGHTS).read_bytes() == (back / PEFT_WEIGHTS).read_bytes()
+    assert json.loads((peft / PEFT_CONFIG).read_text()) == \
+        json.loads((back / PEFT_CONFIG).read_text())
+
+
+def test_mlx_lm_trained_adapter_to_peft(tmp_path, base):
+    """An adapter written by mlx-lm itself (no kept peft config, keys may be null)."""
+    d = tmp_path / "mlxlm"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    w = {}
+    for i in (1, 2):
+        w[f"model.layers.{i}.self_attn.q_proj.lora_a"] = rng.standard_normal((128, 8), np.float32)
+        w[f"model.layers.{i}.self_attn.q_proj.lora_b"] = rng.standard_normal((8, 128), np.float32)
+    save_file(w, str(d / MLX_WEIGHTS))
+    (d / MLX_CONFIG).write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": 2, "model": "x",
+        "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": None}}))
+    out = mlx_to_peft(d, tmp_path / "peft", base_model=str(base))
+    cfg = json.loads((out / PEFT_CONFIG).read_text())
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 160.0 and cfg["peft_type"] == "LORA"
+    assert cfg["base_model_name_or_path"] == str(base)
+    assert cfg["target_modules"] == ["model.layers.1.self_attn.q_proj",
+                                     "model.layers.2.self_attn.q_proj"]
+    t = load_file(str(out / PEFT_WEIGHTS))
+    assert np.array_equal(t["base_model.model.model.layers.2.self_attn.q_proj.lora_B.weight"],
+                          w["model.layers.2.self_attn.q_proj.lora_b"].T)
+    # and back again: the same mlx-lm tensors
+    again = peft_to_mlx(out, tmp_path / "mlx2")
+    t2 = load_file(str(again / MLX_WEIGHTS))
+    assert all(np.array_equal(t2[k], w[k]) for k in w)
+    assert json.loads((again / MLX_CONFIG).read_text())["lora_parameters"]["scale"] == 20.0
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"use_rslora": True}, "rsLoRA"),
+    ({"use_dora": True}, "DoRA"),
+    ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+    ({"alpha_pattern": {"q_proj": 8}}, "per-module alphas"),
+    ({"lora_bias": True}, "LoRA biases"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"peft_type": "IA3"}, "not LoRA"),
+])
+def test_refuses_config_features(tmp_path, base, change, words):
+    peft = make_peft(tmp_path / "peft", base, **change)
+    with pytest.raises(AdapterConversionError, match=words):
+        peft_to_mlx(peft, tmp_path / "mlx")
+    assert not (tmp_path / "mlx").exists()
+
+
+def test_refuses_layer_coverage_mlx_lm_cannot_express(tmp_path, base):
+    with pytest.raises(AdapterConversionError, match=r"blocks 0,2 are not the last 2 of 3"):
+        peft_to_mlx(make_peft(tmp_path / "a", base, layers=(0, 2)), tmp_path / "m1")
+    with pytest.raises(AdapterConversionError, match=r"blocks 0-1 are not the last 2 of 3"):
+        peft_to_mlx(make_peft(tmp_path / "b", base, layers=(0, 1)), tmp_path / "m2")
+    # different keys per block
+    p = make_peft(tmp_path / "c", base, layers=(1, 2))
+    t = load_file(str(p / PEFT_WEIGHTS))
+    del t["base_model.model.model.layers.2.mlp.down_proj.lora_A.weight"]
+    del t["base_model.model.model.layers.2.mlp.down_proj.lora_B.weight"]
+    save_file(t, str(p / PEFT_WEIGHTS))
+    with pytest.raises(AdapterConversionError, match="block 2 adapts different modules"):
+        peft_to_mlx(p, tmp_path / "m3")
+
+
+def test_refuses_tensors_it_cannot_convert(tmp_path, base):
+    p = make_peft(tmp_path / "a", base)
+    t = load_file(str(p / PEFT_WEIGHTS))
+    t["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = \
+        np.ones(128, np.float32)
+    save_file(t, str(p / PEFT_WEIGHTS))
+    with pytest.raises(AdapterConversionError, match="DoRA magnitudes"):
+        peft_to_mlx(p, tmp_path / "m1")
+    # a module with its own rank
+    p = make_peft(tmp_path / "b", base)
+    t = load_file(str(p / PEFT_WEIGHTS))
+    t["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = \
+        np.ones((2, 128), np.float32)
+    t["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"] = \
+        np.ones((128, 2), np.float32)
+    save_file(t, str(p / PEFT_WEIGHTS))
+    with pytest.raises(AdapterConversionError, match="rank 2, the config says r=4"):
+        peft_to_mlx(p, tmp_path / "m2")
+    # no base model to count the blocks
+    p = make_peft(tmp_path / "c", tmp_path / "nowhere")
+    with pytest.raises(AdapterConversionError, match="pass base_model="):
+        peft_to_mlx(p, tmp_path / "m3")
+    assert peft_to_mlx(p, tmp_path / "m4", base_model=base).is_dir()
+
+
+def test_mlx_to_peft_refusals(tmp_path, base):
+    d = tmp_path / "dora"
+    d.mkdir()
+    save_file({"model.layers.2.self_attn.q_proj.lora_a": np.ones((128, 8), np.float32)},
+              str(d / MLX_WEIGHTS))
+    (d / MLX_CONFIG).write_text(json.dumps({"fine_tune_type": "dora", "num_layers": 1,
+                                            "lora_parameters": {"rank": 8, "scale": 2.0}}))
+    with pytest.raises(AdapterConversionError, match="fine_tune_type 'dora'"):
+        mlx_to_peft(d, tmp_path / "out", base_model=str(base))
+    (d / MLX_CONFIG).write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 1,
+                                            "lora_parameters": {"rank": 8, "scale": 2.0}}))
+    with pytest.raises(AdapterConversionError, match="has only lora_a"):
+        mlx_to_peft(d, tmp_path / "out", base_model=str(base))
+    save_file({"model.layers.2.self_attn.q_proj.m": np.ones(128, np.float32)},
+              str(d / MLX_WEIGHTS))
+    with pytest.raises(AdapterConversionError, match="not a LoRA factor"):
+        mlx_to_peft(d, tmp_path / "out", base_model=str(base))
+
+
+def test_adapter_config_matches_what_peft_writes(tiny_llama):
+    """The MLX island's adapter_config.json has the content peft writes for the torch
+    island with the same flags (target_modules: peft writes a set, in hash order)."""
+    from yeto.learner import attach_lora, export_files, load_base
+
+    model = tiny_llama.resolve()  # the torch island loads from the resolved path
+    pm = attach_lora(load_base(str(model))[0], 8, 16.0, "attention", 0)
+    want = json.loads(export_files(pm, "lora")[1][PEFT_CONFIG])
+    modules = [f"model.layers.{i}.self_attn.{k}_proj" for i in (0, 1) for k in "qkvo"]
+    got = json.loads(peft_adapter_config(str(model), 8, 16.0, modules))
+    assert got["target_modules"] == sorted(got["target_modules"])
+    want["target_modules"] = sorted(want["target_modules"])
+    assert got == want

@@ -1,0 +1,341 @@
+"""LoRA adapters on disk: peft's layout and mlx-lm's, and exact conversion.
+
+peft (what every yeto island and the syncer write)::
+
+    adapter_model.safetensors   base_model.model.<module>.lora_A.weight  (r, in)
+                                base_model.model.<module>.lora_B.weight  (out, r)
+    adapter_config.json         LoraConfig: r, lora_alpha, target_modules, ...
+    forward: y = W x + (lora_alpha / r) · B A x
+
+mlx-lm 0.32 (`mlx_lm.load(model, adapter_path=DIR)`, see
+``mlx_lm/tuner/utils.py``: ``load_adapters`` and ``linear_to_lora_layers``)::
+
+    adapters.safetensors        <module>.lora_a  (in, r)   = Aᵀ
+                                <module>.lora_b  (r, out)  = Bᵀ
+    adapter_config.json         fine_tune_type "lora", num_layers N (LoRA goes on
+                                the *last* N blocks), lora_parameters {rank, scale,
+                                dropout, keys}: keys are module paths relative to a
+                                block, e.g. "self_attn.q_proj"
+    forward: y = W x + scale · (x lora_a) lora_b,   scale = lora_alpha / r
+
+The conversion is exact (a transpose; the numbers are copied bit for bit). What
+the mlx-lm layout cannot express is refused with `AdapterConversionError`: rsLoRA,
+DoRA, per-module rank or alpha patterns, LoRA biases, extra saved modules, and
+adapted blocks that are not the last N blocks with the same keys in each.
+``peft_to_mlx`` keeps the peft config inside the mlx-lm config (key
+``peft_config``, which mlx-lm ignores), so peft -> mlx -> peft gives the same
+adapter back, config included.
+
+Backend-neutral: numpy + safetensors (+ peft's `LoraConfig` to write peft configs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+MLX_WEIGHTS = "adapters.safetensors"
+MLX_CONFIG = "adapter_config.json"
+
+_PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+_MLX_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[ab])$")
+_BLOCK = re.compile(r"^(?P<prefix>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<key>.+)$")
+
+# peft config fields whose non-default value changes the function or the tensors
+# in a way mlx-lm's LoRA cannot reproduce: (key, allowed values, what it is).
+_REFUSED = (
+    ("use_rslora", (False, None), "rsLoRA (scale alpha/sqrt(r))"),
+    ("use_dora", (False, None), "DoRA"),
+    ("rank_pattern", ({}, None), "per-module ranks (rank_pattern)"),
+    ("alpha_pattern", ({}, None), "per-module alphas (alpha_pattern)"),
+    ("lora_bias", (False, None), "LoRA biases (lora_bias)"),
+    ("bias", ("none", None), "trained biases (bias)"),
+    ("fan_in_fan_out", (False, None), "fan_in_fan_out weights"),
+    ("modules_to_save", (None, []), "fully trained extra modules (modules_to_save)"),
+    ("target_parameters", (None, []), "LoRA on parameters (target_parameters)"),
+    ("trainable_token_indices", (None,), "trainable token indices"),
+    ("layer_replication", (None,), "layer replication"),
+    ("use_qalora", (False, None), "QA-LoRA"),
+    ("use_bdlora", (False, None), "BD-LoRA"),
+    ("alora_invocation_tokens", (None,), "activated LoRA (alora_invocation_tokens)"),
+)
+
+
+class AdapterConversionError(ValueError):
+    """An adapter that cannot be converted exactly, and why."""
+
+
+# ---- peft ---------------------------------------------------------------------
+def peft_adapter_config(base_model: str, r: int, alpha: float, target_modules,
+                        lora_dropout: float = 0.0) -> str:
+    """adapter_config.json text with the content peft's ``save_pretrained`` writes
+    for ``LoraConfig(r, lora_alpha, target_modules, lora_dropout, bias="none",
+    task_type="CAUSAL_LM")`` on a model loaded from ``base_model`` (the torch
+    island's config). ``target_modules`` is written sorted (peft writes the set in
+    hash order)."""
+    from peft import LoraConfig
+
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=sorted(target_modules),
+                     lora_dropout=lora_dropout, bias="none", task_type="CAUSAL_LM")
+    cfg.base_model_name_or_path = str(base_model)
+    cfg.inference_mode = True
+    out = cfg.to_dict()
+    for k, v in out.items():
+        if isinstance(v, set):
+            out[k] = sorted(v)
+    return json.dumps(out, indent=2, sort_keys=True)
+
+
+def save_peft_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray],
+                      config_text: str) -> Path:
+    """Write ``adapter_model.safetensors`` (float32, peft's metadata) and
+    ``adapter_config.json``; loads with ``peft.PeftModel.from_pretrained``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(out / PEFT_WEIGHTS, tensors, {"format": "pt"})
+    _write_text(out / PEFT_CONFIG, config_text)
+    return out
+
+
+def read_peft_adapter(peft_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    from safetensors.numpy import load_file
+
+    d = Path(peft_dir)
+    for f in (PEFT_WEIGHTS, PEFT_CONFIG):
+        if not (d / f).is_file():
+            raise FileNotFoundError(f"{d / f} not found: {d} is not a peft adapter dir "
+                                    f"({PEFT_WEIGHTS} + {PEFT_CONFIG})")
+    return load_file(str(d / PEFT_WEIGHTS)), json.loads((d / PEFT_CONFIG).read_text())
+
+
+# ---- peft -> mlx-lm ---------------------------------------------------------------
+def peft_to_mlx(peft_dir: str | Path, out_dir: str | Path,
+                base_model: str | Path | None = None) -> Path:
+    """Convert a peft LoRA adapter to mlx-lm's layout, exactly.
+
+    ``base_model`` (a local model dir) gives the number of blocks, because mlx-lm
+    puts LoRA on the *last* ``num_layers`` blocks; default: the adapter's
+    ``base_model_name_or_path``. Raises `AdapterConversionError` for what mlx-lm
+    cannot express exactly.
+    """
+    tensors, cfg = read_peft_adapter(peft_dir)
+    _check_peft_config(cfg, peft_dir)
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    factors = _peft_factors(tensors, r, peft_dir)
+    num_layers, keys = _block_coverage(sorted(factors), _num_blocks(base_model, cfg))
+    out_tensors: dict[str, np.ndarray] = {}
+    for module, (a, b) in factors.items():
+        out_tensors[f"{module}.lora_a"] = np.ascontiguousarray(a.T)
+        out_tensors[f"{module}.lora_b"] = np.ascontiguousarray(b.T)
+    config = {
+        "fine_tune_type": "lora",
+        "model": cfg.get("base_model_name_or_path"),
+        "num_layers": num_layers,
+        "lora_parameters": {"rank": r, "scale": alpha / r,
+                            "dropout": float(cfg.get("lora_dropout") or 0.0), "keys": keys},
+        "peft_config": cfg,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(out / MLX_WEIGHTS, out_tensors, {"format": "mlx"})
+    _write_text(out / MLX_CONFIG, json.dumps(config, indent=2, sort_keys=True))
+    return out
+
+
+def _check_peft_config(cfg: dict, where) -> None:
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterConversionError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LoRA; "
+                                     "only LoRA adapters convert to mlx-lm")
+    for key, allowed, what in _REFUSED:
+        if key in cfg and cfg[key] not in allowed:
+            raise AdapterConversionError(
+                f"{where}: {what} is set ({key}={cfg[key]!r}); mlx-lm's LoRA cannot express it "
+                "exactly, so it is not converted. Train with plain LoRA (e.g. the yeto islands' "
+                "defaults) to get an adapter that converts")
+    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1 or "lora_alpha" not in cfg:
+        raise AdapterConversionError(f"{where}: adapter_config.json lacks a valid r / lora_alpha")
+
+
+def _peft_factors(tensors: dict[str, np.ndarray], r: int, where
+                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for name, t in tensors.items():
+        m = _PEFT_KEY.match(name)
+        if m is None:
+            raise AdapterConversionError(
+                f"{where}: tensor {name} is not a LoRA factor of a linear layer "
+                "(base_model.model.<module>.lora_A/B.weight); embeddings, DoRA magnitudes, "
+                "biases and saved modules do not convert to mlx-lm")
+        parts.setdefault(m["module"], {})[m["which"]] = t
+    out = {}
+    for module, p in parts.items():
+        if set(p) != {"A", "B"}:
+            raise AdapterConversionError(f"{where}: {module} has only lora_{''.join(p)}")
+        a, b = p["A"], p["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterConversionError(f"{where}: {module}: lora_A {list(a.shape)} and lora_B "
+                                         f"{list(b.shape)} are not (r, in) and (out, r)")
+        if a.shape[0] != r:
+            raise AdapterConversionError(
+                f"{where}: {module} has rank {a.shape[0]}, the config says r={r}; per-module "
+                "ranks do not convert to mlx-lm (one rank for all layers)")
+        out[module] = (a, b)
+    if not out:
+        raise AdapterConversionError(f"{where}: the adapter holds no LoRA tensors")
+    return out
+
+
+def _num_blocks(base_model, cfg: dict) -> int | None:
+    base = base_model if base_model is not None else cfg.get("base_model_name_or_path")
+    path = Path(str(base)) / "config.json" if base else None
+    if path is None or not path.is_file():
+        if base_model is not None:
+            raise AdapterConversionError(f"{path} not found: base_model must be a local model dir")
+        return None
+    hf = json.loads(path.read_text())
+    for c in (hf, hf.get("text_config") or {}):
+        for k in ("num_hidden_layers", "n_layer", "num_layers"):
+            if isinstance(c.get(k), int):
+                return c[k]
+    raise AdapterConversionError(f"{path} has no num_hidden_layers: cannot count the blocks")
+
+
+def _block_coverage(modules: list[str], total: int | None) -> tuple[int, list[str]]:
+    """(num_layers, keys) for mlx-lm, or refuse."""
+    by_layer: dict[int, set[str]] = {}
+    prefixes = set()
+    for module in modules:
+        m = _BLOCK.match(module)
+        if m is None:
+            raise AdapterConversionError(
+                f"LoRA on {module}, outside the decoder blocks (<...>.layers.<i>.<module>): "
+                "mlx-lm adapts only modules inside blocks")
+        prefixes.add(m["prefix"])
+        by_layer.setdefault(int(m["index"]), set()).add(m["key"])
+    if len(prefixes) != 1:
+        raise AdapterConversionError(f"LoRA spans several block lists {sorted(prefixes)}")
+    layers = sorted(by_layer)
+    keys = by_layer[layers[0]]
+    for i in layers:
+        if by_layer[i] != keys:
+            diff = sorted(by_layer[i] ^ keys)
+            raise AdapterConversionError(
+                f"block {i} adapts different modules than block {layers[0]} (differ: "
+                f"{', '.join(diff)}); mlx-lm uses one key list for all adapted blocks")
+    if total is None:
+        raise AdapterConversionError(
+            "cannot count the base model's blocks (mlx-lm adapts the *last* num_layers "
+            "blocks): pass base_model=PATH of the local model dir, e.g. "
+            "peft_to_mlx(adapter, out, base_model='runs/demo/model')")
+    if layers[-1] >= total:
+        raise AdapterConversionError(f"the adapter has block {layers[-1]} but the base model "
+                                     f"has {total} blocks: wrong base_model?")
+    expected = list(range(total - len(layers), total))
+    if layers != expected:
+        raise AdapterConversionError(
+            f"adapted blocks {_ranges(layers)} are not the last {len(layers)} of {total} "
+            f"(mlx-lm puts LoRA on blocks {_ranges(expected)}): not convertible exactly")
+    return len(layers), sorted(keys)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
+# ---- mlx-lm -> peft ---------------------------------------------------------------
+def mlx_to_peft(mlx_dir: str | Path, out_dir: str | Path, base_model: str | Path) -> Path:
+    """Convert an mlx-lm LoRA adapter to a peft adapter on ``base_model``, exactly.
+
+    The peft config kept by `peft_to_mlx` is restored when present (so a round trip
+    gives the same config); otherwise one is written with ``lora_alpha = scale·r``
+    and the adapted module paths as ``target_modules``.
+    """
+    from safetensors.numpy import load_file
+
+    d = Path(mlx_dir)
+    for f in (MLX_WEIGHTS, MLX_CONFIG):
+        if not (d / f).is_file():
+            raise FileNotFoundError(f"{d / f} not found: {d} is not an mlx-lm adapter dir "
+                                    f"({MLX_WEIGHTS} + {MLX_CONFIG})")
+    cfg = json.loads((d / MLX_CONFIG).read_text())
+    kind = cfg.get("fine_tune_type", "dora" if cfg.get("use_dora") else "lora")
+    if kind != "lora":
+        raise AdapterConversionError(f"{d}: fine_tune_type {kind!r}: only plain LoRA adapters "
+                                     "convert to peft exactly")
+    lp = cfg.get("lora_parameters") or {}
+    if "rank" not in lp or "scale" not in lp:
+        raise AdapterConversionError(f"{d}: adapter_config.json lacks lora_parameters.rank/scale")
+    r, scale = int(lp["rank"]), float(lp["scale"])
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for name, t in load_file(str(d / MLX_WEIGHTS)).items():
+        m = _MLX_KEY.match(name)
+        if m is None:
+            raise AdapterConversionError(
+                f"{d}: tensor {name} is not a LoRA factor (<module>.lora_a/lora_b); DoRA "
+                "magnitudes and fully trained weights do not convert to peft LoRA")
+        parts.setdefault(m["module"], {})[m["which"]] = t
+    tensors: dict[str, np.ndarray] = {}
+    for module, p in sorted(parts.items()):
+        if set(p) != {"a", "b"}:
+            raise AdapterConversionError(f"{d}: {module} has only lora_{''.join(p)}")
+        a, b = p["a"], p["b"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != r or b.shape[0] != r:
+            raise AdapterConversionError(
+                f"{d}: {module}: lora_a {list(a.shape)} / lora_b {list(b.shape)} are not "
+                f"(in, {r}) / ({r}, out); per-expert (3-d) or per-module-rank LoRA does not "
+                "convert")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a.T)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b.T)
+    if not tensors:
+        raise AdapterConversionError(f"{d}: the adapter holds no LoRA tensors")
+    modules = sorted(parts)
+    kept = cfg.get("peft_config")
+    if isinstance(kept, dict) and _matches(kept, modules, r, scale):
+        peft_cfg = dict(kept)
+        peft_cfg["base_model_name_or_path"] = str(base_model)
+        text = json.dumps(peft_cfg, indent=2, sort_keys=True)
+    else:
+        text = peft_adapter_config(str(base_model), r, scale * r, modules,
+                                   lora_dropout=float(lp.get("dropout") or 0.0))
+    return save_peft_adapter(out_dir, tensors, text)
+
+
+def _matches(peft_cfg: dict, modules: list[str], r: int, scale: float) -> bool:
+    """Whether a kept peft config still describes these tensors."""
+    if peft_cfg.get("r") != r or float(peft_cfg.get("lora_alpha", 0)) / r != scale:
+        return False
+    tm = peft_cfg.get("target_modules")
+    if isinstance(tm, str):
+        return all(re.fullmatch(tm, m) for m in modules)
+    if isinstance(tm, list):
+        return all(any(m == t or m.endswith("." + t) for t in tm) for m in modules)
+    return False
+
+
+# ---- files --------------------------------------------------------------------
+def _save_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+              metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
