@@ -52,6 +52,7 @@ from yeto.status import human_bytes, human_seconds, table
 log = logging.getLogger("yeto.launch")
 
 ISLAND_MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
+ISLAND_SCALARS = ("train_loss", "eval_loss", "tokens_per_s", "loss_tokens")  # to TensorBoard
 # island flags the launcher sets itself
 OWN_ISLAND_FLAGS = ("--syncer", "--learner-id", "--learner-index", "--num-learners", "--output",
                     "--model", "--data", "--eval-data", "--token")
@@ -316,9 +317,8 @@ class LocalRun:
         if finite(rec.get("tokens_per_s")) is not None:
             isl.tokens_per_s = finite(rec["tokens_per_s"])
         w = self._tb.get(isl.id)
-        if w is not None and isinstance(rec.get("step"), int):
-            w.scalars({k: v for k, v in rec.items() if k not in ("version", "final")},
-                      rec["step"])
+        if w is not None and isinstance(rec.get("step"), int) and "eval_loss_before" not in rec:
+            w.scalars({k: v for k, v in rec.items() if k in ISLAND_SCALARS}, rec["step"])
 
     def _poll_status(self, now: float) -> None:
         from yeto.status import fetch
