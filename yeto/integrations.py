@@ -183,10 +183,10 @@ class _Base:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None or exc_type is KeyboardInterrupt:
-            self.finish()  # on Ctrl-C too: the last work is pushed, outputs stay consistent
-        elif self.client is not None:
-            self.client.close()
+        if exc_type is None:
+            self.finish()
+        elif self.client is not None:  # an error or Ctrl-C: leave the run without waiting
+            self.client.close()        # for it to end (the syncer sees the island go)
         return False
 
 

@@ -64,6 +64,7 @@ SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
     "grace_ms": ("--grace-ms", int, None, "straggler grace after the quorum's pushes"),
     "round_timeout_s": ("--round-timeout-s", float, None, "commit a round after this long"),
     "downlink": ("--downlink", str, None, "encoding of broadcasts: f32 | bf16 | q4"),
+    "fragments": ("--fragments", int, None, "cut the weights into P fragments synced in turn"),
     "quorum": ("--quorum", int, None, "pushes that commit a round (default: every island)"),
 }
 
@@ -287,8 +288,12 @@ class LocalRun:
                 by_id = {i.id: i for i in self.islands}
                 for r in rec.get("responders", []):
                     isl = by_id.get(r.get("learner"))
-                    if isl is not None:
-                        isl.pushes += 1
+                    if isl is None:
+                        continue
+                    isl.pushes += 1
+                    # with --fragments P each fragment's pushes carry the tokens since
+                    # that fragment's last push: one fragment's pushes count each once
+                    if not rec.get("fragment"):
                         isl.loss_tokens += int(r.get("tokens") or 0)
                         isl.t_tokens = finite(rec.get("time")) or time.time()
                 for prefix, scalars in tape_scalars(rec).items():
@@ -448,11 +453,12 @@ def summarize(out: Path, seconds: float) -> dict:
         if (d / "summary.json").is_file():
             islands[d.name] = json.loads((d / "summary.json").read_text())
     first = next(iter(islands.values()), {})
-    return dict(eval_loss_before=first.get("eval_loss_before"),
-                eval_loss_after=first.get("eval_loss"),
+    return dict(eval_loss_before=finite(first.get("eval_loss_before")),
+                eval_loss_after=finite(first.get("eval_loss")),
                 rounds=len(merges), bytes_up=sum(r["bytes_in"] for r in merges),
                 bytes_down=sum(r["bytes_out"] for r in merges), seconds=round(seconds, 1),
-                islands={k: dict(eval_loss=v.get("eval_loss"), loss_tokens=v.get("loss_tokens"),
+                islands={k: dict(eval_loss=finite(v.get("eval_loss")),
+                                 loss_tokens=v.get("loss_tokens"),
                                  final=v.get("final")) for k, v in islands.items()})
 
 
