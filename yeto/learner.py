@@ -12,18 +12,22 @@ Example (with a syncer on 127.0.0.1:29400, two islands):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from yeto import codec, wire
+from yeto import codec, frozen, wire
+from yeto import distributed as dist_group
 from yeto.data import PACKING, BatchSampler, Blocks, DataError, load_blocks
 from yeto.island import Island
 from yeto.layout import Layout
@@ -59,14 +63,26 @@ def linear_paths(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def attach_lora(model, r: int, alpha: float, targets: str, seed: int):
+def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
+                freeze_a: bool = False):
+    """peft LoRA on the shared target selection. With `freeze_a`, every lora_A is
+    drawn from `seed` by `yeto.frozen` (the same bits on every island and backend)
+    and never trained, so only lora_B is synced and the merge is exact."""
     from peft import LoraConfig, get_peft_model
 
     chosen = select_targets(linear_paths(model), targets, model.config.to_dict())
     torch.manual_seed(seed)  # same init on every island with the same seed
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=chosen, lora_dropout=0.0,
                      bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    model = get_peft_model(model, cfg)
+    if freeze_a:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_A." in name:
+                    key = canonical_name(name, "lora")
+                    p.copy_(torch.from_numpy(frozen.frozen_lora_a(key, tuple(p.shape), seed)))
+                    p.requires_grad_(False)
+    return model
 
 
 class TorchWeights:
@@ -123,8 +139,9 @@ def packed_inputs(model, tokens: torch.Tensor, positions: torch.Tensor | None) -
     if bool((pos == torch.arange(pos.shape[1], device=pos.device)).all()):
         return kw
     kw.update(position_ids=pos, use_cache=False)
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl in ("eager", "sdpa") and not _sliding_window_applies(model.config, pos.shape[1]):
+    config = getattr(model, "module", model).config  # DDP wraps the model in torchrun islands
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl in ("eager", "sdpa") and not _sliding_window_applies(config, pos.shape[1]):
         seg = torch.cumsum(pos == 0, dim=1)
         n = pos.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
@@ -207,15 +224,22 @@ def save_output(model, out: Path, tuning: str, tokenizer=None) -> None:
         tokenizer.save_pretrained(out)
 
 
-def export_files(model, tuning: str) -> tuple[str, dict[str, str]]:
+def export_files(model, tuning: str, frozen_seed: int | None = None) -> tuple[str, dict]:
     """The weights file name and text files the syncer writes beside its final
     weights, so its output loads exactly like an island's."""
     if tuning == "full":
         return "model.safetensors", {"config.json": model.config.to_json_string()}
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
-        return "adapter_model.safetensors", {
-            "adapter_config.json": (Path(d) / "adapter_config.json").read_text()}
+        config = json.loads((Path(d) / "adapter_config.json").read_text())
+    # sorted: the text must not depend on set order or on which island joined first
+    config["target_modules"] = sorted(config["target_modules"])
+    files = {"adapter_config.json": json.dumps(config, indent=2, sort_keys=True)}
+    if frozen_seed is not None:
+        shapes = {canonical_name(n, "lora"): tuple(p.shape) for n, p in model.named_parameters()
+                  if ".lora_A." in n}
+        files[frozen.EXPORT_FILE] = frozen.describe(frozen_seed, shapes)
+    return "adapter_model.safetensors", files
 
 
 # ---- CLI --------------------------------------------------------------------
@@ -269,6 +293,9 @@ def add_island_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-learners", type=int, default=1, help="islands sharing the data")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha (scale alpha/r)")
+    p.add_argument("--lora-freeze-a", action="store_true",
+                   help="draw lora_A from --seed on every island and never train or send it: "
+                        "exact averaging of B, half the bytes")
     p.add_argument("--lora-targets", default="auto",
                    help=f"{' | '.join(TARGET_MODES)} | comma list of module names")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training block")
@@ -310,7 +337,7 @@ def add_island_args(p: argparse.ArgumentParser) -> None:
 
 def check_island_args(p: argparse.ArgumentParser, args) -> None:
     """Errors that need no model loaded, with an example where it helps."""
-    example = ("example: python -m yeto.learner --model runs/demo/model "
+    example = (f"example: {p.prog} --model runs/demo/model "
                "--data runs/demo/data/train.jsonl --syncer 127.0.0.1:29400")
     if not args.model:
         p.error(f"--model is required ({example}); `yeto make-tiny-model DIR` builds a "
@@ -343,15 +370,16 @@ def make_client(args, layout, backend: str, weights_file: str, files: dict[str, 
                         weights_file=weights_file, export_files=files, tls=tls)
 
 
-def progress_bar(args, desc: str):
+def progress_bar(args, desc: str, disable: bool = False):
     from tqdm import tqdm
 
-    return tqdm(total=args.max_steps, desc=desc, disable=args.no_progress, dynamic_ncols=True,
+    return tqdm(total=args.max_steps, desc=desc, disable=args.no_progress or disable,
+                dynamic_ncols=True,
                 mininterval=1.0, file=sys.stderr)
 
 
-def write_metrics(out: Path | None, record: dict) -> None:
-    if out is None:
+def write_metrics(out: Path | None, record: dict, group=dist_group.Group()) -> None:
+    if out is None or not group.leader:
         return
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
@@ -362,12 +390,13 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     check_island_args(p, args)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s {args.learner_id} %(message)s", datefmt="%H:%M:%S")
+    device = dist_group.local_device(args.device)
+    group = dist_group.init_group(device)  # torchrun: N processes, one island
+    who = args.learner_id + (f"/{group.rank}" if group.active else "")
+    logging.basicConfig(level=args.log_level.upper() if group.leader else "WARNING",
+                        format=f"%(asctime)s {who} %(message)s", datefmt="%H:%M:%S")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
-                          if args.device == "auto" else args.device)
     torch.manual_seed(args.seed)
     try:
         source = resolve_model(args.model, args.model_revision, args.trust_remote_code)
@@ -381,81 +410,141 @@ def main(argv=None) -> int:
     except (FileNotFoundError, OSError, DataError, ProvenanceError) as e:
         log.error("%s", e)
         return 2
+    if group.active:  # each rank trains on its own slice of the island's shard
+        train = train[group.rank::group.world]
     provenance = build_record(source, train.info["source"], args, backend="torch",
                               eval_data=held_out.info["source"] if held_out else None)
-    if args.output:
+    if args.output and group.leader:
         write_provenance(args.output, provenance)  # pinned before training starts
     if held_out is not None and args.eval_blocks:
         held_out = held_out[:args.eval_blocks]
     if args.tuning == "lora":
-        model = attach_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.seed)
+        model = attach_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.seed,
+                            freeze_a=args.lora_freeze_a)
     model.to(device).train()
     weights = TorchWeights(model, args.tuning)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                             lr=args.inner_lr, weight_decay=args.weight_decay)
-    weights_file, files = export_files(model, args.tuning)
-    client = make_client(args, weights.layout, "torch", weights_file, files)
+    stepper = model
+    if group.active:  # identical steps on every rank: gradients are averaged by DDP
+        stepper = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    weights_file, files = export_files(model, args.tuning,
+                                       args.seed if args.lora_freeze_a else None)
+    client = make_client(args, weights.layout, "torch", weights_file, files) \
+        if group.leader else None
 
     def eval_loss() -> float:
         return evaluate(model, held_out, args.batch_size, device) if held_out else float("nan")
 
-    island = Island(weights.layout, weights.get, weights.set, client=client,
-                    sync_every=args.sync_every, sync_every_seconds=args.sync_every_seconds,
-                    merge_alpha=args.merge_alpha, pipeline=args.pipeline,
-                    wire=args.wire, blocking=args.blocking_sync,
-                    on_sync=eval_loss)
-    log.info("%d trainable tensors, %d parameters (%s); %d training blocks, %d loss tokens",
+    island = make_island(args, weights.layout, weights.get, weights.set, client, eval_loss)
+    log.info("%d trainable tensors, %d parameters (%s); %d training blocks, %d loss tokens%s",
              len(weights.layout.specs), weights.layout.numel, args.tuning, len(train),
-             train.loss_tokens)
+             train.loss_tokens, f"; {group.world} ranks" if group.active else "")
+    stop = stop_on_signals()
     island.start()
-    before = eval_loss()
-    write_metrics(args.output, dict(step=0, eval_loss=before, version=island.version))
+    dist_group.share_weights(group, True, weights.get, weights.set, weights.layout.numel)
+    before = eval_loss() if group.leader else float("nan")
+    write_metrics(args.output, dict(step=0, eval_loss=before, version=island.version,
+                                    time=time.time()), group)
     log.info("held-out loss before training: %.4f", before)
-    run_training(args, model, opt, train, island, device, "torch")
-    island.finish()
-    after = eval_loss()
+    run_training(args, lambda micro: train_step(stepper, opt, micro, device), train, island,
+                 "torch", stop=stop, group=group, weights=weights)
+    if group.leader:
+        island.finish()
+    dist_group.share_weights(group, True, weights.get, weights.set, weights.layout.numel)
+    after = eval_loss() if group.leader else float("nan")
     log.info("held-out loss after training: %.4f (before %.4f)", after, before)
     summary = dict(step=island.step, eval_loss=after, eval_loss_before=before,
                    version=island.version, final=island.finished,
                    loss_tokens=island.total_tokens, pushes=island.pushes,
                    bytes_up=client.bytes_up if client else 0,
                    bytes_down=client.bytes_down if client else 0,
-                   wait_s=client.wait_s if client else 0.0)
-    if args.output:
+                   wait_s=client.wait_s if client else 0.0, ranks=group.world)
+    if args.output and group.leader:
         saved = args.output / "adapter" if args.tuning == "lora" else args.output / "model"
         save_output(model, saved, args.tuning, tok)
         write_provenance(saved, provenance)
         write_metrics(args.output, summary)
         (args.output / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("saved to %s", args.output)
+    dist_group.close(group)
     return 0
 
 
-def run_training(args, model, opt, train, island: Island, device, backend: str) -> None:
+def make_island(args, layout, get_weights, set_weights, client, on_sync) -> Island:
+    """The island core with the flags both backends share."""
+    return Island(layout, get_weights, set_weights, client=client,
+                  sync_every=args.sync_every, sync_every_seconds=args.sync_every_seconds,
+                  merge_alpha=args.merge_alpha, pipeline=args.pipeline, wire=args.wire,
+                  blocking=args.blocking_sync, on_sync=on_sync)
+
+
+def stop_on_signals() -> threading.Event:
+    """First SIGINT/SIGTERM: finish the step, sync, save. Second: stop at once."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        log.warning("%s: stopping after this step; finishing and saving (again to stop at once)",
+                    signal.Signals(signum).name)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def run_training(args, step_fn, train, island: Island, backend: str, *,
+                 stop: threading.Event | None = None, group=dist_group.Group(),
+                 weights=None) -> None:
+    """The inner loop both backends share: `step_fn(micro_batches) -> (loss, loss
+    tokens)` is one optimizer step. In a torchrun group only rank 0's island talks
+    to the syncer; merged weights reach the other ranks at the same step boundary."""
     sampler = BatchSampler(train, args.batch_size, seed=args.seed + args.learner_index)
-    bar = progress_bar(args, f"{args.learner_id} ({backend})")
+    bar = progress_bar(args, f"{args.learner_id} ({backend})", disable=not group.leader)
     t0, tokens_seen = time.perf_counter(), 0
-    for _ in range(args.max_steps):
+    for step in range(1, args.max_steps + 1):
         t_step = time.perf_counter()
         micro = [next(sampler) for _ in range(args.grad_accum)]
-        loss, loss_tokens = train_step(model, opt, micro, device)
-        tokens_seen += sum(t.shape[0] * (t.shape[1] - 1) for t, _ in micro)
+        loss, loss_tokens = step_fn(micro)
+        tokens_seen += sum(mb[0].shape[0] * (mb[0].shape[1] - 1) for mb in micro)
         if args.slowdown > 1:  # a slower machine, simulated: stretch the step
-            step_s = time.perf_counter() - t_step
-            time.sleep((args.slowdown - 1) * step_s)
-        pushes = island.pushes
-        done = island.after_step(loss_tokens, train_loss=loss)
+            time.sleep((args.slowdown - 1) * (time.perf_counter() - t_step))
+        loss_tokens = dist_group.sum_over_ranks(group, loss_tokens)
+        pushes, versions = island.pushes, dict(island.versions)
+        done = island.after_step(loss_tokens, train_loss=loss) if group.leader else False
+        if group.active:
+            done, applied = dist_group.share_weights(group, island.versions != versions,
+                                                     weights.get, weights.set,
+                                                     weights.layout.numel, done)
+            if applied:
+                _record_rank_weights(args, group, step, weights)
         if island.pushes != pushes:
-            write_metrics(args.output, dict(step=island.step, train_loss=loss,
-                                            eval_loss=island.eval_loss, version=island.version))
+            write_metrics(args.output, dict(
+                step=island.step, train_loss=loss, eval_loss=island.eval_loss,
+                version=island.version, loss_tokens=island.total_tokens,
+                tokens_per_s=island.total_tokens / (time.perf_counter() - t0),
+                time=time.time()), group)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - t0):.0f}",
                         round=island.version, refresh=False)
-        if done or not math.isfinite(loss):
-            if not math.isfinite(loss):
-                log.error("training loss is %s at step %d: lower --inner-lr", loss, island.step)
+        if not math.isfinite(loss):
+            log.error("training loss is %s at step %d: lower --inner-lr", loss, island.step)
+            break
+        if done or (stop is not None and stop.is_set()):
             break
     bar.close()
+
+
+def _record_rank_weights(args, group, step: int, weights) -> None:
+    """torchrun islands: each rank notes a digest of its weights after a merge."""
+    if args.output and group.active:
+        digest = hashlib.sha256(weights.get().tobytes()).hexdigest()
+        args.output.mkdir(parents=True, exist_ok=True)
+        with open(args.output / f"rank-{group.rank}.jsonl", "a") as f:
+            f.write(json.dumps(dict(step=step, weights_sha256=digest)) + "\n")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -38,13 +37,14 @@ from yeto.adapters import (
     peft_to_mlx,
     save_peft_adapter,
 )
-from yeto.data import BatchSampler, Blocks, DataError, attention_mask, is_naive, load_blocks
-from yeto.island import Island
+from yeto.data import Blocks, DataError, attention_mask, is_naive, load_blocks
 from yeto.learner import (
     add_island_args,
     check_island_args,
     make_client,
-    progress_bar,
+    make_island,
+    run_training,
+    stop_on_signals,
     write_metrics,
 )
 from yeto.mlx import INSTALL_HINT
@@ -209,6 +209,9 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     check_island_args(p, args)
+    if args.lora_freeze_a:
+        p.error("--lora-freeze-a is not supported by the MLX island yet; run the fleet "
+                "without it (every island must use the same LoRA mode)")
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.learner_id} %(message)s", datefmt="%H:%M:%S")
     from yeto.mlx import mlx_available
@@ -254,17 +257,18 @@ def main(argv=None) -> int:
     def eval_loss() -> float:
         return evaluate(model, held_out, args.batch_size) if held_out else float("nan")
 
-    island = Island(weights.layout, weights.get, weights.set, client=client,
-                    sync_every=args.sync_every, wire=args.wire, blocking=args.blocking_sync,
-                    on_sync=eval_loss)
+    island = make_island(args, weights.layout, weights.get, weights.set, client, eval_loss)
     log.info("%d trainable tensors, %d parameters (lora, mlx %s); %d training blocks, "
              "%d loss tokens", len(weights.layout.specs), weights.layout.numel,
              mx.default_device(), len(train), train.loss_tokens)
+    stop = stop_on_signals()
     island.start()
     before = eval_loss()
-    write_metrics(args.output, dict(step=0, eval_loss=before, version=island.version))
+    write_metrics(args.output, dict(step=0, eval_loss=before, version=island.version,
+                                    time=time.time()))
     log.info("held-out loss before training: %.4f", before)
-    run_training(args, model, opt, loss_and_grad, train, island)
+    run_training(args, lambda micro: train_step(model, opt, micro, loss_and_grad), train, island,
+                 "mlx", stop=stop)
     island.finish()
     after = eval_loss()
     log.info("held-out loss after training: %.4f (before %.4f)", after, before)
@@ -281,29 +285,6 @@ def main(argv=None) -> int:
         (args.output / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("saved to %s", args.output)
     return 0
-
-
-def run_training(args, model, opt, loss_and_grad, train, island: Island) -> None:
-    """The torch island's loop (`yeto.learner.run_training`) with the MLX step."""
-    sampler = BatchSampler(train, args.batch_size, seed=args.seed + args.learner_index)
-    bar = progress_bar(args, f"{args.learner_id} (mlx)")
-    t0, tokens_seen = time.perf_counter(), 0
-    for _ in range(args.max_steps):
-        micro = [next(sampler) for _ in range(args.grad_accum)]
-        loss, loss_tokens = train_step(model, opt, micro, loss_and_grad)
-        tokens_seen += sum(t.shape[0] * (t.shape[1] - 1) for t, _ in micro)
-        done = island.after_step(loss_tokens, train_loss=loss)
-        if island.step % args.sync_every == 0:
-            write_metrics(args.output, dict(step=island.step, train_loss=loss,
-                                            eval_loss=island.eval_loss, version=island.version))
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - t0):.0f}",
-                        round=island.version, refresh=False)
-        if done or not math.isfinite(loss):
-            if not math.isfinite(loss):
-                log.error("training loss is %s at step %d: lower --inner-lr", loss, island.step)
-            break
-    bar.close()
 
 
 if __name__ == "__main__":
