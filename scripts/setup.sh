@@ -9,4 +9,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev,mlx]"
+# headless Chromium for the dashboard's browser test (Debian's package; skipped elsewhere)
+command -v chromium >/dev/null || ! command -v apt-get >/dev/null || {
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+} || echo "chromium not installed: the dashboard browser test will skip"
 echo "yeto installed in .venv"
