@@ -327,7 +327,8 @@ class Run:
             now = time.monotonic()
             isl.last_seq = h.seq
             isl.pushes += 1
-            isl.loss_tokens += h.loss_tokens
+            if h.fragment == 0:  # each fragment's push carries the same steps: count once
+                isl.loss_tokens += h.loss_tokens
             rnd.bytes_in += len(payload)
             rnd.learners.add(h.learner_id)
             rnd.responders.append(dict(
