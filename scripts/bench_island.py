@@ -9,12 +9,19 @@ of its runs. Also measured: the time the island waits on the network per round,
 as a share of round time (goal <= 1%). Goal for the ratio: >= 0.97.
 
 Last line: RESULT ratio=<tokens/s ratio> wait_share=<share> ...
+
+With --nproc N it measures instead an island made of a torchrun group: tokens/s
+of `torchrun --nproc-per-node N -m yeto.learner` ÷ N × a 1-process island, both
+run in this invocation as subprocesses on the same model and data (single-island
+mode, so only the group's own all-reduce and weight broadcasts are measured).
+Last line then: RESULT ratio=<tokens/s(N) / (N × tokens/s(1))> nproc=N ...
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -70,6 +77,37 @@ def run_arm(model_dir, train, args, syncer_addr: str | None) -> tuple[float, flo
     return tokens / elapsed, wait_share
 
 
+def bench_group(args) -> int:
+    import json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = make_tiny_model(tmp / "model", "llama")
+        train, _ = make_task(tmp / "data")
+        common = ["-m", "yeto.learner", "--model", str(model_dir), "--data", str(train),
+                  "--syncer", "none", "--max-steps", str(args.steps), "--seq-len",
+                  str(args.seq_len), "--batch-size", str(args.batch_size), "--threads",
+                  str(args.threads), "--no-progress", "--log-level", "WARNING"]
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        rates = {1: [], args.nproc: []}
+        for r in range(args.repeats):
+            for n, launcher in ((1, [sys.executable]),
+                                (args.nproc, [torchrun, "--nproc-per-node", str(args.nproc),
+                                              "--master-port", str(29600 + r)])):
+                out = tmp / f"out-{n}-{r}"
+                subprocess.run([*launcher, *common, "--output", str(out)], cwd=ROOT, check=True)
+                rates[n].append(json.loads((out / "summary.json").read_text())["tokens_per_s"])
+    one = sum(rates[1]) / len(rates[1])
+    many = sum(rates[args.nproc]) / len(rates[args.nproc])
+    print(f"{'island':<28}{'tokens/s':>12}")
+    print(f"{'1 process':<28}{one:>12.0f}")
+    print(f"{f'torchrun, {args.nproc} processes':<28}{many:>12.0f}")
+    print(f"RESULT ratio={many / (args.nproc * one):.4f} nproc={args.nproc} "
+          f"one_tok_s={one:.0f} group_tok_s={many:.0f} threads_per_process={args.threads} "
+          f"steps={args.steps} cores={os.cpu_count()}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,10 +117,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2, help="runs per arm (alternating)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=0,
+                   help="measure a torchrun island of N processes instead (see above)")
     p.add_argument("--quick", action="store_true", help="100 steps, 1 run per arm (< 30 s)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 100, 1
+    if args.nproc > 1:
+        return bench_group(args)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

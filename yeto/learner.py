@@ -447,8 +447,8 @@ def main(argv=None) -> int:
     write_metrics(args.output, dict(step=0, eval_loss=before, version=island.version,
                                     time=time.time()), group)
     log.info("held-out loss before training: %.4f", before)
-    run_training(args, lambda micro: train_step(stepper, opt, micro, device), train, island,
-                 "torch", stop=stop, group=group, weights=weights)
+    tokens_per_s = run_training(args, lambda micro: train_step(stepper, opt, micro, device),
+                                train, island, "torch", stop=stop, group=group, weights=weights)
     if group.leader:
         island.finish()
     dist_group.share_weights(group, True, weights.get, weights.set, weights.layout.numel)
@@ -459,7 +459,8 @@ def main(argv=None) -> int:
                    loss_tokens=island.total_tokens, pushes=island.pushes,
                    bytes_up=client.bytes_up if client else 0,
                    bytes_down=client.bytes_down if client else 0,
-                   wait_s=client.wait_s if client else 0.0, ranks=group.world)
+                   wait_s=client.wait_s if client else 0.0, ranks=group.world,
+                   tokens_per_s=tokens_per_s)
     if args.output and group.leader:
         saved = args.output / "adapter" if args.tuning == "lora" else args.output / "model"
         save_output(model, saved, args.tuning, tok)
@@ -498,10 +499,11 @@ def stop_on_signals() -> threading.Event:
 
 def run_training(args, step_fn, train, island: Island, backend: str, *,
                  stop: threading.Event | None = None, group=dist_group.Group(),
-                 weights=None) -> None:
+                 weights=None) -> float:
     """The inner loop both backends share: `step_fn(micro_batches) -> (loss, loss
     tokens)` is one optimizer step. In a torchrun group only rank 0's island talks
-    to the syncer; merged weights reach the other ranks at the same step boundary."""
+    to the syncer; merged weights reach the other ranks at the same step boundary.
+    Returns the island's training tokens per second (all ranks together)."""
     sampler = BatchSampler(train, args.batch_size, seed=args.seed + args.learner_index)
     bar = progress_bar(args, f"{args.learner_id} ({backend})", disable=not group.leader)
     t0, tokens_seen = time.perf_counter(), 0
@@ -536,6 +538,7 @@ def run_training(args, step_fn, train, island: Island, backend: str, *,
         if done or (stop is not None and stop.is_set()):
             break
     bar.close()
+    return dist_group.sum_over_ranks(group, tokens_seen) / (time.perf_counter() - t0)
 
 
 def _record_rank_weights(args, group, step: int, weights) -> None:
