@@ -121,7 +121,7 @@ def one_round(clients, mem: Memory, payloads, encoding: str, version: int, seq: 
             raise RuntimeError("a push was refused")
     t_pushed = time.perf_counter()
     for c in clients:
-        got = c.wait(timeout=600)
+        got = c.wait_one(timeout=600)
         if got is None or got.version != version + 1:
             raise RuntimeError(f"no broadcast of version {version + 1}")
     t_done = time.perf_counter()
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             for c in clients:
                 c.start(init)
             for c in clients:
-                if c.wait(timeout=600) is None:
+                if c.wait_one(timeout=600) is None:
                     raise RuntimeError(f"no first broadcast: {c.fatal}")
             results = {}
             # round 1 is a warm-up (q4): the syncer reaches the state it keeps between rounds

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
             c = SyncerClient(addr, f"soak-{i:02d}", layout, backoff_s=0.05)
             c.start(np.zeros(layout.numel, np.float32))
             try:
-                if c.wait(timeout=120) is None:
+                if c.wait_one(timeout=120) is None:
                     raise RuntimeError("no first broadcast")
                 barrier.wait()
                 if i == 0:
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
                     d = rng.standard_normal(layout.numel).astype(np.float32) * 1e-3
                     c.push(codec.encode(d, "q4"), encoding="q4", base_version=r, loss_tokens=100,
                            steps=10, seq=r).result(timeout=120)
-                    got = c.wait(timeout=120)
+                    got = c.wait_one(timeout=120)
                     if got is None or got.version != r + 1:
                         raise RuntimeError(f"round {r + 1}: got {got and got.version}")
                     if i == 0 and r + 1 in (10, args.rounds):

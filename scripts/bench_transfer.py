@@ -91,17 +91,18 @@ class Probe:
 
     def __init__(self, run: Run):
         self.received = self.published = 0.0
-        push, publish = run.push, run._publish
+        push, prepare = run.push, run._next_broadcast
 
         def timed_push(h, payload):
             self.received = time.perf_counter()
             return push(h, payload)
 
-        def timed_publish(final):
-            publish(final)
+        def timed_prepare(fragment, final):  # the broadcast is ready to stream
+            broadcast = prepare(fragment, final)
             self.published = time.perf_counter()
+            return broadcast
 
-        run.push, run._publish = timed_push, timed_publish
+        run.push, run._next_broadcast = timed_push, timed_prepare
 
 
 def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
@@ -115,7 +116,7 @@ def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
     rows = []
     try:
         client.start(rng.standard_normal(n, dtype=np.float32))
-        first = client.wait(timeout=300)
+        first = client.wait_one(timeout=300)
         if first is None:
             raise RuntimeError(f"no first broadcast from the syncer: {client.fatal}")
         version = first.version
@@ -128,7 +129,7 @@ def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
             reply = client.push(payload, encoding=enc, base_version=version, loss_tokens=100,
                                 steps=1, seq=r).result(timeout=300)
             t_reply = time.perf_counter()
-            got = client.wait(timeout=300)
+            got = client.wait_one(timeout=300)
             t_got = time.perf_counter()
             if not reply["accepted"] or got is None or got.version != version + 1:
                 raise RuntimeError(f"round {r} went wrong: {reply}, {got}")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import wait_until
 from safetensors.numpy import load_file
 
-from conftest import wait_until
 from syncer.tape import read_tape
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -367,7 +367,8 @@ def make_tiny_model(
     """Write a tiny Hugging Face model dir (safetensors, float32) and return its path.
 
     Built once per (arch, seed, pretrain, sizes, FIXTURE_VERSION) into the cache
-    (``cache_dir``, else ``$YETO_CACHE``, else ``~/.cache/yeto``), then copied. Building writes to a temp dir and renames it, so concurrent callers
+    (``cache_dir``, else ``$YETO_CACHE``, else ``~/.cache/yeto``), then copied.
+    Building writes to a temp dir and renames it, so concurrent callers
     never see half a model.
     """
     if arch not in ARCHS:

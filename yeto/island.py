@@ -155,7 +155,9 @@ class Island:
             self.steps[f] = self.steps.get(f, 0) + 1
         if train_loss is not None:
             self.train_loss = float(train_loss)
-        if self.client is None:
+        if self.client is None:  # a single island: still evaluate every H steps
+            if self.on_sync is not None and self.step % self.sync_every == 0:
+                self.eval_loss = float(self.on_sync())
             return False
         self._apply_all(self.client.take())
         for f in self._due():

@@ -523,7 +523,8 @@ def run_training(args, step_fn, train, island: Island, backend: str, *,
                                                      weights.layout.numel, done)
             if applied:
                 _record_rank_weights(args, group, step, weights)
-        if island.pushes != pushes:
+        if island.pushes != pushes or (island.client is None
+                                       and island.step % args.sync_every == 0):
             write_metrics(args.output, dict(
                 step=island.step, train_loss=loss, eval_loss=island.eval_loss,
                 version=island.version, loss_tokens=island.total_tokens,
