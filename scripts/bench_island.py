@@ -15,6 +15,10 @@ of `torchrun --nproc-per-node N -m yeto.learner` ÷ N × a 1-process island, bot
 run in this invocation as subprocesses on the same model and data (single-island
 mode, so only the group's own all-reduce and weight broadcasts are measured).
 Last line then: RESULT ratio=<tokens/s(N) / (N × tokens/s(1))> nproc=N ...
+
+With --backend mlx it measures the MLX island the same way against a bare mlx-lm
+LoRA loop (mlx-lm's own `linear_to_lora_layers` on the same linears, AdamW, the
+same batches and weighted loss): RESULT ratio=<island / bare> wait_share=...
 """
 
 from __future__ import annotations
@@ -77,6 +81,107 @@ def run_arm(model_dir, train, args, syncer_addr: str | None) -> tuple[float, flo
     return tokens / elapsed, wait_share
 
 
+def mlx_arm(model_dir: Path, train: Path, args, syncer_addr: str | None) -> tuple[float, float]:
+    """tokens/s of the yeto MLX island (with a syncer), or of a bare mlx-lm LoRA loop."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from transformers import AutoTokenizer
+
+    from yeto.mlx.learner import build_lora_model, make_loss_and_grad, make_optimizer
+    from yeto.mlx.learner import train_step as mlx_step
+    from yeto.mlx.lora import LoRAWeights
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    sampler = BatchSampler(load_blocks(train, tok, args.seq_len, packing="naive"),
+                           args.batch_size, seed=0)
+    opt = make_optimizer(1e-3, 0.0)
+    island = None
+    if syncer_addr is None:  # mlx-lm's own LoRA layers on every linear of every block
+        import mlx_lm
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        model, _ = mlx_lm.load(str(model_dir))
+        model.freeze()
+        keys = [f"{a}.{b}" for a, bs in (("self_attn", ("q_proj", "k_proj", "v_proj",
+                                                       "o_proj")),
+                                         ("mlp", ("gate_proj", "up_proj", "down_proj")))
+                for b in bs]
+        linear_to_lora_layers(model, len(model.layers), {"rank": 16, "scale": 2.0,
+                                                          "dropout": 0.0, "keys": keys})
+
+        def loss_fn(m, tokens, weights):
+            logits = m(tokens[:, :-1]).astype(mx.float32)
+            ce = nn.losses.cross_entropy(logits, tokens[:, 1:])
+            return (ce * weights).sum() / mx.maximum(weights.sum(), 1.0)
+
+        value_and_grad = nn.value_and_grad(model, loss_fn)
+
+        def step(mb):
+            loss, grads = value_and_grad(model, mx.array(mb[0]), mx.array(mb[1]))
+            opt.update(model, grads)
+            mx.eval(model.trainable_parameters(), opt.state, loss)
+            return int((mb[1] > 0).sum())
+    else:
+        model, _, layers = build_lora_model(model_dir, 16, 32, "all-linear", 0)
+        loss_and_grad = make_loss_and_grad(model)
+        weights = LoRAWeights(layers)
+        client = SyncerClient(syncer_addr, f"bench-mlx-{time.monotonic_ns()}", weights.layout)
+        island = Island(weights.layout, weights.get, weights.set, client=client,
+                        sync_every=args.sync_every, wire="q4")
+        island.start()
+
+        def step(mb):
+            _, loss_tokens = mlx_step(model, opt, [mb], loss_and_grad)
+            island.after_step(loss_tokens)
+            return loss_tokens
+    for _ in range(2):  # warm-up, not timed
+        step(next(sampler))
+    tokens, t0 = 0, time.perf_counter()
+    for _ in range(args.steps):
+        mb = next(sampler)
+        step(mb)
+        tokens += mb[0].shape[0] * (mb[0].shape[1] - 1)
+    elapsed = time.perf_counter() - t0
+    wait = 0.0
+    if island is not None:
+        wait = island.client.wait_s / elapsed
+        island.client.close()
+    return tokens / elapsed, wait
+
+
+def bench_mlx(args) -> int:
+    if args.quick:  # MLX on a CPU is slow: fewer steps, and still a few syncs among them
+        args.steps, args.sync_every = min(args.steps, 20), min(args.sync_every, 10)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = make_tiny_model(tmp / "model", "llama")
+        train, _ = make_task(tmp / "data")
+        port_file = tmp / "port"
+        syncer = subprocess.Popen([sys.executable, "-m", "syncer", "--port", "0", "--port-file",
+                                   str(port_file), "--quorum", "1", "--log-level", "WARNING"],
+                                  cwd=ROOT)
+        try:
+            while not port_file.exists():
+                time.sleep(0.05)
+            addr = f"127.0.0.1:{port_file.read_text()}"
+            bare, isl, waits = [], [], []
+            for _ in range(args.repeats):
+                bare.append(mlx_arm(model_dir, train, args, None)[0])
+                tps, wait = mlx_arm(model_dir, train, args, addr)
+                isl.append(tps)
+                waits.append(wait)
+        finally:
+            syncer.terminate()
+            syncer.wait(timeout=30)
+    b, i, w = sum(bare) / len(bare), sum(isl) / len(isl), sum(waits) / len(waits)
+    print(f"{'arm':<34}{'tokens/s':>12}")
+    print(f"{'bare mlx-lm LoRA loop':<34}{b:>12.0f}")
+    print(f"{'yeto MLX island, sync every ' + str(args.sync_every):<34}{i:>12.0f}")
+    print(f"RESULT ratio={i / b:.4f} wait_share={w:.5f} backend=mlx goal_ratio=>=0.97 "
+          f"bare_tok_s={b:.0f} island_tok_s={i:.0f} steps={args.steps}")
+    return 0
+
+
 def bench_group(args) -> int:
     import json
 
@@ -117,6 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2, help="runs per arm (alternating)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", choices=("torch", "mlx"), default="torch")
     p.add_argument("--nproc", type=int, default=0,
                    help="measure a torchrun island of N processes instead (see above)")
     p.add_argument("--quick", action="store_true", help="100 steps, 1 run per arm (< 30 s)")
@@ -125,6 +231,8 @@ def main(argv=None) -> int:
         args.steps, args.repeats = 100, 1
     if args.nproc > 1:
         return bench_group(args)
+    if args.backend == "mlx":
+        return bench_mlx(args)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
