@@ -1,0 +1,765 @@
+"""Does DiLoCo learn? DiLoCo against synchronous data-parallel on the same budget.
+
+Every arm trains the same tiny model on the same data with the same total token
+budget (k islands x steps x batch = single-island steps x batch), as real processes
+(a `python -m syncer` and `python -m yeto.learner` islands, one torch thread each),
+one arm at a time. Each (arm, seed) result is cached as JSON under --out, so a
+rerun resumes where it stopped (delete a file, or pass --fresh, to redo it).
+
+Arms
+  single          one island, batch b, N steps.
+  dp<k>           synchronous data-parallel: one island with batch k*b for N/k steps.
+                  Equivalent to k islands that average gradients every step: each
+                  island's gradient is the gradient of its mean loss over b blocks;
+                  the mean of k such gradients over equal-size batches is the gradient
+                  of the mean loss over the k*b blocks (the loss is a mean, the gradient
+                  linear), so AdamW, fed the same gradient from the same state, takes
+                  the identical step. (The islands normalise by loss tokens, so this is
+                  exact when every island's batch has as many loss tokens; close
+                  otherwise.)
+  diloco<k>-H<H>-<wire>   k islands, N/k steps each, push every H steps on <wire>;
+                  token-weighted mean, outer step lr 1 momentum 0 (plain averaging:
+                  the rule the evidence picked, see BENCHMARKS.md), f32 downlink,
+                  islands train on while a round commits (the learner's default).
+                  Suffixes: -nest outer Nesterov 0.7/0.9 (the DiLoCo paper's);
+                  -m05 outer lr 0.7 momentum 0.5; -rda norm-preserving merge; -dq4
+                  q4 downlink; -frozenA LoRA A frozen (--lora-freeze-a); -blk
+                  --blocking-sync.
+  nomerge<k>      k islands that never merge (--syncer none); the mean of their
+                  held-out losses.
+  mixed-steps / mixed-time   two islands, one at --slowdown 3, syncing every H steps
+                  or every T seconds, on the same wall-clock budget (see mixed_arms).
+  Regime "full" (from scratch, full weights, stdlib source) adds single (N/k steps:
+  the DiLoCo paper's Table 2 baseline, 1/k of the tokens) and single-same-tokens.
+  Arms that need a learner flag the learner lacks are skipped and say so.
+
+Columns
+  eval      held-out loss of the final weights (mean over seeds; +- half the range)
+  ratio     eval / eval of the arm's synchronous reference (dp<k>, same seed)
+  up, down  bytes on the wire from the syncer's tape: sum of bytes_in / bytes_out of
+            its merge records (dp rows: the modelled ring all-reduce, see below)
+  B/tok vs AR   (bytes_up + bytes_down) per trained token / bytes per trained token
+            of a synchronous ring all-reduce of the same trainable parameters P
+            over the same k islands. A ring all-reduce sends, per island per step,
+            2(k-1)/k * 4 bytes * P (reduce-scatter + all-gather, f32); an island
+            trains b*L tokens per step, so
+                AR bytes = tokens * 2(k-1)/k * 4 * P / (b * L)
+            Every byte a ring island sends is one another receives, so each wire
+            byte is counted once on both sides. "x fewer" = 1 / that ratio.
+
+Goals (each reported with met=yes|no)
+  - DiLoCo k=4, q4 wire, H >= 50: eval <= 1.01 x dp4 at >= 500x fewer bytes/token.
+  - q4 within 0.3% of f32 held-out loss (same k, H).
+  - Regime full (from scratch): diloco4 <= dp4, both below the single island (the
+    DiLoCo paper's Table 2 baseline: one island, as many steps, 1/k of the tokens).
+
+Usage
+  python scripts/compare_diloco.py --quick        # reduced table, < 10 min on 2 cores
+  python scripts/compare_diloco.py                # every arm, 2 seeds (about an hour+)
+  python scripts/compare_diloco.py --arms 'lora:diloco4*' --seeds 0,1
+  python scripts/compare_diloco.py --smoke --out /tmp/cmp   # 2 arms, a few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _bench import table  # noqa: E402
+
+PY = sys.executable
+EVAL_EVERY = 50  # held-out loss every this many steps on islands without a syncer
+DATA_VERSION = 1  # bump when the prepared data change
+
+
+# ---------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str              # "lora" or "full"
+    tuning: str            # learner --tuning
+    pretrain: bool         # tiny base pretrained (LoRA SFT) or random init (from scratch)
+    data: str              # "task" (synthetic chat) or "stdlib" (Python source text)
+    steps: int             # N: single-island steps of the token budget
+    batch: int             # b: blocks per island step
+    seq_len: int
+    inner_lr: float
+    lora_r: int = 16
+
+
+@dataclass(frozen=True)
+class Arm:
+    regime: str
+    name: str
+    kind: str              # single | dp | diloco | nomerge | mixed
+    k: int = 1
+    steps: int = 0         # per island
+    batch: int = 0         # per island step
+    H: int = 0
+    wire: str = "q4"
+    outer_lr: float = 1.0  # plain averaging; see NESTEROV
+    outer_momentum: float = 0.0
+    merge: str = "mean"
+    downlink: str = "f32"
+    extra: tuple[str, ...] = ()          # flags for every island
+    per_island: tuple[tuple[str, ...], ...] = ()  # extra flags per island
+    island_steps: tuple[int, ...] = ()    # max-steps per island (mixed arms)
+    ref: str | None = None  # synchronous reference arm (same regime) for `ratio`
+    needs: tuple[str, ...] = ()  # learner flags this arm needs
+
+    @property
+    def key(self) -> str:
+        return f"{self.regime}:{self.name}"
+
+    def steps_of(self, i: int) -> int:
+        return self.island_steps[i] if self.island_steps else self.steps
+
+
+def diloco(rg: Regime, k: int, H: int, wire: str = "q4", *, suffix: str = "",
+           **kw) -> Arm:
+    return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=rg.steps // k,
+               batch=rg.batch, H=H, wire=wire, ref=f"dp{k}", **kw)
+
+
+NESTEROV = dict(outer_lr=0.7, outer_momentum=0.9)  # the DiLoCo paper's outer step
+
+
+def lora_arms(rg: Regime) -> list[Arm]:
+    single = Arm(rg.name, "single", "single", steps=rg.steps, batch=rg.batch, ref="dp4")
+    dp = [Arm(rg.name, f"dp{k}", "dp", k=k, steps=rg.steps // k, batch=rg.batch * k,
+              ref=f"dp{k}") for k in (2, 4)]
+    base = diloco(rg, 4, 50)
+    h10 = diloco(rg, 4, 10)
+    h100 = diloco(rg, 4, 100)
+    blocking = ("--blocking-sync",)
+    frozen = dict(extra=("--lora-freeze-a",), needs=("--lora-freeze-a",))
+    arms = [single, *dp]
+    arms += [diloco(rg, k, H, w) for k in (2, 4) for H in (10, 50) for w in ("f32", "q4")]
+    arms += [Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
+                 ref=f"dp{k}") for k in (2, 4)]
+    arms += [
+        # outer rules (the grid above averages: outer lr 1, momentum 0)
+        replace(base, name=base.name + "-nest", **NESTEROV),
+        replace(h10, name=h10.name + "-nest", **NESTEROV),
+        replace(base, name=base.name + "-rda", merge="rda"),
+        replace(base, name=base.name + "-rda-nest", merge="rda", **NESTEROV),
+        replace(base, name=base.name + "-m05", outer_lr=0.7, outer_momentum=0.5),
+        # downlink, longer H
+        replace(base, name=base.name + "-dq4", downlink="q4"),
+        h100, replace(h100, name=h100.name + "-dq4", downlink="q4"),
+        # LoRA merge mode: A frozen from the shared seed, only B trained and sent
+        # (dp4-frozenA: the synchronous arm with A frozen too, so the capacity lost by
+        # freezing A is told apart from what the merge loses)
+        replace(dp[1], name="dp4-frozenA", ref="dp4", **frozen),
+        replace(base, name=base.name + "-frozenA", **frozen),
+        replace(base, name=base.name + "-frozenA-nest", **frozen, **NESTEROV),
+        replace(h100, name=h100.name + "-dq4-frozenA", downlink="q4", **frozen),
+        # --blocking-sync: each island waits for the merged weights after its push
+        # (exact DiLoCo); by default islands train on and fold their newer steps in
+        replace(base, name=base.name + "-blk", extra=blocking),
+        replace(base, name=base.name + "-nest-blk", extra=blocking, **NESTEROV),
+        replace(h10, name=h10.name + "-blk", extra=blocking),
+        replace(h10, name=h10.name + "-nest-blk", extra=blocking, **NESTEROV),
+    ]
+    return arms + mixed_arms(rg)
+
+
+def mixed_arms(rg: Regime) -> list[Arm]:
+    """Two islands, island-1 at --slowdown 3, on one wall-clock budget W = the time the
+    slow island takes for S steps (S = N/4, as many as a k=4 island makes). Budgets are
+    set by max-steps per island, proportional to what each island can do in W under its
+    sync rule:
+      mixed-time:  sync every T seconds; the fast island does 3S steps, the slow S.
+      mixed-steps: sync every H steps; a round needs both pushes (quorum 2) and an
+                   island holds one push in flight, so the fast island can be at most
+                   one push (H steps) ahead of the slow one: S + H steps, the slow S.
+    Wall seconds are measured and printed, so the budgets can be checked."""
+    S, H = rg.steps // 4, 50
+    flags = ("--sync-every-seconds", "--slowdown")
+    slow = ((), ("--slowdown", "3"))
+    # T: about the slow island's time for H steps (3x a ~45 ms step at L=64, b=8)
+    T = 7
+    return [
+        Arm(rg.name, "mixed-steps", "mixed", k=2, steps=S, batch=rg.batch, H=H,
+            island_steps=(S + H, S), per_island=slow, needs=flags, ref="mixed-steps"),
+        Arm(rg.name, "mixed-time", "mixed", k=2, steps=S, batch=rg.batch, H=H,
+            island_steps=(3 * S, S), extra=("--sync-every-seconds", str(T)),
+            per_island=slow, needs=flags, ref="mixed-steps"),
+    ]
+
+
+def full_arms(rg: Regime) -> list[Arm]:
+    """The DiLoCo paper's Table 2 shape, k = 4, from scratch, full weights."""
+    k = 4
+    return [
+        Arm(rg.name, "single", "single", steps=rg.steps // k, batch=rg.batch, ref=f"dp{k}"),
+        Arm(rg.name, "single-same-tokens", "single", steps=rg.steps, batch=rg.batch,
+            ref=f"dp{k}"),
+        Arm(rg.name, f"dp{k}", "dp", k=k, steps=rg.steps // k, batch=rg.batch * k,
+            ref=f"dp{k}"),
+        diloco(rg, k, 50), diloco(rg, k, 50, "f32"), diloco(rg, k, 10),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-nest", **NESTEROV),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-nest", **NESTEROV),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-m05", outer_lr=0.7, outer_momentum=0.5),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-m05", outer_lr=0.7, outer_momentum=0.5),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-nest-blk", extra=("--blocking-sync",),
+                **NESTEROV),
+        Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
+            ref=f"dp{k}"),
+    ]
+
+
+# arms a --quick run makes by default (any other can be picked with --arms)
+QUICK_ARMS = "lora:single,lora:dp4,lora:diloco4-H50-q4,lora:diloco4-H50-f32"
+
+
+def plan(mode: str) -> tuple[dict[str, Regime], list[Arm], list[int]]:
+    if mode == "smoke":
+        rg = Regime("lora", "lora", True, "task", steps=24, batch=4, seq_len=64, inner_lr=3e-3,
+                    lora_r=8)
+        arms = [Arm("lora", "single", "single", steps=24, batch=4, ref="single"),
+                replace(diloco(rg, 2, 6), ref="single")]
+        return {"lora": rg}, arms, [0]
+    quick = mode == "quick"
+    lora = Regime("lora", "lora", True, "task", steps=800 if quick else 1600, batch=8,
+                  seq_len=64, inner_lr=3e-3)
+    full = Regime("full", "full", False, "stdlib", steps=800 if quick else 1200, batch=8,
+                  seq_len=128, inner_lr=2e-3)
+    return {"lora": lora, "full": full}, lora_arms(lora) + full_arms(full), [0, 1]
+
+
+# ---------------------------------------------------------------- data
+
+
+def prepare(out: Path, rg: Regime) -> tuple[Path, Path, Path]:
+    """(model dir, train.jsonl, eval.jsonl) for a regime; built once under out/."""
+    from yeto.fixtures import make_task, make_tiny_model
+
+    model = make_tiny_model(out / "models" / ("pretrained" if rg.pretrain else "scratch"),
+                            pretrain=rg.pretrain)
+    d = out / "data" / f"{rg.data}-v{DATA_VERSION}"
+    train, held_out = d / "train.jsonl", d / "eval.jsonl"
+    if not (train.is_file() and held_out.is_file()):
+        if rg.data == "task":
+            tmp_train, tmp_eval = make_task(d, n_train=8000, n_eval=200)
+            assert (tmp_train, tmp_eval) == (train, held_out)
+        else:
+            stdlib_rows(d)
+    return model, train, held_out
+
+
+def stdlib_rows(d: Path, eval_files: int = 20, eval_pieces: int = 3,
+                train_chars: int = 4_000_000, row_chars: int = 2000) -> None:
+    """Rows {"text": ...} of Python standard library source (top-level *.py files, cut
+    at line ends into ~row_chars pieces). Held-out files are disjoint from training
+    files: every 7th file past those the tiny tokenizer was trained on
+    (`yeto.fixtures.stdlib_text`, the first 400k characters), their first
+    `eval_pieces` pieces each."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[tuple[str, str]] = []
+    for p in sorted(root.glob("*.py")):
+        try:
+            texts.append((p.name, p.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError):
+            continue
+    seen, first_unseen = 0, len(texts)
+    for i, (_, t) in enumerate(texts):
+        seen += len(t)
+        if seen >= 400_000:
+            first_unseen = i + 1
+            break
+    held = {name for name, _ in texts[first_unseen::7][:eval_files]}
+    train_rows, eval_rows, size = [], [], 0
+    for name, t in texts:
+        pieces = _pieces(t, row_chars)
+        if name in held:
+            eval_rows += pieces[:eval_pieces]
+        elif size < train_chars:
+            train_rows += pieces
+            size += len(t)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "eval.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in eval_rows))
+    (d / "train.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in train_rows))
+    (d / "files.json").write_text(json.dumps({"eval": sorted(held)}, indent=1))
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    out, cur = [], []
+    n = 0
+    for line in text.splitlines(keepends=True):
+        cur.append(line)
+        n += len(line)
+        if n >= size:
+            out.append("".join(cur))
+            cur, n = [], 0
+    if "".join(cur).strip():
+        out.append("".join(cur))
+    return out
+
+
+# ---------------------------------------------------------------- running
+
+
+class ArmFailed(RuntimeError):
+    pass
+
+
+def learner_flags() -> str:
+    return subprocess.run([PY, "-m", "yeto.learner", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False).stdout
+
+
+def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
+    """What an arm's result depends on (its name and reference arm do not count)."""
+    drop = {"name", "ref"}
+    if arm.kind not in ("diloco", "mixed"):  # no syncer: the outer settings do not apply
+        drop |= {"H", "wire", "outer_lr", "outer_momentum", "merge", "downlink"}
+    what = {k: v for k, v in asdict(arm).items() if k not in drop}
+    return {"arm": what, "regime": asdict(rg), "seed": seed, "data": DATA_VERSION}
+
+
+def run_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: float) -> dict:
+    model, train, held_out = paths
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs: list[subprocess.Popen] = []
+    syncer = None
+    t0 = time.monotonic()
+    try:
+        address = "none"
+        if arm.kind in ("diloco", "mixed"):
+            sdir = run_dir / "syncer"
+            sdir.mkdir()
+            port_file = sdir / "port"
+            syncer = subprocess.Popen(
+                [PY, "-m", "syncer", "--port", "0", "--port-file", str(port_file),
+                 "--quorum", str(arm.k), "--state-dir", str(sdir),
+                 "--outer-lr", str(arm.outer_lr), "--outer-momentum", str(arm.outer_momentum),
+                 "--merge", arm.merge, "--downlink", arm.downlink],
+                stdout=open(sdir / "log.txt", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            address = f"127.0.0.1:{_wait_port(port_file, syncer)}"
+        n_proc = 1 if arm.kind in ("single", "dp") else arm.k
+        for i in range(n_proc):
+            d = run_dir / "islands" / f"island-{i}"
+            d.mkdir(parents=True)
+            cmd = [PY, "-m", "yeto.learner", "--model", str(model), "--data", str(train),
+                   "--eval-data", str(held_out), "--eval-blocks", "0",
+                   "--syncer", address, "--learner-id", f"island-{i}",
+                   "--num-learners", str(n_proc), "--max-steps", str(arm.steps_of(i)),
+                   "--batch-size", str(arm.batch), "--seq-len", str(rg.seq_len),
+                   "--inner-lr", str(rg.inner_lr), "--tuning", rg.tuning,
+                   "--lora-r", str(rg.lora_r), "--lora-alpha", str(2 * rg.lora_r),
+                   # without a syncer, H only sets how often the island evaluates
+                   "--sync-every", str(arm.H or EVAL_EVERY), "--wire", arm.wire,
+                   "--seed", str(seed), "--threads", "1", "--no-progress",
+                   "--output", str(d), *arm.extra]
+            if arm.per_island:
+                cmd += list(arm.per_island[i])
+            procs.append(subprocess.Popen(cmd, stdout=open(d / "log.txt", "w"),
+                                          stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+        for i, p in enumerate(procs):
+            left = timeout - (time.monotonic() - t0)
+            try:
+                code = p.wait(timeout=max(left, 1))
+            except subprocess.TimeoutExpired:
+                raise ArmFailed(f"{arm.key} seed {seed}: island-{i} still running after "
+                                f"{timeout:.0f}s; see {run_dir}") from None
+            if code:
+                raise ArmFailed(f"{arm.key} seed {seed}: island-{i} exited {code}:\n"
+                                + _tail(run_dir / "islands" / f"island-{i}" / "log.txt"))
+        wall = time.monotonic() - t0
+        if syncer is not None:
+            try:
+                syncer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in [*procs, syncer]:
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    return summarize(arm, rg, run_dir, wall)
+
+
+def summarize(arm: Arm, rg: Regime, run_dir: Path, wall: float) -> dict:
+    islands = sorted((run_dir / "islands").iterdir())
+    summ = [json.loads((d / "summary.json").read_text()) for d in islands]
+    params = _params(islands[0] / "log.txt")
+    losses = [s["eval_loss"] for s in summ]
+    steps = [s["step"] for s in summ]
+    tokens = sum(st * arm.batch * rg.seq_len for st in steps)
+    res = dict(eval_loss=statistics.fmean(losses), eval_losses=losses,
+               eval_loss_before=summ[0]["eval_loss_before"], steps=steps,
+               loss_tokens=[s["loss_tokens"] for s in summ], tokens=tokens, params=params,
+               wall_s=round(wall, 1), final=[s.get("final") for s in summ],
+               wait_s=[round(s.get("wait_s", 0.0), 1) for s in summ],
+               client_bytes_up=sum(s.get("bytes_up", 0) for s in summ),
+               client_bytes_down=sum(s.get("bytes_down", 0) for s in summ))
+    k = arm.k
+    # a synchronous ring all-reduce over the same k islands, for the same tokens; a dp
+    # arm is one process standing for k islands of batch b = its batch / k
+    b = arm.batch // k if arm.kind == "dp" else arm.batch
+    ar = tokens * 2 * (k - 1) / k * 4 * params / (b * rg.seq_len) if k > 1 else 0.0
+    res["ar_bytes"] = ar
+    res["curve"] = _curve(islands[0] / "metrics.jsonl")
+    up = down = 0
+    shares: dict[str, list[float]] = {}
+    tape_tokens: dict[str, int] = {}
+    tape = run_dir / "syncer" / "tape.jsonl"
+    if tape.exists():
+        from syncer.tape import read_tape
+
+        merges = [r for r in read_tape(tape) if r.get("event") == "merge"]
+        up = sum(r["bytes_in"] for r in merges)
+        down = sum(r["bytes_out"] for r in merges)
+        for r in merges:
+            for x in r["responders"]:
+                shares.setdefault(x["learner"], []).append(x["share"])
+                tape_tokens[x["learner"]] = tape_tokens.get(x["learner"], 0) + x["tokens"]
+        res.update(rounds=len(merges), rejected=sum(1 for r in read_tape(tape)
+                                                     if r.get("event") == "rejected"))
+        res["share_mean"] = {k_: statistics.fmean(v) for k_, v in shares.items()}
+        res["tape_tokens"] = tape_tokens
+        res["distinct_final_losses"] = len({round(x, 6) for x in losses})
+    if arm.kind == "dp":
+        up = down = int(ar)
+    res.update(bytes_up=up, bytes_down=down)
+    # dp: 1 by definition (its wire is the all-reduce itself)
+    res["bytes_per_token_ratio"] = 1.0 if arm.kind == "dp" else (up + down) / ar if ar else 0.0
+    return res
+
+
+def _curve(path: Path) -> list[list[float]]:
+    """(step, held-out loss) of island-0 as it trained (its local weights at each sync)."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            loss = r.get("eval_loss")
+            if "step" in r and isinstance(loss, (int, float)) and math.isfinite(loss):
+                out.append([r["step"], round(loss, 4)])
+    return out
+
+
+def _params(log: Path) -> int:
+    m = re.search(r"trainable tensors, (\d+) parameters", log.read_text(errors="replace"))
+    if not m:
+        raise ArmFailed(f"no parameter count in {log}")
+    return int(m.group(1))
+
+
+def _wait_port(port_file: Path, proc, timeout: float = 120) -> int:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if port_file.exists():
+            return int(port_file.read_text())
+        if proc.poll() is not None:
+            raise ArmFailed(f"the syncer exited with code {proc.returncode}; see "
+                            f"{port_file.parent / 'log.txt'}")
+        time.sleep(0.05)
+    raise ArmFailed("the syncer did not start listening within 120 s")
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclass
+class Row:
+    arm: Arm
+    results: dict[int, dict] = field(default_factory=dict)  # seed -> result
+    ratios: dict[int, float] = field(default_factory=dict)
+
+    def mean(self, key: str) -> float:
+        vals = [r[key] for r in self.results.values()]
+        return statistics.fmean(vals) if vals else math.nan
+
+
+def attach_ratios(rows: dict[str, Row]) -> None:
+    for row in rows.values():
+        ref = rows.get(f"{row.arm.regime}:{row.arm.ref}") if row.arm.ref else None
+        for seed, r in row.results.items():
+            if ref is not None and seed in ref.results:
+                row.ratios[seed] = r["eval_loss"] / ref.results[seed]["eval_loss"]
+
+
+def fmt_bytes(b: float) -> str:
+    if b <= 0:
+        return "0"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def markdown(headers: list[str], body: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
+    return "\n".join(out)
+
+
+def print_tables(rows: dict[str, Row], regimes: dict[str, Regime], md: bool = False) -> None:
+    headers = ["arm", "k", "H", "wire/down", "outer", "steps x b", "eval", "+-", "ratio", "vs",
+               "up", "down", "B/tok vs AR", "x fewer", "wall s"]
+    for name, rg in regimes.items():
+        body = []
+        for row in rows.values():
+            a = row.arm
+            if a.regime != name or not row.results:
+                continue
+            ev = [r["eval_loss"] for r in row.results.values()]
+            bpt = row.mean("bytes_per_token_ratio")
+            ratio = statistics.fmean(row.ratios.values()) if row.ratios else math.nan
+            steps = "/".join(str(s) for s in a.island_steps) if a.island_steps else str(a.steps)
+            outer = (f"{a.merge} {a.outer_lr:g}/{a.outer_momentum:g}"
+                     if a.kind in ("diloco", "mixed") else "-")
+            body.append([
+                a.name, a.k, a.H or "-",
+                f"{a.wire}/{a.downlink}" if a.kind in ("diloco", "mixed") else "-",
+                outer, f"{steps} x {a.batch}", f"{statistics.fmean(ev):.4f}",
+                f"{(max(ev) - min(ev)) / 2:.4f}", "-" if math.isnan(ratio) else f"{ratio:.4f}",
+                a.ref or "-", fmt_bytes(row.mean("bytes_up")), fmt_bytes(row.mean("bytes_down")),
+                f"{bpt:.2e}" if bpt else "-",
+                f"{1 / bpt:,.0f}" if bpt else "-", f"{row.mean('wall_s'):.0f}"])
+        if not body:
+            continue
+        seeds = sorted({s for r in rows.values() for s in r.results})
+        first = next(iter(r for r in rows.values() if r.arm.regime == name and r.results))
+        before = statistics.fmean(r["eval_loss_before"] for r in first.results.values())
+        params = first.results[seeds[0]]["params"] if seeds[0] in first.results else "?"
+        print(f"\n== regime {name}: tuning {rg.tuning}, "
+              f"{'pretrained base' if rg.pretrain else 'from scratch'}, data {rg.data}, "
+              f"budget {rg.steps} x {rg.batch} x {rg.seq_len} tokens, inner lr {rg.inner_lr:g}, "
+              f"{params} trainable params, held-out loss before {before:.4f}, "
+              f"seeds {','.join(map(str, seeds))}")
+        print(markdown(headers, body) if md else table(headers, body))
+
+
+def result_lines(rows: dict[str, Row]) -> list[str]:
+    out = []
+    for row in rows.values():
+        for seed, r in sorted(row.results.items()):
+            out.append(_result(row.arm, seed, r["eval_loss"], row.ratios.get(seed, math.nan),
+                               r["bytes_up"], r["bytes_down"], r["bytes_per_token_ratio"]))
+        if len(row.results) > 1:
+            ratio = statistics.fmean(row.ratios.values()) if row.ratios else math.nan
+            out.append(_result(row.arm, "mean", row.mean("eval_loss"), ratio,
+                               row.mean("bytes_up"), row.mean("bytes_down"),
+                               row.mean("bytes_per_token_ratio")))
+    return out
+
+
+def _result(arm: Arm, seed, loss, ratio, up, down, bpt) -> str:
+    return (f"RESULT arm={arm.key} seed={seed} eval_loss={loss:.5f} ratio={_n(ratio)} "
+            f"bytes_up={int(up)} bytes_down={int(down)} bytes_per_token_ratio={_n(bpt)}")
+
+
+def _n(x: float) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.5g}"
+
+
+def goal_lines(rows: dict[str, Row]) -> list[str]:
+    out = []
+
+    def done(key: str) -> Row | None:
+        r = rows.get(key)
+        return r if r is not None and r.results else None
+
+    # 1. k=4, q4, H >= 50: eval <= 1.01 x dp4 at >= 500x fewer bytes per token
+    cands = [r for r in rows.values() if r.results and r.arm.kind == "diloco" and r.arm.k == 4
+             and r.arm.wire == "q4" and r.arm.H >= 50 and r.ratios and r.arm.regime == "lora"]
+    best = None
+    for r in cands:
+        ratio = statistics.fmean(r.ratios.values())
+        fewer = 1 / r.mean("bytes_per_token_ratio")
+        ok = ratio <= 1.01 and fewer >= 500
+        if best is None or (ok, -ratio) > (best[0], -best[1]):
+            best = (ok, ratio, fewer, r.arm.key)
+        out.append(f"RESULT goal=diloco4_q4_H50 arm={r.arm.key} met={'yes' if ok else 'no'} "
+                   f"ratio={ratio:.4f} fewer_bytes={fewer:.0f} target_ratio=1.01 "
+                   f"target_fewer=500")
+    if best is None:
+        out.append("RESULT goal=diloco4_q4_H50 met=n/a reason=no_arm_ran")
+    else:
+        out.append(f"RESULT goal=diloco4_q4_H50 met={'yes' if best[0] else 'no'} best={best[3]} "
+                   f"ratio={best[1]:.4f} fewer_bytes={best[2]:.0f}")
+    # 2. q4 within 0.3% of f32 (same regime, k, H), and the q4 downlink against f32
+    pairs = []
+    for r in rows.values():
+        a = r.arm
+        if a.kind == "diloco" and a.wire == "q4" and r.results:
+            if a.name.endswith("-q4"):
+                f32 = done(f"{a.regime}:{a.name[:-3]}-f32")
+                if f32:
+                    pairs.append((a.key, f32.arm.key, r, f32))
+            if a.name.endswith("-dq4"):
+                f32 = done(f"{a.regime}:{a.name[:-4]}")
+                if f32:
+                    pairs.append((a.key, f32.arm.key, r, f32))
+    worst = None
+    for qk, fk, q, f in pairs:
+        seeds = sorted(set(q.results) & set(f.results))
+        if not seeds:
+            continue
+        d = statistics.fmean(q.results[s]["eval_loss"] / f.results[s]["eval_loss"] - 1
+                             for s in seeds)
+        ok = d <= 0.003
+        out.append(f"RESULT goal=q4_vs_f32 q4={qk} f32={fk} met={'yes' if ok else 'no'} "
+                   f"diff_pct={100 * d:+.3f} target_pct=0.3")
+        if worst is None or d > worst[0]:
+            worst = (d, qk)
+    if worst is None:
+        out.append("RESULT goal=q4_vs_f32 met=n/a reason=no_pair_ran")
+    else:
+        out.append(f"RESULT goal=q4_vs_f32 met={'yes' if worst[0] <= 0.003 else 'no'} "
+                   f"worst={worst[1]} diff_pct={100 * worst[0]:+.3f}")
+    # 3. from scratch: diloco4 <= dp4 < single (the paper's baseline), and vs same tokens
+    dl, dp, single = (done(f"full:{n}") for n in ("diloco4-H50-q4", "dp4", "single"))
+    same = done("full:single-same-tokens")
+    if dl and dp and single:
+        e = {n: r.mean("eval_loss") for n, r in
+             (("diloco", dl), ("dp", dp), ("single", single))}
+        ok = e["diloco"] <= e["dp"] < e["single"] and e["diloco"] < e["single"]
+        extra = f" single_same_tokens={same.mean('eval_loss'):.4f}" if same else ""
+        out.append(f"RESULT goal=full_table2 met={'yes' if ok else 'no'} "
+                   f"diloco4={e['diloco']:.4f} dp4={e['dp']:.4f} single={e['single']:.4f}{extra}")
+    else:
+        out.append("RESULT goal=full_table2 met=n/a reason=arms_missing")
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true",
+                      help="reduced table: LoRA regime, half the budget, single, dp4 and "
+                           "DiLoCo k=4 H=50 on q4 and f32, 2 seeds (about 10 minutes on 2 "
+                           "CPU cores)")
+    mode.add_argument("--smoke", action="store_true",
+                      help="2 arms, a few steps, 1 seed (< 60 s): checks the plumbing")
+    p.add_argument("--out", type=Path, default=None,
+                   help="cache and run folder (default runs/compare, runs/compare-quick, "
+                        "runs/compare-smoke)")
+    p.add_argument("--arms", default=None,
+                   help="comma list of glob patterns over regime:arm names, e.g. "
+                        "'lora:diloco4*,full:*' (default: all; with --quick: "
+                        f"{QUICK_ARMS})")
+    p.add_argument("--seeds", default=None, help="comma list of seeds (default 0,1)")
+    p.add_argument("--fresh", action="store_true", help="ignore cached results")
+    p.add_argument("--report-only", action="store_true",
+                   help="print the tables from cached results; run nothing")
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
+    p.add_argument("--arm-timeout", type=float, default=1800, help="seconds per arm run")
+    args = p.parse_args(argv)
+    mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    out = (args.out or ROOT / "runs" / ("compare" if mode_name == "full"
+                                        else f"compare-{mode_name}")).resolve()
+    regimes, arms, seeds = plan(mode_name)
+    if args.seeds:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    pick = args.arms or (QUICK_ARMS if mode_name == "quick" else "*")
+    pats = [x.strip() for x in pick.split(",") if x.strip()]
+    chosen = {a.key for a in arms if any(fnmatch.fnmatchcase(a.key, pt) for pt in pats)}
+    chosen |= {f"{a.regime}:{a.ref}" for a in arms if a.key in chosen and a.ref}  # for ratio
+    arms = [a for a in arms if a.key in chosen]
+    help_text: str | None = None  # the learner's --help, read when an arm needs a flag
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    rows: dict[str, Row] = {a.key: Row(a) for a in arms}
+    skipped: list[str] = []
+    paths: dict[str, tuple] = {}
+    t_start = time.monotonic()
+    for arm in arms:
+        rg = regimes[arm.regime]
+        for seed in seeds:
+            cfg = config_of(arm, rg, seed)
+            digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+            cache = out / "results" / arm.regime / f"{digest}.json"
+            if cache.is_file() and not args.fresh:
+                saved = json.loads(cache.read_text())
+                if saved.get("digest") == digest:
+                    rows[arm.key].results[seed] = saved["result"]
+                    continue
+            if args.report_only:
+                continue
+            if arm.needs and help_text is None:
+                help_text = learner_flags()
+            missing = [f for f in arm.needs if f not in (help_text or "")]
+            if missing:
+                skipped.append(f"{arm.key} (the learner has no {' '.join(missing)} yet)")
+                break
+            if arm.regime not in paths:
+                paths[arm.regime] = prepare(out, rg)
+            print(f"[{time.monotonic() - t_start:6.0f}s] running {arm.key} seed {seed} ...",
+                  flush=True)
+            run_dir = out / "runs" / arm.regime / arm.name / f"seed{seed}"
+            try:
+                res = run_arm(arm, rg, seed, paths[arm.regime], run_dir, args.arm_timeout)
+            except ArmFailed as e:
+                print(f"  FAILED: {e}", flush=True)
+                skipped.append(f"{arm.key} seed {seed} (failed)")
+                continue
+            print(f"  eval {res['eval_loss']:.4f} (before {res['eval_loss_before']:.4f}), "
+                  f"{res.get('rounds', 0)} rounds, {res['wall_s']:.0f}s", flush=True)
+            rows[arm.key].results[seed] = res
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"digest": digest, "arm": arm.name, "config": cfg,
+                                       "result": res},
+                                      indent=1))
+            os.replace(tmp, cache)
+    attach_ratios(rows)
+    print_tables(rows, regimes, args.markdown)
+    mixed = [r for r in rows.values() if r.arm.kind == "mixed" and r.results]
+    for r in mixed:
+        for seed, res in sorted(r.results.items()):
+            print(f"{r.arm.key} seed {seed}: steps {res['steps']}, wall {res['wall_s']}s, "
+                  f"waiting for rounds {res.get('wait_s', '?')}s, "
+                  f"tape tokens {res.get('tape_tokens')}, mean share "
+                  f"{ {k: round(v, 3) for k, v in res.get('share_mean', {}).items()} }")
+    for s in skipped:
+        print(f"skipped: {s}")
+    print()
+    for line in result_lines(rows) + goal_lines(rows):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
