@@ -41,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="islands that must join before round 1, and pushes that commit a round")
     p.add_argument("--rounds", type=int, default=0, metavar="N",
                    help="rounds to run; 0 = until every island has finished")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
-    p.add_argument("--outer-momentum", type=float, default=0.9,
+    p.add_argument("--outer-lr", type=float, default=1.0,
+                   help="outer Nesterov learning rate (1 with momentum 0 = plain averaging, "
+                        "which beat DiLoCo's 0.7/0.9 in every arm of BENCHMARKS.md)")
+    p.add_argument("--outer-momentum", type=float, default=0.0,
                    help="outer Nesterov momentum (lr 1, momentum 0 = plain averaging)")
     p.add_argument("--merge", choices=MERGE_RULES, default="mean",
                    help="mean = weighted by loss tokens; uniform; rda = norm-preserving mean")

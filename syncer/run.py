@@ -53,8 +53,8 @@ class Reject(Exception):
 class Config:
     quorum: int = 1
     rounds: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0       # plain averaging: the evidence in BENCHMARKS.md
+    outer_momentum: float = 0.0
     merge: str = "mean"
     grace_ms: int = 0
     round_timeout_s: float = 600.0

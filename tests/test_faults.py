@@ -164,7 +164,7 @@ def test_syncer_killed_mid_push_merges_nothing_partial(tmp_path, toy_layout):
     c.close()
     theta, _, _, after = state.load(sd)
     assert after["version"] == 1 and after["theta_sha256"] == before["theta_sha256"]
-    np.testing.assert_allclose(theta, -0.7 * 1.9 * np.ones(big.numel, np.float32), atol=1e-6)
+    np.testing.assert_allclose(theta, -np.ones(big.numel, np.float32), atol=1e-6)  # lr 1, μ 0
 
 
 def syncer_rss_grew(pid: int, floor_kb: int = 300_000) -> bool:
@@ -202,7 +202,7 @@ def test_resume_restores_momentum_bit_exact_and_refuses_mismatches(tmp_path, toy
     assert resumed.momentum.tobytes() == first.momentum.tobytes()
     assert resumed.islands["a"].last_seq == 2
     resumed.tape.close()
-    with pytest.raises(state.StateError, match="--outer-lr was 0.7, now 0.5"):
+    with pytest.raises(state.StateError, match="--outer-lr was 1.0, now 0.5"):
         Run(Config(state_dir=sd, resume=True, outer_lr=0.5))
     with pytest.raises(state.StateError, match="--resume"):
         Run(Config(state_dir=sd))

@@ -57,8 +57,8 @@ ISLAND_SCALARS = ("train_loss", "eval_loss", "tokens_per_s", "loss_tokens")  # t
 OWN_ISLAND_FLAGS = ("--syncer", "--learner-id", "--learner-index", "--num-learners", "--output",
                     "--model", "--data", "--eval-data", "--token")
 SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
-    "outer_lr": ("--outer-lr", float, None, "outer Nesterov learning rate (syncer default 0.7)"),
-    "outer_momentum": ("--outer-momentum", float, None, "outer momentum (syncer default 0.9)"),
+    "outer_lr": ("--outer-lr", float, None, "outer Nesterov learning rate (syncer default 1.0)"),
+    "outer_momentum": ("--outer-momentum", float, None, "outer momentum (syncer default 0.0)"),
     "merge": ("--merge", str, None, "mean | uniform | rda (syncer default mean)"),
     "rounds": ("--rounds", int, None, "rounds to run (syncer default: until islands finish)"),
     "grace_ms": ("--grace-ms", int, None, "straggler grace after the quorum's pushes"),
