@@ -24,7 +24,7 @@ Arms
                   Suffixes: -nest outer Nesterov 0.7/0.9 (the DiLoCo paper's);
                   -m05 outer lr 0.7 momentum 0.5; -rda norm-preserving merge; -dq4
                   q4 downlink; -frozenA LoRA A frozen (--lora-freeze-a); -blk
-                  --blocking-sync.
+                  --blocking-sync; -P<p> streaming, the syncer's --fragments p.
   nomerge<k>      k islands that never merge (--syncer none); the mean of their
                   held-out losses.
   mixed-steps / mixed-time   two islands, one at --slowdown 3, syncing every H steps
@@ -122,6 +122,7 @@ class Arm:
     merge: str = "mean"
     downlink: str = "f32"
     extra: tuple[str, ...] = ()          # flags for every island
+    syncer_extra: tuple[str, ...] = ()   # flags for the syncer (e.g. --fragments P)
     per_island: tuple[tuple[str, ...], ...] = ()  # extra flags per island
     island_steps: tuple[int, ...] = ()    # max-steps per island (mixed arms)
     ref: str | None = None  # synchronous reference arm (same regime) for `ratio`
@@ -174,6 +175,9 @@ def lora_arms(rg: Regime) -> list[Arm]:
         replace(base, name=base.name + "-frozenA", **frozen),
         replace(base, name=base.name + "-frozenA-nest", **frozen, **NESTEROV),
         replace(h100, name=h100.name + "-dq4-frozenA", downlink="q4", **frozen),
+        # Streaming DiLoCo: P fragments in turn, the same total bytes, 1/P per round
+        *[replace(base, name=f"{base.name}-P{p}", syncer_extra=("--fragments", str(p)))
+          for p in (2, 4)],
         # --blocking-sync: each island waits for the merged weights after its push
         # (exact DiLoCo); by default islands train on and fold their newer steps in
         replace(base, name=base.name + "-blk", extra=blocking),
@@ -331,7 +335,7 @@ def learner_flags() -> str:
 
 def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
     """What an arm's result depends on (its name and reference arm do not count)."""
-    drop = {"name", "ref"}
+    drop = {"name", "ref"} | ({"syncer_extra"} if not arm.syncer_extra else set())
     if arm.kind not in ("diloco", "mixed"):  # no syncer: the outer settings do not apply
         drop |= {"H", "wire", "outer_lr", "outer_momentum", "merge", "downlink"}
     what = {k: v for k, v in asdict(arm).items() if k not in drop}
@@ -357,7 +361,7 @@ def run_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: floa
                 [PY, "-m", "syncer", "--port", "0", "--port-file", str(port_file),
                  "--quorum", str(arm.k), "--state-dir", str(sdir),
                  "--outer-lr", str(arm.outer_lr), "--outer-momentum", str(arm.outer_momentum),
-                 "--merge", arm.merge, "--downlink", arm.downlink],
+                 "--merge", arm.merge, "--downlink", arm.downlink, *arm.syncer_extra],
                 stdout=open(sdir / "log.txt", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
             address = f"127.0.0.1:{_wait_port(port_file, syncer)}"
         n_proc = 1 if arm.kind in ("single", "dp") else arm.k
