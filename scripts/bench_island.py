@@ -149,9 +149,9 @@ def mlx_arm(model_dir: Path, train: Path, args, syncer_addr: str | None) -> tupl
     return tokens / elapsed, wait
 
 
-def bench_mlx(args) -> int:
-    if args.quick:  # MLX on a CPU is slow: fewer steps, and still a few syncs among them
-        args.steps, args.sync_every = min(args.steps, 20), min(args.sync_every, 10)
+def alternate_arms(arm, args) -> tuple[float, float, float]:
+    """Bare and island runs of `arm(model_dir, train, args, syncer or None)`, alternated
+    against one syncer subprocess; returns mean (bare tok/s, island tok/s, wait share)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = make_tiny_model(tmp / "model", "llama")
@@ -166,14 +166,20 @@ def bench_mlx(args) -> int:
             addr = f"127.0.0.1:{port_file.read_text()}"
             bare, isl, waits = [], [], []
             for _ in range(args.repeats):
-                bare.append(mlx_arm(model_dir, train, args, None)[0])
-                tps, wait = mlx_arm(model_dir, train, args, addr)
+                bare.append(arm(model_dir, train, args, None)[0])
+                tps, wait = arm(model_dir, train, args, addr)
                 isl.append(tps)
                 waits.append(wait)
         finally:
             syncer.terminate()
             syncer.wait(timeout=30)
-    b, i, w = sum(bare) / len(bare), sum(isl) / len(isl), sum(waits) / len(waits)
+    return sum(bare) / len(bare), sum(isl) / len(isl), sum(waits) / len(waits)
+
+
+def bench_mlx(args) -> int:
+    if args.quick:  # MLX on a CPU is slow: fewer steps, and still a few syncs among them
+        args.steps, args.sync_every = min(args.steps, 20), min(args.sync_every, 10)
+    b, i, w = alternate_arms(mlx_arm, args)
     print(f"{'arm':<34}{'tokens/s':>12}")
     print(f"{'bare mlx-lm LoRA loop':<34}{b:>12.0f}")
     print(f"{'yeto MLX island, sync every ' + str(args.sync_every):<34}{i:>12.0f}")
@@ -235,29 +241,7 @@ def main(argv=None) -> int:
         return bench_mlx(args)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model_dir = make_tiny_model(tmp / "model", "llama")
-        train, _ = make_task(tmp / "data")
-        port_file = tmp / "port"
-        syncer = subprocess.Popen([sys.executable, "-m", "syncer", "--port", "0", "--port-file",
-                                   str(port_file), "--quorum", "1", "--log-level", "WARNING"],
-                                  cwd=ROOT)
-        try:
-            while not port_file.exists():
-                time.sleep(0.05)
-            addr = f"127.0.0.1:{port_file.read_text()}"
-            bare, isl, waits = [], [], []
-            for _ in range(args.repeats):
-                bare.append(run_arm(model_dir, train, args, None)[0])
-                tps, wait = run_arm(model_dir, train, args, addr)
-                isl.append(tps)
-                waits.append(wait)
-        finally:
-            syncer.terminate()
-            syncer.wait(timeout=30)
-    b, i = sum(bare) / len(bare), sum(isl) / len(isl)
-    w = sum(waits) / len(waits)
+    b, i, w = alternate_arms(run_arm, args)
     print(f"{'arm':<28}{'tokens/s':>12}")
     print(f"{'bare peft loop':<28}{b:>12.0f}")
     print(f"{'island, sync every ' + str(args.sync_every):<28}{i:>12.0f}")
