@@ -228,6 +228,9 @@ def full_arms(rg: Regime) -> list[Arm]:
         replace(diloco(rg, k, 10), name="diloco4-H10-q4-m05", outer_lr=0.7, outer_momentum=0.5),
         replace(diloco(rg, k, 50), name="diloco4-H50-q4-nest-blk", extra=("--blocking-sync",),
                 **NESTEROV),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-rda", merge="rda"),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-rda", merge="rda"),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-blk", extra=("--blocking-sync",)),
         Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
             ref=f"dp{k}"),
     ]
