@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from yeto.integrations import DiLoCoCallback
+from yeto.interop.integrations import DiLoCoCallback
 
 try:
     from torch_loop import load_examples  # the same data prep as examples/torch_loop.py

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import TrainingArgs, train
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from yeto.integrations import MLXDiLoCo
+from yeto.interop.integrations import MLXDiLoCo
 
 
 def load_examples(path: str, tok, shard: int, num_shards: int, max_len: int) -> list:

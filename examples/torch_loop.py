@@ -22,7 +22,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from yeto.integrations import DiLoCo
+from yeto.interop.integrations import DiLoCo
 
 
 def load_examples(path: str, tok, shard: int, num_shards: int, max_len: int) -> list[dict]:

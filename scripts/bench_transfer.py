@@ -38,7 +38,7 @@ from _bench import MIB, parser, rate, result_line, table
 
 from syncer.run import Config, Run
 from syncer.service import serve
-from yeto import codec, wire
+from yeto import codec, net
 from yeto.client import SyncerClient
 from yeto.layout import Layout
 
@@ -47,8 +47,8 @@ RAW_SERVICE = "yetobench.Raw"
 
 # ---- raw gRPC baseline ---------------------------------------------------------
 def raw_server(total: int):
-    piece = np.random.default_rng(1).bytes(wire.CHUNK_BYTES)
-    sizes = [min(wire.CHUNK_BYTES, total - lo) for lo in range(0, total, wire.CHUNK_BYTES)]
+    piece = np.random.default_rng(1).bytes(net.CHUNK_BYTES)
+    sizes = [min(net.CHUNK_BYTES, total - lo) for lo in range(0, total, net.CHUNK_BYTES)]
     pieces = [piece[:k] for k in sizes]
 
     def up(request_iterator, context):
@@ -64,7 +64,7 @@ def raw_server(total: int):
         "Up": grpc.stream_unary_rpc_method_handler(up),
         "Down": grpc.unary_stream_rpc_method_handler(down),
     })
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=wire.GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=net.GRPC_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     server, port, pieces = raw_server(total)
     raw = []
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.GRPC_OPTIONS) as ch:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=net.GRPC_OPTIONS) as ch:
             raw_round(ch, pieces, total)  # warm-up (untimed): connection, first allocations
             raw = [raw_round(ch, pieces, total) for _ in range(rounds)]
     finally:

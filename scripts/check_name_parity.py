@@ -32,7 +32,7 @@ def torch_layout(model: str, r: int, alpha: float, targets: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from yeto.learner import TorchWeights, attach_lora
+    from yeto.torch.learner import TorchWeights, attach_lora
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):

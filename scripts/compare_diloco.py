@@ -260,7 +260,7 @@ def plan(mode: str) -> tuple[dict[str, Regime], list[Arm], list[int]]:
 
 def prepare(out: Path, rg: Regime) -> tuple[Path, Path, Path]:
     """(model dir, train.jsonl, eval.jsonl) for a regime; built once under out/."""
-    from yeto.fixtures import make_task, make_tiny_model
+    from yeto.cli.fixtures import make_task, make_tiny_model
 
     model = make_tiny_model(out / "models" / ("pretrained" if rg.pretrain else "scratch"),
                             pretrain=rg.pretrain)
@@ -280,7 +280,7 @@ def stdlib_rows(d: Path, eval_files: int = 20, eval_pieces: int = 3,
     """Rows {"text": ...} of Python standard library source (top-level *.py files, cut
     at line ends into ~row_chars pieces). Held-out files are disjoint from training
     files: every 7th file past those the tiny tokenizer was trained on
-    (`yeto.fixtures.stdlib_text`, the first 400k characters), their first
+    (`yeto.cli.fixtures.stdlib_text`, the first 400k characters), their first
     `eval_pieces` pieces each."""
     root = Path(sysconfig.get_paths()["stdlib"])
     texts: list[tuple[str, str]] = []

@@ -20,7 +20,7 @@ from syncer.merge import MERGE_RULES
 from syncer.run import Config, Run
 from syncer.service import is_loopback, serve
 from syncer.state import StateError
-from yeto import wire
+from yeto import net
 
 log = logging.getLogger("syncer")
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                "The tape (state-dir/tape.jsonl) holds one JSON line per merge.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback a token or TLS is required")
-    p.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="port (0 = any free port)")
+    p.add_argument("--port", type=int, default=net.DEFAULT_PORT, help="port (0 = any free port)")
     p.add_argument("--quorum", type=int, default=1, metavar="K",
                    help="islands that must join before round 1, and pushes that commit a round")
     p.add_argument("--rounds", type=int, default=0, metavar="N",
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run saved in --state-dir")
     p.add_argument("--token", default=None,
-                   help=f"shared secret islands must send (default: ${wire.TOKEN_ENV})")
+                   help=f"shared secret islands must send (default: ${net.TOKEN_ENV})")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM server private key")
     p.add_argument("--tls-ca", type=Path, default=None,
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s syncer %(message)s",
                         datefmt="%H:%M:%S")
-    token = wire.token_from_env(args.token)
+    token = net.token_from_env(args.token)
     tls = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     if not is_loopback(args.host) and not (token or tls) and not args.insecure:
         sys.exit(f"error: refusing to listen on {args.host} without a token or TLS: anyone who "
                  "can reach the port could join. Example:\n"
-                 f"  {wire.TOKEN_ENV}=$(openssl rand -hex 16) python -m syncer --host {args.host}"
+                 f"  {net.TOKEN_ENV}=$(openssl rand -hex 16) python -m syncer --host {args.host}"
                  "\n(or pass --insecure on a trusted network)")
     if args.quorum < 1:
         sys.exit("error: --quorum must be at least 1")

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from syncer.run import Reject, Run
-from yeto import wire
+from yeto import net
 from yeto.layout import TensorSpec
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
@@ -110,7 +110,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 encoding=run.cfg.downlink if use_delta else bc.encoding, numel=numel,
                 payload_bytes=len(payload), final=bc.final, delta=use_delta,
                 base_version=bc.base_version)
-            for i, piece in enumerate(wire.chunks(payload)):
+            for i, piece in enumerate(net.chunks(payload)):
                 yield pb.BroadcastChunk(header=header if i == 0 else None, data=bytes(piece))
             with run.cond:
                 run.bytes_out += len(payload)
@@ -169,7 +169,7 @@ class TokenAuth(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
 
     def intercept_service(self, continuation, details):
-        got = dict(details.invocation_metadata).get(wire.AUTH_KEY, "")
+        got = dict(details.invocation_metadata).get(net.AUTH_KEY, "")
         if hmac.compare_digest(got.encode(), self._expected):
             return continuation(details)
         handler = continuation(details)
@@ -177,7 +177,7 @@ class TokenAuth(grpc.ServerInterceptor):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "missing or wrong token: pass the syncer's token with --token "
-                          f"or the {wire.TOKEN_ENV} environment variable")
+                          f"or the {net.TOKEN_ENV} environment variable")
 
         if handler is None:
             return None
@@ -209,7 +209,7 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     rounds whose grace window or timeout has passed."""
     interceptors = [TokenAuth(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=interceptors, options=wire.GRPC_OPTIONS)
+                         interceptors=interceptors, options=net.GRPC_OPTIONS)
     pb_grpc.add_SyncerServicer_to_server(SyncerService(run, max_inflight_pushes), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from yeto.adapters import (
+from yeto.interop.adapters import (
     MLX_CONFIG,
     MLX_WEIGHTS,
     PEFT_CONFIG,
@@ -185,7 +185,7 @@ def test_mlx_to_peft_refusals(tmp_path, base):
 def test_adapter_config_matches_what_peft_writes(tiny_llama):
     """The MLX island's adapter_config.json has the content peft writes for the torch
     island with the same flags (target_modules: peft writes a set, in hash order)."""
-    from yeto.learner import attach_lora, export_files, load_base
+    from yeto.torch.learner import attach_lora, export_files, load_base
 
     model = tiny_llama.resolve()  # the torch island loads from the resolved path
     pm = attach_lora(load_base(str(model))[0], 8, 16.0, "attention", 0)

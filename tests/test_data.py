@@ -4,6 +4,7 @@ import logging
 import numpy as np
 import pytest
 
+from yeto.cli.fixtures import reverse_row, stdlib_text, train_tokenizer
 from yeto.data import (
     BatchSampler,
     Blocks,
@@ -14,7 +15,6 @@ from yeto.data import (
     pack_blocks,
     shard_rows,
 )
-from yeto.fixtures import reverse_row, stdlib_text, train_tokenizer
 
 
 @pytest.fixture(scope="module")

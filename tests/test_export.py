@@ -12,8 +12,8 @@ import torch
 from conftest import running_syncer, wait_until
 from safetensors.numpy import load_file
 
-from yeto.adapters import MLX_CONFIG, MLX_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS
-from yeto.export import main_convert, main_export
+from yeto.interop.adapters import MLX_CONFIG, MLX_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS
+from yeto.interop.export import main_convert, main_export
 
 TOL = 1e-4
 IDS = np.random.default_rng(0).integers(3, 1000, (2, 24))

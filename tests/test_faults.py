@@ -21,7 +21,7 @@ from conftest import make_client, running_syncer, wait_until
 from syncer import state
 from syncer.run import Config, Run
 from syncer.tape import read_tape
-from yeto import codec, wire
+from yeto import codec, net
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
@@ -264,7 +264,7 @@ def test_late_joiner_starts_from_current_theta_and_rejoin_never_double_counts(to
 
 # ---- validation before state ------------------------------------------------------------
 def _raw_push(stub, chunks, token=None):
-    return stub.Push(iter(chunks), metadata=wire.auth_metadata(token), timeout=20)
+    return stub.Push(iter(chunks), metadata=net.auth_metadata(token), timeout=20)
 
 
 def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
@@ -276,7 +276,7 @@ def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
         a.wait_one(timeout=20)
         gen = a.generation
         digest = run.state_digest()
-        channel = grpc.insecure_channel(addr, options=wire.GRPC_OPTIONS)
+        channel = grpc.insecure_channel(addr, options=net.GRPC_OPTIONS)
         stub = pb_grpc.SyncerStub(channel)
 
         def header(**kw):
@@ -317,7 +317,7 @@ def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
             assert run.state_digest() == digest, name
         # oversize message: one chunk past the message limit
         with pytest.raises(grpc.RpcError) as e:
-            _raw_push(stub, [pb.PushChunk(header=header(), data=b"\0" * (wire.MAX_MESSAGE_BYTES
+            _raw_push(stub, [pb.PushChunk(header=header(), data=b"\0" * (net.MAX_MESSAGE_BYTES
                                                                          + 10))], token="tok")
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # missing and wrong tokens: UNAUTHENTICATED, nothing else happens
@@ -326,17 +326,17 @@ def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
                 _raw_push(stub, cases["NaN payload"], token=token)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as e:
-                stub.Join(pb.JoinRequest(learner_id="x"), metadata=wire.auth_metadata(token))
+                stub.Join(pb.JoinRequest(learner_id="x"), metadata=net.auth_metadata(token))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # a wrong layout fingerprint at join
         bad_join = pb.JoinRequest(learner_id="b", fingerprint="0" * 64, layout=[
             pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
             for s in toy_layout.specs])
         with pytest.raises(grpc.RpcError) as e:
-            stub.Join(bad_join, metadata=wire.auth_metadata("tok"))
+            stub.Join(bad_join, metadata=net.auth_metadata("tok"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # garbage bytes straight onto the port
-        host, port = wire.parse_address(addr)
+        host, port = net.parse_address(addr)
         with socket.create_connection((host, port)) as s:
             s.sendall(os.urandom(4096))
             s.settimeout(2)
@@ -452,5 +452,5 @@ def test_tls_and_mutual_tls(certs, toy_layout):
 def test_refuses_public_address_without_token_or_tls():
     r = subprocess.run([sys.executable, "-m", "syncer", "--host", "0.0.0.0", "--port", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env={k: v for k, v in os.environ.items() if k != wire.TOKEN_ENV})
+                       env={k: v for k, v in os.environ.items() if k != net.TOKEN_ENV})
     assert r.returncode != 0 and "--insecure" in r.stderr and "YETO_TOKEN" in r.stderr

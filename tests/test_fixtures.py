@@ -5,9 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from yeto import fixtures
-from yeto.data import load_rows
-from yeto.fixtures import (
+from yeto.cli import fixtures
+from yeto.cli.fixtures import (
     CHAT_TEMPLATE,
     SIZES,
     main_make_task,
@@ -19,6 +18,7 @@ from yeto.fixtures import (
     task_rows,
     train_tokenizer,
 )
+from yeto.data import load_rows
 
 PROMPT = [{"role": "user", "content": "reverse: apple river stone"}]
 

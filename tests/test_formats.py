@@ -6,11 +6,11 @@ import logging
 import numpy as np
 import pytest
 
+from yeto.cli.data import main as data_main
+from yeto.cli.fixtures import reverse_row, save_tokenizer, stdlib_text, train_tokenizer
 from yeto.data import DataError, load_blocks, read_source
-from yeto.datacli import main as data_main
-from yeto.fixtures import reverse_row, save_tokenizer, stdlib_text, train_tokenizer
-from yeto.formats import encode_example, parse_row
-from yeto.provenance import ProvenanceError
+from yeto.data.formats import encode_example, parse_row
+from yeto.data.provenance import ProvenanceError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -370,7 +370,7 @@ def test_islands_build_identical_blocks_from_the_same_file(tmp_path, tok_dir):
     function) with a tokenizer loaded from the same dir: identical arrays, batches."""
     from transformers import AutoTokenizer
 
-    import yeto.learner as torch_island
+    import yeto.torch.learner as torch_island
     from yeto.data import BatchSampler
 
     p = write_jsonl(tmp_path / "d.jsonl", [reverse_row(w.split()) for w in

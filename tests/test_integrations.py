@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from syncer.tape import read_tape
 from yeto import metrics
-from yeto.integrations import batch_loss_tokens, count_loss_tokens
+from yeto.interop.integrations import batch_loss_tokens, count_loss_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

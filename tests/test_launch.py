@@ -12,8 +12,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from syncer.tape import read_tape
-from yeto import launch
-from yeto.launch import Display, IslandProc, LaunchConfig, LocalRun, render_table
+from yeto.cli import launch
+from yeto.cli.launch import Display, IslandProc, LaunchConfig, LocalRun, render_table
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--seq-len", "64", "--batch-size", "4", "--lora-r", "4", "--eval-blocks", "8",

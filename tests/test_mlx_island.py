@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from syncer.tape import read_tape  # noqa: E402
-from yeto.fixtures import make_tiny_model  # noqa: E402
+from yeto.cli.fixtures import make_tiny_model  # noqa: E402
 from yeto.mlx.shims import flat_rope_overrides  # noqa: E402
 from yeto.mlx.shims import load_model as shim_load_model  # noqa: E402
 
@@ -92,7 +92,7 @@ def island_out(tiny_llama, tiny_task, tmp_path_factory):
 
 
 def test_outputs_mirror_the_torch_island(island_out, tiny_llama):
-    from yeto.learner import attach_lora, export_files, load_base
+    from yeto.torch.learner import attach_lora, export_files, load_base
 
     s = json.loads((island_out / "summary.json").read_text())
     assert set(s) == SUMMARY_KEYS and s["step"] == 4 and s["loss_tokens"] > 0

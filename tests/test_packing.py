@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from yeto.data import Batch, BatchSampler, Blocks, attention_mask, pack_blocks, segment_ids
-from yeto.learner import evaluate, packed_inputs, train_step, weighted_ce_sum
+from yeto.torch.learner import evaluate, packed_inputs, train_step, weighted_ce_sum
 
 
 def _docs(lengths, seed=0, vocab=200):

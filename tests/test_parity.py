@@ -13,11 +13,8 @@ import mlx.nn as mnn  # noqa: E402
 import torch  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
+from yeto.cli.fixtures import make_tiny_model  # noqa: E402
 from yeto.data import BatchSampler  # noqa: E402
-from yeto.fixtures import make_tiny_model  # noqa: E402
-from yeto.learner import TorchWeights, attach_lora, load_base  # noqa: E402
-from yeto.learner import train_step as torch_train_step  # noqa: E402
-from yeto.learner import weighted_ce_sum as torch_ce_sum  # noqa: E402
 from yeto.mlx.learner import (  # noqa: E402
     build_lora_model,
     make_loss_and_grad,
@@ -26,6 +23,9 @@ from yeto.mlx.learner import (  # noqa: E402
 from yeto.mlx.learner import train_step as mlx_train_step  # noqa: E402
 from yeto.mlx.learner import weighted_ce_sum as mlx_ce_sum  # noqa: E402
 from yeto.mlx.lora import LoRALinear, LoRAWeights  # noqa: E402
+from yeto.torch.learner import TorchWeights, attach_lora, load_base  # noqa: E402
+from yeto.torch.learner import train_step as torch_train_step  # noqa: E402
+from yeto.torch.learner import weighted_ce_sum as torch_ce_sum  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
@@ -166,8 +166,8 @@ def task_blocks(llama_dir, tmp_path_factory):
     """Real document-packed blocks of the fixture task (several chats per block)."""
     from transformers import AutoTokenizer
 
+    from yeto.cli.fixtures import make_task
     from yeto.data import load_blocks
-    from yeto.fixtures import make_task
 
     train, _ = make_task(tmp_path_factory.mktemp("parity-task"), n_train=200, n_eval=10)
     tok = AutoTokenizer.from_pretrained(str(llama_dir))

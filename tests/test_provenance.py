@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from yeto.provenance import (
+from yeto.data.provenance import (
     ProvenanceError,
     build_record,
     code_digest,
@@ -63,7 +63,7 @@ def test_remote_code_needs_the_flag(model_dir):
 
 def test_auto_map_on_a_builtin_architecture_is_loaded_without_remote_code(model_dir):
     _with_remote_code(model_dir, "llama")
-    from yeto.learner import load_base
+    from yeto.torch.learner import load_base
 
     model, _ = load_base(str(model_dir))  # modeling_x.py would exit if it ran
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -82,7 +82,7 @@ def test_hub_model_resolves_to_a_commit_offline(tmp_path, monkeypatch, tiny_llam
     assert resolve_model("acme/tiny", revision=COMMIT).path == root / "snapshots" / COMMIT
     with pytest.raises(ProvenanceError, match="could not be resolved"):
         resolve_model("acme/tiny", revision="v9")
-    from yeto.learner import load_base
+    from yeto.torch.learner import load_base
 
     model, tok = load_base(src)
     assert model.config.vocab_size == len(tok)
@@ -109,13 +109,13 @@ def test_record_redacts_secrets_and_is_written_atomically(tmp_path, model_dir):
 
 
 def _island(args):
-    from yeto.learner import main
+    from yeto.torch.learner import main
 
     return main([*args, "--no-progress", "--threads", "1", "--log-level", "WARNING"])
 
 
 def test_torch_island_writes_provenance_everywhere(tmp_path, model_dir):
-    from yeto.fixtures import make_task
+    from yeto.cli.fixtures import make_task
 
     train, held_out = make_task(tmp_path / "task", n_train=40, n_eval=8)
     out = tmp_path / "run"

@@ -16,7 +16,7 @@ import pytest
 from conftest import make_client, running_syncer, wait_until
 
 from syncer.dashboard import DashboardError, start_dashboard
-from yeto import status as status_cli
+from yeto.cli import status as status_cli
 from yeto.client import SyncerClient
 from yeto.island import Island
 from yeto.layout import Layout

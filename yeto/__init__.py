@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # the Python API for custom training scripts, imported on first use
     if name in ("DiLoCo", "DiLoCoCallback", "MLXDiLoCo"):
-        from yeto import integrations
+        from yeto.interop import integrations
 
         return getattr(integrations, name)
     raise AttributeError(f"module 'yeto' has no attribute {name!r}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from yeto import codec, wire
+from yeto import codec, net
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
@@ -47,13 +47,13 @@ class TLSConfig:
 
 
 def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
-    host, port = wire.parse_address(address)
+    host, port = net.parse_address(address)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
                                              certificate_chain=tls.cert)
-        return grpc.secure_channel(target, creds, options=wire.GRPC_OPTIONS)
-    return grpc.insecure_channel(target, options=wire.GRPC_OPTIONS)
+        return grpc.secure_channel(target, creds, options=net.GRPC_OPTIONS)
+    return grpc.insecure_channel(target, options=net.GRPC_OPTIONS)
 
 
 class SyncerClient:
@@ -62,7 +62,7 @@ class SyncerClient:
                  export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0):
         self.address, self.learner_id, self.layout = address, learner_id, layout
-        self._metadata = wire.auth_metadata(wire.token_from_env(token))
+        self._metadata = net.auth_metadata(net.token_from_env(token))
         self._join_request = pb.JoinRequest(
             learner_id=learner_id, fingerprint=layout.fingerprint, backend=backend,
             weights_file=weights_file, export_files=export_files or {},
@@ -229,7 +229,7 @@ class SyncerClient:
 
     def _stream_push(self, header, payload) -> dict:
         def chunks():
-            for i, piece in enumerate(wire.chunks(payload)):
+            for i, piece in enumerate(net.chunks(payload)):
                 yield pb.PushChunk(header=header if i == 0 else None, data=bytes(piece))
 
         reply = self._stub.Push(chunks(), metadata=self._metadata, timeout=300)
@@ -274,7 +274,7 @@ def status(address: str, token: str | None = None, tls: TLSConfig | None = None,
 
     with open_channel(address, tls) as ch:
         reply = pb_grpc.SyncerStub(ch).Status(pb.StatusRequest(),
-                                              metadata=wire.auth_metadata(
-                                                  wire.token_from_env(token)), timeout=timeout)
+                                              metadata=net.auth_metadata(
+                                                  net.token_from_env(token)), timeout=timeout)
     return MessageToDict(reply, preserving_proto_field_name=True,
                          always_print_fields_with_no_presence=True)

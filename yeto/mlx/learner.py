@@ -3,7 +3,7 @@
 Fine-tunes a Hugging Face causal LM with peft-exact LoRA in MLX (Apple silicon, or
 Linux CPU) and takes part in a DiLoCo run through `yeto.island.Island`, next to
 torch islands: same flags (`yeto.learner.add_island_args`), same model pinning
-(`yeto.provenance`), same tokenizer (`transformers.AutoTokenizer`), same data
+(`yeto.data.provenance`), same tokenizer (`transformers.AutoTokenizer`), same data
 pipeline, packing and batch order, same loss normalisation (Σ w·CE / Σ w over all
 micro-batches of a step), same AdamW, same canonical names and flat order. Only
 the numbers differ, by float rounding (see tests/test_parity.py).
@@ -30,15 +30,17 @@ from pathlib import Path
 
 import numpy as np
 
-from yeto.adapters import (
+from yeto.data import Blocks, DataError, attention_mask, is_naive, load_blocks
+from yeto.data.provenance import ProvenanceError, build_record, resolve_model, write_provenance
+from yeto.interop.adapters import (
     PEFT_CONFIG,
     PEFT_WEIGHTS,
     peft_adapter_config,
     peft_to_mlx,
     save_peft_adapter,
 )
-from yeto.data import Blocks, DataError, attention_mask, is_naive, load_blocks
-from yeto.learner import (
+from yeto.mlx import INSTALL_HINT
+from yeto.torch.learner import (
     add_island_args,
     check_island_args,
     make_client,
@@ -47,8 +49,6 @@ from yeto.learner import (
     stop_on_signals,
     write_metrics,
 )
-from yeto.mlx import INSTALL_HINT
-from yeto.provenance import ProvenanceError, build_record, resolve_model, write_provenance
 
 log = logging.getLogger("yeto.mlx.learner")
 

@@ -1,4 +1,4 @@
-"""What islands and the syncer share about the transport: chunking and auth."""
+"""What islands and the syncer share about the network: chunking, auth, addresses."""
 
 from __future__ import annotations
 

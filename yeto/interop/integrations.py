@@ -3,7 +3,7 @@
 A torch loop (any model whose trainable parameters are what you fine-tune: a
 peft LoRA model, or a whole model)::
 
-    from yeto.integrations import DiLoCo
+    from yeto.interop.integrations import DiLoCo
 
     diloco = DiLoCo(model, syncer="10.0.0.5:29400", learner_id="island-0", sync_every=50)
     for batch in loader:
@@ -64,7 +64,7 @@ import numpy as np
 from yeto.island import Island
 from yeto.layout import Layout
 
-log = logging.getLogger("yeto.integrations")
+log = logging.getLogger("yeto.interop.integrations")
 
 IGNORE_INDEX = -100
 
@@ -213,7 +213,7 @@ class DiLoCo(_Base):
                  output_dir: str | Path | None = None, report_to=None,
                  tuning: str | None = None, connect_grace_s: float = 5.0, start: bool = True,
                  **island_options):
-        from yeto.learner import TorchWeights
+        from yeto.torch.learner import TorchWeights
 
         self.model = model
         self.tuning = tuning or ("lora" if _is_peft(model) else "full")
@@ -242,7 +242,7 @@ def _is_peft(model) -> bool:
 def _torch_export_files(model, tuning: str) -> tuple[str, dict[str, str]]:
     if not hasattr(model, "save_pretrained"):
         return "weights.safetensors", {}
-    from yeto.learner import export_files
+    from yeto.torch.learner import export_files
 
     return export_files(model, tuning)
 
@@ -454,7 +454,7 @@ class MLXDiLoCo(_Base):
         weights_file = "weights.safetensors"
         lora = self.weights.lora_config()
         if lora is not None:
-            from yeto.adapters import PEFT_CONFIG, PEFT_WEIGHTS, peft_adapter_config
+            from yeto.interop.adapters import PEFT_CONFIG, PEFT_WEIGHTS, peft_adapter_config
 
             r, scale, modules = lora
             weights_file = PEFT_WEIGHTS

@@ -7,7 +7,7 @@
 `export` takes the syncer's final adapter (``<state-dir>/final/``), or, for a run
 that has not finished, the last merged weights in ``<state-dir>/state.safetensors``
 (with the adapter config the islands sent). `convert` converts an adapter dir
-either way. The conversion itself is `yeto.adapters` (lora_a = Aᵀ, lora_b = Bᵀ,
+either way. The conversion itself is `yeto.interop.adapters` (lora_a = Aᵀ, lora_b = Bᵀ,
 scale = lora_alpha / r; numbers copied bit for bit); mlx-lm adapts the *last*
 ``num_layers`` blocks with one list of module keys, and the written config says
 exactly which. What mlx-lm cannot express exactly (rsLoRA, DoRA, per-module
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from yeto.adapters import (
+from yeto.interop.adapters import (
     MLX_CONFIG,
     MLX_WEIGHTS,
     PEFT_CONFIG,

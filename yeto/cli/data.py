@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from yeto.data import PACKING, DataError, load_blocks, read_source
-from yeto.formats import FORMATS, encode_example
-from yeto.provenance import ProvenanceError, resolve_model
+from yeto.data.formats import FORMATS, encode_example
+from yeto.data.provenance import ProvenanceError, resolve_model
 
 MASK_OPEN, MASK_CLOSE = "[[", "]]"
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("yeto.distributed")
+log = logging.getLogger("yeto.torch.group")
 
 
 @dataclass(frozen=True)

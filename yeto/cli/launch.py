@@ -24,7 +24,7 @@ final weights, the syncer finishes the run and writes ``final/``, and every
 island saves its adapter. A second Ctrl-C stops at once (no outputs saved by
 islands still running); the launcher escalates by itself after --stop-timeout.
 
-Islands run through a small wrapper (``python -m yeto.launch island MODULE ...``)
+Islands run through a small wrapper (``python -m yeto.cli.launch island MODULE ...``)
 that turns SIGINT/SIGTERM into "stop after this step, then finish and save".
 """
 
@@ -46,10 +46,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from yeto.cli.status import human_bytes, human_seconds, table
 from yeto.metrics import JsonlFollower, MetricsError, check_report_to, finite, tape_scalars
-from yeto.status import human_bytes, human_seconds, table
 
-log = logging.getLogger("yeto.launch")
+log = logging.getLogger("yeto.cli.launch")
 
 ISLAND_MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
 ISLAND_SCALARS = ("train_loss", "eval_loss", "tokens_per_s", "loss_tokens")  # to TensorBoard
@@ -71,12 +71,12 @@ SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
 
 # ---- the island wrapper --------------------------------------------------------------
 def island_entry(argv: list[str]) -> int:
-    """``python -m yeto.launch island MODULE ARGS``: run an island's ``main(ARGS)`` so
+    """``python -m yeto.cli.launch island MODULE ARGS``: run an island's ``main(ARGS)`` so
     that SIGINT/SIGTERM end training at the next step boundary; the island then
     finishes (last push, final weights) and saves its outputs as after its last step.
     A second signal interrupts at once."""
     if not argv or argv[0] not in ISLAND_MODULES.values():
-        print(f"usage: python -m yeto.launch island {{{','.join(ISLAND_MODULES.values())}}} "
+        print(f"usage: python -m yeto.cli.launch island {{{','.join(ISLAND_MODULES.values())}}} "
               "ARGS", file=sys.stderr)
         return 2
     module, args = argv[0], argv[1:]
@@ -86,7 +86,7 @@ def island_entry(argv: list[str]) -> int:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        logging.getLogger("yeto.launch").warning(
+        logging.getLogger("yeto.cli.launch").warning(
             "%s: stopping after this step; the island finishes and saves its outputs "
             "(again to stop at once)", signal.Signals(signum).name)
 
@@ -255,7 +255,7 @@ class LocalRun:
                     *(["--eval-data", str(self.cfg.eval_data)] if self.cfg.eval_data else []),
                     "--syncer", self.address, "--learner-id", iid, "--num-learners", str(n),
                     "--output", str(d), "--no-progress", *self.cfg.island_args, *extra]
-            cmd = [sys.executable, "-m", "yeto.launch", "island", ISLAND_MODULES[backend], *args]
+            cmd = [sys.executable, "-m", "yeto.cli.launch", "island", ISLAND_MODULES[backend], *args]
             isl = IslandProc(iid, backend, d, cmd, metrics=JsonlFollower(d / "metrics.jsonl"))
             logf = open(d / "log.txt", "w")
             self._logs.append(logf)
@@ -326,7 +326,7 @@ class LocalRun:
             w.scalars({k: v for k, v in rec.items() if k in ISLAND_SCALARS}, rec["step"])
 
     def _poll_status(self, now: float) -> None:
-        from yeto.status import fetch
+        from yeto.cli.status import fetch
 
         try:
             self.status = fetch(self.address, self.cfg.token, timeout=2.0)

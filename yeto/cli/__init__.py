@@ -5,19 +5,19 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "demo": ("yeto.demo", "main", "a local federated run on a tiny model built here"),
-    "launch": ("yeto.launch", "main",
+    "demo": ("yeto.cli.demo", "main", "a local federated run on a tiny model built here"),
+    "launch": ("yeto.cli.launch", "main",
                "a syncer + islands as local processes, with a live display"),
-    "status": ("yeto.status", "main", "a running syncer's islands, round, bytes (HOST:PORT)"),
-    "export": ("yeto.export", "main_export",
+    "status": ("yeto.cli.status", "main", "a running syncer's islands, round, bytes (HOST:PORT)"),
+    "export": ("yeto.interop.export", "main_export",
                "a run's adapter (state dir) as a peft or mlx-lm adapter"),
-    "convert": ("yeto.export", "main_convert",
+    "convert": ("yeto.interop.export", "main_convert",
                 "convert a LoRA adapter between peft and mlx-lm, exactly"),
-    "make-tiny-model": ("yeto.fixtures", "main_make_tiny_model",
+    "make-tiny-model": ("yeto.cli.fixtures", "main_make_tiny_model",
                         "write a tiny Llama/Qwen2-style model dir with a local tokenizer"),
-    "make-task": ("yeto.fixtures", "main_make_task",
+    "make-task": ("yeto.cli.fixtures", "main_make_task",
                   "write the synthetic chat task (train.jsonl, eval.jsonl)"),
-    "data": ("yeto.datacli", "main",
+    "data": ("yeto.cli.data", "main",
              "check a data source with a model's tokenizer: format, tokens, loss mask"),
 }
 

@@ -16,10 +16,10 @@ Sources (``load_blocks(source, ...)``, ``yeto data SOURCE``):
 * a folder written by ``datasets``' ``save_to_disk`` (a Dataset, or a DatasetDict
   with the split chosen as above);
 * a hub dataset id (``org/name``), resolved to a commit (``revision=``,
-  ``--data-revision``) through the local Hugging Face cache; see yeto.provenance.
+  ``--data-revision``) through the local Hugging Face cache; see yeto.data.provenance.
 
 Row formats (text, OpenAI messages, ShareGPT, Alpaca, prompt/completion) are
-detected per file and described in `yeto.formats`; a row of another format than
+detected per file and described in `yeto.data.formats`; a row of another format than
 its file's first row is an error naming the file and line.
 
 Rows without loss tokens (e.g. a chat with no assistant turn) are dropped with a
@@ -42,7 +42,7 @@ its document's piece in this block, 0 where a document (or the block) starts.
   target (the classic packed fine-tuning; `pack_blocks`' default, kept for
   callers that feed tokens straight to a model).
 
-Measured effect (tiny llama from `yeto.fixtures.make_tiny_model`, the reverse task
+Measured effect (tiny llama from `yeto.cli.fixtures.make_tiny_model`, the reverse task
 from `make_task`: 2000 train / 200 held-out chats; LoRA r=8, AdamW lr 2e-3, 300
 steps of 16 x 128-token blocks, 2 CPU cores, seeds 0 and 1; held-out loss on
 assistant tokens, each held-out chat alone, i.e. document-packed eval):
@@ -79,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from yeto.formats import (
+from yeto.data.formats import (
     ACCEPTED_SCHEMAS,
     FORMATS,
     DataError,
@@ -241,7 +241,7 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _read_saved_dataset(path: Path, name: str, split: str | None, held_out: bool):
-    from yeto.provenance import dir_files
+    from yeto.data.provenance import dir_files
 
     try:
         import datasets
@@ -267,7 +267,7 @@ def _read_saved_dataset(path: Path, name: str, split: str | None, held_out: bool
 def _read_folder(path: Path, name: str, split: str | None, held_out: bool):
     if _is_saved_dataset(path):
         return _read_saved_dataset(path, name, split, held_out)
-    from yeto.provenance import dir_files
+    from yeto.data.provenance import dir_files
 
     files = [p for p in dir_files(path) if p.suffix in DATA_SUFFIXES]
     if not files:
@@ -295,7 +295,7 @@ def read_source(source: str | Path, *, revision: str | None = None, split: str |
                 held_out: bool = False) -> Rows:
     """Read and validate every row of a data source (file, folder, saved dataset or hub
     id); see the module docstring. Raises DataError (or ProvenanceError for the hub)."""
-    from yeto.provenance import files_digest, hub_snapshot, is_hub_id
+    from yeto.data.provenance import files_digest, hub_snapshot, is_hub_id
 
     name = str(source)
     path = Path(source)

@@ -1,7 +1,7 @@
 """`yeto demo`: a complete local federated run on a tiny model built here.
 
 Builds the tiny model and the synthetic task, then runs a syncer and the islands
-as local processes through `yeto.launch` (live display, dashboard, Ctrl-C stops
+as local processes through `yeto.cli.launch` (live display, dashboard, Ctrl-C stops
 cleanly), and writes into --out:
   model/ data/           the base model and train/eval JSONL
   adapter/               the syncer's final adapter (peft format)
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("yeto.demo")
+log = logging.getLogger("yeto.cli.demo")
 
 ISLAND_MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
 
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(message)s")
-    from yeto.fixtures import make_task, make_tiny_model
-    from yeto.launch import Display, LaunchConfig, LaunchError, run_local
+    from yeto.cli.fixtures import make_task, make_tiny_model
+    from yeto.cli.launch import Display, LaunchConfig, LaunchError, run_local
 
     t0 = time.monotonic()
     out = args.out.resolve()
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
 
 def summarize(out: Path, seconds: float) -> dict:
-    """The demo's summary.json (kept here for callers; see `yeto.launch.summarize`)."""
-    from yeto.launch import summarize as _summarize
+    """The demo's summary.json (kept here for callers; see `yeto.cli.launch.summarize`)."""
+    from yeto.cli.launch import summarize as _summarize
 
     return _summarize(out, seconds)
