@@ -1,0 +1,87 @@
+"""Small helpers every part of yeto shares: atomic files, finite numbers, addresses.
+
+One place for each: a file that must never be seen half-written goes through
+`atomic_write` (temp file in the same folder, fsync, rename, fsync of the folder),
+a number that may be NaN goes through `finite_or_none` before it reaches JSON, and
+a host and port become one address string through `host_port`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "wb", *, durable: bool = True) -> Iterator[IO]:
+    """Open a temp file beside `path`; on success it replaces `path` in one rename.
+
+    With `durable` the data and the rename are fsynced, so a power cut leaves the old
+    file or the new one, never a torn one. On an error the temp file is removed and
+    `path` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def atomic_write(path: str | Path, data: bytes | str, *, durable: bool = True) -> None:
+    """Write `data` (bytes or text) to `path` atomically (see `atomic_file`)."""
+    with atomic_file(path, "wb" if isinstance(data, bytes) else "w", durable=durable) as f:
+        f.write(data)
+
+
+def atomic_save(path: str | Path, save: Callable[[Path], Any]) -> None:
+    """Atomically produce `path` with a writer that takes a file name (for libraries
+    that write files themselves, e.g. `safetensors.numpy.save_file`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some filesystems cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def finite_or_none(x: Any) -> float | None:
+    """A finite float, or None (for NaN, inf, None and non-numbers): JSON-safe."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def host_port(host: str, port: int) -> str:
+    """'host:port', with IPv6 hosts in brackets ('[::1]:29400')."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

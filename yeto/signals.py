@@ -1,0 +1,68 @@
+"""Stopping on SIGINT/SIGTERM: the first signal asks for a clean stop, the second
+stops at once. Islands, the syncer and `yeto launch` all stop this way.
+
+    with GracefulStop(on_first=lambda name: log.warning("%s: stopping", name)) as stop:
+        while not stop.is_set():
+            ...
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _interrupt(name: str) -> None:
+    raise KeyboardInterrupt(name)
+
+
+class GracefulStop:
+    """First signal: `on_first(name)` runs and the stop event is set. Second signal:
+    `on_second(name)` runs (default: raise KeyboardInterrupt, i.e. stop at once).
+    Handlers are installed on `__enter__` (main thread only; elsewhere the event is
+    still usable, set by the caller) and the previous ones restored on `__exit__`."""
+
+    def __init__(self, on_first: Callable[[str], None] | None = None,
+                 on_second: Callable[[str], None] | None = _interrupt):
+        self.event = threading.Event()
+        self._on_first, self._on_second = on_first, on_second
+        self._old: dict[int, object] = {}
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def set(self) -> None:
+        self.event.set()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.event.is_set():
+            if self._on_second is not None:
+                self._on_second(name)
+            return
+        self.event.set()
+        if self._on_first is not None:
+            self._on_first(name)
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.getsignal(s) for s in SIGNALS}
+            for s in SIGNALS:
+                signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+def ignore_signals() -> None:
+    """After outputs are saved: a late signal during interpreter shutdown must not turn
+    a clean exit into 'killed by SIGINT'."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
