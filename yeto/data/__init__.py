@@ -1,26 +1,24 @@
-"""Training data: sources (files, folders, saved datasets, hub ids), row formats,
-packing into token blocks with loss weights, and provenance records.
+"""Training data: sources (files, folders, saved datasets, hub ids: `sources`), row
+formats (`formats`), packing into token blocks with loss weights and the seeded
+batches (`packing`), and provenance records (`provenance`).
 
 Backend-free (numpy): the torch and MLX islands consume the same `Blocks` and the
 same `BatchSampler` batches.
 """
 
-from yeto.data.blocks import (
+from yeto.data.formats import ACCEPTED_SCHEMAS, FORMATS, DataError, Encoded, encode_row, row_schema
+from yeto.data.packing import (
     PACKING,
     Batch,
     BatchSampler,
     Blocks,
-    Rows,
     attention_mask,
     is_naive,
     load_blocks,
-    load_rows,
     pack_blocks,
-    read_source,
     segment_ids,
-    shard_rows,
 )
-from yeto.data.formats import ACCEPTED_SCHEMAS, FORMATS, DataError, Encoded, encode_row, row_schema
+from yeto.data.sources import Rows, load_rows, read_source, shard_rows
 
 __all__ = [
     "ACCEPTED_SCHEMAS", "FORMATS", "PACKING", "Batch", "BatchSampler", "Blocks", "DataError",

@@ -28,11 +28,12 @@ import platform
 import re
 import sys
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from yeto.io import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -328,10 +329,6 @@ def build_record(model: ModelSource | dict | None, data: dict | None, args: Any 
 
 def write_provenance(out_dir: str | Path, record: dict[str, Any]) -> Path:
     """Write ``out_dir/provenance.json`` atomically and return its path."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "provenance.json"
-    tmp = out_dir / f".provenance.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    path = Path(out_dir) / "provenance.json"
+    atomic_write(path, json.dumps(record, indent=2, sort_keys=False) + "\n")
     return path
