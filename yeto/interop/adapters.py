@@ -26,19 +26,20 @@ adapted blocks that are not the last N blocks with the same keys in each.
 ``peft_config``, which mlx-lm ignores), so peft -> mlx -> peft gives the same
 adapter back, config included.
 
-Backend-neutral: numpy + safetensors (+ peft's `LoraConfig` to write peft configs).
+Backend-neutral: numpy + safetensors; nothing here imports torch, peft or mlx.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from yeto import frozen
+from yeto.io import atomic_save, atomic_write
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -74,24 +75,53 @@ class AdapterConversionError(ValueError):
 
 
 # ---- peft ---------------------------------------------------------------------
+PEFT_VERSION = "0.21.2"  # the peft release whose adapter_config.json _LORA_DEFAULTS mirror
+# Every field of peft's LoraConfig.to_dict() (peft 0.21.2) that yeto's settings leave at
+# peft's default, as save_pretrained writes them (inference_mode is True once saved).
+# tests/test_adapters.py compares the whole file with what the installed peft writes,
+# so a peft upgrade that changes the fields fails there, not silently.
+_LORA_DEFAULTS: dict[str, Any] = {
+    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
+    "auto_mapping": None, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
+    "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False,
+    "inference_mode": True, "init_lora_weights": True, "kasa_config": None,
+    "layer_replication": None, "layers_pattern": None, "layers_to_transform": None,
+    "loftq_config": {}, "lora_bias": False, "lora_ga_config": None, "megatron_config": None,
+    "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None,
+    "peft_type": "LORA", "peft_version": PEFT_VERSION, "qalora_group_size": 16,
+    "rank_pattern": {}, "revision": None, "target_parameters": None,
+    "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_bdlora": None,
+    "use_dora": False, "use_qalora": False, "use_rslora": False, "velora_config": None,
+}  # fmt: skip
+
+
 def peft_adapter_config(base_model: str, r: int, alpha: float, target_modules,
                         lora_dropout: float = 0.0) -> str:
-    """adapter_config.json text with the content peft's ``save_pretrained`` writes
-    for ``LoraConfig(r, lora_alpha, target_modules, lora_dropout, bias="none",
-    task_type="CAUSAL_LM")`` on a model loaded from ``base_model`` (the torch
-    island's config). ``target_modules`` is written sorted (peft writes the set in
-    hash order)."""
-    from peft import LoraConfig
-
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=sorted(target_modules),
-                     lora_dropout=lora_dropout, bias="none", task_type="CAUSAL_LM")
-    cfg.base_model_name_or_path = str(base_model)
-    cfg.inference_mode = True
-    out = cfg.to_dict()
-    for k, v in out.items():
-        if isinstance(v, set):
-            out[k] = sorted(v)
+    """adapter_config.json text: what peft's ``save_pretrained`` writes for
+    ``LoraConfig(r, lora_alpha, target_modules, lora_dropout, bias="none",
+    task_type="CAUSAL_LM")`` on a model loaded from ``base_model``, the settings of
+    every yeto island. The one producer of this file (torch island, MLX island,
+    `MLXDiLoCo`, `mlx_to_peft`); imports neither torch nor peft, so every island
+    writes the same text. ``target_modules`` is written sorted (peft writes its set
+    in hash order)."""
+    if isinstance(target_modules, str):
+        raise TypeError("target_modules must be a list of module names, not a string")
+    out = dict(_LORA_DEFAULTS, base_model_name_or_path=str(base_model), r=int(r),
+               lora_alpha=alpha, lora_dropout=lora_dropout,
+               target_modules=sorted(target_modules))
     return json.dumps(out, indent=2, sort_keys=True)
+
+
+def run_adapter_tensors(tensors: dict[str, np.ndarray],
+                        export_files: dict[str, str]) -> dict[str, np.ndarray]:
+    """A run's adapter tensors from its merged weights: the synced tensors plus, for a
+    frozen-A run (`yeto.frozen.EXPORT_FILE` among the files the islands sent), every
+    lora_A rebuilt from the shared seed, the same bits the islands trained with. What
+    the syncer writes into ``final/`` and `yeto export` writes for a run in progress."""
+    out = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if frozen.EXPORT_FILE in export_files:  # frozen-A mode: A never travelled
+        out.update(frozen.rebuild(export_files[frozen.EXPORT_FILE]))
+    return out
 
 
 def save_peft_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray],
@@ -101,7 +131,7 @@ def save_peft_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray],
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _save_safetensors(out / PEFT_WEIGHTS, tensors, {"format": "pt"})
-    _write_text(out / PEFT_CONFIG, config_text)
+    atomic_write(out / PEFT_CONFIG, config_text)
     return out
 
 
@@ -146,7 +176,7 @@ def peft_to_mlx(peft_dir: str | Path, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _save_safetensors(out / MLX_WEIGHTS, out_tensors, {"format": "mlx"})
-    _write_text(out / MLX_CONFIG, json.dumps(config, indent=2, sort_keys=True))
+    atomic_write(out / MLX_CONFIG, json.dumps(config, indent=2, sort_keys=True))
     return out
 
 
@@ -329,13 +359,5 @@ def _matches(peft_cfg: dict, modules: list[str], r: int, scale: float) -> bool:
 def _save_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict) -> None:
     from safetensors.numpy import save_file
 
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
-              metadata=metadata)
-    os.replace(tmp, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    atomic_save(path, lambda tmp: save_file(arrays, str(tmp), metadata=metadata))

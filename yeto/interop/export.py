@@ -34,8 +34,10 @@ from yeto.interop.adapters import (
     AdapterConversionError,
     mlx_to_peft,
     peft_to_mlx,
+    run_adapter_tensors,
     save_peft_adapter,
 )
+from yeto.io import atomic_save, atomic_write
 
 FORMATS = ("peft", "mlx")
 
@@ -109,7 +111,8 @@ def _adapter_from_state(state_dir: Path, out: Path) -> int:
         raise ExportError(f"{state_dir}: the run's weights are {meta.get('weights_file')!r} "
                           "without a peft adapter config: only LoRA runs export as adapters")
     layout = Layout([TensorSpec(n, tuple(s), d) for n, s, d in meta["layout"]])
-    tensors = layout.unflatten(theta)
+    # the same tensors the syncer's final/ gets (frozen-A runs: lora_A rebuilt from the seed)
+    tensors = run_adapter_tensors(layout.unflatten(theta), meta["export_files"])
     save_peft_adapter(out, tensors, meta["export_files"][PEFT_CONFIG])
     return int(meta.get("version", 0))
 
@@ -123,11 +126,11 @@ def _write(src: Path, out: Path, fmt: str, base_model: str | None) -> Path:
     if fmt == "mlx":
         return peft_to_mlx(src, out, base_model=base_model)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src / PEFT_WEIGHTS, out / PEFT_WEIGHTS)
+    atomic_save(out / PEFT_WEIGHTS, lambda tmp: shutil.copyfile(src / PEFT_WEIGHTS, tmp))
     cfg = json.loads((src / PEFT_CONFIG).read_text())
     if base_model is not None:
         cfg["base_model_name_or_path"] = str(base_model)
-    (out / PEFT_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    atomic_write(out / PEFT_CONFIG, json.dumps(cfg, indent=2, sort_keys=True))
     return out
 
 
