@@ -11,7 +11,8 @@ so a module at Hugging Face path ``model.layers.0.self_attn.q_proj`` holds
 parameters ``...q_proj.lora_A.weight`` / ``...q_proj.lora_B.weight`` whose
 canonical names (``yeto.targets.peft_key``) and shapes are exactly peft's, and the
 flat vector (`LoRAWeights`) is in `yeto.layout` canonical order: names alone
-decide fragments, as on the torch island.
+decide fragments, as on the torch island. `LoRAWeights` is also the view
+`MLXDiLoCo` takes of an mlx-lm model with mlx-lm's own (transposed) LoRA layers.
 
 Which linears get LoRA is decided by `yeto.targets.select_targets` from the
 Hugging Face config, the same call the torch island makes.
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from yeto.layout import Layout
 from yeto.targets import peft_key, select_targets
@@ -124,37 +125,121 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {p: m for p, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-class LoRAWeights:
-    """The LoRA factors under canonical peft names, as one flat float32 vector in
-    canonical order (the island's view of the model)."""
+_PEFT_PREFIX = "base_model.model."
 
-    def __init__(self, layers: dict[str, LoRALinear]):
-        if not layers:
-            raise ValueError("no LoRA layers: attach LoRA first (yeto.mlx.lora.attach_lora)")
-        self.modules: dict[str, nn.Linear] = {}
-        for path, layer in layers.items():
-            self.modules[peft_key(path, "lora_A")] = layer.lora_A
-            self.modules[peft_key(path, "lora_B")] = layer.lora_B
-        self.layout = Layout.from_shapes(
-            {k: tuple(m.weight.shape) for k, m in self.modules.items()})
-        self._ordered = [self.modules[s.name] for s in self.layout.specs]
+
+def canonical_mlx_name(name: str) -> tuple[str, bool]:
+    """(canonical name, transposed) of a trainable MLX parameter path.
+
+    yeto's `LoRALinear` holds peft's shapes: ``<m>.lora_A.weight`` (r, in) is
+    ``base_model.model.<m>.lora_A.weight`` as is. mlx-lm's LoRA layer holds them
+    transposed: ``<m>.lora_a`` (in, r) is that name's transpose, ``<m>.lora_b``
+    (r, out) is ``...lora_B.weight``'s. Any other parameter keeps its (Hugging Face)
+    name, as in full fine-tuning."""
+    for suffix in (".lora_A.weight", ".lora_B.weight"):
+        if name.endswith(suffix):
+            return peft_key(name[:-len(suffix)], suffix[1:-len(".weight")]), False
+    for suffix, which in ((".lora_a", "lora_A"), (".lora_b", "lora_B")):
+        if name.endswith(suffix):
+            return peft_key(name[:-len(suffix)], which), True
+    return name, False
+
+
+def _walk(root, parts: list[str]):
+    for part in parts:
+        root = root[int(part)] if isinstance(root, list) else root[part]
+    return root
+
+
+class _Slot:
+    """Where one trainable array lives: ``owner[key]``, and how it maps to its
+    canonical tensor (transposed or not; the array's own dtype)."""
+
+    def __init__(self, root, path: str, transpose: bool):
+        *parents, self.key = path.split(".")
+        self.owner = _walk(root, parents)
+        if isinstance(self.owner, list):
+            self.key = int(self.key)
+        self.transpose = transpose
+        self.dtype = self.owner[self.key].dtype
+        # the LoRA layer (for its rank and scale): mlx-lm's owns lora_a itself, yeto's
+        # owns the lora_A Linear that owns the weight
+        self.lora_layer = _walk(root, parents[:-1] if path.endswith(".weight") else parents)
+
+    def read(self) -> mx.array:
+        return self.owner[self.key]
+
+    def write(self, a: np.ndarray) -> None:
+        arr = mx.array(np.ascontiguousarray(a.T if self.transpose else a))
+        self.owner[self.key] = arr if self.dtype == mx.float32 else arr.astype(self.dtype)
+
+
+class LoRAWeights:
+    """An MLX model's trainable weights under canonical peft names, as one flat
+    float32 vector in `yeto.layout` canonical order (the island's view of the model).
+
+    ``source`` is either ``{module path: LoRALinear}`` (what `attach_lora` returns;
+    the MLX island) or a model whose trainable parameters are the weights: yeto's
+    `LoRALinear` layers, mlx-lm's (``linear_to_lora_layers``; their transposed
+    ``lora_a``/``lora_b`` are seen as peft's ``lora_A``/``lora_B``), and any other
+    unfrozen parameter under its own name (see `canonical_mlx_name`). Arrays keep
+    their dtype when set."""
+
+    def __init__(self, source: dict[str, LoRALinear] | nn.Module):
+        self._slots: dict[str, _Slot] = {}
+        if isinstance(source, nn.Module):
+            for name, _ in tree_flatten(source.trainable_parameters()):
+                canonical, transpose = canonical_mlx_name(name)
+                self._slots[canonical] = _Slot(source, name, transpose)
+        else:
+            for path, layer in source.items():
+                for which in ("lora_A", "lora_B"):
+                    self._slots[peft_key(path, which)] = _Slot(layer, f"{which}.weight", False)
+        if not self._slots:
+            raise ValueError("no trainable weights: attach LoRA first (yeto.mlx.lora.attach_lora, "
+                             "or mlx_lm.tuner.utils.linear_to_lora_layers after model.freeze())")
+        self._shapes = {k: tuple(s.read().shape[::-1] if s.transpose else s.read().shape)
+                        for k, s in self._slots.items()}
+        self.layout = Layout.from_shapes(self._shapes)
+        self._ordered = [self._slots[spec.name] for spec in self.layout.specs]
 
     def get(self) -> np.ndarray:
-        arrays = [m.weight for m in self._ordered]
+        arrays = [s.read() for s in self._ordered]
         mx.eval(arrays)
-        return np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1)
-                               for a in arrays])
+        parts = []
+        for s, a in zip(self._ordered, arrays):
+            a = np.asarray(a if a.dtype == mx.float32 else a.astype(mx.float32))
+            parts.append((a.T if s.transpose else a).reshape(-1))
+        return np.concatenate(parts).astype(np.float32, copy=False)
 
     def set(self, flat: np.ndarray) -> None:
         flat = np.asarray(flat, dtype=np.float32)
         if flat.shape != (self.layout.numel,):
             raise ValueError(f"flat vector has {flat.size} elements, layout has "
                              f"{self.layout.numel}")
-        for spec, m in zip(self.layout.specs, self._ordered):
+        for spec, s in zip(self.layout.specs, self._ordered):
             lo, hi = self.layout.offsets[spec.name]
-            m.weight = mx.array(np.ascontiguousarray(flat[lo:hi]).reshape(spec.shape))
-        mx.eval([m.weight for m in self._ordered])
+            s.write(flat[lo:hi].reshape(spec.shape))
+        mx.eval([s.read() for s in self._ordered])
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Canonical name -> float32 array (copies), e.g. to save a peft adapter."""
         return {k: v.copy() for k, v in self.layout.unflatten(self.get()).items()}
+
+    def lora_config(self) -> tuple[int, float, list[str]] | None:
+        """(r, scale = alpha / r, adapted module paths) when every weight is a LoRA
+        factor and all share one rank and one scale (what an adapter_config.json can
+        say), else None."""
+        modules: dict[str, _Slot] = {}
+        for name, s in self._slots.items():
+            if not name.endswith(".lora_A.weight") and not name.endswith(".lora_B.weight"):
+                return None
+            modules[name[len(_PEFT_PREFIX):-len(".lora_A.weight")]] = s
+        if len(modules) * 2 != len(self._slots):
+            return None
+        ranks = {self._shapes[peft_key(m, "lora_A")][0] for m in modules}
+        scales = {float(getattr(s.lora_layer, "scaling", getattr(s.lora_layer, "scale", 0.0)))
+                  for s in modules.values()}
+        if len(ranks) != 1 or len(scales) != 1:
+            return None
+        return ranks.pop(), scales.pop(), sorted(modules)
