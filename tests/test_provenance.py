@@ -1,20 +1,59 @@
 """Provenance: pinned models and data, safe loading, provenance.json."""
 
+import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from yeto.data.provenance import (
     ProvenanceError,
     build_record,
-    code_digest,
     dir_digest,
     resolve_model,
     write_provenance,
 )
 
+YETO = Path(__file__).resolve().parent.parent / "yeto"  # the package's source
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+
+
+def recipe_digest(root: Path, suffixes=None, only=None) -> str:
+    """The documented content digest, computed here independently: SHA-256 over
+    "relative path NUL size NUL sha256(file) LF" of every non-hidden file (with one
+    of `suffixes`, or named in `only`), sorted by path."""
+    lines = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if (not p.is_file() or any(part.startswith(".") for part in rel.parts)
+                or (suffixes and p.suffix not in suffixes)
+                or (only is not None and rel.as_posix() not in only)):
+            continue
+        data = p.read_bytes()
+        lines.append(f"{rel.as_posix()}\0{len(data)}\0{hashlib.sha256(data).hexdigest()}\n")
+    return "sha256:" + hashlib.sha256("".join(sorted(lines)).encode()).hexdigest()
+
+
+def test_content_digest_follows_the_recipe(tmp_path):
+    """dir_digest pins exactly the content: paths, sizes and bytes, not where the
+    folder is, and not hidden files."""
+    root = tmp_path / "a"
+    (root / "sub").mkdir(parents=True)
+    (root / "x.json").write_text('{"a": 1}')
+    (root / "sub" / "w.safetensors").write_bytes(bytes(range(256)) * 9)
+    digest = dir_digest(root)
+    assert digest == recipe_digest(root)
+    shutil.copytree(root, tmp_path / "b")
+    assert dir_digest(tmp_path / "b") == digest  # the location is not content
+    (root / ".cache").mkdir()
+    (root / ".cache" / "junk").write_text("x")
+    assert dir_digest(root) == digest  # hidden paths are not content either
+    (root / "x.json").write_text('{"a": 2}')  # same size, one byte differs
+    assert dir_digest(root) not in (digest, dir_digest(tmp_path / "b"))
+    assert dir_digest(root) == recipe_digest(root)
+    (tmp_path / "b" / "x.json").rename(tmp_path / "b" / "y.json")  # same bytes, new name
+    assert dir_digest(tmp_path / "b") != digest
 
 
 @pytest.fixture
@@ -27,7 +66,7 @@ def model_dir(tmp_path, tiny_llama):
 def test_local_model_is_pinned_by_content_digest(model_dir):
     src = resolve_model(str(model_dir))
     assert src.kind == "local" and src.commit is None and src.weights == ["model.safetensors"]
-    assert src.digest == dir_digest(model_dir) and src.digest.startswith("sha256:")
+    assert src.digest == recipe_digest(model_dir)
     cfg = model_dir / "generation_config.json"
     cfg.write_text(cfg.read_text() + " ")
     assert resolve_model(str(model_dir)).digest != src.digest
@@ -63,7 +102,7 @@ def test_remote_code_needs_the_flag(model_dir):
 
 def test_auto_map_on_a_builtin_architecture_is_loaded_without_remote_code(model_dir):
     _with_remote_code(model_dir, "llama")
-    from yeto.torch.learner import load_base
+    from yeto.torch.model import load_base
 
     model, _ = load_base(str(model_dir))  # modeling_x.py would exit if it ran
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -82,7 +121,7 @@ def test_hub_model_resolves_to_a_commit_offline(tmp_path, monkeypatch, tiny_llam
     assert resolve_model("acme/tiny", revision=COMMIT).path == root / "snapshots" / COMMIT
     with pytest.raises(ProvenanceError, match="could not be resolved"):
         resolve_model("acme/tiny", revision="v9")
-    from yeto.torch.learner import load_base
+    from yeto.torch.model import load_base
 
     model, tok = load_base(src)
     assert model.config.vocab_size == len(tok)
@@ -104,8 +143,9 @@ def test_record_redacts_secrets_and_is_written_atomically(tmp_path, model_dir):
     back = json.loads(text)
     assert back["config"]["token"] == "<redacted>" and back["config"]["tls_key"] is None
     assert back["config"]["output"] == str(tmp_path)
-    assert back["yeto"]["code_digest"] == code_digest() and back["yeto"]["version"]
-    assert back["model"]["digest"].startswith("sha256:") and back["environment"]["torch"]
+    assert back["yeto"]["code_digest"] == recipe_digest(YETO, (".py", ".proto"))
+    assert back["yeto"]["version"] and back["environment"]["torch"]
+    assert back["model"]["digest"] == recipe_digest(model_dir)
 
 
 def _island(args):
@@ -124,13 +164,14 @@ def test_torch_island_writes_provenance_everywhere(tmp_path, model_dir):
                     "--lora-r", "2", "--output", str(out), "--token", "s3cret"]) == 0
     for folder in (out, out / "adapter"):
         rec = json.loads((folder / "provenance.json").read_text())
-        assert rec["model"]["digest"] == dir_digest(model_dir)
-        assert rec["data"]["kind"] == "local" and rec["data"]["digest"].startswith("sha256:")
+        assert rec["model"]["digest"] == recipe_digest(model_dir)
+        assert rec["data"]["kind"] == "local"
+        assert rec["data"]["digest"] == recipe_digest(train.parent, only={train.name})
         assert rec["data"]["formats"] == {str(train): "messages"}
         assert rec["eval_data"]["files"] == ["eval.jsonl"]
         assert rec["config"]["packing"] == "document" and rec["config"]["max_steps"] == 2
         assert rec["config"]["token"] == "<redacted>" and rec["backend"] == "torch"
-        assert rec["yeto"]["code_digest"] == code_digest()
+        assert rec["yeto"]["code_digest"] == recipe_digest(YETO, (".py", ".proto"))
 
 
 def test_torch_island_refuses_pickles_and_remote_code(tmp_path, model_dir, caplog):

@@ -88,7 +88,9 @@ def dir_digest(root: Path) -> str:
 
 def code_digest() -> str:
     """Digest of yeto's own source (every .py and .proto file of the package)."""
-    root = Path(__file__).resolve().parent
+    import yeto
+
+    root = Path(yeto.__file__).resolve().parent  # the whole package, not this folder
     files = [p for p in dir_files(root) if p.suffix in (".py", ".proto")]
     return files_digest(files, root)
 
