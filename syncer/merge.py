@@ -4,11 +4,24 @@ number of islands."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from yeto import codec
 
 MERGE_RULES = ("mean", "uniform", "rda")
+
+
+@dataclass(frozen=True)
+class DeferredPush:
+    """A push kept as received (compressed) until its round commits: clipping needs
+    the round's median norm, known only then."""
+
+    payload: bytes
+    encoding: str
+    weight: float
+    norm: float
 
 
 class MergeAccumulator:
@@ -18,6 +31,12 @@ class MergeAccumulator:
     uniform: wᵢ = 1
     rda:     the mean's direction, rescaled so that ‖g‖ = Σ wᵢ‖Δᵢ‖ / Σ wᵢ
              (averaging shrinks disagreeing updates; this keeps their typical size).
+
+    Zero loss tokens: under mean and rda a push with 0 loss tokens gets weight 0,
+    unless every push of the round has 0: then the round falls back to uniform
+    weights (the islands did work; their tokens simply were not counted). Memory
+    stays one buffer: until a push with tokens arrives, zero-token pushes are summed
+    with weight 1, and the first push with tokens clears them.
     """
 
     def __init__(self, numel: int, rule: str = "mean", clip_factor: float = 0.0):
@@ -25,38 +44,62 @@ class MergeAccumulator:
             raise ValueError(f"unknown merge rule {rule!r}; use one of {', '.join(MERGE_RULES)}")
         self.numel, self.rule, self.clip_factor = numel, rule, float(clip_factor)
         self.sum: np.ndarray | None = None
-        self.total_weight = 0.0
+        self.total_weight = 0.0  # Σ wᵢ under the rule (0 while no push carried tokens)
         self.norm_sum = 0.0
         self.count = 0
-        # clipping needs the round's median norm, known only at commit: pushes are
-        # then kept as received (compressed) until the round commits
-        self.held: list[tuple[bytes, str, float, float]] = []
-        self.clipped: list[float] = []
+        self.deferred: list[DeferredPush] = []  # only with clipping (clip_factor > 0)
+        self.clip_scales: list[float] = []
 
     def weight_for(self, loss_tokens: int) -> float:
         return 1.0 if self.rule == "uniform" else float(max(loss_tokens, 0))
 
+    @property
+    def uniform_fallback(self) -> bool:
+        """Every push so far carried 0 loss tokens: the round merges them uniformly."""
+        return self.count > 0 and self.total_weight <= 0
+
+    def merged_weight(self, weight: float) -> float:
+        """The weight a push with rule weight `weight` really gets in the merge."""
+        return 1.0 if self.uniform_fallback else weight
+
     def add(self, payload, encoding: str, loss_tokens: int) -> float:
-        """Decode and add one push; returns the weight it got. Validates first, so
-        a bad payload raises CodecError and leaves the sum untouched."""
+        """Decode and add one push; returns its rule weight. Validates first, so a
+        bad payload raises CodecError and leaves the accumulator untouched."""
         w = self.weight_for(loss_tokens)
         if self.clip_factor > 0:
             norm = float(np.linalg.norm(codec.decode(payload, encoding, self.numel)))
-            self.held.append((bytes(payload), encoding, w, norm))
+            self.deferred.append(DeferredPush(bytes(payload), encoding, w, norm))
             self.total_weight += w
-            self.count += 1
-            return w
-        if self.rule == "rda":
-            delta = codec.decode(payload, encoding, self.numel)
-            self._buffer()
-            self.norm_sum += w * float(np.linalg.norm(delta))
-            self.sum += w * delta
         else:
-            codec.validate(payload, encoding, self.numel)
-            codec.decode_add(payload, encoding, self.numel, self._buffer(), w)
-        self.total_weight += w
+            self._accumulate(payload, encoding, w)
         self.count += 1
         return w
+
+    def _accumulate(self, payload, encoding: str, w: float) -> None:
+        delta = None
+        if self.rule == "rda":  # needs the push's own norm: decode it whole
+            delta = codec.decode(payload, encoding, self.numel)
+        else:
+            codec.validate(payload, encoding, self.numel)
+        scale = self._buffer_weight(w)
+        if scale == 0:
+            return
+        if delta is not None:
+            self.norm_sum += scale * float(np.linalg.norm(delta))
+            buf = self._buffer()
+            buf += scale * delta
+        else:
+            codec.decode_add(payload, encoding, self.numel, self._buffer(), scale)
+
+    def _buffer_weight(self, w: float) -> float:
+        """The weight a validated push is summed with now (see the class docstring)."""
+        if w > 0:
+            if self.uniform_fallback:  # the first push with tokens: drop the 0-token ones
+                self._buffer().fill(0.0)
+                self.norm_sum = 0.0
+            self.total_weight += w
+            return w
+        return 1.0 if self.total_weight <= 0 else 0.0
 
     def _buffer(self) -> np.ndarray:
         if self.sum is None:
@@ -65,37 +108,40 @@ class MergeAccumulator:
 
     def result(self) -> np.ndarray:
         """The merged pseudo-gradient g (reuses the accumulator's buffer)."""
-        if self.held:
-            self._merge_clipped()
-        if self.sum is None:
+        if self.count == 0:
             raise RuntimeError("no pushes to merge")
-        if self.total_weight <= 0:  # every push reported 0 loss tokens: fall back to uniform
-            raise ValueError("all pushes carry zero weight (0 loss tokens)")
-        g = self.sum
-        g /= self.total_weight
+        if self.deferred:
+            self._merge_deferred()
+        divisor = self.count if self.uniform_fallback else self.total_weight
+        g = self._buffer()
+        g /= divisor
         if self.rule == "rda":
             norm = float(np.linalg.norm(g))
             if norm > 0:
-                g *= (self.norm_sum / self.total_weight) / norm
+                g *= (self.norm_sum / divisor) / norm
         return g
 
-
-    def _merge_clipped(self) -> None:
-        """Scale each held push to norm ≤ clip_factor × the round's median norm."""
-        limit = self.clip_factor * float(np.median([h[3] for h in self.held]))
-        self.sum = np.zeros(self.numel, dtype=np.float32)
-        for payload, encoding, w, norm in self.held:
-            scale = min(1.0, limit / norm) if norm > 0 else 1.0
-            self.clipped.append(scale)
-            codec.decode_add(payload, encoding, self.numel, self.sum, w * scale)
-            self.norm_sum += w * norm * scale
-        self.held.clear()
+    def _merge_deferred(self) -> None:
+        """Scale each deferred push to norm ≤ clip_factor × the round's median norm."""
+        limit = self.clip_factor * float(np.median([p.norm for p in self.deferred]))
+        buf = self._buffer()
+        buf.fill(0.0)
+        for p in self.deferred:
+            scale = min(1.0, limit / p.norm) if p.norm > 0 else 1.0
+            w = self.merged_weight(p.weight) * scale
+            self.clip_scales.append(scale)
+            codec.decode_add(p.payload, p.encoding, self.numel, buf, w)
+            self.norm_sum += w * p.norm
+        self.deferred.clear()
 
 
 class NesterovOuter:
-    """m ← μm + g;  Θ ← Θ − lr·(g + μm).  lr 1, μ 0 is plain averaging."""
+    """m ← μm + g;  Θ ← Θ − lr·(g + μm).
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9):
+    The defaults (lr 1, μ 0) are plain averaging, as `python -m syncer` uses; the
+    DiLoCo paper's 0.7 / 0.9 lost to it in every arm of BENCHMARKS.md."""
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0):
         self.lr, self.momentum = float(lr), float(momentum)
 
     def step(self, theta: np.ndarray, m: np.ndarray, g: np.ndarray) -> None:

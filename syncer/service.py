@@ -13,8 +13,9 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from syncer.run import Reject, Run
+from syncer.run import Broadcast, Reject, Run
 from yeto import net
+from yeto.io import host_port
 from yeto.layout import TensorSpec
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
@@ -76,58 +77,23 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Reject as e:
             _abort(context, e)
         context.add_callback(lambda: run.island_gone(request.learner_id, request.generation))
-        # per fragment: the newest version sent, and whether its final went out
-        sent: dict[int, int] = {}
-        sent_final: set[int] = set()
-
-        def pending():
-            for f, bc in sorted(run.broadcasts.items()):
-                if bc.version > sent.get(f, -1) or (bc.final and f not in sent_final):
-                    return bc
-            return None
-
+        sub = Subscription(run, request.learner_id, request.generation)
         while context.is_active():
-            with run.cond:
-                bc = pending()
-                while context.is_active() and bc is None:
-                    run.cond.wait(timeout=1.0)
-                    bc = pending()
-                if bc is None:
-                    return
-                try:
-                    run.check_island(request.learner_id, request.generation)
-                except Reject as e:  # superseded by a newer connection of the same island
-                    _abort(context, e)
-                n_fragments = run.cfg.fragments
-                numel = run.layout.fragments[bc.fragment].numel
-            if not context.is_active():
+            try:
+                bc = sub.wait_next(context.is_active)
+            except Reject as e:  # superseded by a newer connection of the same island
+                _abort(context, e)
+            if bc is None or not context.is_active():
                 return
-            # islands holding the previous version get the compressed update
-            use_delta = bc.delta is not None and sent.get(bc.fragment) == bc.base_version
-            payload = bc.delta if use_delta else bc.payload
-            header = pb.BroadcastHeader(
-                version=bc.version, round=bc.version, fragment=bc.fragment,
-                encoding=run.cfg.downlink if use_delta else bc.encoding, numel=numel,
-                payload_bytes=len(payload), final=bc.final, delta=use_delta,
-                base_version=bc.base_version)
-            for i, piece in enumerate(net.chunks(payload)):
-                yield pb.BroadcastChunk(header=header if i == 0 else None, data=bytes(piece))
-            with run.cond:
-                run.bytes_out += len(payload)
-            sent[bc.fragment] = bc.version
-            if bc.final:
-                sent_final.add(bc.fragment)
-                if len(sent_final) == n_fragments:
-                    run.mark_final_delivered(request.learner_id)
-                    return
+            yield from sub.send(bc)
+            if sub.all_finals_sent():
+                run.mark_final_delivered(request.learner_id)
+                return
 
     def Heartbeat(self, request, context):
         try:
-            with self.run.cond:
-                self.run.check_island(request.learner_id, request.generation)
-                return pb.HeartbeatReply(version=self.run.version,
-                                         round=self.run.open.number if self.run.open else 0,
-                                         finished=self.run.finished)
+            return pb.HeartbeatReply(**self.run.heartbeat(request.learner_id,
+                                                          request.generation))
         except Reject as e:
             _abort(context, e)
 
@@ -142,6 +108,57 @@ class SyncerService(pb_grpc.SyncerServicer):
                                                                      request.generation))
         except Reject as e:
             _abort(context, e)
+
+
+class Subscription:
+    """One island's broadcast stream: what it has been sent (the newest version per
+    fragment, and which fragments' final weights), so it gets each new version once,
+    as a compressed update when it holds the version that update is against."""
+
+    def __init__(self, run: Run, learner_id: str, generation: int):
+        self.run, self.learner_id, self.generation = run, learner_id, generation
+        self.sent: dict[int, int] = {}
+        self.sent_final: set[int] = set()
+
+    def _pending(self) -> Broadcast | None:
+        for f, bc in sorted(self.run.broadcasts.items()):
+            if bc.version > self.sent.get(f, -1) or (bc.final and f not in self.sent_final):
+                return bc
+        return None
+
+    def wait_next(self, active) -> Broadcast | None:
+        """The next broadcast to send, waiting while `active()`; None when it ends.
+        Raises Reject when this connection has been superseded."""
+        run = self.run
+        with run.cond:
+            bc = self._pending()
+            while active() and bc is None:
+                run.cond.wait(timeout=1.0)
+                bc = self._pending()
+            if bc is not None:
+                run.check_island(self.learner_id, self.generation)
+            return bc
+
+    def send(self, bc: Broadcast):
+        """The chunks of one broadcast; records it as sent once they are all out."""
+        run = self.run
+        use_delta = bc.delta is not None and self.sent.get(bc.fragment) == bc.base_version
+        payload = bc.delta if use_delta else bc.payload
+        header = pb.BroadcastHeader(
+            version=bc.version, round=bc.version, fragment=bc.fragment,
+            encoding=run.cfg.downlink if use_delta else bc.encoding,
+            numel=run.layout.fragments[bc.fragment].numel, payload_bytes=len(payload),
+            final=bc.final, delta=use_delta, base_version=bc.base_version)
+        for i, piece in enumerate(net.chunks(payload)):
+            yield pb.BroadcastChunk(header=header if i == 0 else None, data=bytes(piece))
+        with run.cond:
+            run.bytes_out += len(payload)
+        self.sent[bc.fragment] = bc.version
+        if bc.final:
+            self.sent_final.add(bc.fragment)
+
+    def all_finals_sent(self) -> bool:
+        return len(self.sent_final) == self.run.cfg.fragments
 
 
 def _receive(first, rest, size: int) -> np.ndarray:
@@ -211,7 +228,7 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=net.GRPC_OPTIONS)
     pb_grpc.add_SyncerServicer_to_server(SyncerService(run, max_inflight_pushes), server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = host_port(host, port)
     if tls:
         cert, key, ca = tls
         creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
