@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
 import threading
 import time
@@ -21,8 +19,11 @@ from syncer.run import Config, Run
 from syncer.service import is_loopback, serve
 from syncer.state import StateError
 from yeto import net
+from yeto.io import atomic_write, host_port
+from yeto.signals import GracefulStop, ignore_signals
 
 log = logging.getLogger("syncer")
+FINAL_DRAIN_S = 30.0  # how long a finished run waits for islands to take the final weights
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,30 +38,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback a token or TLS is required")
     p.add_argument("--port", type=int, default=net.DEFAULT_PORT, help="port (0 = any free port)")
-    p.add_argument("--quorum", type=int, default=1, metavar="K",
+    p.add_argument("--quorum", type=int, default=Config.quorum, metavar="K",
                    help="islands that must join before round 1, and pushes that commit a round")
-    p.add_argument("--rounds", type=int, default=0, metavar="N",
+    p.add_argument("--rounds", type=int, default=Config.rounds, metavar="N",
                    help="rounds to run; 0 = until every island has finished")
-    p.add_argument("--outer-lr", type=float, default=1.0,
+    p.add_argument("--outer-lr", type=float, default=Config.outer_lr,
                    help="outer Nesterov learning rate (1 with momentum 0 = plain averaging, "
                         "which beat DiLoCo's 0.7/0.9 in every arm of BENCHMARKS.md)")
-    p.add_argument("--outer-momentum", type=float, default=0.0,
+    p.add_argument("--outer-momentum", type=float, default=Config.outer_momentum,
                    help="outer Nesterov momentum (lr 1, momentum 0 = plain averaging)")
-    p.add_argument("--merge", choices=MERGE_RULES, default="mean",
+    p.add_argument("--merge", choices=MERGE_RULES, default=Config.merge,
                    help="mean = weighted by loss tokens; uniform; rda = norm-preserving mean")
-    p.add_argument("--grace-ms", type=int, default=500,
+    p.add_argument("--grace-ms", type=int, default=Config.grace_ms,
                    help="after K pushes, wait this long for stragglers before committing")
-    p.add_argument("--round-timeout-s", type=float, default=600.0,
+    p.add_argument("--round-timeout-s", type=float, default=Config.round_timeout_s,
                    help="commit with whatever arrived this long after a round's first push")
-    p.add_argument("--max-staleness", type=int, default=1,
+    p.add_argument("--max-staleness", type=int, default=Config.max_staleness,
                    help="accept late pushes up to this many versions old into the open round")
-    p.add_argument("--clip-factor", type=float, default=0.0,
+    p.add_argument("--clip-factor", type=float, default=Config.clip_factor,
                    help="clip each push's norm to this multiple of the round's median norm "
-                        "(0 = off); pushes are then held compressed until the round commits")
-    p.add_argument("--fragments", type=int, default=1, metavar="P",
+                        "(0 = off); pushes are then kept compressed until the round commits")
+    p.add_argument("--fragments", type=int, default=Config.fragments, metavar="P",
                    help="cut the weights into P fragments synced in turn (Streaming DiLoCo): "
                         "each round moves about 1/P of the bytes")
-    p.add_argument("--downlink", choices=("f32", "bf16", "q4"), default="f32",
+    p.add_argument("--downlink", choices=("f32", "bf16", "q4"), default=Config.downlink,
                    help="encoding of broadcast updates; islands hold bit-identical weights "
                         "either way, and the final weights always go out in f32")
     p.add_argument("--max-inflight-pushes", type=int, default=4,
@@ -93,29 +94,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The run's `Config` from parsed flags (the flags' defaults are Config's)."""
+    if args.quorum < 1:
+        sys.exit("error: --quorum must be at least 1 (example: --quorum 2 for two islands)")
+    return Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
+                  outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
+                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
+                  clip_factor=args.clip_factor, downlink=args.downlink,
+                  fragments=max(1, args.fragments), state_dir=args.state_dir,
+                  resume=args.resume)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s syncer %(message)s",
                         datefmt="%H:%M:%S")
     token = net.token_from_env(args.token)
-    tls = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key):
-            sys.exit("error: --tls-cert and --tls-key go together")
-        tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes(),
-               args.tls_ca.read_bytes() if args.tls_ca else None)
-    if not is_loopback(args.host) and not (token or tls) and not args.insecure:
-        sys.exit(f"error: refusing to listen on {args.host} without a token or TLS: anyone who "
-                 "can reach the port could join. Example:\n"
-                 f"  {net.TOKEN_ENV}=$(openssl rand -hex 16) python -m syncer --host {args.host}"
-                 "\n(or pass --insecure on a trusted network)")
-    if args.quorum < 1:
-        sys.exit("error: --quorum must be at least 1")
-    cfg = Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
-                 outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
-                 round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                 clip_factor=args.clip_factor, downlink=args.downlink,
-                 fragments=max(1, args.fragments), state_dir=args.state_dir, resume=args.resume)
+    tls = _tls_credentials(args)
+    _refuse_open_listening(args, token, tls)
+    cfg = config_from_args(args)
     try:
         run = Run(cfg)
     except StateError as e:
@@ -125,47 +123,89 @@ def main(argv=None) -> int:
                              max_inflight_pushes=max(1, args.max_inflight_pushes))
     except OSError as e:
         sys.exit(f"error: {e}")
-    dashboard = None
-    if args.dashboard_port is not None:
-        from syncer.dashboard import DashboardError, start_dashboard
-
-        try:
-            dashboard = start_dashboard(run, args.dashboard_host, args.dashboard_port,
-                                        token=token, insecure=args.insecure)
-        except DashboardError as e:
-            server.stop(grace=0)
-            sys.exit(f"error: {e}")
-        log.info("dashboard on %s", dashboard.url)
-        if args.dashboard_port_file:
-            tmp = args.dashboard_port_file.with_suffix(".tmp")
-            tmp.write_text(str(dashboard.port))
-            os.replace(tmp, args.dashboard_port_file)
+    dashboard = _start_dashboard(run, args, token, server)
     if args.port_file:
-        tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        os.replace(tmp, args.port_file)
-    log.info("listening on %s:%d (quorum %d, rounds %s, merge %s, outer lr %g momentum %g)",
-             args.host, port, cfg.quorum, cfg.rounds or "until islands finish", cfg.merge,
-             cfg.outer_lr, cfg.outer_momentum)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    while not stop.wait(0.2):
-        if run.finished:
-            drain_until = time.monotonic() + 30
-            # let islands receive the final broadcast before the server goes away
-            while time.monotonic() < drain_until and not stop.is_set():
-                if run.final_done():
-                    break
-                time.sleep(0.1)
+        atomic_write(args.port_file, str(port))
+    log.info("listening on %s (quorum %d, rounds %s, merge %s, outer lr %g momentum %g)",
+             host_port(args.host, port), cfg.quorum, cfg.rounds or "until islands finish",
+             cfg.merge, cfg.outer_lr, cfg.outer_momentum)
+    return _serve_until_done(run, server, dashboard)
+
+
+def _tls_credentials(args) -> tuple[bytes, bytes, bytes | None] | None:
+    if not (args.tls_cert or args.tls_key):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        sys.exit("error: --tls-cert and --tls-key go together (example: --tls-cert "
+                 "server.pem --tls-key server.key)")
+    return (args.tls_cert.read_bytes(), args.tls_key.read_bytes(),
+            args.tls_ca.read_bytes() if args.tls_ca else None)
+
+
+def _refuse_open_listening(args, token: str | None, tls) -> None:
+    if is_loopback(args.host) or token or tls or args.insecure:
+        return
+    sys.exit(f"error: refusing to listen on {args.host} without a token or TLS: anyone who "
+             "can reach the port could join. Example:\n"
+             f"  {net.TOKEN_ENV}=$(openssl rand -hex 16) python -m syncer --host {args.host}"
+             "\n(or pass --insecure on a trusted network)")
+
+
+def _start_dashboard(run: Run, args, token: str | None, server):
+    if args.dashboard_port is None:
+        return None
+    from syncer.dashboard import DashboardError, start_dashboard
+
+    try:
+        dashboard = start_dashboard(run, args.dashboard_host, args.dashboard_port,
+                                    token=token, insecure=args.insecure)
+    except DashboardError as e:
+        server.stop(grace=0)
+        sys.exit(f"error: {e}")
+    log.info("dashboard on %s", dashboard.url)
+    if args.dashboard_port_file:
+        atomic_write(args.dashboard_port_file, str(dashboard.port))
+    return dashboard
+
+
+def _serve_until_done(run: Run, server, dashboard) -> int:
+    """Serve until the run finishes (and islands have its final weights) or a signal
+    comes. First SIGINT/SIGTERM: stop cleanly (the state on disk is the last committed
+    round's, saved as it committed); second: stop at once."""
+    def first(name: str) -> None:
+        log.warning("%s: stopping cleanly at version %d (send it again to stop at once)",
+                    name, run.version)
+
+    with GracefulStop(on_first=first) as stop:
+        try:
+            _wait_for_finish(run, stop.event)
+            _shutdown(run, server, dashboard, grace_s=2.0)
+        except KeyboardInterrupt:
+            log.warning("stopping at once")
+            _shutdown(run, server, dashboard, grace_s=0.0)
+            return 130
+    ignore_signals()
+    log.info("stopped at version %d", run.version)
+    return 0
+
+
+def _wait_for_finish(run: Run, stop: threading.Event) -> None:
+    while not run.finished:
+        if stop.wait(0.2):
+            return
+    # let islands receive the final broadcast before the server goes away
+    drain_until = time.monotonic() + FINAL_DRAIN_S
+    while run.finished and not run.final_done() and time.monotonic() < drain_until:
+        if stop.wait(0.1):
             break
+
+
+def _shutdown(run: Run, server, dashboard, grace_s: float) -> None:
     server.ticker_stop.set()
-    server.stop(grace=2).wait()
+    server.stop(grace=grace_s).wait()
     if dashboard is not None:
         dashboard.stop()
     run.tape.close()
-    log.info("stopped at version %d", run.version)
-    return 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from syncer.service import is_loopback
+from yeto.io import finite_or_none, host_port
 from yeto.metrics import JsonlFollower
+from yeto.signals import GracefulStop
 
 log = logging.getLogger("syncer.dashboard")
 
@@ -77,7 +79,6 @@ class Dashboard:
         self.tape = TapeCache(Path(tape_path) if tape_path else None)
         self.token = token
         self.require_token = require_token
-        self.started_at = time.time()
 
     def status(self) -> dict:
         out: dict = dict(time=time.time(), tape=str(self.tape.path) if self.tape.path else None,
@@ -183,10 +184,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _plain(x):
-    if hasattr(x, "__float__"):
-        f = float(x)
-        return f if f == f and abs(f) != float("inf") else None
-    return str(x)
+    """JSON for what json cannot encode itself: numbers (NaN/inf -> null), else text."""
+    return finite_or_none(float(x)) if hasattr(x, "__float__") else str(x)
 
 
 class DashboardServer:
@@ -197,8 +196,7 @@ class DashboardServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/"
+        return f"http://{host_port(self.host, self.port)}/"
 
     def stop(self) -> None:
         self.httpd.shutdown()
@@ -223,8 +221,8 @@ def start_dashboard(run=None, host: str = "127.0.0.1", port: int = 0, *,
     try:
         httpd = _Server((host, port), _Handler, dash, family)
     except OSError as e:
-        raise DashboardError(f"cannot serve the dashboard on {host}:{port}: {e} (is the port "
-                             "in use? --dashboard-port 0 picks a free one)") from None
+        raise DashboardError(f"cannot serve the dashboard on {host_port(host, port)}: {e} (is "
+                             "the port in use? --dashboard-port 0 picks a free one)") from None
     bound = httpd.server_address[1]
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
                               name="syncer-dashboard", daemon=True)
@@ -249,11 +247,12 @@ def main(argv=None) -> int:
     server = start_dashboard(None, args.host, args.port, tape_path=args.tape,
                              token=None, insecure=False)
     print(f"dashboard on {server.url} (Ctrl-C ends)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.stop()
+    with GracefulStop() as stop:
+        try:
+            while not stop.event.wait(1.0):
+                pass
+        finally:
+            server.stop()
     return 0
 
 
