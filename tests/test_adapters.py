@@ -1,6 +1,8 @@
 """peft <-> mlx-lm adapter conversion (numpy only; no mlx needed)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -182,16 +184,59 @@ def test_mlx_to_peft_refusals(tmp_path, base):
         mlx_to_peft(d, tmp_path / "out", base_model=str(base))
 
 
-def test_adapter_config_matches_what_peft_writes(tiny_llama):
-    """The MLX island's adapter_config.json has the content peft writes for the torch
-    island with the same flags (target_modules: peft writes a set, in hash order)."""
-    from yeto.torch.learner import attach_lora, export_files, load_base
+@pytest.mark.parametrize("targets, r, alpha, dropout", [
+    (("q_proj", "k_proj", "v_proj", "o_proj"), 8, 16.0, 0.0),  # the islands' settings
+    (("down_proj",), 4, 12, 0.05),
+], ids=["attention", "mlp"])
+def test_adapter_config_is_what_peft_writes(tmp_path, tiny_llama, targets, r, alpha, dropout):
+    """`peft_adapter_config` (no torch, no peft) writes the content peft's own
+    save_pretrained writes for the same LoraConfig (target_modules: peft writes a
+    set, in hash order; we write it sorted)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
-    model = tiny_llama.resolve()  # the torch island loads from the resolved path
-    pm = attach_lora(load_base(str(model))[0], 8, 16.0, "attention", 0)
-    want = json.loads(export_files(pm, "lora")[1][PEFT_CONFIG])
-    modules = [f"model.layers.{i}.self_attn.{k}_proj" for i in (0, 1) for k in "qkvo"]
-    got = json.loads(peft_adapter_config(str(model), 8, 16.0, modules))
-    assert got["target_modules"] == sorted(got["target_modules"])
-    want["target_modules"] = sorted(want["target_modules"])
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama.resolve()), dtype=torch.float32)
+    modules = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
+    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=modules,
+                                          lora_dropout=dropout, bias="none",
+                                          task_type="CAUSAL_LM"))
+    pm.save_pretrained(tmp_path / "peft")
+    want = json.loads((tmp_path / "peft" / PEFT_CONFIG).read_text())
+    cfg = pm.peft_config["default"]
+    text = peft_adapter_config(cfg.base_model_name_or_path, cfg.r, cfg.lora_alpha,
+                               cfg.target_modules, cfg.lora_dropout)
+    got = json.loads(text)
+    assert got["target_modules"] == sorted(modules) and len(modules) >= 2
+    assert sorted(want.pop("target_modules")) == got.pop("target_modules")
     assert got == want
+    assert got["base_model_name_or_path"] == str(tiny_llama.resolve())
+
+
+def test_adapter_config_needs_neither_torch_nor_peft():
+    """The MLX island and the syncer write it where torch and peft are not installed;
+    the text does not depend on the order of target_modules."""
+    code = ("import sys\nfor m in ('torch', 'peft', 'transformers', 'mlx'): sys.modules[m] = None\n"
+            "from yeto.interop.adapters import peft_adapter_config as c\n"
+            "a = c('m', 4, 8.0, ['b', 'a'])\nassert a == c('m', 4, 8.0, ('a', 'b'))\nprint(a)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert cfg["target_modules"] == ["a", "b"] and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    assert cfg["peft_type"] == "LORA" and cfg["inference_mode"] is True
+
+
+def test_run_adapter_tensors_rebuild_frozen_a():
+    """A frozen-A run's merged weights hold only lora_B; its adapter gets lora_A back
+    from the shared seed, bit for bit (yeto.frozen), and a plain run's is unchanged."""
+    from yeto import frozen
+    from yeto.interop.adapters import run_adapter_tensors
+
+    a_name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    b = {a_name.replace("lora_A", "lora_B"): np.ones((16, 4), np.float32)}
+    assert run_adapter_tensors(b, {PEFT_CONFIG: "{}"}).keys() == b.keys()
+    out = run_adapter_tensors(b, {frozen.EXPORT_FILE: frozen.describe(7, {a_name: (4, 16)})})
+    assert sorted(out) == sorted([a_name, *b])
+    assert out[a_name].tobytes() == frozen.frozen_lora_a(a_name, (4, 16), 7).tobytes()
+    assert out[a_name].std() > 0.05  # U(±1/4), not zeros

@@ -3,7 +3,6 @@
 import json
 import logging
 
-import numpy as np
 import pytest
 
 from yeto.cli.data import main as data_main
@@ -278,6 +277,42 @@ def test_folder_without_split_names_reads_every_file(tmp_path):
     assert read_source(tmp_path).rows == ROWS
 
 
+def test_folder_splits_follow_datasets_patterns(tmp_path):
+    """Split names are `datasets`' own: folder names (train/, test/), sharded file
+    names with any split name, and its keywords (eval = test)."""
+    write_jsonl(tmp_path / "dirs" / "train" / "a.jsonl", ROWS[:3])
+    write_jsonl(tmp_path / "dirs" / "test" / "b.jsonl", ROWS[3:])
+    assert read_source(tmp_path / "dirs").rows == ROWS[:3]
+    held_out = read_source(tmp_path / "dirs", held_out=True)
+    assert held_out.source["split"] == "test" and held_out.source["files"] == ["test/b.jsonl"]
+    assert read_source(tmp_path / "dirs", split="eval").rows == ROWS[3:]
+    write_jsonl(tmp_path / "shards" / "data" / "train-00000-of-00001.jsonl", ROWS[:1])
+    write_jsonl(tmp_path / "shards" / "data" / "extra-00000-of-00001.jsonl", ROWS[1:])
+    assert read_source(tmp_path / "shards").rows == ROWS[:1]
+    assert read_source(tmp_path / "shards", split="extra").rows == ROWS[1:]
+    with pytest.raises(DataError, match="no held-out .* split; it has extra, train"):
+        read_source(tmp_path / "shards", held_out=True)
+
+
+def test_folder_splits_are_the_ones_load_dataset_reads(tmp_path):
+    """Each split holds the rows `datasets.load_dataset(folder)` puts in it (a file
+    named after no split, here notes.jsonl, is in none)."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"text": f"row {i}"} for i in range(12)]
+    layout = {"train-0.jsonl": rows[:2], "data/my_train.jsonl": rows[2:4],
+              "valid.jsonl": rows[4:6], "data/dev_part.jsonl": rows[6:8],
+              "notes.jsonl": rows[8:10], "testing_set.jsonl": rows[10:]}
+    for rel, part in layout.items():
+        write_jsonl(tmp_path / "d" / rel, part)
+    want = datasets.load_dataset(str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
+    assert sorted(want) == ["test", "train", "validation"]
+    for split, ds in want.items():
+        got = read_source(tmp_path / "d", split=split)
+        assert sorted(r["text"] for r in got.rows) == sorted(ds["text"]), split
+        assert got.source["split"] == split
+        assert not any(r["text"] in ("row 8", "row 9") for r in got.rows)
+
+
 def test_datasets_save_to_disk_folders(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
@@ -363,32 +398,3 @@ def test_yeto_data_fails_with_the_error(tmp_path, tok_dir, capsys):
     assert data_main([str(p), "--model", str(tok_dir)]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl line 2" in err and "'foo': int" in err and "accepted" in err
-
-
-def test_islands_build_identical_blocks_from_the_same_file(tmp_path, tok_dir):
-    """The torch island and the MLX island both call yeto.data.load_blocks (the same
-    function) with a tokenizer loaded from the same dir: identical arrays, batches."""
-    from transformers import AutoTokenizer
-
-    import yeto.torch.learner as torch_island
-    from yeto.data import BatchSampler
-
-    p = write_jsonl(tmp_path / "d.jsonl", [reverse_row(w.split()) for w in
-                                           ("apple river", "stone cloud green", "tiger music")] * 5)
-    assert torch_island.load_blocks is load_blocks and torch_island.BatchSampler is BatchSampler
-    try:
-        import yeto.mlx.learner as mlx_island
-    except ImportError:  # mlx not installed: the module path is still yeto.data
-        mlx_island = None
-    if mlx_island is not None:
-        assert mlx_island.load_blocks is load_blocks
-        # its batches come from yeto.data.BatchSampler (directly, or via the shared loop)
-        assert getattr(mlx_island, "BatchSampler", BatchSampler) is BatchSampler
-    a = load_blocks(p, AutoTokenizer.from_pretrained(str(tok_dir)), 16, shard=(1, 2))
-    b = load_blocks(p, AutoTokenizer.from_pretrained(str(tok_dir)), 16, shard=(1, 2))
-    for x, y in ((a.tokens, b.tokens), (a.weights, b.weights), (a.positions, b.positions)):
-        assert x.dtype == y.dtype and np.array_equal(x, y)
-    sa, sb = BatchSampler(a, 3, seed=7), BatchSampler(b, 3, seed=7)
-    for _ in range(5):
-        ba, bb = next(sa), next(sb)
-        assert all(np.array_equal(x, y) for x, y in zip((*ba, ba.positions), (*bb, bb.positions)))
