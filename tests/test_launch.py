@@ -1,4 +1,8 @@
-"""`yeto launch`: real syncer and island processes; Ctrl-C stops with outputs saved."""
+"""`yeto launch`: real syncer and island processes; Ctrl-C stops with outputs saved.
+
+The islands are the ordinary island programs (`python -m yeto.learner`): the launcher
+passes a Ctrl-C on to them as SIGINT, and each one finishes its step, pushes, receives
+the final weights and saves, by its own signal handling."""
 
 import json
 import signal
@@ -57,6 +61,9 @@ def test_ctrl_c_stops_everything_with_outputs_saved(tmp_path, tiny_llama, tiny_t
         assert all(np.array_equal(mine[k], final[k]) for k in final), island
         s = json.loads((out / "islands" / island / "summary.json").read_text())
         assert s["final"] is True and 2 <= s["step"] < 5000
+        # the island program itself took the signal and stopped cleanly (no wrapper)
+        assert "SIGINT: stopping after this step" in \
+            (out / "islands" / island / "log.txt").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] >= 1 and set(summary["islands"]) == {"island-0", "island-1"}
     assert all(v["final"] for v in summary["islands"].values())
@@ -183,3 +190,21 @@ def test_launch_torch_and_mlx_islands(tmp_path, tiny_llama, tiny_task):
         assert all(np.array_equal(mine[k], final[k]) for k in final), island
     merges = [r for r in read_tape(out / "syncer" / "tape.jsonl") if r["event"] == "merge"]
     assert len(merges) == 3
+
+
+def test_islands_are_the_island_programs_themselves(tmp_path):
+    """No wrapper: each island is `python -m yeto.learner` / `python -m yeto.mlx.learner`
+    with the run's flags, so its own signal handling stops it cleanly."""
+    cfg = LaunchConfig(out=tmp_path, backends=["torch", "mlx"], model="m", data="d",
+                       eval_data="e", island_args=["--max-steps", "7"])
+    run = LocalRun(cfg)
+    run.address = "127.0.0.1:1234"
+    torch_cmd = run.island_command(0, "torch", tmp_path / "i0")
+    mlx_cmd = run.island_command(1, "mlx", tmp_path / "i1")
+    assert torch_cmd[:3] == [sys.executable, "-m", "yeto.learner"]
+    assert mlx_cmd[:3] == [sys.executable, "-m", "yeto.mlx.learner"]
+    for i, cmd in enumerate((torch_cmd, mlx_cmd)):
+        flags = dict(zip(cmd[3::1], cmd[4::1]))
+        assert flags["--syncer"] == "127.0.0.1:1234" and flags["--learner-id"] == f"island-{i}"
+        assert flags["--num-learners"] == "2" and flags["--max-steps"] == "7"
+        assert flags["--eval-data"] == "e" and flags["--output"] == str(tmp_path / f"i{i}")

@@ -16,11 +16,11 @@ optional dependency: asking for it without the package installed raises
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+
+from yeto.io import finite_or_none
 
 REPORT_TO = ("jsonl", "tensorboard")
 
@@ -67,18 +67,6 @@ class JsonlFollower:
             if isinstance(rec, dict):
                 out.append(rec)
         return out
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """All complete records of a JSONL file ([] when it does not exist)."""
-    return JsonlFollower(path).read_new()
-
-
-def finite(x: Any) -> float | None:
-    """A finite float, or None (for NaN, inf, None, non-numbers)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x) if math.isfinite(x) else None
 
 
 # ---- writing --------------------------------------------------------------------------
@@ -149,9 +137,9 @@ class MetricsWriter:
         if self._tb is None:
             return
         prefix = self.prefix if prefix is None else prefix
-        step = int(step) if finite(step) is not None else None
+        step = int(step) if finite_or_none(step) is not None else None
         for key, value in record.items():
-            v = finite(value)
+            v = finite_or_none(value)
             if v is None or key in ("step", "time"):
                 continue
             self._tb.add_scalar(f"{prefix}/{key}" if prefix else key, v, global_step=step,
@@ -175,11 +163,11 @@ def tape_scalars(record: dict) -> dict[str, dict[str, float]]:
         return {}
     out = {"syncer": {k: record[k] for k in ("bytes_in", "bytes_out", "merge_seconds",
                                               "round_seconds", "islands_live")
-                      if finite(record.get(k)) is not None}}
+                      if finite_or_none(record.get(k)) is not None}}
     for r in record.get("responders", []):
         out[str(r.get("learner"))] = {
             k: r[k] for k in ("train_loss", "eval_loss", "tokens", "share", "staleness")
-            if finite(r.get(k)) is not None}
+            if finite_or_none(r.get(k)) is not None}
     return out
 
 

@@ -22,8 +22,6 @@ from pathlib import Path
 
 log = logging.getLogger("yeto.cli.demo")
 
-ISLAND_MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -55,7 +53,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(message)s")
     from yeto.cli.fixtures import make_task, make_tiny_model
-    from yeto.cli.launch import Display, LaunchConfig, LaunchError, run_local
+    from yeto.cli.launch import ISLAND_MODULES, Display, LaunchConfig, LaunchError, run_local
+    from yeto.io import atomic_write
 
     t0 = time.monotonic()
     out = args.out.resolve()
@@ -96,16 +95,10 @@ def main(argv=None) -> int:
         print(f"error: the syncer wrote no final adapter; see {out}/syncer/log.txt")
         return 1
     summary["seconds"] = round(time.monotonic() - t0, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2))
     print(f"\nheld-out loss: {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f}"
           f"  ({summary['rounds']} rounds, {summary['bytes_up'] / 1e6:.2f} MB up, "
           f"{summary['bytes_down'] / 1e6:.2f} MB down, {summary['seconds']:.0f} s)")
     print(f"final adapter: {out / 'adapter'}  (load with peft.PeftModel.from_pretrained)")
     return 130 if code == 130 else 0
 
-
-def summarize(out: Path, seconds: float) -> dict:
-    """The demo's summary.json (kept here for callers; see `yeto.cli.launch.summarize`)."""
-    from yeto.cli.launch import summarize as _summarize
-
-    return _summarize(out, seconds)

@@ -35,12 +35,14 @@ import sysconfig
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
 from yeto.data import BatchSampler, encode_row, pack_blocks
+from yeto.io import atomic_save, atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -190,9 +192,7 @@ def task_rows(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], lis
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def make_task(
@@ -393,9 +393,7 @@ def make_tiny_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in sorted(cached.iterdir()):
-        tmp_file = out_dir / f".{src.name}.{uuid.uuid4().hex[:8]}.tmp"
-        shutil.copyfile(src, tmp_file)
-        os.replace(tmp_file, out_dir / src.name)
+        atomic_save(out_dir / src.name, partial(shutil.copyfile, src))
     return out_dir
 
 

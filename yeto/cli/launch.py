@@ -24,14 +24,15 @@ final weights, the syncer finishes the run and writes ``final/``, and every
 island saves its adapter. A second Ctrl-C stops at once (no outputs saved by
 islands still running); the launcher escalates by itself after --stop-timeout.
 
-Islands run through a small wrapper (``python -m yeto.cli.launch island MODULE ...``)
-that turns SIGINT/SIGTERM into "stop after this step, then finish and save".
+Islands are the ordinary island programs (``python -m yeto.learner``,
+``python -m yeto.mlx.learner``), which stop this way on their own: the first
+SIGINT/SIGTERM ends training after the current step, then the island pushes its
+last work, waits for the final weights and saves; a second one stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
@@ -41,13 +42,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from yeto.cli.status import human_bytes, human_seconds, table
-from yeto.metrics import JsonlFollower, MetricsError, check_report_to, finite, tape_scalars
+from rich.console import Group
+from rich.text import Text
+
+from syncer.spawn import SyncerProcess, SyncerStartError, start_syncer
+from yeto.cli.display import Screen, human_bytes, human_seconds, table, to_text
+from yeto.io import atomic_write, finite_or_none
+from yeto.metrics import JsonlFollower, MetricsError, check_report_to, tape_scalars
+from yeto.signals import GracefulStop
 
 log = logging.getLogger("yeto.cli.launch")
 
@@ -67,48 +74,11 @@ SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
     "fragments": ("--fragments", int, None, "cut the weights into P fragments synced in turn"),
     "quorum": ("--quorum", int, None, "pushes that commit a round (default: every island)"),
 }
-
-
-# ---- the island wrapper --------------------------------------------------------------
-def island_entry(argv: list[str]) -> int:
-    """``python -m yeto.cli.launch island MODULE ARGS``: run an island's ``main(ARGS)`` so
-    that SIGINT/SIGTERM end training at the next step boundary; the island then
-    finishes (last push, final weights) and saves its outputs as after its last step.
-    A second signal interrupts at once."""
-    if not argv or argv[0] not in ISLAND_MODULES.values():
-        print(f"usage: python -m yeto.cli.launch island {{{','.join(ISLAND_MODULES.values())}}} "
-              "ARGS", file=sys.stderr)
-        return 2
-    module, args = argv[0], argv[1:]
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        logging.getLogger("yeto.cli.launch").warning(
-            "%s: stopping after this step; the island finishes and saves its outputs "
-            "(again to stop at once)", signal.Signals(signum).name)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    from yeto.island import Island
-
-    after_step = Island.after_step
-
-    def stopping_after_step(self, *a, **kw):
-        return after_step(self, *a, **kw) or stop.is_set()
-
-    Island.after_step = stopping_after_step
-    try:
-        return importlib.import_module(module).main(args) or 0
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        # outputs are saved: a signal during interpreter shutdown (which restores the
-        # default handlers) must not turn a clean exit into "killed by SIGINT"
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# exit codes of an island stopped by the launcher's signals: 130 (it caught the
+# interrupt), or killed by SIGINT (an interrupt it did not catch), SIGTERM, SIGKILL
+STOPPED_CODES = (130, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
+STATUS_EVERY_S = 1.0   # the syncer's Status, for the display
+TICK_S = 0.25          # how often the launcher looks at its processes and files
 
 
 # ---- one local run -------------------------------------------------------------------
@@ -166,6 +136,10 @@ class LaunchConfig:
     status_every_s: float = 30.0        # plain display: a table this often
 
 
+class LaunchError(RuntimeError):
+    """The run could not start (the message says why and what to do)."""
+
+
 class LocalRun:
     """A syncer and islands as child processes of this one (each in its own session,
     so a terminal's Ctrl-C reaches only the launcher, which then stops them in order)."""
@@ -175,7 +149,7 @@ class LocalRun:
         self.out = cfg.out.resolve()
         self.syncer_dir = self.out / "syncer"
         self.islands: list[IslandProc] = []
-        self.syncer: subprocess.Popen | None = None
+        self.syncer: SyncerProcess | None = None
         self.address = ""
         self.dashboard_url: str | None = None
         self.status: dict = {}
@@ -194,6 +168,7 @@ class LocalRun:
 
     # ---- start ------------------------------------------------------------------
     def prepare(self) -> None:
+        """Refuse (or, with overwrite, clear) an earlier run's outputs in --out."""
         for sub in ("syncer", "islands", "adapter", "tensorboard"):
             p = self.out / sub
             if p.is_dir() and any(p.iterdir()):
@@ -203,129 +178,121 @@ class LocalRun:
                 shutil.rmtree(p, ignore_errors=True)
         (self.out / "summary.json").unlink(missing_ok=True)
         self.syncer_dir.mkdir(parents=True, exist_ok=True)
+        self._tensorboard("syncer")
+
+    def _tensorboard(self, name: str) -> None:
         if self.cfg.report_to:
             from yeto.metrics import MetricsWriter
 
-            self._tb["syncer"] = MetricsWriter(None, self.cfg.report_to,
-                                               tb_dir=self.out / "tensorboard" / "syncer")
+            self._tb[name] = MetricsWriter(None, self.cfg.report_to,
+                                           tb_dir=self.out / "tensorboard" / name)
 
     def start_syncer(self, timeout: float = 60.0) -> str:
-        port_file = self.syncer_dir / "port"
-        dash_file = self.syncer_dir / "dashboard_port"
+        """Start the syncer (its own session, log in syncer/log.txt); returns its address."""
         quorum = self.cfg.quorum or len(self.cfg.backends)
-        cmd = [sys.executable, "-m", "syncer", "--host", self.cfg.host,
-               "--port", str(self.cfg.port), "--port-file", str(port_file),
-               "--quorum", str(quorum), "--state-dir", str(self.syncer_dir),
-               *self.cfg.syncer_args]
-        if self.cfg.dashboard_port is not None:
-            cmd += ["--dashboard-port", str(self.cfg.dashboard_port),
-                    "--dashboard-port-file", str(dash_file)]
-        logf = open(self.syncer_dir / "log.txt", "w")
-        self._logs.append(logf)
-        self.syncer = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
-                                       start_new_session=True)
-        t0 = time.monotonic()
-        while not port_file.exists():
-            if self.syncer.poll() is not None:
-                raise LaunchError(f"the syncer exited with code {self.syncer.returncode}:\n"
-                                  + tail(self.syncer_dir / "log.txt"))
-            if time.monotonic() - t0 > timeout:
-                raise LaunchError(f"the syncer did not listen within {timeout:.0f} s; see "
-                                  f"{self.syncer_dir / 'log.txt'}")
-            time.sleep(0.05)
-        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else (
-            "::1" if self.cfg.host == "::" else self.cfg.host)
-        port = int(port_file.read_text())
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if dash_file.exists():
-            self.dashboard_url = f"http://{'127.0.0.1'}:{int(dash_file.read_text())}/"
+        try:
+            self.syncer = start_syncer(
+                ["--quorum", str(quorum), "--state-dir", str(self.syncer_dir),
+                 *self.cfg.syncer_args],
+                host=self.cfg.host, port=self.cfg.port, port_file=self.syncer_dir / "port",
+                dashboard_port=self.cfg.dashboard_port, env=self.env,
+                log=self.syncer_dir / "log.txt", timeout_s=timeout, new_session=True)
+        except (SyncerStartError, ValueError) as e:
+            raise LaunchError(f"{e}\n(the syncer's log: {self.syncer_dir / 'log.txt'})") \
+                from None
+        self.address, self.dashboard_url = self.syncer.address, self.syncer.dashboard_url
         return self.address
 
-    def start_islands(self) -> None:
+    def island_command(self, index: int, backend: str, out_dir: Path) -> list[str]:
+        """The island program (``python -m yeto.learner`` / ``yeto.mlx.learner``) and its
+        flags: the run's model and data, this island's id and output, the shared flags."""
         n = len(self.cfg.backends)
-        threads = max(1, (os.cpu_count() or 1) // n)
+        extra = list(self.cfg.backend_args.get(backend, []))
+        if backend == "torch" and "--threads" not in self.cfg.island_args + extra:
+            extra += ["--threads", str(max(1, (os.cpu_count() or 1) // n))]
+        return [sys.executable, "-m", ISLAND_MODULES[backend],
+                "--model", str(self.cfg.model), "--data", str(self.cfg.data),
+                *(["--eval-data", str(self.cfg.eval_data)] if self.cfg.eval_data else []),
+                "--syncer", self.address, "--learner-id", f"island-{index}",
+                "--num-learners", str(n), "--output", str(out_dir), "--no-progress",
+                *self.cfg.island_args, *extra]
+
+    def start_islands(self) -> None:
         for i, backend in enumerate(self.cfg.backends):
             iid = f"island-{i}"
             d = self.out / "islands" / iid
             d.mkdir(parents=True, exist_ok=True)
-            extra = list(self.cfg.backend_args.get(backend, []))
-            if backend == "torch" and "--threads" not in self.cfg.island_args + extra:
-                extra += ["--threads", str(threads)]
-            args = ["--model", str(self.cfg.model), "--data", str(self.cfg.data),
-                    *(["--eval-data", str(self.cfg.eval_data)] if self.cfg.eval_data else []),
-                    "--syncer", self.address, "--learner-id", iid, "--num-learners", str(n),
-                    "--output", str(d), "--no-progress", *self.cfg.island_args, *extra]
-            cmd = [sys.executable, "-m", "yeto.cli.launch", "island", ISLAND_MODULES[backend], *args]
-            isl = IslandProc(iid, backend, d, cmd, metrics=JsonlFollower(d / "metrics.jsonl"))
-            logf = open(d / "log.txt", "w")
+            isl = IslandProc(iid, backend, d, self.island_command(i, backend, d),
+                             metrics=JsonlFollower(d / "metrics.jsonl"))
+            logf = open(d / "log.txt", "w")  # noqa: SIM115 - closed by close()
             self._logs.append(logf)
-            isl.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
-                                        start_new_session=True)
+            isl.proc = subprocess.Popen(isl.cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                        env=self.env, start_new_session=True)
             self.islands.append(isl)
-            if self.cfg.report_to:
-                from yeto.metrics import MetricsWriter
-
-                self._tb[iid] = MetricsWriter(None, self.cfg.report_to,
-                                              tb_dir=self.out / "tensorboard" / iid)
+            self._tensorboard(iid)
 
     # ---- follow -----------------------------------------------------------------
     def poll(self, with_status: bool = True) -> tuple[list[dict], list[IslandProc]]:
         """Read what is new; returns (new merge/rejection records, islands that just exited)."""
-        now = time.monotonic()
-        exited = []
-        for isl in self.islands:
-            for rec in isl.metrics.read_new():
-                self._island_record(isl, rec, now)
-            if isl.code is None and isl.proc.poll() is not None:
-                isl.code = isl.proc.returncode
-                for rec in isl.metrics.read_new():
-                    self._island_record(isl, rec, now)
-                exited.append(isl)
+        exited = self._read_islands()
         new = self.tape.read_new()
         for rec in new:
             if rec.get("event") == "merge":
-                self.merges.append(rec)
-                by_id = {i.id: i for i in self.islands}
-                for r in rec.get("responders", []):
-                    isl = by_id.get(r.get("learner"))
-                    if isl is None:
-                        continue
-                    isl.pushes += 1
-                    # with --fragments P each fragment's pushes carry the tokens since
-                    # that fragment's last push: one fragment's pushes count each once
-                    if not rec.get("fragment"):
-                        isl.loss_tokens += int(r.get("tokens") or 0)
-                        isl.t_tokens = finite(rec.get("time")) or time.time()
-                for prefix, scalars in tape_scalars(rec).items():
-                    w = self._tb.get("syncer")
-                    if w is not None:
-                        w.scalars(scalars, rec.get("round"), prefix=prefix)
+                self._merge_record(rec)
             elif rec.get("event") == "rejected":
                 self.rejected += 1
         if with_status and self.address and self.syncer and self.syncer.poll() is None:
-            self._poll_status(now)
+            self._poll_status()
         return new, exited
 
-    def _island_record(self, isl: IslandProc, rec: dict, now: float) -> None:
+    def _read_islands(self) -> list[IslandProc]:
+        exited = []
+        for isl in self.islands:
+            for rec in isl.metrics.read_new():
+                self._island_record(isl, rec)
+            if isl.code is None and isl.proc.poll() is not None:
+                isl.code = isl.proc.returncode
+                for rec in isl.metrics.read_new():
+                    self._island_record(isl, rec)
+                exited.append(isl)
+        return exited
+
+    def _merge_record(self, rec: dict) -> None:
+        self.merges.append(rec)
+        by_id = {i.id: i for i in self.islands}
+        for r in rec.get("responders", []):
+            isl = by_id.get(r.get("learner"))
+            if isl is None:
+                continue
+            isl.pushes += 1
+            # with --fragments P each fragment's pushes carry the tokens since that
+            # fragment's last push: one fragment's pushes count each once
+            if not rec.get("fragment"):
+                isl.loss_tokens += int(r.get("tokens") or 0)
+                isl.t_tokens = finite_or_none(rec.get("time")) or time.time()
+        w = self._tb.get("syncer")
+        if w is not None:
+            for prefix, scalars in tape_scalars(rec).items():
+                w.scalars(scalars, rec.get("round"), prefix=prefix)
+
+    def _island_record(self, isl: IslandProc, rec: dict) -> None:
         if "eval_loss_before" in rec:  # the summary record written at the end
             isl.done = rec
         if rec.get("step") == 0 and isl.t_first is None:
-            isl.t_first = finite(rec.get("time")) or time.time()
-            isl.eval_before = finite(rec.get("eval_loss"))
+            isl.t_first = finite_or_none(rec.get("time")) or time.time()
+            isl.eval_before = finite_or_none(rec.get("eval_loss"))
         if isinstance(rec.get("step"), int):
             isl.step = max(isl.step, rec["step"])
-        for k in ("train_loss", "eval_loss"):
-            if finite(rec.get(k)) is not None:
-                setattr(isl, k, finite(rec[k]))
+        for k in ("train_loss", "eval_loss", "tokens_per_s"):
+            if finite_or_none(rec.get(k)) is not None:
+                setattr(isl, k, finite_or_none(rec[k]))
         if isinstance(rec.get("version"), int):
             isl.version = rec["version"]
-        if finite(rec.get("tokens_per_s")) is not None:
-            isl.tokens_per_s = finite(rec["tokens_per_s"])
         w = self._tb.get(isl.id)
         if w is not None and isinstance(rec.get("step"), int) and "eval_loss_before" not in rec:
             w.scalars({k: v for k, v in rec.items() if k in ISLAND_SCALARS}, rec["step"])
 
-    def _poll_status(self, now: float) -> None:
+    def _poll_status(self) -> None:
         from yeto.cli.status import fetch
 
         try:
@@ -335,10 +302,8 @@ class LocalRun:
         by_id = {i["learner_id"]: i for i in self.status.get("islands", [])}
         for isl in self.islands:
             s = by_id.get(isl.id)
-            if s is None:
-                continue
-            isl.syncer_state = s["state"]
-            isl.last_contact_s = s.get("last_contact_s")
+            if s is not None:
+                isl.syncer_state, isl.last_contact_s = s["state"], s.get("last_contact_s")
 
     def rate(self, isl: IslandProc) -> float | None:
         """Loss tokens per second: the island's own figure when its metrics carry one,
@@ -353,15 +318,19 @@ class LocalRun:
     def running(self) -> list[IslandProc]:
         return [i for i in self.islands if i.code is None]
 
+    def stopped_by_signal(self) -> bool:
+        return bool(self.stopping and self.stopping.startswith("signal"))
+
     # ---- stop -------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
-        """First call: SIGINT to the islands (finish and save). Second: stop at once."""
+        """First call: SIGINT to the islands (finish and save). Second: stop at once
+        (SIGTERM: an island's second signal)."""
         if self.stopping is None:
             self.stopping, self.stop_started = reason, time.monotonic()
             self._signal_islands(signal.SIGINT)
         elif not self.hard_stop:
             self.hard_stop = True
-            self._signal_islands(signal.SIGTERM)  # the wrapper: a second signal interrupts
+            self._signal_islands(signal.SIGTERM)
 
     def _signal_islands(self, sig) -> None:
         for isl in self.running():
@@ -382,29 +351,23 @@ class LocalRun:
     def stop_syncer(self, wait_s: float = 60.0) -> int | None:
         """The syncer exits by itself once the run finished and the final weights went
         out; otherwise it gets SIGTERM (it saves state every round) after ``wait_s``."""
-        if self.syncer is None:
-            return None
-        try:
-            return self.syncer.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            _send(self.syncer, signal.SIGTERM)
-            try:
-                return self.syncer.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                _send(self.syncer, signal.SIGKILL)
-                return self.syncer.wait()
+        return self.syncer.stop(grace_s=wait_s) if self.syncer is not None else None
 
     def kill_all(self) -> None:
-        for p in [i.proc for i in self.islands] + [self.syncer]:
-            if p is not None and p.poll() is None:
-                _send(p, signal.SIGKILL)
-                p.wait()
+        for isl in self.islands:
+            if isl.proc is not None and isl.proc.poll() is None:
+                _send(isl.proc, signal.SIGKILL)
+                isl.proc.wait()
+        if self.syncer is not None:
+            self.syncer.kill()
 
     def close(self) -> None:
         for f in self._logs:
             f.close()
         for w in self._tb.values():
             w.close()
+        if self.syncer is not None:
+            self.syncer.close()
 
     # ---- outputs ----------------------------------------------------------------
     def collect(self, seconds: float) -> dict | None:
@@ -417,12 +380,8 @@ class LocalRun:
             summary = summarize(self.out, seconds)
         except (OSError, ValueError, StopIteration):
             return None
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
         return summary
-
-
-class LaunchError(RuntimeError):
-    """The run could not start (the message says why and what to do)."""
 
 
 def _send(proc: subprocess.Popen, sig) -> None:
@@ -453,41 +412,58 @@ def summarize(out: Path, seconds: float) -> dict:
         if (d / "summary.json").is_file():
             islands[d.name] = json.loads((d / "summary.json").read_text())
     first = next(iter(islands.values()), {})
-    return dict(eval_loss_before=finite(first.get("eval_loss_before")),
-                eval_loss_after=finite(first.get("eval_loss")),
+    return dict(eval_loss_before=finite_or_none(first.get("eval_loss_before")),
+                eval_loss_after=finite_or_none(first.get("eval_loss")),
                 rounds=len(merges), bytes_up=sum(r["bytes_in"] for r in merges),
                 bytes_down=sum(r["bytes_out"] for r in merges), seconds=round(seconds, 1),
-                islands={k: dict(eval_loss=finite(v.get("eval_loss")),
+                islands={k: dict(eval_loss=finite_or_none(v.get("eval_loss")),
                                  loss_tokens=v.get("loss_tokens"),
                                  final=v.get("final")) for k, v in islands.items()})
 
 
 # ---- display ---------------------------------------------------------------------------
+ISLAND_COLUMNS = ["island", "backend", "step", "train loss", "held-out", "loss tok/s", "round",
+                  "pushes", "state"]
+
+
 def _loss(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
 
 
-def render_table(run: LocalRun) -> str:
-    steps = run.cfg.max_steps
-    elapsed = human_seconds(time.monotonic() - run.t0)
+def run_state(run: LocalRun) -> str:
+    if run.stopping and run.running():
+        return "stopping: " + run.stopping
+    if run.status.get("finished") or (run.syncer and run.syncer.poll() == 0):
+        return "finished"
+    return "training" if run.merges or run.status.get("version") else "starting"
+
+
+def headline(run: LocalRun) -> str:
     m = run.merges
-    state = ("stopping: " + run.stopping if run.stopping and run.running() else
-             "finished" if run.status.get("finished") or (run.syncer and run.syncer.poll() == 0)
-             else "training" if m or run.status.get("version") else "starting")
-    head = (f"syncer {run.address}  {state}  round {m[-1]['round'] if m else 0}  merges "
-            f"{len(m)}  up {human_bytes(sum(r.get('bytes_in', 0) for r in m))}  down "
+    return (f"syncer {run.address}  {run_state(run)}  round {m[-1]['round'] if m else 0}  "
+            f"merges {len(m)}  up {human_bytes(sum(r.get('bytes_in', 0) for r in m))}  down "
             f"{human_bytes(sum(r.get('bytes_out', 0) for r in m))}  rejected {run.rejected}  "
-            f"{elapsed}")
-    rows = []
-    for isl in run.islands:
-        rate = run.rate(isl)
-        rows.append([isl.id, isl.backend, f"{isl.step}/{steps}" if steps else str(isl.step),
-                     _loss(isl.train_loss), _loss(isl.eval_loss),
-                     "-" if rate is None else f"{rate:,.0f}",
-                     "-" if isl.version is None or isl.version < 0 else str(isl.version),
-                     str(isl.pushes), isl.state])
-    return head + "\n" + table(rows, ["island", "backend", "step", "train loss", "held-out",
-                                      "loss tok/s", "round", "pushes", "state"])
+            f"{human_seconds(time.monotonic() - run.t0)}")
+
+
+def island_row(run: LocalRun, isl: IslandProc) -> list[str]:
+    steps, rate = run.cfg.max_steps, run.rate(isl)
+    return [isl.id, isl.backend, f"{isl.step}/{steps}" if steps else str(isl.step),
+            _loss(isl.train_loss), _loss(isl.eval_loss),
+            "-" if rate is None else f"{rate:,.0f}",
+            "-" if isl.version is None or isl.version < 0 else str(isl.version),
+            str(isl.pushes), isl.state]
+
+
+def view(run: LocalRun) -> Group:
+    """The run at a glance: a headline and a row per island."""
+    return Group(Text(headline(run)),
+                 table(ISLAND_COLUMNS, [island_row(run, isl) for isl in run.islands]))
+
+
+def render_table(run: LocalRun) -> str:
+    """`view` as plain text."""
+    return to_text(view(run))
 
 
 def merge_line(r: dict) -> str:
@@ -497,58 +473,42 @@ def merge_line(r: dict) -> str:
     return f"round {r['round']:3d}: " + ", ".join(parts)
 
 
+def event_lines(new: list[dict], exited: list[IslandProc]) -> list[str]:
+    """A line per merged round, refused message and exited island."""
+    lines = [merge_line(r) for r in new if r.get("event") == "merge"]
+    lines += [f"rejected: {r.get('learner')} {r.get('kind')}: {r.get('detail')}"
+              for r in new if r.get("event") == "rejected"]
+    lines += [f"{isl.id} exited with code {isl.code}" if isl.code else
+              f"{isl.id} done at step {isl.step}" for isl in exited]
+    return lines
+
+
 class Display:
-    """live: a table redrawn in place (a terminal); plain: a line per merged round and
-    per island that exits, and the table every `status_every_s`; none: quiet."""
+    """live: the run's view redrawn in place (a terminal), event lines above it; plain:
+    a line per merged round and per island that exits, and the view every
+    `status_every_s`; none: quiet."""
 
     def __init__(self, mode: str, stream=None, status_every_s: float = 30.0):
-        self.stream = stream or sys.stdout
-        if mode == "auto":
-            mode = "live" if self.stream.isatty() and os.environ.get("TERM") != "dumb" else "plain"
-        self.mode = mode
+        self.screen = Screen(mode, stream)
+        self.mode = self.screen.mode
         self.status_every_s = status_every_s
-        self._drawn = 0
-        self._last_table = time.monotonic()
+        self._last_view = time.monotonic()
 
     def say(self, text: str) -> None:
-        if self.mode == "none":
-            return
-        self._erase()
-        print(text, file=self.stream, flush=True)
+        self.screen.say(text)
 
     def update(self, run: LocalRun, new: list[dict], exited: list[IslandProc]) -> None:
         if self.mode == "none":
             return
-        lines = [merge_line(r) for r in new if r.get("event") == "merge"]
-        lines += [f"rejected: {r.get('learner')} {r.get('kind')}: {r.get('detail')}"
-                  for r in new if r.get("event") == "rejected"]
-        for isl in exited:
-            lines.append(f"{isl.id} exited with code {isl.code}" if isl.code else
-                         f"{isl.id} done at step {isl.step}")
-        if self.mode == "live":
-            self._erase()
-            for line in lines:
-                print(line, file=self.stream)
-            text = render_table(run)
-            print(text, file=self.stream, flush=True)
-            self._drawn = text.count("\n") + 1
-            return
-        for line in lines:
-            print(line, file=self.stream, flush=True)
-        if time.monotonic() - self._last_table >= self.status_every_s:
-            self._last_table = time.monotonic()
-            print(render_table(run), file=self.stream, flush=True)
+        for line in event_lines(new, exited):
+            self.screen.say(line)
+        if self.mode == "live" or time.monotonic() - self._last_view >= self.status_every_s:
+            self._last_view = time.monotonic()
+            self.screen.show(view(run))
 
-    def _erase(self) -> None:
-        if self.mode == "live" and self._drawn:
-            self.stream.write(f"\x1b[{self._drawn}F\x1b[J")
-            self._drawn = 0
-
-    def final(self, run: LocalRun) -> None:
-        if self.mode == "none":
-            return
-        self._erase()
-        print(render_table(run), file=self.stream, flush=True)
+    def final(self, run: LocalRun | None) -> None:
+        """The last view (and the end of a live region)."""
+        self.screen.close(view(run) if run is not None and self.mode != "none" else None)
 
 
 # ---- the whole run ---------------------------------------------------------------------
@@ -560,79 +520,87 @@ def run_local(cfg: LaunchConfig, display: Display | None = None,
     display = display or Display(cfg.display, status_every_s=cfg.status_every_s)
     run = LocalRun(cfg)
     run.prepare()
-    handlers = _install_signal_handlers(run)
     t0 = time.monotonic()
-    code = 0
+    on_signal = partial(_on_signal, run)
     try:
-        run.start_syncer()
-        display.say(f"syncer on {run.address}" + (f", dashboard {run.dashboard_url}"
-                                                  if run.dashboard_url else "")
-                    + f"; starting {len(cfg.backends)} islands ({', '.join(cfg.backends)})")
-        run.start_islands()
-        if on_started is not None:
-            on_started(run)
-        last_status = 0.0
-        while run.running():
-            now = time.monotonic()
-            with_status = now - last_status >= 1.0
-            if with_status:
-                last_status = now
-            new, exited = run.poll(with_status=with_status)
-            display.update(run, new, exited)
-            failed = [i for i in exited if i.code not in (0, None)]
-            for isl in failed:
-                display.say(f"error: {isl.id} exited with code {isl.code}; the end of "
-                            f"{isl.dir / 'log.txt'}:\n{tail(isl.dir / 'log.txt')}")
-            if failed and not cfg.keep_going and run.stopping is None and run.running():
-                display.say("stopping the other islands (--keep-going keeps them training)")
-                run.request_stop(f"{failed[0].id} failed")
-            if run.syncer.poll() not in (None, 0) and run.stopping is None:
-                # (code 0: the run finished and the final weights went out; the islands
-                # are saving their outputs and exit by themselves)
-                display.say(f"error: the syncer exited with code {run.syncer.returncode}:\n"
-                            + tail(run.syncer_dir / "log.txt"))
-                run.request_stop("the syncer failed")
-            run.escalate()
-            time.sleep(0.25)
-        by_signal = bool(run.stopping and run.stopping.startswith("signal"))
-        interrupted = (130, -signal.SIGTERM, -signal.SIGKILL) if by_signal else ()
-        failed = [i for i in run.islands if i.code != 0 and i.code not in interrupted]
-        run.stop_syncer(wait_s=1.0 if failed else 60.0)
-        new, exited = run.poll(with_status=False)
-        display.update(run, new, exited)
-        code = 1 if failed else 130 if by_signal else 0
+        with GracefulStop(on_first=on_signal, on_second=on_signal):
+            _start(run, display, on_started)
+            _follow(run, display)
+            code = _finish(run, display)
     except BaseException:
         run.kill_all()
+        display.final(None)
         raise
     finally:
-        _restore_signal_handlers(handlers)
         run.close()
     summary = run.collect(time.monotonic() - t0)
     display.final(run)
     return code, run, summary
 
 
-def _install_signal_handlers(run: LocalRun):
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def on_signal(signum, frame):
-        name = signal.Signals(signum).name
-        run.request_stop(f"signal {name}")
-        print(f"\n{name}: stopping the islands; they finish their step, push, and save "
-              f"(again to stop at once)" if not run.hard_stop else
-              f"\n{name}: stopping at once", file=sys.stderr, flush=True)
-
-    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    for s in old:
-        signal.signal(s, on_signal)
-    return old
+def _on_signal(run: LocalRun, name: str) -> None:
+    """SIGINT/SIGTERM to the launcher: the first stops the islands cleanly, the second
+    at once."""
+    run.request_stop(f"signal {name}")
+    print(f"\n{name}: stopping at once" if run.hard_stop else
+          f"\n{name}: stopping the islands; they finish their step, push, and save "
+          "(again to stop at once)", file=sys.stderr, flush=True)
 
 
-def _restore_signal_handlers(old) -> None:
-    if old:
-        for s, h in old.items():
-            signal.signal(s, h)
+def _start(run: LocalRun, display: Display, on_started) -> None:
+    run.start_syncer()
+    display.say(f"syncer on {run.address}"
+                + (f", dashboard {run.dashboard_url}" if run.dashboard_url else "")
+                + f"; starting {len(run.cfg.backends)} islands ({', '.join(run.cfg.backends)})")
+    run.start_islands()
+    if on_started is not None:
+        on_started(run)
+
+
+def _follow(run: LocalRun, display: Display) -> None:
+    """Until every island exited: read metrics and the tape, show them, react to
+    failures, escalate a stop that takes too long."""
+    last_status = 0.0
+    while run.running():
+        now = time.monotonic()
+        with_status = now - last_status >= STATUS_EVERY_S
+        if with_status:
+            last_status = now
+        new, exited = run.poll(with_status=with_status)
+        display.update(run, new, exited)
+        _on_failures(run, display, exited)
+        run.escalate()
+        time.sleep(TICK_S)
+
+
+def _on_failures(run: LocalRun, display: Display, exited: list[IslandProc]) -> None:
+    """A failed island stops the others (unless --keep-going); a failed syncer stops all."""
+    failed = [i for i in exited if i.code not in (0, None)
+              and not (run.stopped_by_signal() and i.code in STOPPED_CODES)]
+    for isl in failed:
+        display.say(f"error: {isl.id} exited with code {isl.code}; the end of "
+                    f"{isl.dir / 'log.txt'}:\n{tail(isl.dir / 'log.txt')}")
+    if failed and not run.cfg.keep_going and run.stopping is None and run.running():
+        display.say("stopping the other islands (--keep-going keeps them training)")
+        run.request_stop(f"{failed[0].id} failed")
+    if run.syncer.poll() not in (None, 0) and run.stopping is None:
+        # (code 0: the run finished and the final weights went out; the islands are
+        # saving their outputs and exit by themselves)
+        display.say(f"error: the syncer exited with code {run.syncer.returncode}:\n"
+                    + tail(run.syncer_dir / "log.txt"))
+        run.request_stop("the syncer failed")
+
+
+def _finish(run: LocalRun, display: Display) -> int:
+    """Every island exited: let the syncer end, read the last records, and say how the
+    run ended (0 finished, 130 stopped by a signal, 1 failed)."""
+    by_signal = run.stopped_by_signal()
+    stopped = STOPPED_CODES if by_signal else ()
+    failed = [i for i in run.islands if i.code != 0 and i.code not in stopped]
+    run.stop_syncer(wait_s=1.0 if failed else 60.0)
+    new, exited = run.poll(with_status=False)
+    display.update(run, new, exited)
+    return 1 if failed else 130 if by_signal else 0
 
 
 # ---- CLI -------------------------------------------------------------------------------
@@ -776,6 +744,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "island":
-        sys.exit(island_entry(sys.argv[2:]))
     sys.exit(main())

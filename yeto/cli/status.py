@@ -17,6 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from rich.console import Group
+from rich.text import Text
+
+from yeto.cli.display import Screen, human_bytes, human_seconds, show, table, to_text
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -54,86 +59,80 @@ def normalize(s: dict) -> dict:
     return out
 
 
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"  # pragma: no cover
-
-
-def human_seconds(s: float | None) -> str:
-    if s is None or s < 0:
-        return "-"
-    if s < 60:
-        return f"{s:.1f}s" if s < 10 else f"{s:.0f}s"
-    if s < 3600:
-        return f"{int(s // 60)}m{int(s % 60):02d}s"
-    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def render(s: dict, address: str = "") -> str:
+def view(s: dict, address: str = "") -> Group:
+    """The status at a glance: the run's headline and a row per island."""
     state = "finished" if s.get("finished") else (
         "training" if s.get("round", 0) and any(i["state"] == "training" for i in s["islands"])
         else "waiting for islands")
-    head = (f"syncer {address}  run {s.get('run_id', '?')}  {state}\n"
-            f"round {s.get('round', 0)}  version {s.get('version', 0)}  quorum "
-            f"{s.get('quorum', 0)}  last merge {human_seconds(s.get('last_merge_s'))} ago  "
-            f"bytes in {human_bytes(s.get('bytes_in'))}  out {human_bytes(s.get('bytes_out'))}")
+    head = Text(f"syncer {address}  run {s.get('run_id', '?')}  {state}\n"
+                f"round {s.get('round', 0)}  version {s.get('version', 0)}  quorum "
+                f"{s.get('quorum', 0)}  last merge {human_seconds(s.get('last_merge_s'))} ago  "
+                f"bytes in {human_bytes(s.get('bytes_in'))}  out "
+                f"{human_bytes(s.get('bytes_out'))}")
     if not s["islands"]:
-        return head + "\nno islands have joined yet"
+        return Group(head, Text("no islands have joined yet"))
     rows = [[i["learner_id"], i.get("backend", "?"), i["state"],
              human_seconds(i.get("last_contact_s")) + " ago", str(i.get("pushes", 0)),
              str(i.get("loss_tokens", 0))]
             for i in sorted(s["islands"], key=lambda i: i["learner_id"])]
-    return head + "\n\n" + table(rows, ["island", "backend", "state", "last contact", "pushes",
-                                        "loss tokens"])
+    return Group(head, Text(""), table(["island", "backend", "state", "last contact", "pushes",
+                                        "loss tokens"], rows, right=(4, 5)))
+
+
+def render(s: dict, address: str = "") -> str:
+    """`view` as plain text."""
+    return to_text(view(s, address))
+
+
+def _tls(args):
+    from yeto.client import TLSConfig
+
+    if not (args.tls_ca or args.tls_cert):
+        return None
+    return TLSConfig(ca=args.tls_ca.read_bytes() if args.tls_ca else None,
+                     cert=args.tls_cert.read_bytes() if args.tls_cert else None,
+                     key=args.tls_key.read_bytes() if args.tls_key else None)
+
+
+def _fetch_or_say(args, tls) -> dict | int:
+    """The status, or the exit code after saying what went wrong."""
+    import grpc
+
+    try:
+        return fetch(args.address, args.token, tls, args.timeout)
+    except grpc.RpcError as e:
+        hint = {grpc.StatusCode.UNAUTHENTICATED: " (pass --token or set $YETO_TOKEN)",
+                grpc.StatusCode.UNAVAILABLE: " (is the syncer running? check HOST:PORT)",
+                }.get(e.code(), "")
+        print(f"error: syncer {args.address}: {e.code().name}: {e.details()}{hint}",
+              file=sys.stderr)
+        return 1
+    except ValueError as e:  # a malformed address
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import grpc
-
-    from yeto.client import TLSConfig
-
-    tls = None
-    if args.tls_ca or args.tls_cert:
-        tls = TLSConfig(ca=args.tls_ca.read_bytes() if args.tls_ca else None,
-                        cert=args.tls_cert.read_bytes() if args.tls_cert else None,
-                        key=args.tls_key.read_bytes() if args.tls_key else None)
+    tls = _tls(args)
+    screen = Screen("plain" if args.json or not args.watch else "auto")
     try:
         while True:
-            try:
-                s = fetch(args.address, args.token, tls, args.timeout)
-            except grpc.RpcError as e:
-                hint = {grpc.StatusCode.UNAUTHENTICATED: " (pass --token or set $YETO_TOKEN)",
-                        grpc.StatusCode.UNAVAILABLE: " (is the syncer running? check HOST:PORT)",
-                        }.get(e.code(), "")
-                print(f"error: syncer {args.address}: {e.code().name}: {e.details()}{hint}",
-                      file=sys.stderr)
-                return 1
-            except ValueError as e:  # a malformed address
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+            s = _fetch_or_say(args, tls)
+            if isinstance(s, int):
+                return s
             if args.json:
                 print(json.dumps(s, indent=2, sort_keys=True), flush=True)
+            elif screen.mode == "live":
+                screen.show(view(s, args.address))  # redrawn in place
             else:
-                if args.watch and sys.stdout.isatty():
-                    print("\x1b[2J\x1b[H", end="")
-                print(render(s, args.address), flush=True)
+                show(view(s, args.address))  # styled on a terminal, plain text elsewhere
             if not args.watch:
                 return 0
             time.sleep(args.watch)
-            if not args.json and not sys.stdout.isatty():
+            if screen.mode != "live":
                 print()
     except KeyboardInterrupt:
         return 0
+    finally:
+        screen.close()
