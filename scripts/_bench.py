@@ -1,7 +1,8 @@
 """Shared helpers for the benchmark scripts (scripts/bench_*.py).
 
 Every benchmark measures its baseline in the same run as the thing it measures,
-prints a short table, and ends with one machine-readable line:
+prints a short table (`yeto.cli.display.print_table`), and ends with one
+machine-readable line:
 
     RESULT ratio=<value> key=value ...
 
@@ -64,16 +65,6 @@ def rate(nbytes: float, seconds: float) -> float:
     return nbytes / MIB / seconds if seconds > 0 else math.inf
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-            for r in cells]
-    return "\n".join(out)
-
-
 def result_line(ratio: float, **kv) -> str:
     parts = [f"ratio={_num(ratio)}"] + [f"{k}={_num(v)}" for k, v in kv.items()]
     return "RESULT " + " ".join(parts)
@@ -84,8 +75,3 @@ def _num(v) -> str:
         return f"{v:.4g}"
     return str(v).replace(" ", "_")
 
-
-def _fmt(c) -> str:
-    if isinstance(c, float):
-        return f"{c:,.1f}" if abs(c) >= 100 else f"{c:.3g}"
-    return str(c)

@@ -22,9 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
-from _bench import MIB, interleaved, parser, rate, result_line, table
+from _bench import MIB, interleaved, parser, rate, result_line
 
 from yeto import codec
+from yeto.cli.display import print_table
 
 
 def main(argv=None) -> int:
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
         rows.append([f"{enc} decode_add", td * 1e3, "", "", rate(nbytes, td), t["copy"] / td])
     print(f"codec round trip of {nbytes / MIB:g} MiB f32 ({n:,} parameters), best of {repeat}; "
           "throughput in f32 MiB/s")
-    print(table(["path", "ms", "encode ms", "decode ms", "MiB/s", "vs copy"], rows))
+    headers = ["path", "ms", "encode ms", "decode ms", "MiB/s", "vs copy"]
+    print_table(headers, rows, right=range(1, len(headers)))
     q4 = t["q4.encode"] + t["q4.decode"]
     print(result_line(ratios["q4"], goal=">=0.25", mib=nbytes / MIB,
                       q4_mib_s=rate(nbytes, q4), copy_mib_s=rate(nbytes, t["copy"]),

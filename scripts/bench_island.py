@@ -37,6 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from syncer.spawn import start_syncer  # noqa: E402
+from yeto.cli.display import print_table  # noqa: E402
 from yeto.cli.fixtures import make_task, make_tiny_model  # noqa: E402
 from yeto.client import SyncerClient  # noqa: E402
 from yeto.data import BatchSampler, load_blocks  # noqa: E402
@@ -156,23 +158,14 @@ def alternate_arms(arm, args) -> tuple[float, float, float]:
         tmp = Path(tmp)
         model_dir = make_tiny_model(tmp / "model", "llama")
         train, _ = make_task(tmp / "data")
-        port_file = tmp / "port"
-        syncer = subprocess.Popen([sys.executable, "-m", "syncer", "--port", "0", "--port-file",
-                                   str(port_file), "--quorum", "1", "--log-level", "WARNING"],
-                                  cwd=ROOT)
-        try:
-            while not port_file.exists():
-                time.sleep(0.05)
-            addr = f"127.0.0.1:{port_file.read_text()}"
+        with start_syncer(["--quorum", "1", "--log-level", "WARNING"], cwd=ROOT,
+                          log=tmp / "syncer.log") as syncer:
             bare, isl, waits = [], [], []
             for _ in range(args.repeats):
                 bare.append(arm(model_dir, train, args, None)[0])
-                tps, wait = arm(model_dir, train, args, addr)
+                tps, wait = arm(model_dir, train, args, syncer.address)
                 isl.append(tps)
                 waits.append(wait)
-        finally:
-            syncer.terminate()
-            syncer.wait(timeout=30)
     return sum(bare) / len(bare), sum(isl) / len(isl), sum(waits) / len(waits)
 
 
@@ -180,9 +173,9 @@ def bench_mlx(args) -> int:
     if args.quick:  # MLX on a CPU is slow: fewer steps, and still a few syncs among them
         args.steps, args.sync_every = min(args.steps, 20), min(args.sync_every, 10)
     b, i, w = alternate_arms(mlx_arm, args)
-    print(f"{'arm':<34}{'tokens/s':>12}")
-    print(f"{'bare mlx-lm LoRA loop':<34}{b:>12.0f}")
-    print(f"{'yeto MLX island, sync every ' + str(args.sync_every):<34}{i:>12.0f}")
+    print_table(["arm", "tokens/s"], [["bare mlx-lm LoRA loop", f"{b:.0f}"],
+                                      [f"yeto MLX island, sync every {args.sync_every}",
+                                       f"{i:.0f}"]], right=[1])
     print(f"RESULT ratio={i / b:.4f} wait_share={w:.5f} backend=mlx goal_ratio=>=0.97 "
           f"bare_tok_s={b:.0f} island_tok_s={i:.0f} steps={args.steps}")
     return 0
@@ -210,9 +203,9 @@ def bench_group(args) -> int:
                 rates[n].append(json.loads((out / "summary.json").read_text())["tokens_per_s"])
     one = sum(rates[1]) / len(rates[1])
     many = sum(rates[args.nproc]) / len(rates[args.nproc])
-    print(f"{'island':<28}{'tokens/s':>12}")
-    print(f"{'1 process':<28}{one:>12.0f}")
-    print(f"{f'torchrun, {args.nproc} processes':<28}{many:>12.0f}")
+    print_table(["island", "tokens/s"], [["1 process", f"{one:.0f}"],
+                                         [f"torchrun, {args.nproc} processes", f"{many:.0f}"]],
+                right=[1])
     print(f"RESULT ratio={many / (args.nproc * one):.4f} nproc={args.nproc} "
           f"one_tok_s={one:.0f} group_tok_s={many:.0f} threads_per_process={args.threads} "
           f"steps={args.steps} cores={os.cpu_count()}")
@@ -242,9 +235,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     b, i, w = alternate_arms(run_arm, args)
-    print(f"{'arm':<28}{'tokens/s':>12}")
-    print(f"{'bare peft loop':<28}{b:>12.0f}")
-    print(f"{'island, sync every ' + str(args.sync_every):<28}{i:>12.0f}")
+    print_table(["arm", "tokens/s"], [["bare peft loop", f"{b:.0f}"],
+                                      [f"island, sync every {args.sync_every}", f"{i:.0f}"]],
+                right=[1])
     print(f"network wait: {100 * w:.3f}% of the island's time")
     print(f"RESULT ratio={i / b:.4f} wait_share={w:.5f} goal_ratio=>=0.97 goal_wait=<=0.01 "
           f"bare_tok_s={b:.0f} island_tok_s={i:.0f} steps={args.steps} "

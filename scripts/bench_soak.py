@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
 import tempfile
 import threading
@@ -24,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from syncer.spawn import start_syncer  # noqa: E402
 from yeto import codec  # noqa: E402
 from yeto.client import SyncerClient  # noqa: E402
 from yeto.layout import Layout  # noqa: E402
@@ -50,14 +50,10 @@ def main(argv=None) -> int:
     layout = Layout.from_shapes({"soak.layers.0.lora_A.weight": (args.params,)})
     errors: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        syncer = subprocess.Popen(
-            [sys.executable, "-m", "syncer", "--port", "0", "--port-file", str(port_file),
-             "--quorum", str(args.islands), "--grace-ms", "0", "--state-dir", f"{tmp}/s",
-             "--log-level", "WARNING"], cwd=Path(__file__).resolve().parents[1])
-        while not port_file.exists():
-            time.sleep(0.05)
-        addr = f"127.0.0.1:{port_file.read_text()}"
+        syncer = start_syncer(["--quorum", str(args.islands), "--grace-ms", "0", "--state-dir",
+                               f"{tmp}/s", "--log-level", "WARNING"],
+                              cwd=Path(__file__).resolve().parents[1], log=Path(tmp) / "log")
+        addr = syncer.address
         rss: dict[int, int] = {}
         barrier = threading.Barrier(args.islands)
         t_start = [0.0]
@@ -92,8 +88,7 @@ def main(argv=None) -> int:
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - t_start[0]
-        syncer.terminate()
-        syncer.wait(timeout=30)
+        syncer.stop(term_timeout_s=30)
     growth = rss.get(args.rounds, 0) / max(rss.get(10, 1), 1)
     print(f"{args.islands} islands x {args.rounds} rounds of {args.params:,} q4 parameters")
     print(f"errors: {len(errors)}  syncer RSS round 10: {rss.get(10, 0) / 1024:.1f} MiB, "

@@ -31,7 +31,6 @@ Arms
                   or every T seconds, on the same wall-clock budget (see mixed_arms).
   Regime "full" (from scratch, full weights, stdlib source) adds single (N/k steps:
   the DiLoCo paper's Table 2 baseline, 1/k of the tokens) and single-same-tokens.
-  Arms that need a learner flag the learner lacks are skipped and say so.
 
 Columns
   eval      held-out loss of the final weights (mean over seeds; +- half the range)
@@ -84,7 +83,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench import table  # noqa: E402
+from syncer.spawn import SyncerStartError, start_syncer  # noqa: E402
+from yeto.cli.display import markdown_table, table_text  # noqa: E402
+from yeto.io import atomic_write  # noqa: E402
 
 PY = sys.executable
 EVAL_EVERY = 50  # held-out loss every this many steps on islands without a syncer
@@ -126,7 +127,6 @@ class Arm:
     per_island: tuple[tuple[str, ...], ...] = ()  # extra flags per island
     island_steps: tuple[int, ...] = ()    # max-steps per island (mixed arms)
     ref: str | None = None  # synchronous reference arm (same regime) for `ratio`
-    needs: tuple[str, ...] = ()  # learner flags this arm needs
 
     @property
     def key(self) -> str:
@@ -153,7 +153,7 @@ def lora_arms(rg: Regime) -> list[Arm]:
     h10 = diloco(rg, 4, 10)
     h100 = diloco(rg, 4, 100)
     blocking = ("--blocking-sync",)
-    frozen = dict(extra=("--lora-freeze-a",), needs=("--lora-freeze-a",))
+    frozen = dict(extra=("--lora-freeze-a",))
     arms = [single, *dp]
     arms += [diloco(rg, k, H, w) for k in (2, 4) for H in (10, 50) for w in ("f32", "q4")]
     arms += [Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
@@ -199,16 +199,15 @@ def mixed_arms(rg: Regime) -> list[Arm]:
                    one push (H steps) ahead of the slow one: S + H steps, the slow S.
     Wall seconds are measured and printed, so the budgets can be checked."""
     S, H = rg.steps // 4, 50
-    flags = ("--sync-every-seconds", "--slowdown")
     slow = ((), ("--slowdown", "3"))
     # T: about the slow island's time for H steps (3x a ~45 ms step at L=64, b=8)
     T = 7
     return [
         Arm(rg.name, "mixed-steps", "mixed", k=2, steps=S, batch=rg.batch, H=H,
-            island_steps=(S + H, S), per_island=slow, needs=flags, ref="mixed-steps"),
+            island_steps=(S + H, S), per_island=slow, ref="mixed-steps"),
         Arm(rg.name, "mixed-time", "mixed", k=2, steps=S, batch=rg.batch, H=H,
             island_steps=(3 * S, S), extra=("--sync-every-seconds", str(T)),
-            per_island=slow, needs=flags, ref="mixed-steps"),
+            per_island=slow, ref="mixed-steps"),
     ]
 
 
@@ -305,9 +304,9 @@ def stdlib_rows(d: Path, eval_files: int = 20, eval_pieces: int = 3,
             train_rows += pieces
             size += len(t)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "eval.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in eval_rows))
-    (d / "train.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in train_rows))
-    (d / "files.json").write_text(json.dumps({"eval": sorted(held)}, indent=1))
+    atomic_write(d / "eval.jsonl", "".join(json.dumps({"text": x}) + "\n" for x in eval_rows))
+    atomic_write(d / "train.jsonl", "".join(json.dumps({"text": x}) + "\n" for x in train_rows))
+    atomic_write(d / "files.json", json.dumps({"eval": sorted(held)}, indent=1))
 
 
 def _pieces(text: str, size: int) -> list[str]:
@@ -331,11 +330,6 @@ class ArmFailed(RuntimeError):
     pass
 
 
-def learner_flags() -> str:
-    return subprocess.run([PY, "-m", "yeto.learner", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False).stdout
-
-
 def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
     """What an arm's result depends on (its name and reference arm do not count)."""
     drop = {"name", "ref"} | ({"syncer_extra"} if not arm.syncer_extra else set())
@@ -346,7 +340,7 @@ def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
 
 
 def run_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: float) -> dict:
-    model, train, held_out = paths
+    """Run one (arm, seed) as real processes: a syncer (DiLoCo arms) and the islands."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -355,62 +349,72 @@ def run_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: floa
     syncer = None
     t0 = time.monotonic()
     try:
-        address = "none"
         if arm.kind in ("diloco", "mixed"):
-            sdir = run_dir / "syncer"
-            sdir.mkdir()
-            port_file = sdir / "port"
-            syncer = subprocess.Popen(
-                [PY, "-m", "syncer", "--port", "0", "--port-file", str(port_file),
-                 "--quorum", str(arm.k), "--state-dir", str(sdir),
-                 "--outer-lr", str(arm.outer_lr), "--outer-momentum", str(arm.outer_momentum),
-                 "--merge", arm.merge, "--downlink", arm.downlink, *arm.syncer_extra],
-                stdout=open(sdir / "log.txt", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            address = f"127.0.0.1:{_wait_port(port_file, syncer)}"
+            syncer = _start_syncer(arm, run_dir / "syncer", env)
+        address = syncer.address if syncer is not None else "none"
         n_proc = 1 if arm.kind in ("single", "dp") else arm.k
         for i in range(n_proc):
             d = run_dir / "islands" / f"island-{i}"
             d.mkdir(parents=True)
-            cmd = [PY, "-m", "yeto.learner", "--model", str(model), "--data", str(train),
-                   "--eval-data", str(held_out), "--eval-blocks", "0",
-                   "--syncer", address, "--learner-id", f"island-{i}",
-                   "--num-learners", str(n_proc), "--max-steps", str(arm.steps_of(i)),
-                   "--batch-size", str(arm.batch), "--seq-len", str(rg.seq_len),
-                   "--inner-lr", str(rg.inner_lr), "--tuning", rg.tuning,
-                   "--lora-r", str(rg.lora_r), "--lora-alpha", str(2 * rg.lora_r),
-                   # without a syncer, H only sets how often the island evaluates
-                   "--sync-every", str(arm.H or EVAL_EVERY), "--wire", arm.wire,
-                   "--seed", str(seed), "--threads", "1", "--no-progress",
-                   "--output", str(d), *arm.extra]
-            if arm.per_island:
-                cmd += list(arm.per_island[i])
-            procs.append(subprocess.Popen(cmd, stdout=open(d / "log.txt", "w"),
+            procs.append(subprocess.Popen(island_cmd(arm, rg, seed, paths, i, n_proc, address, d),
+                                          stdout=open(d / "log.txt", "w"),
                                           stderr=subprocess.STDOUT, env=env, cwd=ROOT))
-        for i, p in enumerate(procs):
-            left = timeout - (time.monotonic() - t0)
-            try:
-                code = p.wait(timeout=max(left, 1))
-            except subprocess.TimeoutExpired:
-                raise ArmFailed(f"{arm.key} seed {seed}: island-{i} still running after "
-                                f"{timeout:.0f}s; see {run_dir}") from None
-            if code:
-                raise ArmFailed(f"{arm.key} seed {seed}: island-{i} exited {code}:\n"
-                                + _tail(run_dir / "islands" / f"island-{i}" / "log.txt"))
+        _wait_islands(arm, seed, procs, run_dir, t0 + timeout)
         wall = time.monotonic() - t0
         if syncer is not None:
-            try:
-                syncer.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
+            syncer.stop(grace_s=60)  # it exits by itself once the final weights went out
     finally:
-        for p in [*procs, syncer]:
-            if p is not None and p.poll() is None:
+        for p in procs:
+            if p.poll() is None:
                 p.terminate()
                 try:
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+        if syncer is not None:
+            syncer.stop(term_timeout_s=10)
     return summarize(arm, rg, run_dir, wall)
+
+
+def _start_syncer(arm: Arm, sdir: Path, env: dict):
+    sdir.mkdir()
+    try:
+        return start_syncer(
+            ["--quorum", str(arm.k), "--state-dir", str(sdir), "--outer-lr", str(arm.outer_lr),
+             "--outer-momentum", str(arm.outer_momentum), "--merge", arm.merge,
+             "--downlink", arm.downlink, *arm.syncer_extra],
+            cwd=ROOT, env=env, log=sdir / "log.txt", timeout_s=120)
+    except SyncerStartError as e:
+        raise ArmFailed(f"{arm.key}: {e}") from None
+
+
+def island_cmd(arm: Arm, rg: Regime, seed: int, paths, i: int, n_proc: int, address: str,
+               d: Path) -> list[str]:
+    model, train, held_out = paths
+    cmd = [PY, "-m", "yeto.learner", "--model", str(model), "--data", str(train),
+           "--eval-data", str(held_out), "--eval-blocks", "0",
+           "--syncer", address, "--learner-id", f"island-{i}",
+           "--num-learners", str(n_proc), "--max-steps", str(arm.steps_of(i)),
+           "--batch-size", str(arm.batch), "--seq-len", str(rg.seq_len),
+           "--inner-lr", str(rg.inner_lr), "--tuning", rg.tuning,
+           "--lora-r", str(rg.lora_r), "--lora-alpha", str(2 * rg.lora_r),
+           # without a syncer, H only sets how often the island evaluates
+           "--sync-every", str(arm.H or EVAL_EVERY), "--wire", arm.wire,
+           "--seed", str(seed), "--threads", "1", "--no-progress",
+           "--output", str(d), *arm.extra]
+    return cmd + list(arm.per_island[i]) if arm.per_island else cmd
+
+
+def _wait_islands(arm: Arm, seed: int, procs, run_dir: Path, deadline: float) -> None:
+    for i, p in enumerate(procs):
+        try:
+            code = p.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            raise ArmFailed(f"{arm.key} seed {seed}: island-{i} still running at the arm's "
+                            f"timeout; see {run_dir}") from None
+        if code:
+            raise ArmFailed(f"{arm.key} seed {seed}: island-{i} exited {code}:\n"
+                            + _tail(run_dir / "islands" / f"island-{i}" / "log.txt"))
 
 
 def summarize(arm: Arm, rg: Regime, run_dir: Path, wall: float) -> dict:
@@ -480,18 +484,6 @@ def _params(log: Path) -> int:
     return int(m.group(1))
 
 
-def _wait_port(port_file: Path, proc, timeout: float = 120) -> int:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if port_file.exists():
-            return int(port_file.read_text())
-        if proc.poll() is not None:
-            raise ArmFailed(f"the syncer exited with code {proc.returncode}; see "
-                            f"{port_file.parent / 'log.txt'}")
-        time.sleep(0.05)
-    raise ArmFailed("the syncer did not start listening within 120 s")
-
-
 def _tail(path: Path, n: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -530,10 +522,8 @@ def fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
-def markdown(headers: list[str], body: list[list]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
-    return "\n".join(out)
+# the numeric columns of the tables (right-aligned)
+RIGHT_COLUMNS = (1, 2, 6, 7, 8, 10, 11, 12, 13, 14)
 
 
 def print_tables(rows: dict[str, Row], regimes: dict[str, Regime], md: bool = False) -> None:
@@ -570,7 +560,8 @@ def print_tables(rows: dict[str, Row], regimes: dict[str, Regime], md: bool = Fa
               f"budget {rg.steps} x {rg.batch} x {rg.seq_len} tokens, inner lr {rg.inner_lr:g}, "
               f"{params} trainable params, held-out loss before {before:.4f}, "
               f"seeds {','.join(map(str, seeds))}")
-        print(markdown(headers, body) if md else table(headers, body))
+        print(markdown_table(headers, body) if md else
+              table_text(headers, body, right=RIGHT_COLUMNS))
 
 
 def result_lines(rows: dict[str, Row]) -> list[str]:
@@ -690,7 +681,7 @@ def goal_lines(rows: dict[str, Row]) -> list[str]:
 # ---------------------------------------------------------------- main
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -714,21 +705,19 @@ def main(argv=None) -> int:
                    help="print the tables from cached results; run nothing")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     p.add_argument("--arm-timeout", type=float, default=1800, help="seconds per arm run")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     out = (args.out or ROOT / "runs" / ("compare" if mode_name == "full"
                                         else f"compare-{mode_name}")).resolve()
     regimes, arms, seeds = plan(mode_name)
     if args.seeds:
         seeds = [int(s) for s in args.seeds.split(",")]
-    pick = args.arms or (QUICK_ARMS if mode_name == "quick" else "*")
-    pats = [x.strip() for x in pick.split(",") if x.strip()]
-    chosen = {a.key for a in arms if any(fnmatch.fnmatchcase(a.key, pt) for pt in pats)}
-    chosen |= {f"{a.regime}:{a.ref}" for a in arms if a.key in chosen and a.ref}  # for ratio
-    arms = [a for a in arms if a.key in chosen]
-    help_text: str | None = None  # the learner's --help, read when an arm needs a flag
+    arms = choose(arms, args.arms or (QUICK_ARMS if mode_name == "quick" else "*"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
     rows: dict[str, Row] = {a.key: Row(a) for a in arms}
     skipped: list[str] = []
     paths: dict[str, tuple] = {}
@@ -739,19 +728,12 @@ def main(argv=None) -> int:
             cfg = config_of(arm, rg, seed)
             digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
             cache = out / "results" / arm.regime / f"{digest}.json"
-            if cache.is_file() and not args.fresh:
-                saved = json.loads(cache.read_text())
-                if saved.get("digest") == digest:
-                    rows[arm.key].results[seed] = saved["result"]
-                    continue
+            saved = None if args.fresh else cached(cache, digest)
+            if saved is not None:
+                rows[arm.key].results[seed] = saved
+                continue
             if args.report_only:
                 continue
-            if arm.needs and help_text is None:
-                help_text = learner_flags()
-            missing = [f for f in arm.needs if f not in (help_text or "")]
-            if missing:
-                skipped.append(f"{arm.key} (the learner has no {' '.join(missing)} yet)")
-                break
             if arm.regime not in paths:
                 paths[arm.regime] = prepare(out, rg)
             print(f"[{time.monotonic() - t_start:6.0f}s] running {arm.key} seed {seed} ...",
@@ -766,16 +748,35 @@ def main(argv=None) -> int:
             print(f"  eval {res['eval_loss']:.4f} (before {res['eval_loss_before']:.4f}), "
                   f"{res.get('rounds', 0)} rounds, {res['wall_s']:.0f}s", flush=True)
             rows[arm.key].results[seed] = res
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"digest": digest, "arm": arm.name, "config": cfg,
-                                       "result": res},
-                                      indent=1))
-            os.replace(tmp, cache)
+            atomic_write(cache, json.dumps({"digest": digest, "arm": arm.name, "config": cfg,
+                                            "result": res}, indent=1))
+    report(rows, regimes, skipped, args.markdown)
+    return 0
+
+
+def choose(arms: list[Arm], pick: str) -> list[Arm]:
+    """The arms matching a comma list of glob patterns, and their reference arms."""
+    pats = [x.strip() for x in pick.split(",") if x.strip()]
+    chosen = {a.key for a in arms if any(fnmatch.fnmatchcase(a.key, pt) for pt in pats)}
+    chosen |= {f"{a.regime}:{a.ref}" for a in arms if a.key in chosen and a.ref}  # for ratio
+    return [a for a in arms if a.key in chosen]
+
+
+def cached(cache: Path, digest: str) -> dict | None:
+    """A cached (arm, seed) result, if there is one for this exact configuration."""
+    if not cache.is_file():
+        return None
+    saved = json.loads(cache.read_text())
+    return saved["result"] if saved.get("digest") == digest else None
+
+
+def report(rows: dict[str, Row], regimes: dict[str, Regime], skipped: list[str],
+           md: bool) -> None:
     attach_ratios(rows)
-    print_tables(rows, regimes, args.markdown)
-    mixed = [r for r in rows.values() if r.arm.kind == "mixed" and r.results]
-    for r in mixed:
+    print_tables(rows, regimes, md)
+    for r in rows.values():
+        if r.arm.kind != "mixed":
+            continue
         for seed, res in sorted(r.results.items()):
             print(f"{r.arm.key} seed {seed}: steps {res['steps']}, wall {res['wall_s']}s, "
                   f"waiting for rounds {res.get('wait_s', '?')}s, "
@@ -786,8 +787,6 @@ def main(argv=None) -> int:
     print()
     for line in result_lines(rows) + goal_lines(rows):
         print(line)
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
