@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,9 +33,11 @@ from pathlib import Path
 import numpy as np
 
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
-from _bench import MIB, ROOT, parser, result_line, table
+from _bench import MIB, ROOT, parser, result_line
 
+from syncer.spawn import SyncerProcess, start_syncer
 from yeto import codec
+from yeto.cli.display import print_table
 from yeto.client import SyncerClient
 from yeto.layout import Layout
 
@@ -87,25 +87,11 @@ class Memory:
         return max((rss for t, rss in self.samples if t0 <= t <= t1), default=0)
 
 
-SYNCER_CMD = [sys.executable, "-m", "syncer"]
-
-
-def start_syncer(quorum: int, workdir: Path) -> tuple[subprocess.Popen, int]:
-    port_file, log = workdir / "port", workdir / "syncer.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            SYNCER_CMD + ["--port", "0", "--port-file", str(port_file), "--quorum", str(quorum),
-                          "--grace-ms", "0", "--outer-lr", "0.7", "--outer-momentum", "0.9",
-                          "--log-level", "WARNING"],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
-            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the syncer did not start:\n" + log.read_text())
-        time.sleep(0.05)
-    return proc, int(port_file.read_text())
+def start(quorum: int, workdir: Path) -> SyncerProcess:
+    return start_syncer(["--quorum", str(quorum), "--grace-ms", "0", "--outer-lr", "0.7",
+                         "--outer-momentum", "0.9", "--log-level", "WARNING"],
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                        log=workdir / "syncer.log")
 
 
 def one_round(clients, mem: Memory, payloads, encoding: str, version: int, seq: int) -> dict:
@@ -117,7 +103,7 @@ def one_round(clients, mem: Memory, payloads, encoding: str, version: int, seq: 
     futs = [c.push(p, encoding=encoding, base_version=version, loss_tokens=100 + i, steps=1,
                    seq=seq) for i, (c, p) in enumerate(zip(clients, payloads))]
     for f in futs:
-        if not f.result(timeout=600)["accepted"]:
+        if not f.result(timeout=600).accepted:
             raise RuntimeError("a push was refused")
     t_pushed = time.perf_counter()
     for c in clients:
@@ -148,12 +134,12 @@ def main(argv=None) -> int:
     layout = Layout.from_shapes({"bench.weight": (n,)})
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_syncer(args.islands, Path(tmp))
+        syncer = start(args.islands, Path(tmp))
         clients = []
         try:
-            mem = Memory(proc.pid)
+            mem = Memory(syncer.pid)
             init = rng.standard_normal(n, dtype=np.float32)
-            clients = [SyncerClient(f"127.0.0.1:{port}", f"island-{i:02d}", layout,
+            clients = [SyncerClient(syncer.address, f"island-{i:02d}", layout,
                                     backoff_s=0.05) for i in range(args.islands)]
             for c in clients:
                 c.start(init)
@@ -172,11 +158,7 @@ def main(argv=None) -> int:
         finally:
             for c in clients:
                 c.close()
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            syncer.stop(term_timeout_s=30)
 
     def x(v):
         return v / frag
@@ -192,8 +174,9 @@ def main(argv=None) -> int:
     print(f"syncer memory over a round of {args.islands} pushes of {n:,} parameters "
           f"({frag / MIB:g} MiB f32); growth in MiB and in fragments; peak from "
           f"{'VmHWM' if f32['hwm'] else 'VmRSS sampled every ms'}")
-    print(table(["round", "base MiB", "peak MiB", "growth MiB", "x frag", "x (pushes)",
-                 "x (bcast)", "round s"], rows))
+    headers = ["round", "base MiB", "peak MiB", "growth MiB", "x frag", "x (pushes)",
+               "x (bcast)", "round s"]
+    print_table(headers, rows, right=range(1, len(headers)))
     # the ratio is for the islands' default wire (q4); f32 pushes are reported beside it
     q4 = results["q4"]
     print(result_line(x(q4["peak"] - q4["base"]), goal="<=3", wire="q4",

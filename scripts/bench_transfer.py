@@ -34,11 +34,12 @@ import grpc
 import numpy as np
 
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
-from _bench import MIB, parser, rate, result_line, table
+from _bench import MIB, parser, rate, result_line
 
 from syncer.run import Config, Run
 from syncer.service import serve
 from yeto import codec, net
+from yeto.cli.display import print_table
 from yeto.client import SyncerClient
 from yeto.layout import Layout
 
@@ -131,7 +132,7 @@ def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
             t_reply = time.perf_counter()
             got = client.wait_one(timeout=300)
             t_got = time.perf_counter()
-            if not reply["accepted"] or got is None or got.version != version + 1:
+            if not reply.accepted or got is None or got.version != version + 1:
                 raise RuntimeError(f"round {r} went wrong: {reply}, {got}")
             version = got.version
             if r < warmup:
@@ -201,7 +202,8 @@ def main(argv=None) -> int:
         ["q4 push (f32-equivalent)", best("push", q4) * 1e3, median_ms("push", q4),
          rate(total, best("push", q4)), raw_up / best("push", q4)],
     ]
-    print(table(["path", "ms", "median", "MiB/s", "raw/this"], tab))
+    headers = ["path", "ms", "median", "MiB/s", "raw/this"]
+    print_table(headers, tab, right=range(1, len(headers)))
     print(result_line(ratio, goal=">=0.7", mib=total / MIB,
                       push_ratio=raw_up / push, bcast_ratio=raw_down / bcast,
                       round_ratio=(raw_up + raw_down) / total_s,
