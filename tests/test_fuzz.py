@@ -2,15 +2,21 @@
 
 The default run tries a few hundred cases per property; `pytest -m slow` runs
 10,000. Every case must end in a clean refusal (CodecError / Reject) or a valid
-result, and a refused push must leave the run's state digest unchanged.
+result, and a refused push must leave the run's state digest unchanged. Half the
+pushes are valid for the open round (right learner, generation, round, version, seq,
+sizes; finite values): each must be accepted and move Θ by exactly its payload. The
+test prints how many pushes of each kind were tried, and fails unless both the
+accepted and the refused branch were reached.
 """
 
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from syncer.run import Config, Reject, Run
 from yeto import codec
@@ -58,7 +64,9 @@ headers = st.fixed_dictionaries({
 })
 
 
-def _push_property(run, gen, fields, payload, use_real_generation, exact_size):
+def _push_property(run, gen, fields, payload, use_real_generation, exact_size) -> str:
+    """A push from random fields: refused cleanly with the state unchanged, or taken.
+    Returns what happened: "accepted", "duplicate" or "refused"."""
     fields = dict(fields)
     if use_real_generation:
         fields["generation"] = gen
@@ -72,31 +80,74 @@ def _push_property(run, gen, fields, payload, use_real_generation, exact_size):
         size = run.check_push_header(h)
         if len(payload) != size:
             raise Reject("invalid", "size")  # what the service does on a short stream
-        run.push(h, payload)
+        return run.push(h, payload)["status"]
     except Reject as e:
         assert str(e)
         assert run.state_digest() == before
+        return "refused"
 
 
-def _fuzz(examples):
+def _valid_push(run, gen, seq, encoding, delta, loss_tokens, steps) -> str:
+    """A push that is valid for the run's open round: it is accepted, commits (quorum
+    1) and moves Θ by exactly the decoded payload (outer lr 1, momentum 0)."""
+    payload = codec.encode(delta, encoding)
+    version, theta = run.version, run.theta.copy()
+    h = pb.PushHeader(learner_id="a", generation=gen, round=version + 1, fragment=0,
+                      base_version=version, loss_tokens=loss_tokens, steps=steps,
+                      encoding=encoding, numel=LAYOUT.numel, payload_bytes=len(payload),
+                      kind=pb.DELTA, seq=seq)
+    assert run.check_push_header(h) == len(payload)
+    reply = run.push(h, payload)
+    assert reply["accepted"] and reply["status"] == "accepted", reply
+    assert run.version == version + 1
+    want = theta - codec.decode(payload, encoding, LAYOUT.numel)
+    np.testing.assert_allclose(run.theta, want, rtol=1e-5, atol=1e-5)
+    return "accepted"
+
+
+deltas = hnp.arrays(np.float32, LAYOUT.numel,
+                    elements=st.floats(-100, 100, allow_nan=False, width=32))
+
+
+def _fuzz(examples) -> Counter:
     run, gen = _started_run()
+    tried = Counter()
+    seq = [-1]  # the newest seq the run took from "a"
 
     @settings(max_examples=examples, deadline=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(encoding=st.sampled_from(codec.ENCODINGS), numel=st.integers(0, 300),
            payload=st.binary(max_size=1300), fields=headers, real_gen=st.booleans(),
-           exact=st.booleans())
-    def prop(encoding, numel, payload, fields, real_gen, exact):
+           exact=st.booleans(), valid=st.booleans(), delta=deltas,
+           loss_tokens=st.integers(1, 2 ** 40), steps=st.integers(1, 100))
+    def prop(encoding, numel, payload, fields, real_gen, exact, valid, delta, loss_tokens,
+             steps):
         _decodes_cleanly(encoding, numel, payload)
-        _push_property(run, gen, fields, payload, real_gen, exact)
+        if valid:
+            what = _valid_push(run, gen, seq[0] + 1, encoding, delta, loss_tokens, steps)
+            seq[0] += 1
+        else:
+            what = _push_property(run, gen, fields, payload, real_gen, exact)
+            if what == "accepted":
+                seq[0] = max(seq[0], fields["seq"])
+        tried[f"{'valid' if valid else 'random'} {what}"] += 1
 
     prop()
+    return tried
 
 
-def test_fuzz_decoding_and_validation():
-    _fuzz(FAST)
+def _report(tried: Counter, record_property) -> None:
+    print(f"pushes tried: {dict(sorted(tried.items()))}")
+    record_property("pushes_tried", dict(tried))
+    accepted = sum(n for k, n in tried.items() if k.endswith("accepted"))
+    refused = sum(n for k, n in tried.items() if k.endswith("refused"))
+    assert accepted > 0 and refused > 0, tried  # both branches were reached
+
+
+def test_fuzz_decoding_and_validation(record_property):
+    _report(_fuzz(FAST), record_property)
 
 
 @pytest.mark.slow
-def test_fuzz_decoding_and_validation_10k():
-    _fuzz(10_000)
+def test_fuzz_decoding_and_validation_10k(record_property):
+    _report(_fuzz(10_000), record_property)

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,26 +13,22 @@ import pytest
 from conftest import wait_until
 from safetensors.numpy import load_file
 
+from syncer.spawn import SyncerProcess, start_syncer
 from syncer.tape import read_tape
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def _syncer(tmp: Path):
-    port_file = tmp / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "syncer", "--port", "0", "--port-file",
-                             str(port_file), "--quorum", "2", "--state-dir", str(tmp / "s"),
-                             "--round-timeout-s", "30"], cwd=ROOT,
-                            stdout=open(tmp / "syncer.log", "w"), stderr=subprocess.STDOUT)
-    assert wait_until(port_file.exists, timeout=60)
-    return proc, int(port_file.read_text())
+def _syncer(tmp: Path) -> SyncerProcess:
+    return start_syncer(["--quorum", "2", "--state-dir", str(tmp / "s"), "--round-timeout-s",
+                         "30"], cwd=ROOT, log=tmp / "syncer.log")
 
 
-def _islands(tmp, port, model, task, steps, master_port):
+def _islands(tmp, address, model, task, steps, master_port):
     train, held_out = task
     common = ["--model", str(model), "--data", str(train), "--eval-data", str(held_out),
-              "--syncer", f"127.0.0.1:{port}", "--num-learners", "2", "--max-steps", str(steps),
+              "--syncer", address, "--num-learners", "2", "--max-steps", str(steps),
               "--sync-every", "10", "--seq-len", "64", "--batch-size", "4", "--no-progress",
               "--threads", "1"]
     group = subprocess.Popen([str(TORCHRUN), "--nproc-per-node", "2", "--master-port",
@@ -57,8 +52,8 @@ def _free_port():
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_torchrun_island_counts_once_and_ranks_stay_identical(tmp_path, tiny_llama, tiny_task):
-    syncer, port = _syncer(tmp_path)
-    group, single = _islands(tmp_path, port, tiny_llama, tiny_task, 40, _free_port())
+    syncer = _syncer(tmp_path)
+    group, single = _islands(tmp_path, syncer.address, tiny_llama, tiny_task, 40, _free_port())
     try:
         assert group.wait(timeout=300) == 0, (tmp_path / "i0.log").read_text()[-3000:]
         assert single.wait(timeout=300) == 0, (tmp_path / "i1.log").read_text()[-3000:]
@@ -81,6 +76,18 @@ def test_torchrun_island_counts_once_and_ranks_stay_identical(tmp_path, tiny_lla
     assert json.loads((tmp_path / "i0" / "summary.json").read_text())["ranks"] == 2
 
 
+def _alive(pids: list[int]) -> list[int]:
+    """The processes among `pids` still running (neither gone nor zombies)."""
+    out = []
+    for pid in pids:
+        try:
+            if "zombie" not in Path(f"/proc/{pid}/status").read_text():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
@@ -89,8 +96,8 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_killing_one_rank_takes_the_island_down_and_the_run_goes_on(tmp_path, tiny_llama,
                                                                    tiny_task):
-    syncer, port = _syncer(tmp_path)
-    group, single = _islands(tmp_path, port, tiny_llama, tiny_task, 200, _free_port())
+    syncer = _syncer(tmp_path)
+    group, single = _islands(tmp_path, syncer.address, tiny_llama, tiny_task, 200, _free_port())
     try:
         tape = tmp_path / "s" / "tape.jsonl"
         assert wait_until(lambda: tape.exists() and "merge" in tape.read_text(), timeout=180)
@@ -98,9 +105,7 @@ def test_killing_one_rank_takes_the_island_down_and_the_run_goes_on(tmp_path, ti
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         assert group.wait(timeout=120) != 0  # the whole island goes down ...
-        time.sleep(1)
-        assert not [w for w in workers if Path(f"/proc/{w}").exists()
-                    and "zombie" not in Path(f"/proc/{w}/status").read_text()]  # ... no hangs
+        assert wait_until(lambda: not _alive(workers), timeout=60), _alive(workers)  # no hangs
         assert single.wait(timeout=300) == 0  # ... and the run continues without it
         assert syncer.wait(timeout=60) == 0
     finally:
