@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from conftest import make_client, running_syncer, wait_until
 
 from syncer.dashboard import DashboardError, start_dashboard
+from syncer.spawn import start_syncer
 from yeto.cli import status as status_cli
 from yeto.client import SyncerClient
 from yeto.island import Island
@@ -153,19 +153,12 @@ def test_dashboard_beyond_loopback_needs_the_token():
 
 
 def test_syncer_cli_serves_the_dashboard(tmp_path):
-    port_file, dash_file = tmp_path / "port", tmp_path / "dash"
-    proc = subprocess.Popen([sys.executable, "-m", "syncer", "--port", "0", "--port-file",
-                             str(port_file), "--dashboard-port", "0", "--dashboard-port-file",
-                             str(dash_file)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        assert wait_until(port_file.exists, timeout=30), proc.stdout.read() if proc.poll() else ""
-        s = json.loads(_get(f"http://127.0.0.1:{int(dash_file.read_text())}/api/status")[2])
+    log = tmp_path / "syncer.log"
+    with start_syncer(cwd=ROOT, dashboard_port=0, log=log) as syncer:
+        s = json.loads(_get(syncer.dashboard_url + "api/status")[2])
         assert s["live"] and s["islands"] == [] and not s["started"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "dashboard on http://127.0.0.1:" in out
+        assert syncer.stop() == 0  # SIGTERM: a clean stop
+    assert "dashboard on http://127.0.0.1:" in log.read_text()
     # beyond loopback without a token: refused before anything listens
     r = subprocess.run([sys.executable, "-m", "syncer", "--port", "0", "--dashboard-host",
                         "0.0.0.0", "--dashboard-port", "0"], cwd=ROOT, capture_output=True,
