@@ -53,6 +53,11 @@ def merges(state_dir: Path) -> list[dict]:
     return [r for r in read_tape(path) if r["event"] == "merge"] if path.exists() else []
 
 
+def _log(record: Path) -> str:
+    path = record.with_suffix(".log")
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
@@ -105,7 +110,8 @@ def test_killed_syncer_resumes_without_losing_a_round(tmp_path):
         syncer.send_signal(signal.SIGKILL)
         syncer.wait()
         _, _, _, saved = state.load(sd)
-        time.sleep(1.0)  # islands notice, back off and keep training locally
+        # the islands notice, back off and keep training locally
+        assert wait_until(lambda: all("unreachable" in _log(recs[i]) for i in recs), timeout=60)
         # a restart without --resume refuses to overwrite the saved run
         r = subprocess.run([sys.executable, "-m", "syncer", "--port", "0", "--state-dir",
                             str(sd)], cwd=ROOT, capture_output=True, text=True, timeout=60)
