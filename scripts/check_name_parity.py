@@ -32,7 +32,8 @@ def torch_layout(model: str, r: int, alpha: float, targets: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from yeto.torch.learner import TorchWeights, attach_lora
+    from yeto.torch.model import attach_lora
+    from yeto.torch.weights import TorchWeights
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):

@@ -92,7 +92,7 @@ def island_out(tiny_llama, tiny_task, tmp_path_factory):
 
 
 def test_outputs_mirror_the_torch_island(island_out, tiny_llama):
-    from yeto.torch.learner import attach_lora, export_files, load_base
+    from yeto.torch.model import attach_lora, export_files, load_base
 
     s = json.loads((island_out / "summary.json").read_text())
     assert set(s) == SUMMARY_KEYS and s["step"] == 4 and s["loss_tokens"] > 0

@@ -9,34 +9,24 @@ received weights at a step boundary (see `yeto.island.Island`).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
 
 from yeto import codec, net
+from yeto.io import host_port
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
+from yeto.transport import Lost, PushReply, Received, Refused, TransportError, Unavailable
 
 log = logging.getLogger("yeto.client")
-
-
-class SyncerError(RuntimeError):
-    """The syncer refused a call for a reason retrying will not fix."""
-
-
-@dataclass(frozen=True)
-class Received:
-    """One broadcast of fragment `fragment` of Θ (`theta` is that fragment's slice)."""
-
-    version: int
-    fragment: int
-    final: bool
-    theta: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -45,10 +35,29 @@ class TLSConfig:
     cert: bytes | None = None    # client certificate (mutual TLS)
     key: bytes | None = None
 
+    @classmethod
+    def from_files(cls, ca=None, cert=None, key=None) -> TLSConfig | None:
+        """TLS from PEM file paths (None when neither a CA nor a certificate is given)."""
+        if not (ca or cert):
+            return None
+        return cls(*(Path(f).read_bytes() if f else None for f in (ca, cert, key)))
+
+
+def connect(syncer: str | None, learner_id: str, layout: Layout, **options) -> SyncerClient | None:
+    """The client of the syncer at `syncer` ('host:port'), or None for a single island
+    (`syncer` None, '' or 'none'). `options` go to `SyncerClient`."""
+    if syncer in (None, "", "none"):
+        return None
+    return SyncerClient(syncer, learner_id, layout, **options)
+
+
+# status codes after which the same call would be refused again
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
 
 def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
-    host, port = net.parse_address(address)
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    target = host_port(*net.parse_address(address))
     if tls is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
                                              certificate_chain=tls.cert)
@@ -57,6 +66,8 @@ def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
 
 
 class SyncerClient:
+    """The gRPC implementation of `yeto.transport.Transport`."""
+
     def __init__(self, address: str, learner_id: str, layout: Layout, *, token: str | None = None,
                  backend: str = "numpy", weights_file: str = "weights.safetensors",
                  export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
@@ -81,6 +92,7 @@ class SyncerClient:
         self.connected = threading.Event()
         self.acked_seq = -1           # newest push seq the syncer confirmed (from join)
         self.fatal: str | None = None  # a refusal that retrying cannot fix
+        self.last_error: str | None = None  # the newest connection error, for messages
         self.finished = False          # the final broadcast arrived
         self.run_id = ""
         self.bytes_up = 0
@@ -105,20 +117,23 @@ class SyncerClient:
                 self.connected.clear()
                 if self._closed:
                     return
-                code = e.code()
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
-                            grpc.StatusCode.FAILED_PRECONDITION) and self.generation == 0:
-                    self.fatal = (f"syncer at {self.address} refused {self.learner_id}: "
-                                  f"{e.details()}")
-                    log.error("%s", self.fatal)
-                    with self._cond:
-                        self._cond.notify_all()
+                self.last_error = f"{e.code().name}: {e.details()}"
+                if e.code() in REFUSALS and self.generation == 0:
+                    self._refused(e)
                     return
-                log.warning("syncer %s unreachable (%s: %s); retrying in %.1fs, training "
-                            "continues locally", self.address, code.name, e.details(), delay)
-                if self._sleep(delay):
+                # full jitter: islands do not retry in lockstep after a syncer restart
+                wait = random.uniform(delay / 2, delay)
+                log.warning("syncer %s unreachable (%s); retrying in %.1fs, training "
+                            "continues locally", self.address, self.last_error, wait)
+                if self._sleep(wait):
                     return
                 delay = min(delay * 2, self._backoff[1])
+
+    def _refused(self, e: grpc.RpcError) -> None:
+        self.fatal = f"syncer at {self.address} refused {self.learner_id}: {e.details()}"
+        log.error("%s", self.fatal)
+        with self._cond:
+            self._cond.notify_all()
 
     def _sleep(self, seconds: float) -> bool:
         with self._cond:
@@ -152,17 +167,17 @@ class SyncerClient:
                 header = chunk.header
                 buf, n = np.empty(header.payload_bytes, np.uint8), 0
             if header is None:
-                raise SyncerError("broadcast stream started without a header")
+                raise TransportError("broadcast stream started without a header")
             data = chunk.data  # each access copies: read once
             if n + len(data) > len(buf):
-                raise SyncerError("broadcast payload longer than its header announced")
+                raise TransportError("broadcast payload longer than its header announced")
             buf[n:n + len(data)] = np.frombuffer(data, np.uint8)
             n += len(data)
             if n == header.payload_bytes:
                 if header.delta:  # an update to the version we hold: same adds as the syncer
                     held = self._held.get(header.fragment)
                     if held is None or held[0] != header.base_version:
-                        raise SyncerError(f"broadcast update against version "
+                        raise TransportError(f"broadcast update against version "
                                           f"{header.base_version}, but this island holds "
                                           f"{held and held[0]}")
                     theta = held[1].copy()
@@ -214,10 +229,10 @@ class SyncerClient:
              steps: int, seq: int, fragment: int = 0, numel: int | None = None,
              train_loss: float = float("nan"), eval_loss: float = float("nan")) -> Future:
         """Send one pseudo-gradient in the background; the future resolves to the
-        syncer's reply (dict) or raises (grpc.RpcError / SyncerError)."""
+        syncer's `PushReply` or raises `Refused` / `Lost` / `Unavailable`."""
         if not self.connected.is_set():
             f: Future = Future()
-            f.set_exception(SyncerError("not connected to the syncer"))
+            f.set_exception(Unavailable(f"not connected to the syncer at {self.address}"))
             return f
         header = pb.PushHeader(
             learner_id=self.learner_id, generation=self.generation, round=base_version + 1,
@@ -225,17 +240,23 @@ class SyncerClient:
             encoding=encoding, numel=self.layout.numel if numel is None else numel,
             payload_bytes=len(payload), kind=pb.DELTA,
             seq=seq, train_loss=train_loss, eval_loss=eval_loss)
-        return self._sender.submit(self._stream_push, header, payload)
+        return self._sender.submit(self._push_or_raise, header, payload)
 
-    def _stream_push(self, header, payload) -> dict:
+    def _push_or_raise(self, header, payload) -> PushReply:
+        try:
+            return self._stream_push(header, payload)
+        except grpc.RpcError as e:
+            kind = Refused if e.code() in REFUSALS else Lost
+            raise kind(f"{e.code().name}: {e.details()}") from e
+
+    def _stream_push(self, header, payload) -> PushReply:
         def chunks():
             for i, piece in enumerate(net.chunks(payload)):
                 yield pb.PushChunk(header=header if i == 0 else None, data=bytes(piece))
 
         reply = self._stub.Push(chunks(), metadata=self._metadata, timeout=300)
         self.bytes_up += len(payload)
-        return dict(accepted=reply.accepted, status=reply.status, round=reply.round,
-                    staleness=reply.staleness)
+        return PushReply(reply.accepted, reply.status, reply.round, reply.staleness)
 
     def finish(self) -> None:
         """Tell the syncer this island trained its last step."""

@@ -39,12 +39,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
-from yeto.client import Received, SyncerClient, SyncerError
 from yeto.codec import ErrorFeedback
 from yeto.layout import Fragment, Layout
+from yeto.transport import Lost, Received, Refused, Transport, TransportError
 
 log = logging.getLogger("yeto.island")
 
@@ -64,7 +63,7 @@ class _Push:
 
 class Island:
     def __init__(self, layout: Layout, get_weights: Callable[[], np.ndarray],
-                 set_weights: Callable[[np.ndarray], None], *, client: SyncerClient | None,
+                 set_weights: Callable[[np.ndarray], None], *, client: Transport | None,
                  sync_every: int = 50, sync_every_seconds: float = 0.0, wire: str = "q4",
                  blocking: bool = False, merge_alpha: float = 0.0, pipeline: int = 1,
                  on_sync: Callable[[], float] | None = None,
@@ -130,7 +129,7 @@ class Island:
             if len(self.versions) == len(self.fragments):
                 break
             if self.client.fatal:
-                raise SyncerError(self.client.fatal)
+                raise Refused(self.client.fatal)
             waited = time.monotonic() - t0
             if not self.client.connected.is_set() and waited >= self.connect_grace_s:
                 log.warning("syncer %s not reachable after %.0fs: training locally; the island "
@@ -280,18 +279,19 @@ class Island:
             self.pushed = [p for p in self.pushed if p not in undone]
 
     def _outcome(self, p: _Push) -> bool | None:
+        """True: the syncer holds the push; False: it does not (redo its work);
+        None: unknown until the next join says (`acked_seq`)."""
         try:
-            reply = p.future.result(timeout=300)
-            return bool(reply["accepted"] or reply["status"] == "duplicate")
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                log.warning("push %d refused: %s", p.seq, e.details())
-                return False
+            return p.future.result(timeout=300).held
+        except Refused as e:
+            log.warning("push %d refused: %s", p.seq, e)
+            return False
+        except Lost as e:
             if self.client.generation != p.generation:
                 return self.client.acked_seq >= p.seq
-            log.warning("push %d: no reply (%s); the rejoin will tell", p.seq, e.details())
+            log.warning("push %d: no reply (%s); the rejoin will tell", p.seq, e)
             return None
-        except (SyncerError, TimeoutError) as e:
+        except (TransportError, TimeoutError) as e:
             log.warning("push %d not delivered (%s)", p.seq, e)
             return False
 

@@ -81,16 +81,6 @@ def count_loss_tokens(labels, ignore_index: int = IGNORE_INDEX, shifted: bool = 
     return int(np.count_nonzero(a != ignore_index))
 
 
-def _client(syncer: str | None, learner_id: str, layout: Layout, backend: str, token, tls,
-            weights_file: str, files: dict[str, str]):
-    if syncer in (None, "", "none"):
-        return None
-    from yeto.client import SyncerClient
-
-    return SyncerClient(syncer, learner_id, layout, token=token, backend=backend,
-                        weights_file=weights_file, export_files=files, tls=tls)
-
-
 class _Base:
     """What the torch and MLX helpers share: the Island, counters, metrics."""
 
@@ -101,8 +91,10 @@ class _Base:
                weights_file, files, connect_grace_s, start, island_options):
         self.learner_id = learner_id
         self.layout = layout
-        self.client = _client(syncer, learner_id, layout, self.backend, token, tls,
-                              weights_file, files)
+        from yeto.client import connect
+
+        self.client = connect(syncer, learner_id, layout, token=token, backend=self.backend,
+                              weights_file=weights_file, export_files=files, tls=tls)
         self.eval_fn = eval_fn
         self.island = Island(layout, get, set_, client=self.client, sync_every=sync_every,
                              sync_every_seconds=sync_every_seconds, wire=wire, blocking=blocking,
@@ -213,7 +205,7 @@ class DiLoCo(_Base):
                  output_dir: str | Path | None = None, report_to=None,
                  tuning: str | None = None, connect_grace_s: float = 5.0, start: bool = True,
                  **island_options):
-        from yeto.torch.learner import TorchWeights
+        from yeto.torch.weights import TorchWeights
 
         self.model = model
         self.tuning = tuning or ("lora" if _is_peft(model) else "full")
@@ -242,7 +234,7 @@ def _is_peft(model) -> bool:
 def _torch_export_files(model, tuning: str) -> tuple[str, dict[str, str]]:
     if not hasattr(model, "save_pretrained"):
         return "weights.safetensors", {}
-    from yeto.torch.learner import export_files
+    from yeto.torch.model import export_files
 
     return export_files(model, tuning)
 

@@ -22,16 +22,14 @@ Example (with a syncer on 127.0.0.1:29400, two islands):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from yeto.data import Blocks, DataError, attention_mask, is_naive, load_blocks
-from yeto.data.provenance import ProvenanceError, build_record, resolve_model, write_provenance
+from yeto.config import IslandConfig, add_island_args, parse_island_args
+from yeto.data import Blocks, attention_mask, is_naive
 from yeto.interop.adapters import (
     PEFT_CONFIG,
     PEFT_WEIGHTS,
@@ -39,16 +37,8 @@ from yeto.interop.adapters import (
     peft_to_mlx,
     save_peft_adapter,
 )
+from yeto.loop import Solo, run_island
 from yeto.mlx import INSTALL_HINT
-from yeto.torch.learner import (
-    add_island_args,
-    check_island_args,
-    make_client,
-    make_island,
-    run_training,
-    stop_on_signals,
-    write_metrics,
-)
 
 log = logging.getLogger("yeto.mlx.learner")
 
@@ -188,13 +178,67 @@ def save_outputs(out: Path, tensors: dict[str, np.ndarray], config_text: str,
     peft_to_mlx(out / "adapter", out / "mlx", base_model=model_dir)
 
 
+# ---- the backend -------------------------------------------------------------
+class MLXBackend:
+    """The MLX edge of an island (`yeto.loop.Backend`): one process, LoRA only."""
+
+    name = "mlx"
+
+    def __init__(self, cfg: IslandConfig):
+        import mlx.core as mx
+
+        mx.random.seed(cfg.seed)
+        self.group = Solo()
+        self.model_dir: Path | None = None
+        self.layers: dict = {}
+        self.model = self.opt = self.loss_and_grad = None
+
+    def load(self, cfg: IslandConfig, source):
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(source.path)
+        return AutoTokenizer.from_pretrained(str(source.path),
+                                             trust_remote_code=source.trust_remote_code)
+
+    def attach(self, cfg: IslandConfig):
+        from yeto.mlx.lora import LoRAWeights
+
+        self.model, _, self.layers = build_lora_model(self.model_dir, cfg.lora_r,
+                                                      cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+        self.opt = make_optimizer(cfg.inner_lr, cfg.weight_decay)
+        self.loss_and_grad = make_loss_and_grad(self.model)
+        self.weights = LoRAWeights(self.layers)
+        return self.weights
+
+    def export_files(self, cfg: IslandConfig) -> tuple[str, dict[str, str]]:
+        return export_files(str(self.model_dir), cfg.lora_r, cfg.lora_alpha, sorted(self.layers))
+
+    def train_step(self, micro_batches) -> tuple[float, int]:
+        return train_step(self.model, self.opt, micro_batches, self.loss_and_grad)
+
+    def evaluate(self, blocks, batch_size: int) -> float:
+        return evaluate(self.model, blocks, batch_size)
+
+    def save(self, cfg: IslandConfig, out: Path) -> Path:
+        _, files = self.export_files(cfg)
+        save_outputs(out, self.weights.tensors(), files[PEFT_CONFIG], self.model_dir)
+        return out / "adapter"
+
+    def describe(self) -> str:
+        import mlx.core as mx
+
+        return f"mlx {mx.default_device()}"
+
+
 # ---- CLI --------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m yeto.mlx.learner",
         description="An MLX island: fine-tunes a Hugging Face causal LM with peft-shaped LoRA "
                     "in MLX and syncs with a yeto syncer every --sync-every steps; it joins "
-                    "the same runs as torch islands (python -m yeto.learner).",
+                    "the same runs as torch islands (python -m yeto.learner). It takes the "
+                    "torch island's flags but --tuning full, --lora-freeze-a, --device and "
+                    "--threads.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Example:\n  python -m yeto.mlx.learner --model runs/demo/model "
                "--data runs/demo/data/train.jsonl --syncer 127.0.0.1:29400 "
@@ -207,84 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
-    check_island_args(p, args)
-    if args.lora_freeze_a:
+    cfg = parse_island_args(p, argv)
+    if cfg.lora_freeze_a:
         p.error("--lora-freeze-a is not supported by the MLX island yet; run the fleet "
                 "without it (every island must use the same LoRA mode)")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s {args.learner_id} %(message)s", datefmt="%H:%M:%S")
     from yeto.mlx import mlx_available
 
     if not mlx_available():
-        log.error("%s", INSTALL_HINT)
+        print(f"error: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    import mlx.core as mx
-    from transformers import AutoTokenizer
-
-    from yeto.mlx.lora import LoRAWeights
-
-    mx.random.seed(args.seed)
-    try:
-        source = resolve_model(args.model, args.model_revision, args.trust_remote_code)
-        tok = AutoTokenizer.from_pretrained(str(source.path),
-                                            trust_remote_code=source.trust_remote_code)
-        shard = (args.learner_index, args.num_learners)
-        train = load_blocks(args.data, tok, args.seq_len, shard=shard, packing=args.packing,
-                            revision=args.data_revision, split=args.data_split)
-        held_out = load_blocks(args.eval_data, tok, args.seq_len, packing=args.packing,
-                               revision=args.eval_data_revision, split=args.eval_split,
-                               held_out=True) if args.eval_data else None
-        model, _, layers = build_lora_model(source.path, args.lora_r, args.lora_alpha,
-                                            args.lora_targets, args.seed)
-    except (FileNotFoundError, OSError, DataError, ProvenanceError, ValueError) as e:
-        # ValueError: an unsupported model or --lora-targets, with the fix in the message
-        log.error("%s", e)
-        return 2
-    provenance = build_record(source, train.info["source"], args, backend="mlx",
-                              eval_data=held_out.info["source"] if held_out else None)
-    if args.output:
-        write_provenance(args.output, provenance)  # pinned before training starts
-    if held_out is not None and args.eval_blocks:
-        held_out = held_out[:args.eval_blocks]
-    weights = LoRAWeights(layers)
-    opt = make_optimizer(args.inner_lr, args.weight_decay)
-    loss_and_grad = make_loss_and_grad(model)
-    weights_file, files = export_files(str(source.path), args.lora_r, args.lora_alpha,
-                                       sorted(layers))
-    client = make_client(args, weights.layout, "mlx", weights_file, files)
-
-    def eval_loss() -> float:
-        return evaluate(model, held_out, args.batch_size) if held_out else float("nan")
-
-    island = make_island(args, weights.layout, weights.get, weights.set, client, eval_loss)
-    log.info("%d trainable tensors, %d parameters (lora, mlx %s); %d training blocks, "
-             "%d loss tokens", len(weights.layout.specs), weights.layout.numel,
-             mx.default_device(), len(train), train.loss_tokens)
-    stop = stop_on_signals()
-    island.start()
-    before = eval_loss()
-    write_metrics(args.output, dict(step=0, eval_loss=before, version=island.version,
-                                    time=time.time()))
-    log.info("held-out loss before training: %.4f", before)
-    run_training(args, lambda micro: train_step(model, opt, micro, loss_and_grad), train, island,
-                 "mlx", stop=stop)
-    island.finish()
-    after = eval_loss()
-    log.info("held-out loss after training: %.4f (before %.4f)", after, before)
-    summary = dict(step=island.step, eval_loss=after, eval_loss_before=before,
-                   version=island.version, final=island.finished,
-                   loss_tokens=island.total_tokens, pushes=island.pushes,
-                   bytes_up=client.bytes_up if client else 0,
-                   bytes_down=client.bytes_down if client else 0,
-                   wait_s=client.wait_s if client else 0.0)
-    if args.output:
-        save_outputs(args.output, weights.tensors(), files[PEFT_CONFIG], source.path)
-        write_provenance(args.output / "adapter", provenance)
-        write_metrics(args.output, summary)
-        (args.output / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info("saved to %s", args.output)
-    return 0
+    return run_island(cfg, MLXBackend(cfg))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""An island's settings: one typed `IslandConfig`, the same for torch and MLX.
+
+The library takes an `IslandConfig`; `argparse` stops at the command-line edge
+(`add_island_args` + `IslandConfig.from_args`). Every flag of
+`python -m yeto.learner` / `python -m yeto.mlx.learner` is a field here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from yeto import codec, net
+from yeto.data import PACKING
+from yeto.targets import TARGET_MODES
+
+EXAMPLE = ("--model runs/demo/model --data runs/demo/data/train.jsonl "
+           "--syncer 127.0.0.1:29400")
+
+
+class ConfigError(ValueError):
+    """An island setting that cannot work; the message says which and how to fix it."""
+
+
+@dataclass
+class IslandConfig:
+    """Everything an island needs to know; field names are the flags' names."""
+
+    model: str = ""
+    data: str = ""
+    model_revision: str | None = None
+    trust_remote_code: bool = False
+    data_revision: str | None = None
+    data_split: str | None = None
+    eval_data: str | None = None
+    eval_data_revision: str | None = None
+    eval_split: str | None = None
+    packing: str = "document"
+    syncer: str | None = None          # host:port; None trains a single island
+    allow_solo: bool = False           # finish with success even if no round was joined
+    learner_id: str = "island-0"
+    learner_index: int | None = None   # None: the number at the end of learner_id
+    num_learners: int = 1
+    tuning: str = "lora"
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_freeze_a: bool = False
+    lora_targets: str = "auto"
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    inner_lr: float = 1e-3
+    weight_decay: float = 0.0
+    sync_every: int = 50
+    wire: str = "q4"
+    sync_every_seconds: float = 0.0
+    merge_alpha: float = 0.0
+    pipeline: int = 1
+    slowdown: float = 1.0
+    blocking_sync: bool = False
+    max_steps: int = 200
+    eval_blocks: int = 64
+    output: Path | None = None
+    seed: int = 0
+    token: str | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    progress: bool = True
+    log_level: str = "INFO"
+    device: str = "auto"               # torch: auto | cpu | cuda | cuda:N
+    threads: int = 0                   # torch CPU threads (0 = torch's default)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> IslandConfig:
+        """The config of parsed `add_island_args` flags (unknown attributes ignored)."""
+        given = vars(args)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        cfg = cls(**{k: v for k, v in given.items() if k in fields})
+        cfg.progress = not given.get("no_progress", False)
+        if cfg.syncer in ("none", ""):
+            cfg.syncer = None
+        return cfg
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.resolved_index(), self.num_learners
+
+    def resolved_index(self) -> int:
+        if self.learner_index is not None:
+            return self.learner_index
+        tail = self.learner_id[len(self.learner_id.rstrip("0123456789")):]
+        return int(tail) if tail else 0
+
+    def check(self) -> IslandConfig:
+        """Raise `ConfigError` for settings that cannot work (no model needed)."""
+        if not self.model:
+            raise ConfigError(f"--model is required (example: {EXAMPLE}); "
+                              "`yeto make-tiny-model DIR` builds a tiny local one")
+        if not self.data:
+            raise ConfigError(f"--data is required (example: {EXAMPLE}); "
+                              "`yeto make-task DIR` writes a small task")
+        for name in ("num_learners", "lora_r", "seq_len", "batch_size", "grad_accum",
+                     "sync_every", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        self.learner_index = self.resolved_index()
+        if not 0 <= self.learner_index < self.num_learners:
+            raise ConfigError(f"learner index {self.learner_index} is outside "
+                              f"0..{self.num_learners - 1}; set --learner-index or "
+                              "--num-learners")
+        if not 0.0 <= self.merge_alpha < 1.0:
+            raise ConfigError("--merge-alpha must be in [0, 1)")
+        return self
+
+
+def add_island_args(p: argparse.ArgumentParser) -> None:
+    """The flags both islands take (each backend adds its own few)."""
+    _add_model_and_data(p)
+    _add_run(p)
+    _add_training(p)
+    _add_sync(p)
+    _add_security_and_output(p)
+
+
+def _add_model_and_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local Hugging Face model dir or hub id (required)")
+    p.add_argument("--model-revision", default=None,
+                   help="branch, tag or commit of a hub --model (default main), pinned to its "
+                        "commit before training; local dirs are pinned by a content digest")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow code shipped in the model repo (auto_map) to run; off by default")
+    p.add_argument("--data", help="training data: a .jsonl/.json/.parquet file, a folder of them, "
+                                  "a datasets save_to_disk folder or a hub dataset id; rows are "
+                                  "text | messages | conversations (ShareGPT) | Alpaca | "
+                                  "prompt/completion (see `yeto data --help`)")
+    p.add_argument("--data-revision", default=None,
+                   help="branch, tag or commit of a hub --data (default main), pinned to a commit")
+    p.add_argument("--data-split", default=None,
+                   help="split of a folder / hub / saved dataset --data (default train)")
+    p.add_argument("--eval-data", default=None,
+                   help="held-out data (same kinds as --data), evaluated at every sync")
+    p.add_argument("--eval-data-revision", default=None, help="as --data-revision, for --eval-data")
+    p.add_argument("--eval-split", default=None,
+                   help="split of --eval-data (default validation, else test)")
+    p.add_argument("--packing", choices=PACKING, default="document",
+                   help="document: packed rows never attend to each other (block-diagonal "
+                        "mask, positions restart per row); naive: plain causal blocks")
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--syncer", default="none",
+                   help="syncer host:port, or 'none' to train as a single island")
+    p.add_argument("--allow-solo", action="store_true",
+                   help="exit 0 even if the syncer was never reached (the island then trained "
+                        "alone); without it, an island that joined no round exits 3")
+    p.add_argument("--learner-id", default="island-0", help="this island's name in the run")
+    p.add_argument("--learner-index", type=int, default=None,
+                   help="which data shard (row i goes to island i mod --num-learners); "
+                        "default: the number at the end of --learner-id")
+    p.add_argument("--num-learners", type=int, default=1, help="islands sharing the data")
+    p.add_argument("--seed", type=int, default=0, help="seed for init and batch order")
+    p.add_argument("--max-steps", type=int, default=200, help="optimizer steps to train")
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha (scale alpha/r)")
+    p.add_argument("--lora-freeze-a", action="store_true",
+                   help="draw lora_A from --seed on every island and never train or send it: "
+                        "exact averaging of B, half the bytes")
+    p.add_argument("--lora-targets", default="auto",
+                   help=f"{' | '.join(TARGET_MODES)} | comma list of module names")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training block")
+    p.add_argument("--batch-size", type=int, default=8, help="blocks per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--eval-blocks", type=int, default=64,
+                   help="held-out blocks evaluated per sync (0 = all)")
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="simulate a slower machine: each step takes this many times as "
+                        "long (benchmarks of mixed-speed fleets)")
+
+
+def _add_sync(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sync-every", type=int, default=50, metavar="H",
+                   help="push to the syncer every H optimizer steps")
+    p.add_argument("--wire", choices=codec.ENCODINGS, default="q4",
+                   help="encoding of pushes (q4 keeps the residual: error feedback)")
+    p.add_argument("--sync-every-seconds", type=float, default=0.0, metavar="T",
+                   help="push every T seconds of wall time instead of every H steps (fleets "
+                        "of mixed speed; token weighting lets faster islands count more)")
+    p.add_argument("--merge-alpha", type=float, default=0.0,
+                   help="keep this share of the local weights when merged weights arrive "
+                        "(Streaming DiLoCo's alpha; 0 = adopt the merge plus the steps "
+                        "made since the push)")
+    p.add_argument("--pipeline", type=int, default=1,
+                   help="fragments in flight at once when the syncer runs --fragments P")
+    p.add_argument("--blocking-sync", action="store_true",
+                   help="wait for the merged weights after every push (islands then hold "
+                        "identical weights after each round) instead of training on")
+
+
+def _add_security_and_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=None, help=f"syncer token (default: ${net.TOKEN_ENV})")
+    p.add_argument("--tls-ca", type=Path, default=None, help="CA of the syncer's certificate")
+    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", type=Path, default=None, help="client key (mutual TLS)")
+    p.add_argument("--output", type=Path, default=None, help="where the final adapter is saved")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-level", default="INFO")
+
+
+def parse_island_args(p: argparse.ArgumentParser, argv=None) -> IslandConfig:
+    """Parse and check, turning a `ConfigError` into the parser's usage error (exit 2)."""
+    try:
+        return IslandConfig.from_args(p.parse_args(argv)).check()
+    except ConfigError as e:
+        p.error(str(e))

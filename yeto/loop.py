@@ -1,0 +1,342 @@
+"""The island loop, written once for every backend.
+
+`run_island(cfg, backend)` is all of an island but the tensor engine: pin the model,
+read and shard the data, join the syncer, train with syncs every H steps (or T
+seconds), stop cleanly on the first SIGINT/SIGTERM, finish, evaluate, write the
+metrics, summary and provenance, save. A backend (`yeto.torch.learner.TorchBackend`,
+`yeto.mlx.learner.MLXBackend`) supplies only what differs:
+
+    load(cfg, source) -> tokenizer        the base model and its tokenizer
+    attach(cfg) -> Weights                LoRA (or full weights) + the inner optimizer
+    export_files(cfg) -> (name, files)    what the syncer writes beside its final weights
+    train_step(micro_batches) -> (loss, loss tokens)
+    evaluate(blocks, batch_size) -> mean held-out loss
+    save(cfg, out) -> folder              the final adapter or model
+    describe() -> str                     e.g. "torch cpu", for the log
+    group                                 ranks of one island (`Solo` for one process)
+
+`Weights` is the backend's flat float32 view of the trainable tensors under their
+canonical names: `.layout`, `.get() -> np.ndarray`, `.set(np.ndarray)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from yeto.config import IslandConfig
+from yeto.island import Island
+from yeto.layout import Layout
+from yeto.signals import GracefulStop, ignore_signals
+from yeto.transport import Refused, Transport
+
+log = logging.getLogger("yeto.island")
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_NOT_FEDERATED = 0, 2, 3
+
+
+class Weights(Protocol):
+    layout: Layout
+
+    def get(self) -> np.ndarray: ...
+
+    def set(self, flat: np.ndarray) -> None: ...
+
+
+class Solo:
+    """The rank group of a one-process island (a torchrun group implements the same)."""
+
+    rank, world, leader, active = 0, 1, True, False
+
+    def sum(self, value: int) -> int:
+        return value
+
+    def share(self, applied: bool, weights: Weights, done: bool = False) -> tuple[bool, bool]:
+        """Rank 0's (done, applied) and, when applied, its weights reach every rank."""
+        return done, applied
+
+    def close(self) -> None:
+        pass
+
+
+class Backend(Protocol):
+    name: str
+    group: Any
+
+    def load(self, cfg: IslandConfig, source) -> Any: ...
+
+    def attach(self, cfg: IslandConfig) -> Weights: ...
+
+    def export_files(self, cfg: IslandConfig) -> tuple[str, dict[str, str]]: ...
+
+    def train_step(self, micro_batches: list) -> tuple[float, int]: ...
+
+    def evaluate(self, blocks, batch_size: int) -> float: ...
+
+    def save(self, cfg: IslandConfig, out: Path) -> Path: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass
+class Inputs:
+    """What an island trains on, pinned: the model source, data and provenance."""
+
+    source: Any
+    train: Any
+    held_out: Any | None
+    provenance: dict
+
+
+# ---- the run ---------------------------------------------------------------------
+def run_island(cfg: IslandConfig, backend: Backend) -> int:
+    """Run one island to the end; returns the process exit code."""
+    group = backend.group
+    setup_logging(cfg, group)
+    try:
+        inputs = prepare(cfg, backend)
+        weights = backend.attach(cfg)
+    except (OSError, ValueError) as e:  # missing files, bad data or model: say which
+        log.error("%s", e)
+        return EXIT_BAD_INPUT
+    client = make_client(cfg, weights.layout, backend) if group.leader else None
+    island = make_island(cfg, weights, client, lambda: evaluate(backend, cfg, inputs))
+    log.info("%d trainable tensors, %d parameters (%s, %s); %d training blocks, "
+             "%d loss tokens%s", len(weights.layout.specs), weights.layout.numel, cfg.tuning,
+             backend.describe(), len(inputs.train), inputs.train.loss_tokens,
+             f"; {group.world} ranks" if group.active else "")
+    with GracefulStop(on_first=_stopping) as stop:
+        try:
+            island.start()
+        except Refused as e:
+            log.error("%s", e)
+            return EXIT_NOT_FEDERATED
+        group.share(True, weights)
+        before = leader_eval(backend, cfg, inputs)
+        write_metrics(cfg.output, dict(step=0, eval_loss=before, version=island.version,
+                                       time=time.time()), group)
+        tokens_per_s = train(cfg, backend, island, weights, inputs.train, stop)
+        if group.leader:
+            island.finish()
+        group.share(True, weights)
+    after = leader_eval(backend, cfg, inputs, before)
+    summary = summarize(island, client, group, before, after, tokens_per_s)
+    if cfg.output and group.leader:
+        save_outputs(cfg, backend, inputs, summary)
+    group.close()
+    ignore_signals()  # outputs are saved: a late signal must not make this exit an error
+    return exit_code(cfg, island, client)
+
+
+def _stopping(name: str) -> None:
+    log.warning("%s: stopping after this step; finishing and saving (again to stop at once)",
+                name)
+
+
+def setup_logging(cfg: IslandConfig, group) -> None:
+    who = cfg.learner_id + (f"/{group.rank}" if group.active else "")
+    logging.basicConfig(level=cfg.log_level.upper() if group.leader else "WARNING",
+                        format=f"%(asctime)s {who} %(message)s", datefmt="%H:%M:%S")
+
+
+def prepare(cfg: IslandConfig, backend: Backend) -> Inputs:
+    """Pin the model, load it, read this island's shard of the data (and its rank's
+    slice in a torchrun group), and write the provenance before training starts."""
+    from yeto.data import load_blocks
+    from yeto.data.provenance import build_record, resolve_model, write_provenance
+
+    source = resolve_model(cfg.model, cfg.model_revision, cfg.trust_remote_code)
+    tok = backend.load(cfg, source)
+    train_blocks = load_blocks(cfg.data, tok, cfg.seq_len, shard=cfg.shard, packing=cfg.packing,
+                               revision=cfg.data_revision, split=cfg.data_split)
+    held_out = load_blocks(cfg.eval_data, tok, cfg.seq_len, packing=cfg.packing,
+                           revision=cfg.eval_data_revision, split=cfg.eval_split,
+                           held_out=True) if cfg.eval_data else None
+    group = backend.group
+    if group.active:  # each rank trains on its own slice of the island's shard
+        train_blocks = train_blocks[group.rank::group.world]
+    record = build_record(source, train_blocks.info["source"], cfg, backend=backend.name,
+                          eval_data=held_out.info["source"] if held_out else None)
+    if cfg.output and group.leader:
+        write_provenance(cfg.output, record)
+    if held_out is not None and cfg.eval_blocks:
+        held_out = held_out[:cfg.eval_blocks]
+    return Inputs(source, train_blocks, held_out, record)
+
+
+def make_client(cfg: IslandConfig, layout: Layout, backend: Backend) -> Transport | None:
+    """The gRPC transport to `cfg.syncer` (None for a single island)."""
+    if not cfg.syncer:
+        return None
+    from yeto.client import TLSConfig, connect
+
+    weights_file, files = backend.export_files(cfg)
+    return connect(cfg.syncer, cfg.learner_id, layout, token=cfg.token, backend=backend.name,
+                   weights_file=weights_file, export_files=files,
+                   tls=TLSConfig.from_files(cfg.tls_ca, cfg.tls_cert, cfg.tls_key))
+
+
+def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,
+                on_sync) -> Island:
+    return Island(weights.layout, weights.get, weights.set, client=client,
+                  sync_every=cfg.sync_every, sync_every_seconds=cfg.sync_every_seconds,
+                  merge_alpha=cfg.merge_alpha, pipeline=cfg.pipeline, wire=cfg.wire,
+                  blocking=cfg.blocking_sync, on_sync=on_sync)
+
+
+# ---- training ----------------------------------------------------------------------
+def train(cfg: IslandConfig, backend: Backend, island: Island, weights: Weights, blocks,
+          stop: GracefulStop) -> float:
+    """The inner loop: one optimizer step per iteration, then the island's turn (apply
+    arrived weights, push when due). In a torchrun group only rank 0's island talks to
+    the syncer; merged weights reach the other ranks at the same step boundary.
+    Returns the island's training tokens per second (all ranks together)."""
+    from yeto.data import BatchSampler
+
+    group = backend.group
+    sampler = BatchSampler(blocks, cfg.batch_size, seed=cfg.seed + cfg.resolved_index())
+    t0, seen = time.perf_counter(), 0
+    with progress(cfg, f"{cfg.learner_id} ({backend.name})", group.leader) as bar:
+        for step in range(1, cfg.max_steps + 1):
+            t_step = time.perf_counter()
+            micro = [next(sampler) for _ in range(cfg.grad_accum)]
+            loss, loss_tokens = backend.train_step(micro)
+            seen += sum(mb[0].shape[0] * (mb[0].shape[1] - 1) for mb in micro)
+            if cfg.slowdown > 1:  # a slower machine, simulated: stretch the step
+                time.sleep((cfg.slowdown - 1) * (time.perf_counter() - t_step))
+            done = island_turn(cfg, island, group, weights, step, loss, loss_tokens, t0)
+            bar(loss, seen / (time.perf_counter() - t0), island.version)
+            if not math.isfinite(loss):
+                log.error("training loss is %s at step %d: lower --inner-lr", loss, island.step)
+                break
+            if done or stop.is_set():
+                break
+    return group.sum(seen) / (time.perf_counter() - t0)
+
+
+def island_turn(cfg: IslandConfig, island: Island, group, weights: Weights, step: int,
+                loss: float, loss_tokens: int, t0: float) -> bool:
+    """After one step: the island applies and pushes; ranks follow; metrics at syncs.
+    Returns True when the run is over."""
+    loss_tokens = group.sum(loss_tokens)
+    pushes, versions = island.pushes, dict(island.versions)
+    done = island.after_step(loss_tokens, train_loss=loss) if group.leader else False
+    if group.active:
+        done, applied = group.share(island.versions != versions, weights, done)
+        if applied and cfg.output:
+            group.record_weights(cfg.output, step, weights)
+    if island.pushes != pushes or (island.client is None and island.step % cfg.sync_every == 0):
+        write_metrics(cfg.output, dict(
+            step=island.step, train_loss=loss, eval_loss=island.eval_loss,
+            version=island.version, loss_tokens=island.total_tokens,
+            tokens_per_s=island.total_tokens / (time.perf_counter() - t0),
+            time=time.time()), group)
+    return done
+
+
+class progress:
+    """A progress bar on stderr (rich), or nothing with --no-progress / on other ranks.
+    Called once per step with (loss, tokens/s, version)."""
+
+    def __init__(self, cfg: IslandConfig, desc: str, leader: bool):
+        self.enabled = cfg.progress and leader
+        self.total, self.desc = cfg.max_steps, desc
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                 console=Console(stderr=True), refresh_per_second=1)
+            self._bar.start()
+            self._task = self._bar.add_task(self.desc, total=self.total, info="")
+        return self
+
+    def __call__(self, loss: float, tokens_per_s: float, version: int) -> None:
+        if self.enabled:
+            info = f"loss {loss:.3f}  {tokens_per_s:.0f} tok/s  round {version}"
+            self._bar.update(self._task, advance=1, info=info)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._bar.stop()
+
+
+# ---- evaluation, outputs -------------------------------------------------------------
+def evaluate(backend: Backend, cfg: IslandConfig, inputs: Inputs) -> float:
+    if inputs.held_out is None:
+        return float("nan")
+    return backend.evaluate(inputs.held_out, cfg.batch_size)
+
+
+def leader_eval(backend: Backend, cfg: IslandConfig, inputs: Inputs,
+                before: float | None = None) -> float:
+    """The held-out loss on rank 0, logged (before training, or after with `before`)."""
+    if not backend.group.leader:
+        return float("nan")
+    if inputs.held_out is None:
+        if before is None:
+            log.info("no --eval-data: the held-out loss is not measured")
+        return float("nan")
+    loss = evaluate(backend, cfg, inputs)
+    if before is None:
+        log.info("held-out loss before training: %.4f", loss)
+    else:
+        log.info("held-out loss after training: %.4f (before %.4f)", loss, before)
+    return loss
+
+
+def summarize(island: Island, client: Transport | None, group, before: float, after: float,
+              tokens_per_s: float) -> dict:
+    return dict(step=island.step, eval_loss=after, eval_loss_before=before,
+                version=island.version, final=island.finished,
+                loss_tokens=island.total_tokens, pushes=island.pushes,
+                bytes_up=client.bytes_up if client else 0,
+                bytes_down=client.bytes_down if client else 0,
+                wait_s=client.wait_s if client else 0.0, ranks=group.world,
+                tokens_per_s=tokens_per_s)
+
+
+def save_outputs(cfg: IslandConfig, backend: Backend, inputs: Inputs, summary: dict) -> None:
+    from yeto.data.provenance import write_provenance
+    from yeto.io import atomic_write
+
+    saved = backend.save(cfg, cfg.output)
+    write_provenance(saved, inputs.provenance)
+    write_metrics(cfg.output, summary)
+    atomic_write(cfg.output / "summary.json", json.dumps(summary, indent=2))
+    log.info("saved to %s", cfg.output)
+
+
+def write_metrics(out: Path | None, record: dict, group=Solo()) -> None:
+    """Append one JSON line to OUT/metrics.jsonl (rank 0 only)."""
+    if out is None or not group.leader:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def exit_code(cfg: IslandConfig, island: Island, client: Transport | None) -> int:
+    """Non-zero for a federated island that never joined a round: a run that never
+    federated must not look like success (unless --allow-solo)."""
+    if client is None or island.versions:  # single island, a non-leader rank, or joined
+        return EXIT_OK
+    why = client.fatal or client.last_error or "no answer"
+    message = (f"this island never joined a round: the syncer at {cfg.syncer} was not "
+               f"reached (last error: {why}). Check the address and that `python -m syncer` "
+               "runs there")
+    if cfg.allow_solo:
+        log.warning("%s; it trained alone (--allow-solo)", message)
+        return EXIT_OK
+    log.error("%s; to train alone on purpose, pass --allow-solo", message)
+    return EXIT_NOT_FEDERATED

@@ -1,0 +1,91 @@
+"""The torch island's model: load a Hugging Face causal LM, attach peft LoRA on the
+shared target selection, canonical tensor names, and the files its outputs carry."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from yeto import frozen
+from yeto.data.provenance import ModelSource, resolve_model
+from yeto.targets import select_targets
+
+
+def load_base(model: str | ModelSource, dtype=torch.float32, *, revision: str | None = None,
+              trust_remote_code: bool = False):
+    """Load model + tokenizer from a local dir or a hub id, pinned and checked first
+    (`yeto.data.provenance.resolve_model`: safetensors only, no repo code unless trusted)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = model if isinstance(model, ModelSource) else resolve_model(
+        model, revision=revision, trust_remote_code=trust_remote_code)
+    trust = src.trust_remote_code
+    tok = AutoTokenizer.from_pretrained(str(src.path), trust_remote_code=trust)
+    lm = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype, use_safetensors=True,
+                                              trust_remote_code=trust)
+    return lm, tok
+
+
+def linear_paths(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
+                freeze_a: bool = False):
+    """peft LoRA on the shared target selection. With `freeze_a`, every lora_A is
+    drawn from `seed` by `yeto.frozen` (the same bits on every island and backend)
+    and never trained, so only lora_B is synced and the merge is exact."""
+    from peft import LoraConfig, get_peft_model
+
+    chosen = select_targets(linear_paths(model), targets, model.config.to_dict())
+    torch.manual_seed(seed)  # same init on every island with the same seed
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=chosen, lora_dropout=0.0,
+                     bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(model, cfg)
+    if freeze_a:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_A." in name:
+                    key = canonical_name(name, "lora")
+                    p.copy_(torch.from_numpy(frozen.frozen_lora_a(key, tuple(p.shape), seed)))
+                    p.requires_grad_(False)
+    return model
+
+
+
+
+def canonical_name(param_name: str, tuning: str) -> str:
+    """peft's saved key for LoRA (adapter name dropped); the HF name in full mode."""
+    if tuning == "lora":
+        return param_name.replace(".default.", ".")
+    return param_name
+
+
+
+# ---- outputs ----------------------------------------------------------------
+def save_output(model, out: Path, tuning: str, tokenizer=None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    if tuning == "full" and tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def export_files(model, tuning: str, frozen_seed: int | None = None) -> tuple[str, dict]:
+    """The weights file name and text files the syncer writes beside its final
+    weights, so its output loads exactly like an island's."""
+    if tuning == "full":
+        return "model.safetensors", {"config.json": model.config.to_json_string()}
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        config = json.loads((Path(d) / "adapter_config.json").read_text())
+    # sorted: the text must not depend on set order or on which island joined first
+    config["target_modules"] = sorted(config["target_modules"])
+    files = {"adapter_config.json": json.dumps(config, indent=2, sort_keys=True)}
+    if frozen_seed is not None:
+        shapes = {canonical_name(n, "lora"): tuple(p.shape) for n, p in model.named_parameters()
+                  if ".lora_A." in n}
+        files[frozen.EXPORT_FILE] = frozen.describe(frozen_seed, shapes)
+    return "adapter_model.safetensors", files
