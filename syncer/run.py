@@ -38,6 +38,7 @@ from syncer import state
 from syncer.merge import MergeAccumulator, NesterovOuter
 from syncer.tape import Tape
 from yeto import codec, frozen
+from yeto.interop.adapters import run_adapter_tensors
 from yeto.io import finite_or_none
 from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
 from yeto.proto import yeto_pb2 as pb
@@ -543,11 +544,9 @@ class Run:
     def _write_final(self) -> None:
         """`state-dir/final/`: the final weights in the islands' file name, with frozen
         LoRA A rebuilt (it never travelled), their export files and provenance.json."""
-        tensors = self.layout.unflatten(self.theta)
+        tensors = run_adapter_tensors(self.layout.unflatten(self.theta), self.export_files)
         files = dict(self.export_files)
-        frozen_a = files.pop(frozen.EXPORT_FILE, None)
-        if frozen_a is not None:
-            tensors.update(frozen.rebuild(frozen_a))
+        files.pop(frozen.EXPORT_FILE, None)  # A is rebuilt above: the seed file stays out
         record = state.final_provenance(self.cfg, self._run_record())
         state.write_final(self.cfg.state_dir / state.FINAL_DIR, self.weights_file, tensors,
                           self.version, files, record)

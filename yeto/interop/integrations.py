@@ -327,89 +327,6 @@ def _make_callback_class():
 
 
 # ---- mlx-lm --------------------------------------------------------------------------
-_PEFT_PREFIX = "base_model.model."
-
-
-class MLXLoRAWeights:
-    """An mlx-lm model's trainable parameters as one flat float32 vector, with
-    mlx-lm LoRA factors under peft's names and shapes: ``<m>.lora_a`` (in, r) is
-    ``base_model.model.<m>.lora_A.weight`` (r, in), ``lora_b`` (r, out) is
-    ``lora_B.weight`` (out, r). Other trainable parameters keep their names."""
-
-    def __init__(self, model):
-        from mlx.utils import tree_flatten
-
-        self.model = model
-        params = dict(tree_flatten(model.trainable_parameters()))
-        if not params:
-            raise ValueError("the model has no trainable parameters: attach LoRA first "
-                             "(mlx_lm.tuner.utils.linear_to_lora_layers after model.freeze())")
-        self.names: dict[str, tuple[str, bool]] = {}  # canonical -> (mlx name, transposed)
-        shapes = {}
-        for name, p in params.items():
-            canonical, transpose = _peft_name(name)
-            self.names[canonical] = (name, transpose)
-            shapes[canonical] = tuple(p.shape[::-1]) if transpose else tuple(p.shape)
-        self.layout = Layout.from_shapes(shapes)
-        self.dtypes = {name: p.dtype for name, p in params.items()}
-
-    def get(self) -> np.ndarray:
-        from mlx.utils import tree_flatten
-
-        params = dict(tree_flatten(self.model.trainable_parameters()))
-        parts = []
-        for spec in self.layout.specs:
-            name, transpose = self.names[spec.name]
-            a = np.asarray(params[name].astype(_mx().float32))
-            parts.append((a.T if transpose else a).reshape(-1))
-        return np.concatenate(parts).astype(np.float32, copy=False)
-
-    def set(self, flat: np.ndarray) -> None:
-        from mlx.utils import tree_unflatten
-
-        mx = _mx()
-        flat = np.asarray(flat, np.float32)
-        items, pos = [], 0
-        for spec in self.layout.specs:
-            name, transpose = self.names[spec.name]
-            n = int(np.prod(spec.shape)) if spec.shape else 1
-            a = flat[pos:pos + n].reshape(spec.shape)
-            pos += n
-            a = np.ascontiguousarray(a.T if transpose else a)
-            items.append((name, mx.array(a).astype(self.dtypes[name])))
-        self.model.update(tree_unflatten(items))
-        mx.eval(self.model.trainable_parameters())
-
-    def lora_config(self) -> tuple[int, float, list[str]] | None:
-        """(r, scale, adapted module paths) when every trainable tensor is a LoRA factor
-        with one rank and scale, else None."""
-        from mlx.utils import tree_flatten
-
-        modules = sorted({n[:-len(".lora_a")] for n in dict(
-            tree_flatten(self.model.trainable_parameters())) if n.endswith(".lora_a")})
-        if not modules or len(modules) * 2 != len(self.names):
-            return None
-        layers = dict(self.model.named_modules())
-        ranks = {layers[m].lora_a.shape[1] for m in modules if m in layers}
-        scales = {float(layers[m].scale) for m in modules if m in layers}
-        if len(ranks) != 1 or len(scales) != 1:
-            return None
-        return ranks.pop(), scales.pop(), modules
-
-
-def _peft_name(mlx_name: str) -> tuple[str, bool]:
-    for suffix, which in ((".lora_a", "A"), (".lora_b", "B")):
-        if mlx_name.endswith(suffix):
-            return f"{_PEFT_PREFIX}{mlx_name[:-len(suffix)]}.lora_{which}.weight", True
-    return mlx_name, False
-
-
-def _mx():
-    import mlx.core as mx
-
-    return mx
-
-
 def batch_loss_tokens(batch) -> int:
     """Loss tokens of one mlx-lm batch ``(tokens (B, T), lengths (B, 2))``: the
     target positions ``1..T-1`` from each row's offset to its length, as
@@ -440,7 +357,9 @@ class MLXDiLoCo(_Base):
                  base_model: str | Path | None = None, tokens_fn=None,
                  connect_grace_s: float = 5.0, start: bool = True, **island_options):
         self.model = model
-        self.weights = MLXLoRAWeights(model)
+        from yeto.mlx.lora import LoRAWeights
+
+        self.weights = LoRAWeights(model)
         self.tokens_fn = tokens_fn or batch_loss_tokens
         files: dict[str, str] = {}
         weights_file = "weights.safetensors"

@@ -3,14 +3,13 @@ shared target selection, canonical tensor names, and the files its outputs carry
 
 from __future__ import annotations
 
-import json
-import tempfile
 from pathlib import Path
 
 import torch
 
 from yeto import frozen
 from yeto.data.provenance import ModelSource, resolve_model
+from yeto.interop.adapters import PEFT_CONFIG, PEFT_WEIGHTS, peft_adapter_config
 from yeto.targets import select_targets
 
 
@@ -78,14 +77,11 @@ def export_files(model, tuning: str, frozen_seed: int | None = None) -> tuple[st
     weights, so its output loads exactly like an island's."""
     if tuning == "full":
         return "model.safetensors", {"config.json": model.config.to_json_string()}
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        config = json.loads((Path(d) / "adapter_config.json").read_text())
-    # sorted: the text must not depend on set order or on which island joined first
-    config["target_modules"] = sorted(config["target_modules"])
-    files = {"adapter_config.json": json.dumps(config, indent=2, sort_keys=True)}
+    cfg = model.peft_config["default"]
+    files = {PEFT_CONFIG: peft_adapter_config(cfg.base_model_name_or_path, cfg.r, cfg.lora_alpha,
+                                              cfg.target_modules, cfg.lora_dropout)}
     if frozen_seed is not None:
         shapes = {canonical_name(n, "lora"): tuple(p.shape) for n, p in model.named_parameters()
                   if ".lora_A." in n}
         files[frozen.EXPORT_FILE] = frozen.describe(frozen_seed, shapes)
-    return "adapter_model.safetensors", files
+    return PEFT_WEIGHTS, files
