@@ -5,6 +5,7 @@ passes a Ctrl-C on to them as SIGINT, and each one finishes its step, pushes, re
 the final weights and saves, by its own signal handling."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -208,3 +209,33 @@ def test_islands_are_the_island_programs_themselves(tmp_path):
         assert flags["--syncer"] == "127.0.0.1:1234" and flags["--learner-id"] == f"island-{i}"
         assert flags["--num-learners"] == "2" and flags["--max-steps"] == "7"
         assert flags["--eval-data"] == "e" and flags["--output"] == str(tmp_path / f"i{i}")
+
+
+def test_a_syncer_that_cannot_start_is_reported_with_its_output(tmp_path, capsys):
+    """syncer.spawn: a syncer that exits before it listens fails at once with the end of
+    its output (no waiting out a timeout); the launcher says so and exits 2."""
+    from syncer.spawn import SyncerStartError, start_syncer
+
+    t0 = time.monotonic()
+    with pytest.raises(SyncerStartError, match="unrecognized arguments: --bogus"):
+        start_syncer(["--bogus"], timeout_s=120)
+    assert time.monotonic() - t0 < 60
+    code = launch.main(["--model", "m", "--data", "d", "--out", str(tmp_path / "run"),
+                        "--syncer-args=--bogus", "--display", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and "exited with code 2 before it listened" in err and "--bogus" in err
+
+
+def test_plain_tables_are_parseable_and_never_wrapped():
+    """yeto.cli.display off a terminal: columns two spaces apart, a rule under the
+    header, cells taken literally (no rich markup), wide tables on one line each."""
+    from yeto.cli.display import table_text
+
+    headers = [f"column {i}" for i in range(30)]
+    text = table_text(headers, [["[bold]x[/bold]", *range(29)], ["[::1]:29400", *range(29)]],
+                      right=range(1, 30))
+    lines = text.splitlines()
+    assert len(lines) == 4 and set(lines[1]) == {"-"}
+    assert re.split(r"\s{2,}", lines[0]) == headers
+    assert lines[2].startswith("[bold]x[/bold]") and lines[3].startswith("[::1]:29400")
+    assert "\x1b" not in text and all(line == line.rstrip() for line in lines)
