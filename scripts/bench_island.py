@@ -43,7 +43,9 @@ from yeto.cli.fixtures import make_task, make_tiny_model  # noqa: E402
 from yeto.client import SyncerClient  # noqa: E402
 from yeto.data import BatchSampler, load_blocks  # noqa: E402
 from yeto.island import Island  # noqa: E402
-from yeto.torch.learner import TorchWeights, attach_lora, load_base, train_step  # noqa: E402
+from yeto.torch.loss import train_step  # noqa: E402
+from yeto.torch.model import attach_lora, load_base  # noqa: E402
+from yeto.torch.weights import TorchWeights  # noqa: E402
 
 
 def setup(model_dir: Path, train: Path, seq_len: int):
