@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto
 import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
+from syncer.spawn import start_syncer  # noqa: E402
 from syncer.tape import read_tape  # noqa: E402
 from yeto.cli.fixtures import make_tiny_model  # noqa: E402
 from yeto.mlx.shims import flat_rope_overrides  # noqa: E402
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.mlx
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {"step", "eval_loss", "eval_loss_before", "version", "final", "loss_tokens",
-                "pushes", "bytes_up", "bytes_down", "wait_s"}  # yeto/learner.py main()
+                "pushes", "bytes_up", "bytes_down", "wait_s", "ranks",
+                "tokens_per_s"}  # yeto.loop.summarize, the same for both backends
 IDS = np.arange(5, 69, dtype=np.int32).reshape(2, 32)
 
 
@@ -142,34 +143,20 @@ def test_bad_targets_and_missing_model_exit_2(tiny_llama, tiny_task, tmp_path, c
 
 
 # ---- torch + MLX in one run -----------------------------------------------------
-def _start_syncer(state: Path, log):
-    port_file = state / "port"
-    state.mkdir(parents=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "syncer", "--port", "0", "--port-file", str(port_file),
-         "--quorum", "2", "--state-dir", str(state), "--outer-lr", "1.0",
-         "--outer-momentum", "0.0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
-    while not port_file.exists():
-        assert proc.poll() is None, "syncer exited"
-        assert time.monotonic() - t0 < 60, "syncer did not start"
-        time.sleep(0.05)
-    return proc, int(port_file.read_text())
-
-
 def _mixed_run(model, task, out: Path, steps: int, sync_every: int, seq_len: int,
                batch_size: int, inner_lr: str) -> dict:
     """A real syncer process + a torch island + an MLX island; returns their summaries."""
     train, held_out = task
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     syncer_log = open(out / "syncer.log", "w")
-    syncer, port = _start_syncer(out / "s", syncer_log)
+    syncer = start_syncer(["--quorum", "2", "--state-dir", str(out / "s"), "--outer-lr", "1.0",
+                           "--outer-momentum", "0.0"], cwd=ROOT, log=syncer_log)
     procs = {}
     try:
         for i, module in enumerate(("yeto.learner", "yeto.mlx.learner")):
             iid = f"island-{i}"
             cmd = [sys.executable, "-m", module, "--model", str(model), "--data", str(train),
-                   "--eval-data", str(held_out), "--syncer", f"127.0.0.1:{port}",
+                   "--eval-data", str(held_out), "--syncer", syncer.address,
                    "--learner-id", iid, "--num-learners", "2", "--max-steps", str(steps),
                    "--sync-every", str(sync_every), "--seq-len", str(seq_len),
                    "--batch-size", str(batch_size), "--lora-r", "8", "--inner-lr", inner_lr,
@@ -180,11 +167,12 @@ def _mixed_run(model, task, out: Path, steps: int, sync_every: int, seq_len: int
                                           stdout=open(out / f"{iid}.log", "w"),
                                           stderr=subprocess.STDOUT)
         codes = {k: p.wait(timeout=900) for k, p in procs.items()}
-        syncer.wait(timeout=120)
+        syncer.proc.wait(timeout=120)
     finally:
-        for p in [*procs.values(), syncer]:
+        for p in procs.values():
             if p.poll() is None:
                 p.terminate()
+        syncer.stop()
         syncer_log.close()
     logs = {k: (out / f"{k}.log").read_text()[-3000:] for k in procs}
     assert codes == {"island-0": 0, "island-1": 0}, logs
@@ -227,3 +215,33 @@ def test_torch_and_mlx_islands_learn_together(tiny_llama, tiny_task, tmp_path):
                    batch_size=8, inner_lr="3e-3")
     for iid, x in s.items():
         assert x["eval_loss"] < x["eval_loss_before"] - 0.03, (iid, x)
+
+
+# ---- no torch ------------------------------------------------------------------------
+NO_TORCH = ("import sys, runpy\n"
+            "for m in ('torch', 'peft'): sys.modules[m] = None\n"
+            "sys.argv = ['yeto.mlx.learner', *sys.argv[1:]]\n"
+            "runpy.run_module('yeto.mlx.learner', run_name='__main__')\n")
+
+
+def test_mlx_island_runs_with_torch_and_peft_unimportable(tiny_llama, tiny_task, tmp_path):
+    """`pip install "yeto[mlx]"` has no torch and no peft: the island trains against a
+    real syncer and writes its peft and mlx-lm adapters without them."""
+    train, held_out = tiny_task
+    probe = subprocess.run([sys.executable, "-c", NO_TORCH.split("sys.argv")[0] +
+                            "import torch"], capture_output=True, text=True)
+    assert "ModuleNotFoundError" in probe.stderr or "ImportError" in probe.stderr
+    with start_syncer(["--quorum", "1", "--state-dir", str(tmp_path / "s")], cwd=ROOT) as syncer:
+        r = subprocess.run(
+            [sys.executable, "-c", NO_TORCH, "--model", str(tiny_llama), "--data", str(train),
+             "--eval-data", str(held_out), "--syncer", syncer.address, "--max-steps", "4",
+             "--sync-every", "2", "--seq-len", "32", "--batch-size", "2", "--lora-r", "4",
+             "--eval-blocks", "4", "--output", str(tmp_path / "out"), "--no-progress"],
+            cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["final"] and summary["version"] >= 2 and summary["pushes"] >= 2
+    mine = load_file(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors"))
+    final = load_file(str(tmp_path / "s" / "final" / "adapter_model.safetensors"))
+    assert mine.keys() == final.keys() and all(np.array_equal(mine[k], final[k]) for k in mine)
+    assert (tmp_path / "out" / "mlx" / "adapters.safetensors").is_file()

@@ -108,20 +108,35 @@ def test_unknown_schema_names_file_and_line(tmp_path, tiny_llama):
     assert "bad.jsonl line 2" in r.stderr and "question" in r.stderr and "accepted" in r.stderr
 
 
-def test_unreachable_syncer_retries_and_trains_locally(tmp_path, tiny_llama, tiny_task):
+def _free_port() -> int:
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_unreachable_syncer_is_an_error_unless_solo_is_allowed(tmp_path, tiny_llama, tiny_task):
+    """An island that never joined a round must not look like success: it retries,
+    trains on, saves its work, and exits 3 naming the address and the last error.
+    With --allow-solo the same run exits 0 (training alone on purpose)."""
     train, held_out = tiny_task
-    r = _run(["-m", "yeto.learner", "--model", str(tiny_llama), "--data", str(train),
-              "--eval-data", str(held_out), "--syncer", f"127.0.0.1:{port}", "--max-steps", "30",
-              "--sync-every", "10", "--seq-len", "64", "--no-progress", "--threads", "1",
-              "--output", str(tmp_path / "out")])
-    assert r.returncode == 0, r.stderr[-2000:]
+    address = f"127.0.0.1:{_free_port()}"
+    common = ["-m", "yeto.learner", "--model", str(tiny_llama), "--data", str(train),
+              "--syncer", address, "--max-steps", "30", "--sync-every", "10", "--seq-len", "64",
+              "--no-progress", "--threads", "1"]
+    r = _run([*common, "--eval-data", str(held_out), "--output", str(tmp_path / "out")])
+    assert r.returncode == 3, r.stderr[-2000:]
     assert "unreachable" in r.stderr and "retrying in" in r.stderr
     assert "training locally" in r.stderr
+    assert f"never joined a round: the syncer at {address}" in r.stderr
+    assert "UNAVAILABLE" in r.stderr and "--allow-solo" in r.stderr
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert s["step"] == 30 and s["eval_loss"] < s["eval_loss_before"]
+    assert s["step"] == 30 and s["eval_loss"] < s["eval_loss_before"]  # the work is kept
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").exists()
+
+    solo = _run([*common, "--allow-solo", "--output", str(tmp_path / "solo")])  # no eval data
+    assert solo.returncode == 0, solo.stderr[-2000:]
+    assert "trained alone (--allow-solo)" in solo.stderr
+    assert "no --eval-data: the held-out loss is not measured" in solo.stderr
+    assert "nan" not in solo.stderr

@@ -24,7 +24,7 @@ from yeto.io import host_port
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
-from yeto.transport import Lost, PushReply, Received, Refused, TransportError, Unavailable
+from yeto.transport import Lost, PushReply, Received, Refused, Unavailable
 
 log = logging.getLogger("yeto.client")
 
@@ -84,7 +84,7 @@ class SyncerClient:
         self._backoff = (backoff_s, max_backoff_s)
         self._cond = threading.Condition()
         self._latest: dict[int, Received] = {}  # newest untaken broadcast per fragment
-        self._held: dict[int, tuple[int, np.ndarray]] = {}  # fragment -> (version, Θ slice)
+        self._theta_of: dict[int, tuple[int, np.ndarray]] = {}  # fragment -> (version, Θ slice)
         self.num_fragments = 1
         self._closed = False
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yeto-push")
@@ -141,6 +141,16 @@ class SyncerClient:
             return self._closed
 
     def _join_and_listen(self) -> None:
+        self._join()
+        # every new connection asks for the current Θ (a rejoined island catches up)
+        self._stream = self._stub.Subscribe(
+            pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
+            metadata=self._metadata)
+        self._listen(self._stream)
+        if not self.finished and not self._closed:
+            raise _StreamEnded()
+
+    def _join(self) -> None:
         reply = self._stub.Join(self._join_request, metadata=self._metadata, timeout=30)
         if reply.finished:
             log.info("syncer reports the run already finished")
@@ -156,47 +166,45 @@ class SyncerClient:
                                    kind=pb.SEED, encoding="f32", numel=self.layout.numel,
                                    payload_bytes=4 * self.layout.numel)
             self._stream_push(header, codec.encode(self._initial, "f32"))
-        # every new connection asks for the current Θ (a rejoined island catches up)
-        stream = self._stub.Subscribe(
-            pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
-            metadata=self._metadata)
-        self._stream = stream
+
+    def _listen(self, stream) -> None:
+        """Reassemble each broadcast from its chunks and hand it over."""
         header, buf, n = None, None, 0
         for chunk in stream:
             if chunk.HasField("header"):
                 header = chunk.header
                 buf, n = np.empty(header.payload_bytes, np.uint8), 0
             if header is None:
-                raise TransportError("broadcast stream started without a header")
+                raise _BadBroadcast("broadcast stream started without a header")
             data = chunk.data  # each access copies: read once
             if n + len(data) > len(buf):
-                raise TransportError("broadcast payload longer than its header announced")
+                raise _BadBroadcast("broadcast payload longer than its header announced")
             buf[n:n + len(data)] = np.frombuffer(data, np.uint8)
             n += len(data)
             if n == header.payload_bytes:
-                if header.delta:  # an update to the version we hold: same adds as the syncer
-                    held = self._held.get(header.fragment)
-                    if held is None or held[0] != header.base_version:
-                        raise TransportError(f"broadcast update against version "
-                                          f"{header.base_version}, but this island holds "
-                                          f"{held and held[0]}")
-                    theta = held[1].copy()
-                    codec.decode_add(buf, header.encoding, header.numel, theta, 1.0)
-                elif header.encoding == "f32":  # validated, then used in place: no copy
-                    codec.validate(buf, "f32", header.numel)
-                    theta = buf.view(np.float32)
-                else:
-                    theta = codec.decode(buf, header.encoding, header.numel)
-                self._held[header.fragment] = (header.version, theta)
-                self.bytes_down += n
-                got = Received(header.version, header.fragment, header.final, theta)
-                with self._cond:
-                    self._latest[header.fragment] = got
-                    self.finished = self.finished or header.final
-                    self._cond.notify_all()
+                self._deliver(header, buf)
                 header = None
-        if not self.finished and not self._closed:
-            raise _StreamEnded()
+
+    def _deliver(self, header, buf: np.ndarray) -> None:
+        if header.delta:  # an update to the version we hold: the same adds as the syncer
+            current = self._theta_of.get(header.fragment)
+            if current is None or current[0] != header.base_version:
+                raise _BadBroadcast(f"broadcast update against version {header.base_version}, "
+                                    f"but this island holds {current and current[0]}")
+            theta = current[1].copy()
+            codec.decode_add(buf, header.encoding, header.numel, theta, 1.0)
+        elif header.encoding == "f32":  # validated, then used in place: no copy
+            codec.validate(buf, "f32", header.numel)
+            theta = buf.view(np.float32)
+        else:
+            theta = codec.decode(buf, header.encoding, header.numel)
+        self._theta_of[header.fragment] = (header.version, theta)
+        self.bytes_down += len(buf)
+        got = Received(header.version, header.fragment, header.final, theta)
+        with self._cond:
+            self._latest[header.fragment] = got
+            self.finished = self.finished or header.final
+            self._cond.notify_all()
 
     # ---- caller side ------------------------------------------------------
     def take(self) -> list[Received]:
@@ -281,11 +289,27 @@ class SyncerClient:
 
 
 class _StreamEnded(grpc.RpcError):
+    """The broadcast stream ended before the run did: reconnect."""
+
     def code(self):
         return grpc.StatusCode.UNAVAILABLE
 
     def details(self):
         return "broadcast stream ended"
+
+
+class _BadBroadcast(grpc.RpcError):
+    """A malformed broadcast: drop the connection and rejoin (the syncer re-sends Θ)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def code(self):
+        return grpc.StatusCode.DATA_LOSS
+
+    def details(self):
+        return self.message
 
 
 def status(address: str, token: str | None = None, tls: TLSConfig | None = None,

@@ -282,7 +282,7 @@ class Island:
         """True: the syncer holds the push; False: it does not (redo its work);
         None: unknown until the next join says (`acked_seq`)."""
         try:
-            return p.future.result(timeout=300).held
+            return p.future.result(timeout=300).kept
         except Refused as e:
             log.warning("push %d refused: %s", p.seq, e)
             return False

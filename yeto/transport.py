@@ -59,7 +59,7 @@ class PushReply:
     staleness: int = 0
 
     @property
-    def held(self) -> bool:
+    def kept(self) -> bool:
         """True when the syncer holds this push's work (now or from an earlier send)."""
         return self.accepted or self.status == "duplicate"
 
