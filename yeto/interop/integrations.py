@@ -54,13 +54,13 @@ Importing this module imports neither torch, transformers nor mlx.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from yeto.io import finite_or_none
 from yeto.island import Island
 from yeto.layout import Layout
 
@@ -137,8 +137,8 @@ class _Base:
         if isl.version != self._last_version or done:
             self._last_version = isl.version
             elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
-            self._write(dict(step=isl.step, train_loss=_finite(isl.train_loss),
-                             eval_loss=_finite(isl.eval_loss), version=isl.version,
+            self._write(dict(step=isl.step, train_loss=finite_or_none(isl.train_loss),
+                             eval_loss=finite_or_none(isl.eval_loss), version=isl.version,
                              loss_tokens=isl.total_tokens,
                              tokens_per_s=isl.total_tokens / elapsed if elapsed > 0 else None))
         return done
@@ -239,91 +239,92 @@ def _torch_export_files(model, tuning: str) -> tuple[str, dict[str, str]]:
     return export_files(model, tuning)
 
 
-def _finite(x):
-    return float(x) if x is not None and math.isfinite(x) else None
-
-
 # ---- transformers.Trainer ------------------------------------------------------------
-def _make_callback_class():
-    import torch
-    from transformers import TrainerCallback
+class _CallbackSteps:
+    """A `transformers.TrainerCallback` that makes a Trainer a DiLoCo island.
 
-    class DiLoCoCallback(TrainerCallback):
-        """A `transformers.TrainerCallback` that makes a Trainer a DiLoCo island.
+    Takes `DiLoCo`'s keyword arguments (``syncer``, ``learner_id``,
+    ``sync_every``, ``token``, ...); ``output_dir`` defaults to the Trainer's.
+    A forward hook on the model sees every training forward pass: it counts the
+    loss tokens (``labels != -100`` after the causal shift) and keeps the loss,
+    so each optimizer step (all its gradient-accumulation micro-batches) is
+    reported with its own tokens and mean loss; the latest evaluation loss goes
+    into the pushes too.
+    """
 
-        Takes `DiLoCo`'s keyword arguments (``syncer``, ``learner_id``,
-        ``sync_every``, ``token``, ...); ``output_dir`` defaults to the Trainer's.
-        A forward hook on the model sees every training forward pass: it counts the
-        loss tokens (``labels != -100`` after the causal shift) and keeps the loss,
-        so each optimizer step (all its gradient-accumulation micro-batches) is
-        reported with its own tokens and mean loss; the latest evaluation loss goes
-        into the pushes too.
-        """
+    def __init__(self, syncer: str | None, **kwargs: Any):
+        self.syncer, self.kwargs = syncer, kwargs
+        self.diloco: DiLoCo | None = None
+        self._tokens = 0
+        self._losses: list = []
+        self._hook = None
 
-        def __init__(self, syncer: str | None, **kwargs: Any):
-            self.syncer, self.kwargs = syncer, kwargs
-            self.diloco: DiLoCo | None = None
-            self._tokens = 0
-            self._losses: list = []
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        if self.diloco is not None:
+            return
+        kwargs = dict(self.kwargs)
+        kwargs.setdefault("output_dir", getattr(args, "output_dir", None))
+        self.diloco = DiLoCo(model, self.syncer, **kwargs)
+        self._hook = model.register_forward_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs, output):
+        import torch
+
+        if not module.training or not torch.is_grad_enabled():
+            return
+        labels = kwargs.get("labels")
+        if labels is not None:
+            n = count_loss_tokens(labels)
+        else:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            mask = kwargs.get("attention_mask")
+            n = int(mask[..., 1:].sum()) if mask is not None else (
+                int(ids[..., 1:].numel()) if ids is not None else 0)
+        self._tokens += n
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if loss is not None:
+            # with num_items_in_batch the model divides by the whole step's tokens:
+            # the step's loss is the sum of its passes; otherwise each pass is a mean
+            whole_step = kwargs.get("num_items_in_batch") is not None
+            self._losses.append((loss.detach(), n, whole_step))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        if self.diloco is not None and metrics and "eval_loss" in metrics:
+            self.diloco.island.eval_loss = float(metrics["eval_loss"])
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.diloco is None:
+            return
+        tokens, self._tokens = self._tokens, 0
+        losses, self._losses = self._losses, []
+        loss = None
+        if losses and all(w for _, _, w in losses):
+            loss = float(sum(x.float() for x, _, _ in losses))
+        elif losses:
+            total = sum(n for _, n, _ in losses)
+            loss = float(sum(x.float() * max(n, 1) for x, n, _ in losses)
+                         / max(total, len(losses)))
+        if self.diloco.step(tokens, loss=loss):
+            log.info("the syncer ended the run: stopping training with its final weights")
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.diloco is not None:
+            self.diloco.finish()
+        if self._hook is not None:
+            self._hook.remove()
             self._hook = None
 
-        def on_train_begin(self, args, state, control, model=None, **kw):
-            if self.diloco is not None:
-                return
-            kwargs = dict(self.kwargs)
-            kwargs.setdefault("output_dir", getattr(args, "output_dir", None))
-            self.diloco = DiLoCo(model, self.syncer, **kwargs)
-            self._hook = model.register_forward_hook(self._count, with_kwargs=True)
 
-        def _count(self, module, args, kwargs, output):
-            if not module.training or not torch.is_grad_enabled():
-                return
-            labels = kwargs.get("labels")
-            if labels is not None:
-                n = count_loss_tokens(labels)
-            else:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                mask = kwargs.get("attention_mask")
-                n = int(mask[..., 1:].sum()) if mask is not None else (
-                    int(ids[..., 1:].numel()) if ids is not None else 0)
-            self._tokens += n
-            loss = getattr(output, "loss", None)
-            if loss is None and isinstance(output, dict):
-                loss = output.get("loss")
-            if loss is not None:
-                # with num_items_in_batch the model divides by the whole step's tokens:
-                # the step's loss is the sum of its passes; otherwise each pass is a mean
-                whole_step = kwargs.get("num_items_in_batch") is not None
-                self._losses.append((loss.detach(), n, whole_step))
+def _make_callback_class():
+    """`DiLoCoCallback`: the steps above on transformers' `TrainerCallback` (imported
+    on first use: importing transformers is slow)."""
+    from transformers import TrainerCallback
 
-        def on_evaluate(self, args, state, control, metrics=None, **kw):
-            if self.diloco is not None and metrics and "eval_loss" in metrics:
-                self.diloco.island.eval_loss = float(metrics["eval_loss"])
-
-        def on_step_end(self, args, state, control, **kw):
-            if self.diloco is None:
-                return
-            tokens, self._tokens = self._tokens, 0
-            losses, self._losses = self._losses, []
-            loss = None
-            if losses and all(w for _, _, w in losses):
-                loss = float(sum(x.float() for x, _, _ in losses))
-            elif losses:
-                total = sum(n for _, n, _ in losses)
-                loss = float(sum(x.float() * max(n, 1) for x, n, _ in losses)
-                             / max(total, len(losses)))
-            if self.diloco.step(tokens, loss=loss):
-                log.info("the syncer ended the run: stopping training with its final weights")
-                control.should_training_stop = True
-
-        def on_train_end(self, args, state, control, **kw):
-            if self.diloco is not None:
-                self.diloco.finish()
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
-
-    return DiLoCoCallback
+    return type("DiLoCoCallback", (_CallbackSteps, TrainerCallback),
+                {"__doc__": _CallbackSteps.__doc__, "__module__": __name__})
 
 
 # ---- mlx-lm --------------------------------------------------------------------------
