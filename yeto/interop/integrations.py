@@ -62,7 +62,6 @@ import numpy as np
 
 from yeto.io import finite_or_none
 from yeto.island import Island
-from yeto.layout import Layout
 
 log = logging.getLogger("yeto.interop.integrations")
 
@@ -86,10 +85,15 @@ class _Base:
 
     backend = "numpy"
 
-    def _setup(self, layout: Layout, get, set_, *, syncer, learner_id, sync_every,
-               sync_every_seconds, wire, token, tls, eval_fn, blocking, output_dir, report_to,
-               weights_file, files, connect_grace_s, start, island_options):
+    def _setup(self, weights, weights_file: str, files: dict[str, str], syncer: str | None, *,
+               learner_id: str = "island-0", sync_every: int = 50,
+               sync_every_seconds: float = 0.0, wire: str = "q4", token: str | None = None,
+               tls=None, eval_fn=None, blocking: bool = False,
+               output_dir: str | Path | None = None, report_to=None,
+               connect_grace_s: float = 5.0, start: bool = True, **island_options):
+        """The options both helpers take (documented on `DiLoCo`), in one place."""
         self.learner_id = learner_id
+        layout, get, set_ = weights.layout, weights.get, weights.set
         self.layout = layout
         from yeto.client import connect
 
@@ -199,12 +203,7 @@ class DiLoCo(_Base):
 
     backend = "torch"
 
-    def __init__(self, model, syncer: str | None, *, learner_id: str = "island-0",
-                 sync_every: int = 50, sync_every_seconds: float = 0.0, wire: str = "q4",
-                 token: str | None = None, tls=None, eval_fn=None, blocking: bool = False,
-                 output_dir: str | Path | None = None, report_to=None,
-                 tuning: str | None = None, connect_grace_s: float = 5.0, start: bool = True,
-                 **island_options):
+    def __init__(self, model, syncer: str | None, *, tuning: str | None = None, **options):
         from yeto.torch.weights import TorchWeights
 
         self.model = model
@@ -214,13 +213,7 @@ class DiLoCo(_Base):
             raise ValueError("the model has no trainable parameters (requires_grad=True): "
                              "attach LoRA first (e.g. peft.get_peft_model) or unfreeze weights")
         weights_file, files = _torch_export_files(model, self.tuning)
-        self._setup(self.weights.layout, self.weights.get, self.weights.set, syncer=syncer,
-                    learner_id=learner_id, sync_every=sync_every,
-                    sync_every_seconds=sync_every_seconds, wire=wire, token=token, tls=tls,
-                    eval_fn=eval_fn, blocking=blocking, output_dir=output_dir,
-                    report_to=report_to, weights_file=weights_file, files=files,
-                    connect_grace_s=connect_grace_s, start=start,
-                    island_options=island_options)
+        self._setup(self.weights, weights_file, files, syncer, **options)
 
 
 def _is_peft(model) -> bool:
@@ -351,12 +344,8 @@ class MLXDiLoCo(_Base):
 
     backend = "mlx"
 
-    def __init__(self, model, syncer: str | None, *, learner_id: str = "island-0",
-                 sync_every: int = 50, sync_every_seconds: float = 0.0, wire: str = "q4",
-                 token: str | None = None, tls=None, eval_fn=None, blocking: bool = False,
-                 output_dir: str | Path | None = None, report_to=None,
-                 base_model: str | Path | None = None, tokens_fn=None,
-                 connect_grace_s: float = 5.0, start: bool = True, **island_options):
+    def __init__(self, model, syncer: str | None, *, base_model: str | Path | None = None,
+                 tokens_fn=None, **options):
         self.model = model
         from yeto.mlx.lora import LoRAWeights
 
@@ -377,13 +366,7 @@ class MLXDiLoCo(_Base):
         self._loss: float | None = None
         self._stop = False
         self._in_flight: int | None = None  # tokens of the batch the trainer is stepping
-        self._setup(self.weights.layout, self.weights.get, self.weights.set, syncer=syncer,
-                    learner_id=learner_id, sync_every=sync_every,
-                    sync_every_seconds=sync_every_seconds, wire=wire, token=token, tls=tls,
-                    eval_fn=eval_fn, blocking=blocking, output_dir=output_dir,
-                    report_to=report_to, weights_file=weights_file, files=files,
-                    connect_grace_s=connect_grace_s, start=start,
-                    island_options=island_options)
+        self._setup(self.weights, weights_file, files, syncer, **options)
 
     def trainer_kwargs(self, args=None, iterate_batches=None, training_callback=None) -> dict:
         """``iterate_batches`` and ``training_callback`` for ``mlx_lm.tuner.trainer.train``.
