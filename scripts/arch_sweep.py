@@ -1,0 +1,308 @@
+"""Every decoder-only causal LM that both transformers and mlx-lm implement: does the
+MLX island compute the same model as the torch island?
+
+The architectures are computed from the installed libraries: the model types in
+transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that are also a module of
+``mlx_lm.models``. For each, a tiny random-weight model is written
+(`yeto.interop.parity.tiny_model`) and checked with `yeto.interop.parity.check`:
+canonical LoRA names, shapes and flat order, then the logits of both islands' models
+with the same seeded non-zero adapter on the same token ids.
+
+    python scripts/arch_sweep.py [--only llama,lfm2] [--jobs 2] [--timeout 120]
+        [--markdown PATH] [--lora-targets auto]
+
+One row per architecture: ``ok`` with max |dlogit| and max |logit|, or why not, with
+whose problem it is:
+
+  ours/config    the config translation of yeto.mlx.shims (mlx-lm cannot build it)
+  ours/targets   LoRA target selection or canonical names (yeto.targets, lora.py)
+  ours/logits    names agree, logits do not
+  mlx-lm         a bug or gap in mlx-lm (the reason says which)
+  transformers   transformers cannot build a tiny random model of it
+  remote-code    the architecture needs repository code
+
+then ``RESULT ok=N of M``. A row is ``ok`` when max |dlogit| <= 1e-4 x max |logit|
+(`yeto.interop.parity.REL_TOL`; `LOOSER` lists any architecture held to a looser
+bound, and why). Each architecture runs in a worker subprocess with a time limit, so
+one hang or crash does not stop the sweep (the worker is replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Per-architecture overrides of the tiny config, only where the generic TINY sizes
+# (yeto.interop.parity) cannot make a valid tiny model; each says why.
+OVERRIDES: dict[str, dict] = {}
+
+# Architectures held to a looser logit bound than REL_TOL, with the reason.
+LOOSER: dict[str, tuple[float, str]] = {}
+
+# Failures verified to be outside yeto, by architecture: (owner, reason). Used only
+# when the check fails, so a fixed upstream bug shows up as ok.
+KNOWN: dict[str, tuple[str, str]] = {}
+
+STAGE_OWNER = {
+    "tiny": "transformers",
+    "mlx-import": "mlx-lm",
+    "torch-build": "transformers",
+    "torch-targets": "ours/targets",
+    "mlx-load": "ours/config",
+    "mlx-targets": "ours/targets",
+    "names": "ours/targets",
+    "forward": "ours/logits",
+    "logits": "ours/logits",
+}
+
+
+def architectures() -> list[str]:
+    """Model types with a transformers causal-LM class and an mlx-lm module."""
+    import pkgutil
+
+    import mlx_lm.models
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    mods = {m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)}
+    return sorted(a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if a in mods)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("transformers", "mlx", "mlx-lm", "torch", "peft")}
+
+
+# ---- one architecture (in a worker) -------------------------------------------------
+def check_arch(arch: str, targets: str, r: int) -> dict:
+    from yeto.interop import parity
+
+    t0 = time.perf_counter()
+    row = {"arch": arch}
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"sweep-{arch}-") as d:
+            parity.tiny_model(arch, d, overrides=OVERRIDES.get(arch))
+            rep = parity.check(d, r=r, alpha=2.0 * r, targets=targets)
+        row.update(n=rep.n_tensors, dlogit=rep.max_dlogit, logit=rep.max_logit,
+                   effect=rep.adapter_effect)
+        if not rep.names_ok:
+            row.update(stage="names", error=rep.first_mismatch or "layout fingerprints differ")
+    except parity.ParityError as e:
+        row.update(stage=e.stage, error=str(e.args[0]))
+    except BaseException as e:  # noqa: BLE001 - anything else is a row, not a dead worker
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        row.update(stage="forward", error=f"{type(e).__name__}: {e}")
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def worker(targets: str, r: int) -> None:
+    """Read architecture names from stdin, write one JSON row per line to stdout."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything a library prints stays off the protocol
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        arch = line.strip()
+        if arch:
+            out.write(json.dumps(check_arch(arch, targets, r)) + "\n")
+            out.flush()
+
+
+# ---- the sweep --------------------------------------------------------------------
+class Worker:
+    def __init__(self, targets: str, r: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--lora-targets", targets, "--lora-r", str(r)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = False
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def ask(self, arch: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        try:
+            if not self.ready:  # the first answer waits for the imports too
+                line = self.lines.get(timeout=max(60.0, timeout))
+                if line is None:
+                    return {"arch": arch, "stage": "crash", "error": "worker did not start"}
+                self.ready = True
+                deadline = time.monotonic() + timeout
+            self.proc.stdin.write(arch + "\n")
+            self.proc.stdin.flush()
+            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            return {"arch": arch, "stage": "timeout", "error": f"no answer in {timeout:.0f} s"}
+        except (BrokenPipeError, OSError) as e:
+            return {"arch": arch, "stage": "crash", "error": f"worker gone: {e}"}
+        if line is None:
+            return {"arch": arch, "stage": "crash",
+                    "error": f"worker died (exit {self.proc.wait()})"}
+        return json.loads(line)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_sweep(archs: list[str], jobs: int, timeout: float, targets: str, r: int,
+              on_row=None) -> list[dict]:
+    todo: queue.Queue = queue.Queue()
+    for a in archs:
+        todo.put(a)
+    rows: dict[str, dict] = {}
+    lock = threading.Lock()
+
+    def lane() -> None:
+        w = Worker(targets, r)
+        try:
+            while True:
+                try:
+                    arch = todo.get_nowait()
+                except queue.Empty:
+                    return
+                row = w.ask(arch, timeout)
+                if row.get("stage") in ("timeout", "crash") or not w.alive():
+                    w.stop()
+                    w = Worker(targets, r)
+                with lock:
+                    rows[arch] = classify(row)
+                    if on_row:
+                        on_row(rows[arch])
+        finally:
+            w.stop()
+
+    threads = [threading.Thread(target=lane) for _ in range(max(1, min(jobs, len(archs))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [rows[a] for a in archs]
+
+
+def classify(row: dict) -> dict:
+    """Fill ``status`` (ok / the owner of the failure) and ``reason``."""
+    arch, stage = row["arch"], row.get("stage")
+    if stage is None:
+        bound, why = LOOSER.get(arch, (None, ""))
+        from yeto.interop.parity import REL_TOL
+
+        bound = bound or REL_TOL
+        rel = row["dlogit"] / max(row["logit"], 1e-30)
+        if rel <= bound:
+            row.update(status="ok", reason=why)
+            return row
+        stage = "logits"
+        row["error"] = (f"max |dlogit| {row['dlogit']:.3g} > {bound:g} x max |logit| "
+                        f"{row['logit']:.3g}")
+    owner = STAGE_OWNER.get(stage, "ours/logits" if stage in ("forward", "logits") else "?")
+    reason = f"{stage}: {row.get('error', '')}"
+    if arch in KNOWN:
+        owner, why = KNOWN[arch]
+        reason = f"{why} [{reason}]"
+    elif stage in ("timeout", "crash"):
+        owner = "ours/?"
+    row.update(status=owner, reason=" ".join(reason.split())[:300])
+    return row
+
+
+def fmt_row(row: dict) -> str:
+    if row["status"] == "ok":
+        extra = f"  ({row['reason']})" if row.get("reason") else ""
+        return (f"{row['arch']:<20} ok            n={row['n']:<4} max|dlogit| "
+                f"{row['dlogit']:.2e}  max|logit| {row['logit']:.2f}{extra}")
+    return f"{row['arch']:<20} {row['status']:<13} {row['reason']}"
+
+
+def markdown(rows: list[dict], result: str, cmd: str) -> str:
+    v = versions()
+    lines = ["## Architecture sweep: torch island vs MLX island", "",
+             "Tiny random-weight models, LoRA on every target `auto` picks, the same seeded "
+             "non-zero adapter in both islands, the same token ids; `ok` when max |dlogit| "
+             "≤ 1e-4 × max |logit|.", "",
+             "Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + f". Command: `{cmd}`.",
+             "", "| architecture | status | tensors | max abs dlogit | max abs logit | reason |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = r["status"] == "ok"
+        reason = r.get("reason", "").replace("|", "\\|")
+        lines.append(f"| {r['arch']} | {r['status']} | {r.get('n', '') if ok else ''} | "
+                     f"{format(r['dlogit'], '.2e') if ok else ''} | "
+                     f"{format(r['logit'], '.2f') if ok else ''} | {reason} |")
+    lines += ["", f"`{result}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="arch_sweep.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=None, help="comma list of model types to check")
+    p.add_argument("--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)),
+                   help="worker processes")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
+    p.add_argument("--lora-targets", default="auto")
+    p.add_argument("--lora-r", type=int, default=4)
+    p.add_argument("--markdown", default=None, help="write the table as markdown to PATH")
+    p.add_argument("--json", default=None, help="write the rows as JSON to PATH")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.lora_targets, args.lora_r)
+        return 0
+    archs = architectures()
+    if args.only:
+        wanted = [a.strip() for a in args.only.split(",") if a.strip()]
+        unknown = [a for a in wanted if a not in archs]
+        if unknown:
+            print(f"not in the intersection: {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        archs = wanted
+    print(f"{len(archs)} architectures in transformers and mlx-lm; "
+          + ", ".join(f"{k} {x}" for k, x in versions().items()), flush=True)
+    rows = run_sweep(archs, args.jobs, args.timeout, args.lora_targets, args.lora_r,
+                     on_row=lambda r: print(fmt_row(r), flush=True))
+    ok = sum(r["status"] == "ok" for r in rows)
+    result = f"RESULT ok={ok} of {len(rows)}"
+    print("\n" + "\n".join(fmt_row(r) for r in rows))
+    print(result)
+    cmd = "python scripts/arch_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, result, cmd.strip()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

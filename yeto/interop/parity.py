@@ -1,0 +1,440 @@
+"""Do the torch island and the MLX island compute the same model?
+
+Two checks, used by ``scripts/check_name_parity.py`` and ``scripts/arch_sweep.py``:
+
+- **names**: the trainable LoRA tensors of the torch island (peft, `yeto.torch.model.
+  attach_lora` + `TorchWeights`) and of the MLX island (`yeto.mlx.learner.
+  build_lora_model` + `LoRAWeights`) have the same canonical names, shapes and flat
+  order (`compare_layouts`). Shapes only: the torch model is built on the meta
+  device and the MLX weights load lazily, so this is light for any model size.
+- **logits**: the same seeded random adapter vector (``lora_B`` non-zero, so the
+  adapter changes the output) is set in both models through their flat-vector views,
+  both run on the same token ids, and the largest logit difference is measured
+  (`logit_parity`). For a large checkpoint this uses a truncated copy of the model
+  (its first few decoder layers, `truncated_copy`) and says so.
+
+`tiny_model` writes a small random-weight model of any architecture transformers
+can build, for the sweep and the tests.
+
+Failures are `ParityError` with a ``stage`` that says whose problem it is (see
+`STAGES`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("yeto.interop.parity")
+
+PREFIX = "base_model.model."
+#: where a check can fail, in order; the sweep reports the stage with the reason
+STAGES = {
+    "tiny": "transformers cannot build a tiny random model of this architecture",
+    "mlx-import": "mlx-lm's model module does not import",
+    "torch-build": "transformers cannot load the model",
+    "torch-targets": "LoRA target selection on the torch model",
+    "mlx-load": "mlx-lm cannot build the model from the config (config translation)",
+    "mlx-targets": "LoRA target selection on the MLX model",
+    "names": "canonical names, shapes or order differ",
+    "forward": "a forward pass failed",
+    "logits": "the logits differ",
+}
+#: relative bound the sweep and the tests hold logits to: max|dlogit| <= REL_TOL * max|logit|
+REL_TOL = 1e-4
+
+
+class ParityError(Exception):
+    """A check that could not pass; ``stage`` is one of `STAGES`."""
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+    def __str__(self) -> str:
+        return f"{self.stage}: {self.args[0]}"
+
+
+@dataclass
+class Report:
+    """The outcome of `check`."""
+
+    n_tensors: int = 0
+    rows: list[str] = field(default_factory=list)   # the names table
+    first_mismatch: str | None = None              # None: names, shapes, order agree
+    torch_fingerprint: str = ""
+    mlx_fingerprint: str = ""
+    max_dlogit: float | None = None                # None: no logits compared
+    max_logit: float | None = None
+    adapter_effect: float | None = None             # max |logit(adapter) - logit(base)| (torch)
+    numeric_layers: int | None = None               # set when logits ran on a truncated copy
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def names_ok(self) -> bool:
+        return self.first_mismatch is None and self.torch_fingerprint == self.mlx_fingerprint
+
+    @property
+    def rel(self) -> float | None:
+        if self.max_dlogit is None:
+            return None
+        return self.max_dlogit / max(self.max_logit or 0.0, 1e-30)
+
+    def logits_ok(self, rel_tol: float = REL_TOL) -> bool:
+        return self.rel is not None and self.rel <= rel_tol
+
+
+# ---- layouts ----------------------------------------------------------------
+def _shape(spec) -> str:
+    return "-" if spec is None else "x".join(map(str, spec.shape))
+
+
+def compare_layouts(t, m) -> tuple[list[str], str | None]:
+    """Table rows (one per tensor) and the first mismatch (None when the two
+    `yeto.layout.Layout`s are identical)."""
+    rows, first = [], None
+    width = max([len(s.name) - len(PREFIX) for s in [*t.specs, *m.specs]] + [10])
+    rows.append(f"{'#':>4}  {'canonical name (base_model.model. ...)':<{width}}  "
+                f"{'torch':>12}  {'mlx':>12}")
+    for i in range(max(len(t.specs), len(m.specs))):
+        a = t.specs[i] if i < len(t.specs) else None
+        b = m.specs[i] if i < len(m.specs) else None
+        ok = a is not None and b is not None and a == b
+        name = (a or b).name
+        if a is not None and b is not None and a.name != b.name:
+            name = f"{a.name} | mlx: {b.name[len(PREFIX):]}"
+        rows.append(f"{i:>4}  {name[len(PREFIX):]:<{width}}  {_shape(a):>12}  {_shape(b):>12}"
+                    f"{'' if ok else '  <-- differs'}")
+        if not ok and first is None:
+            if a is None or b is None:
+                side, extra = ("torch", a) if b is None else ("mlx", b)
+                first = (f"tensor #{i}: only {side} has {extra.name} {list(extra.shape)} "
+                         f"(torch {len(t.specs)} tensors, mlx {len(m.specs)})")
+            else:
+                first = (f"tensor #{i}: torch has {a.name} {list(a.shape)}, "
+                         f"mlx has {b.name} {list(b.shape)}")
+    return rows, first
+
+
+def _target_stage(e: Exception, side: str) -> str:
+    """A ValueError from attaching LoRA is target selection's; anything else is the
+    model build's."""
+    msg = str(e)
+    if "lora-targets" in msg or "module tree" in msg or "Hugging Face weight" in msg:
+        return f"{side}-targets"
+    return "torch-build" if side == "torch" else "mlx-load"
+
+
+def torch_lora(model_dir: str | Path, r: int, alpha: float, targets: str, *, meta: bool,
+               seed: int = 0):
+    """(peft model, TorchWeights) as the torch island builds them; on the meta device
+    (shapes only) or with the real float32 weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from yeto.torch.model import attach_lora
+    from yeto.torch.weights import TorchWeights
+
+    try:
+        if meta:
+            config = AutoConfig.from_pretrained(str(model_dir))
+            with torch.device("meta"):
+                base = AutoModelForCausalLM.from_config(config)
+        else:
+            base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        base.eval()
+    except Exception as e:  # noqa: BLE001 - reported with its stage
+        raise ParityError("torch-build", f"{type(e).__name__}: {e}") from e
+    try:
+        model = attach_lora(base, r, alpha, targets, seed=seed)
+    except Exception as e:  # noqa: BLE001
+        raise ParityError(_target_stage(e, "torch"), f"{type(e).__name__}: {e}") from e
+    return model, TorchWeights(model, "lora")
+
+
+def mlx_lora(model_dir: str | Path, r: int, alpha: float, targets: str, *, lazy: bool,
+             seed: int = 0):
+    """(mlx model, LoRAWeights) as the MLX island builds them."""
+    from yeto.mlx.learner import build_lora_model, hf_weight_names
+    from yeto.mlx.lora import LoRAWeights, attach_lora
+    from yeto.mlx.shims import load_model, read_config, resolve_model_dir
+
+    model_dir = resolve_model_dir(model_dir)
+    config = read_config(model_dir)
+    _import_mlx_module(config)
+    try:
+        model, _ = load_model(model_dir, lazy=lazy)
+    except Exception as e:  # noqa: BLE001 - reported with its stage
+        raise ParityError("mlx-load", f"{type(e).__name__}: {e}") from e
+    try:
+        layers = attach_lora(model, config, r, alpha, targets, seed,
+                             hf_weight_names=hf_weight_names(model_dir))
+    except Exception as e:  # noqa: BLE001
+        raise ParityError(_target_stage(e, "mlx"), f"{type(e).__name__}: {e}") from e
+    del build_lora_model  # the same two steps as build_lora_model, with a stage each
+    return model, LoRAWeights(layers)
+
+
+def _import_mlx_module(config: dict) -> None:
+    """mlx-lm's module for this model type, imported on its own so that a module
+    that cannot import (some call sys.exit) is told apart from a config problem."""
+    from yeto.mlx.shims import mlx_model_module
+
+    try:
+        mlx_model_module(config)
+    except BaseException as e:  # noqa: BLE001 - SystemExit included (mlx-lm's olmo)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ParityError("mlx-import", f"{type(e).__name__}: {e}") from None
+
+
+def names(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = "auto",
+          mlx_r: int | None = None, mlx_targets: str | None = None) -> Report:
+    """Canonical names, shapes and order of both islands' trainable tensors, from
+    shapes only (meta-device torch model, lazily loaded MLX model)."""
+    _, tw = torch_lora(model_dir, r, alpha, targets, meta=True)
+    _, mw = mlx_lora(model_dir, mlx_r or r, alpha, mlx_targets or targets, lazy=True)
+    return _names_report(tw.layout, mw.layout)
+
+
+def _names_report(t, m) -> Report:
+    rows, first = compare_layouts(t, m)
+    return Report(n_tensors=len(t.specs), rows=rows, first_mismatch=first,
+                  torch_fingerprint=t.fingerprint, mlx_fingerprint=m.fingerprint)
+
+
+# ---- logits -----------------------------------------------------------------
+def adapter_vector(layout, seed: int = 0) -> np.ndarray:
+    """A seeded random LoRA vector in `layout` order that makes the adapter matter:
+    lora_A ~ N(0, 1/in), lora_B ~ N(0, 0.25/r), so B·A·x is about half of x."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for spec in layout.specs:
+        if spec.name.endswith("lora_A.weight"):
+            std = 1.0 / np.sqrt(spec.shape[-1])
+        elif spec.name.endswith("lora_B.weight"):
+            std = 0.5 / np.sqrt(spec.shape[-1])
+        else:
+            std = 0.02
+        parts.append(rng.standard_normal(int(np.prod(spec.shape))) * std)
+    return np.concatenate(parts).astype(np.float32)
+
+
+def token_ids(vocab_size: int, seed: int = 0, batch: int = 2, length: int = 16) -> np.ndarray:
+    rng = np.random.default_rng(seed + 1)
+    return rng.integers(0, vocab_size, size=(batch, length), dtype=np.int64)
+
+
+def _torch_logits(model, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(ids))
+    return out.logits.float().numpy()
+
+
+def _mlx_logits(model, ids: np.ndarray) -> np.ndarray:
+    import mlx.core as mx
+
+    out = model(mx.array(ids.astype(np.int32)))
+    out = getattr(out, "logits", out)
+    return np.array(out.astype(mx.float32))
+
+
+def logit_parity(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = "auto",
+                 seed: int = 0, report: Report | None = None) -> Report:
+    """Set the same seeded adapter in both islands' models of ``model_dir``, run both
+    on the same token ids, fill max |dlogit| and max |logit| into the report (a new
+    one, with the names table of these two models, unless one is given)."""
+    tmodel, tw = torch_lora(model_dir, r, alpha, targets, meta=False, seed=seed)
+    mmodel, mw = mlx_lora(model_dir, r, alpha, targets, lazy=False, seed=seed)
+    if report is None:
+        report = _names_report(tw.layout, mw.layout)
+    elif tw.layout.fingerprint != mw.layout.fingerprint:
+        _, first = compare_layouts(tw.layout, mw.layout)
+        raise ParityError("names", f"on the truncated copy: {first}")
+    if not report.names_ok:
+        return report
+    vocab = tmodel.get_input_embeddings().num_embeddings
+    ids = token_ids(vocab, seed)
+    try:
+        base = _torch_logits(tmodel, ids)
+        flat = adapter_vector(tw.layout, seed)
+        tw.set(flat)
+        mw.set(flat)
+        want = _torch_logits(tmodel, ids)
+        got = _mlx_logits(mmodel, ids)
+    except Exception as e:  # noqa: BLE001 - reported with its stage
+        raise ParityError("forward", f"{type(e).__name__}: {e}") from e
+    if got.shape != want.shape:
+        raise ParityError("logits", f"torch logits {want.shape}, mlx logits {got.shape}")
+    report.max_dlogit = float(np.abs(got - want).max())
+    report.max_logit = float(np.abs(want).max())
+    report.adapter_effect = float(np.abs(want - base).max())
+    if not np.isfinite(report.max_dlogit):
+        report.max_dlogit = float("inf")
+    return report
+
+
+# ---- truncated copies -------------------------------------------------------
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("model*.safetensors"))
+
+
+def truncated_copy(model_dir: str | Path, n_layers: int, dest: str | Path) -> Path:
+    """A copy of the model with only its first ``n_layers`` decoder layers: the
+    config says so (the layer count and every per-layer list cut to match) and the
+    weights are the matching subset. Returns ``dest``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model_dir, dest = Path(model_dir), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    sub = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    old = next((sub[k] for k in _LAYER_KEYS if isinstance(sub.get(k), int)), None)
+    if old is None:
+        raise ParityError("torch-build", "cannot truncate: the config has no layer count")
+    for k in _LAYER_KEYS:
+        if isinstance(sub.get(k), int):
+            sub[k] = n_layers
+    for k, v in list(sub.items()):
+        if isinstance(v, list) and len(v) == old:
+            sub[k] = v[:n_layers]
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for f in sorted(model_dir.glob("model*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                m = _LAYER.search(k)
+                if m is None or int(m.group(1)) < n_layers:
+                    tensors[k] = st.get_tensor(k)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copyfile(f, dest / f.name)
+    return dest
+
+
+def check(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = "auto",
+          mlx_r: int | None = None, mlx_targets: str | None = None, *, logits: bool = True,
+          numeric_layers: int | None = None, max_full_bytes: int = 1 << 30,
+          seed: int = 0) -> Report:
+    """Names (always, from shapes) and then logits (unless ``logits=False``, or the
+    islands are configured differently). Logits run on the whole model when its
+    checkpoint is at most ``max_full_bytes``, else on a truncated copy of its first
+    ``numeric_layers`` (default 2) layers; ``numeric_layers`` set forces truncation."""
+    report = names(model_dir, r, alpha, targets, mlx_r, mlx_targets)
+    differs = (mlx_r or r) != r or (mlx_targets or targets) != targets
+    if not report.names_ok or not logits or differs:
+        if differs and logits:
+            report.notes.append("logits not compared: the two islands are configured "
+                                "differently")
+        return report
+    from yeto.mlx.shims import resolve_model_dir
+
+    model_dir = resolve_model_dir(model_dir)
+    if numeric_layers is None and checkpoint_bytes(model_dir) > max_full_bytes:
+        numeric_layers = 2
+    if numeric_layers is None:
+        return logit_parity(model_dir, r, alpha, targets, seed, report)
+    with tempfile.TemporaryDirectory(prefix="yeto-parity-") as tmp:
+        truncated_copy(model_dir, numeric_layers, tmp)
+        report.numeric_layers = numeric_layers
+        report.notes.append(f"logits compared on a truncated copy: the first {numeric_layers} "
+                            "decoder layers")
+        return logit_parity(tmp, r, alpha, targets, seed, report)
+
+
+# ---- tiny random models -----------------------------------------------------
+#: small sizes, under the config's own attribute names or their `attribute_map` aliases;
+#: a key is set only where the architecture's config has it (or an alias of it)
+TINY: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 256,
+    # mixture of experts
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_k": 2, "top_k": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1,
+    "topk_group": 1, "first_k_dense_replace": 1,
+    # multi-head latent attention
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # state-space / linear attention
+    "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "time_step_rank": 8,
+    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16, "n_groups": 1,
+    "mamba_n_groups": 1, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    # vision towers of composite (image-text) configs
+    "image_size": 32, "patch_size": 8, "num_channels": 3,
+}
+
+
+def _tiny_kwargs(defaults: dict, attribute_map: dict, extra: dict) -> dict:
+    out = {}
+    for key, value in {**TINY, **extra}.items():
+        name = key if key in defaults else attribute_map.get(key)
+        if name is not None and name in defaults and name not in out:
+            out[name] = value
+    return out
+
+
+def tiny_config(arch: str, overrides: dict | None = None):
+    """A transformers config of ``arch`` at `TINY` sizes (plus ``overrides``),
+    sub-configs (``text_config``, ``vision_config``, ...) shrunk the same way."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    overrides = dict(overrides or {})
+    default = AutoConfig.for_model(arch)
+    kwargs = _tiny_kwargs(default.to_dict(), getattr(default, "attribute_map", {}), overrides)
+    for name in default.to_dict():
+        sub = getattr(default, name, None)
+        if isinstance(sub, PretrainedConfig):
+            kw = _tiny_kwargs(sub.to_dict(), getattr(sub, "attribute_map", {}),
+                              overrides.pop(name, {}))
+            kwargs[name] = {**sub.to_dict(), **kw}
+    kwargs.update({k: v for k, v in overrides.items() if k not in kwargs})
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def tiny_model(arch: str, dest: str | Path, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Write a tiny random-weight float32 model of ``arch`` (config.json +
+    model.safetensors) into ``dest``; returns ``dest``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        config = tiny_config(arch, overrides)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize(model, seed)
+        model.save_pretrained(str(dest), safe_serialization=True)
+    except Exception as e:  # noqa: BLE001 - reported with its stage
+        raise ParityError("tiny", f"{type(e).__name__}: {e}") from e
+    return Path(dest)
+
+
+def _randomize(model, seed: int) -> None:
+    """Norm weights and biases that initialise to constants get random values too,
+    so a backend that ignores one (or adds 1 to it, as gemma's RMSNorm does) shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim <= 1 and p.numel() > 0 and torch.all(p == p.flatten()[0]):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
