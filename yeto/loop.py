@@ -96,8 +96,10 @@ class Inputs:
 
 
 # ---- the run ---------------------------------------------------------------------
-def run_island(cfg: IslandConfig, backend: Backend) -> int:
-    """Run one island to the end; returns the process exit code."""
+def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
+    """Run one island to the end; returns the process exit code. `connect(cfg, layout,
+    backend) -> Transport | None` opens the transport (default `make_client`: gRPC to
+    `cfg.syncer`; `yeto.sim` passes an in-process one)."""
     group = backend.group
     setup_logging(cfg, group)
     try:
@@ -106,7 +108,7 @@ def run_island(cfg: IslandConfig, backend: Backend) -> int:
     except (OSError, ValueError) as e:  # missing files, bad data or model: say which
         log.error("%s", e)
         return EXIT_BAD_INPUT
-    client = make_client(cfg, weights.layout, backend) if group.leader else None
+    client = (connect or make_client)(cfg, weights.layout, backend) if group.leader else None
     island = make_island(cfg, weights, client, lambda: evaluate(backend, cfg, inputs))
     log.info("%d trainable tensors, %d parameters (%s, %s); %d training blocks, "
              "%d loss tokens%s", len(weights.layout.specs), weights.layout.numel, cfg.tuning,
