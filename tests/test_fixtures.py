@@ -180,3 +180,141 @@ def test_mlx_lm_loads_with_matching_logits(arch, tiny_model, cache, tmp_path):
         torch_logits = model(torch.tensor([ids])).logits.numpy()
     assert mlx_logits.shape == torch_logits.shape
     assert np.abs(mlx_logits - torch_logits).max() < 1e-4
+
+
+# ---------------------------------------------------------------- real-shape presets
+
+# The published configurations, written out here independently of fixtures.SHAPES.
+PUBLISHED = {
+    "lfm2.5-230m": dict(model_type="lfm2", hidden_size=1024, num_hidden_layers=14,
+                        num_attention_heads=16, num_key_value_heads=8, vocab_size=65536,
+                        max_position_embeddings=128000, norm_eps=1e-5, conv_L_cache=3,
+                        full_attn_idxs=[2, 4, 6, 8, 10, 12]),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=3072, vocab_size=151936, rms_norm_eps=1e-6,
+                       max_position_embeddings=40960),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5,
+                        max_position_embeddings=131072),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5,
+                         max_position_embeddings=8192),
+}
+ROPE = {
+    "lfm2.5-230m": {"rope_type": "default", "rope_theta": 1e6},
+    "qwen3-0.6b": {"rope_type": "default", "rope_theta": 1e6},
+    "llama3.2-1b": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192},
+    "smollm2-135m": {"rope_type": "default", "rope_theta": 100000.0},
+}
+PUBLISHED_PARAMS = {"lfm2.5-230m": 230e6, "qwen3-0.6b": 0.6e9, "llama3.2-1b": 1.23e9,
+                    "smollm2-135m": 135e6}
+
+
+def test_presets_cover_the_published_list():
+    assert set(fixtures.SHAPES) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("shape", list(PUBLISHED))
+def test_shape_config_matches_published(shape, tmp_path):
+    from transformers import AutoConfig
+
+    out = fixtures.make_shaped_model(tmp_path, shape, config_only=True)
+    assert not (out / "model.safetensors").exists()
+    raw = json.loads((out / "config.json").read_text())
+    for key, value in PUBLISHED[shape].items():
+        assert raw[key] == value, key
+    assert raw["rope_parameters"] == ROPE[shape]
+    assert raw["tie_word_embeddings"] is True and raw["dtype"] == "float32"
+
+    # the model transformers builds from it: parameter count on the meta device
+    model = fixtures.meta_model(AutoConfig.from_pretrained(out))
+    n = fixtures.count_params(model)
+    assert n == fixtures.SHAPES[shape].params
+    assert abs(n / PUBLISHED_PARAMS[shape] - 1) < 0.03, n
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    linears = [p for p, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".layers." in p]
+    if shape == "lfm2.5-230m":
+        assert raw["layer_types"].count("full_attention") == 6
+        assert raw["layer_types"].count("conv") == 8
+        assert model.model.layers[0].feed_forward.w1.weight.shape == (2560, 1024)
+        assert model.model.layers[0].conv.conv.weight.shape[-1] == 3  # L_cache
+        assert len(linears) * 2 == 164  # LoRA A + B on every block linear
+
+    # the tokenizer is smaller than the model's vocab; every id it gives is inside it
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert len(tok) <= raw["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert raw[key] == getattr(tok, key) < len(tok)
+    assert tok.model_max_length == raw["max_position_embeddings"]
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert max(generation["eos_token_id"]) < len(tok)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return fixtures.make_shaped_model(tmp_path_factory.mktemp("smollm2"), "smollm2-135m", seed=0)
+
+
+def test_smollm2_weights_load_in_transformers(smollm2):
+    from safetensors import safe_open
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        smollm2, local_files_only=True, output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == fixtures.SHAPES["smollm2-135m"].params
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert torch.equal(model.model.norm.weight, torch.ones(576))
+    ids = AutoTokenizer.from_pretrained(smollm2)("def f(x): return x")["input_ids"]
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([ids])).logits).all()
+
+    # the streamed file: float32, lm_head not stored, blocks seeded by (seed, name)
+    name = "model.embed_tokens.weight"
+    with safe_open(smollm2 / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and len(f.keys()) == 272
+        stored = f.get_tensor(name)
+    std = fixtures.SHAPES["smollm2-135m"].config["initializer_range"]
+    again = torch.cat(list(fixtures._init_chunks(name, stored.to("meta"), 0, std)))
+    assert torch.equal(stored, again) and abs(float(stored.std()) - std) < 1e-3
+
+
+@pytest.mark.mlx
+def test_smollm2_loads_in_mlx_with_matching_logits(smollm2):
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from yeto.mlx.shims import load_model
+
+    mlx_model, _ = load_model(smollm2)
+    ids = AutoTokenizer.from_pretrained(smollm2)("def f(x): return x")["input_ids"]
+    mlx_logits = np.array(mlx_model(mx.array([ids])).astype(mx.float32))
+    model = AutoModelForCausalLM.from_pretrained(smollm2, local_files_only=True)
+    with torch.no_grad():
+        torch_logits = model(torch.tensor([ids])).logits.numpy()
+    assert np.abs(mlx_logits - torch_logits).max() <= 1e-4 * np.abs(torch_logits).max()
+
+
+def test_shape_cli(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main_make_tiny_model(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for name, shape in fixtures.SHAPES.items():
+        assert name in out and f"{shape.params / 1e6:.1f}M" in out
+    with pytest.raises(SystemExit):
+        main_make_tiny_model([str(tmp_path / "x"), "--shape", "qwen3-0.6b", "--arch", "llama"])
+    assert "drop --arch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main_make_tiny_model([str(tmp_path / "x"), "--config-only"])
+    assert "needs --shape" in capsys.readouterr().err
+    assert main_make_tiny_model([str(tmp_path / "q"), "--shape", "qwen3-0.6b",
+                                 "--config-only"]) == 0
+    assert "596,049,920 parameters" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="choose one of lfm2.5-230m"):
+        fixtures.make_shaped_model(tmp_path / "y", "gpt9")
