@@ -1,53 +1,176 @@
 """Which linears get LoRA: one rule for the torch and MLX islands.
 
-Both backends list their linear modules under Hugging Face module paths
-(`model.layers.0.self_attn.q_proj`), and this module picks the same ones from
-the model's config, so both islands adapt the same linears and produce the same
-canonical names.
+Both backends hand this module the Hugging Face module paths of their linear
+layers (the torch island its ``nn.Linear`` and transformers ``Conv1D`` modules;
+the MLX island its ``nn.Linear`` modules, renamed to the Hugging Face paths they
+were loaded from, see `yeto.mlx.lora`), and `select_targets` picks the same
+ones from the paths and the model's config, so both islands adapt the same
+modules and produce the same canonical (peft) names. No backend is imported here.
+
+The rule is structural, not a list of module names per architecture:
+
+- A **decoder block** is what the first integer segment of a path indexes
+  (``model.layers.3.``, ``transformer.h.3.``, ``gpt_neox.layers.3.``); only
+  linears inside blocks are ever chosen (never embeddings or ``lm_head``).
+- **attention** = the linears under a block submodule whose name says attention
+  (``self_attn``, ``attn``, ``attention``, ``linear_attn``, ...), plus, for blocks
+  whose mixer has another name (``mixer``, ``temporal_block``), the classic
+  projection names (`ATTENTION_LEAVES`). Fused projections (``c_attn``,
+  ``query_key_value``, ``qkv_proj``, ``Wqkv``) are found like any other.
+- **all-linear** = every linear in the blocks (the MLP's ``c_fc``/``c_proj``,
+  ``dense_h_to_4h``, ``fc1``/``fc2``, ``w1``/``w2``/``w3``, ``in_proj``/
+  ``out_proj``, ...). Per-expert linears are included, their routers are not.
+- **auto** = all-linear for dense models, attention for mixture-of-experts
+  models (adapting every expert multiplies the adapter size), with a log line.
+- A **comma list** names modules as peft's ``target_modules`` does: an entry
+  matches a path equal to it or ending in ``.<entry>`` (``q_proj``,
+  ``self_attn.o_proj``); expert linears only when the entry names ``experts``.
+
+Mixture-of-experts experts are adapted only where they are per-expert linear
+layers. transformers 5 stores most experts as fused 3-D weights and mlx-lm as
+``SwitchLinear``, neither a linear layer that LoRA wraps the same way on both
+islands, so ``all-linear`` on such a model is refused with the flag to use.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Iterable
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
-MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2")
+log = logging.getLogger("yeto.targets")
+
 TARGET_MODES = ("auto", "attention", "all-linear")
-_IN_BLOCK = re.compile(r"(^|\.)layers\.\d+\.")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+FLAG = "--lora-targets"
+#: projection names that mean attention even outside a submodule named "attn"
+ATTENTION_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
+                              "query_key_value", "c_attn", "Wqkv"})
+_BLOCK = re.compile(r"(?:^|\.)\d+\.")
+_ATTENTION_SCOPE = re.compile(r"attn|attention", re.IGNORECASE)
+_EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
+_EXPERT_COUNT = re.compile(r"^(?:n|num|moe_num)_(?:local_|routed_)?experts$")
 
 
-def is_moe(config: dict) -> bool:
-    return any((config.get(k) or 0) > 1 for k in _MOE_KEYS)
+class TargetError(ValueError):
+    """A ``--lora-targets`` value that selects nothing both islands can adapt;
+    the message says what was found and what to pass instead."""
 
 
-def target_leaves(mode: str, config: dict) -> tuple[str, ...]:
-    """Leaf names to adapt. `auto` = all-linear for dense models (LoRA on every
-    linear learns most per parameter), attention only for MoE models (adapting
-    every expert multiplies the adapter size). A comma list picks leaves by name."""
+def block_relative(path: str) -> str | None:
+    """The path inside its decoder block (``self_attn.q_proj``), None outside blocks."""
+    m = _BLOCK.search(path)
+    return path[m.end():] if m else None
+
+
+def is_attention(path: str) -> bool:
+    rel = block_relative(path)
+    if rel is None:
+        return False
+    *scopes, leaf = rel.split(".")
+    return leaf in ATTENTION_LEAVES or any(_ATTENTION_SCOPE.search(s) for s in scopes)
+
+
+def is_expert(path: str) -> bool:
+    return _EXPERT.search(path) is not None
+
+
+def _expert_counts(config: dict, depth: int = 0):
+    for key, value in config.items():
+        if isinstance(value, dict) and depth < 2:
+            yield from _expert_counts(value, depth + 1)
+        elif (_EXPERT_COUNT.match(str(key)) and isinstance(value, int)
+              and not isinstance(value, bool)):
+            yield value
+
+
+def is_moe(config: dict, linear_paths: Iterable[str] = ()) -> bool:
+    """A mixture-of-experts model: an expert count > 1 in the config (also in
+    ``text_config`` or ``ffn_config``), or per-expert linears among the paths."""
+    return any(n > 1 for n in _expert_counts(config)) or any(map(is_expert, linear_paths))
+
+
+def _routers(paths: list[str]) -> set[str]:
+    """Linears that sit directly beside an ``experts`` list (the router and its gates)."""
+    holders = {p[:m.start()] for p in paths if (m := _EXPERT.search(p))}
+    return {p for p in paths if not is_expert(p) and p.rsplit(".", 1)[0] in holders}
+
+
+def _matches(path: str, entry: str) -> bool:
+    hit = path == entry or path.endswith("." + entry)
+    return hit and (not is_expert(path) or "experts" in entry)
+
+
+def _leaves(paths: Iterable[str]) -> list[str]:
+    return sorted({p.rsplit(".", 1)[-1] for p in paths})
+
+
+def _explicit(blocks: list[str], mode: str) -> list[str]:
+    entries = [x.strip() for x in mode.split(",") if x.strip()]
+    if not entries:
+        raise TargetError(f"{FLAG} {mode!r}: use auto, attention, all-linear or a comma list "
+                          f"of module names, e.g. {FLAG} q_proj,v_proj")
+    unused = [e for e in entries if not any(_matches(p, e) for p in blocks)]
+    if unused and len(unused) < len(entries):
+        log.warning("%s: %s matched no linear layer of this model", FLAG, ", ".join(unused))
+    return [p for p in blocks if any(_matches(p, e) for e in entries)]
+
+
+def _moe_refusal(mode: str, blocks: list[str]) -> TargetError:
+    example = ",".join(_leaves(p for p in blocks if is_attention(p))) or "q_proj,v_proj"
+    return TargetError(
+        f"{FLAG} {mode}: this is a mixture-of-experts model whose experts are not per-expert "
+        "linear layers (transformers stores them as fused expert weights, mlx-lm as "
+        "SwitchLinear), so LoRA cannot adapt them identically on torch and MLX islands. Use "
+        f"{FLAG} attention (what auto picks for mixture-of-experts models), or list the "
+        f"modules to adapt, e.g. {FLAG} {example}")
+
+
+def choose(linear_paths: Iterable[str], mode: str, config: dict) -> list[str]:
+    """`select_targets` without its log line and without the no-match error
+    (an empty list then)."""
+    paths = sorted(set(linear_paths))
+    blocks = [p for p in paths if block_relative(p) is not None]
+    mode = mode.strip()
     if mode == "auto":
-        mode = "attention" if is_moe(config) else "all-linear"
+        mode = "attention" if is_moe(config, paths) else "all-linear"
     if mode == "attention":
-        return ATTENTION
+        return [p for p in blocks if is_attention(p) and not is_expert(p)]
     if mode == "all-linear":
-        return ATTENTION + MLP
-    leaves = tuple(x.strip() for x in mode.split(",") if x.strip())
-    if not leaves:
-        raise ValueError(f"--lora-targets {mode!r}: use auto, attention, all-linear or a comma "
-                         "list of module names, e.g. --lora-targets q_proj,v_proj")
-    return leaves
+        if is_moe(config, paths) and not any(map(is_expert, blocks)):
+            raise _moe_refusal(mode, blocks)
+        routers = _routers(blocks)
+        return [p for p in blocks if p not in routers]
+    return _explicit(blocks, mode)
 
 
-def select_targets(linear_paths, mode: str, config: dict) -> list[str]:
-    """Module paths (inside decoder blocks) of the linears to adapt, sorted."""
-    leaves = target_leaves(mode, config)
-    chosen = sorted(p for p in linear_paths
-                    if _IN_BLOCK.search(p) and p.rsplit(".", 1)[-1] in leaves
-                    and ".mlp.experts." not in p)
+def no_match_message(mode: str, linear_paths: Iterable[str]) -> str:
+    """What a selection that matched nothing says: the flag, the linear layers the
+    model has (leaf names, a few full paths) and a value that would work."""
+    paths = sorted(set(linear_paths))
+    found = [p for p in paths if block_relative(p) is not None] or paths
+    head = f"{FLAG} {mode!r} matched no linear layer in the model's decoder blocks"
+    if not found:
+        return f"{head}, and the model has no linear layers at all (nothing LoRA can adapt)"
+    leaves = _leaves(found)
+    examples = [next(p for p in found if p.endswith("." + leaf)) for leaf in leaves[:3]]
+    hint = (" (this model has no attention projections: try all-linear)"
+            if mode.strip() == "attention" else "")
+    return (f"{head}{hint}. Linear layers found: {', '.join(leaves)} (e.g. "
+            f"{', '.join(examples)}). Pass some of them, e.g. {FLAG} {','.join(leaves[:2])}")
+
+
+def select_targets(linear_paths: Iterable[str], mode: str, config: dict) -> list[str]:
+    """Hugging Face module paths (inside decoder blocks) of the linears to adapt,
+    sorted. ``mode`` is the ``--lora-targets`` value; ``config`` the Hugging Face
+    config dict. Raises `TargetError` when nothing (usable) matches."""
+    paths = sorted(set(linear_paths))
+    chosen = choose(paths, mode, config)
     if not chosen:
-        raise ValueError(f"--lora-targets {mode!r} matched no linear layer in the model's "
-                         f"decoder blocks (looked for {', '.join(leaves)}); pass module names "
-                         "explicitly, e.g. --lora-targets q_proj,v_proj")
+        raise TargetError(no_match_message(mode, paths))
+    if mode.strip() == "auto" and is_moe(config, paths):
+        log.info("mixture-of-experts model: %s auto adapts attention only (%s in %d modules); "
+                 "the experts are not adapted (%s all-linear adapts them where both backends "
+                 "can, or says why not)", FLAG, ", ".join(_leaves(chosen)), len(chosen), FLAG)
     return chosen
 
 

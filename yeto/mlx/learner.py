@@ -44,15 +44,16 @@ log = logging.getLogger("yeto.mlx.learner")
 
 
 # ---- model ------------------------------------------------------------------
-def hf_weight_names(model_dir: Path) -> set[str]:
-    """Tensor names of the Hugging Face checkpoint (headers only)."""
+def hf_weight_names(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of the Hugging Face checkpoint (headers only): what
+    `yeto.mlx.lora.attach_lora` maps mlx-lm's module paths to Hugging Face's with."""
     from safetensors import safe_open
 
-    names: set[str] = set()
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_dir).glob("model*.safetensors")):
         with safe_open(str(f), framework="numpy") as st:
-            names.update(st.keys())
-    return names
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
 
 
 def build_lora_model(model_dir: Path, r: int, alpha: float, targets: str, seed: int,

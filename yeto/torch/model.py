@@ -28,21 +28,44 @@ def load_base(model: str | ModelSource, dtype=torch.float32, *, revision: str | 
     return lm, tok
 
 
+def _conv1d_type():
+    """transformers' ``Conv1D`` (gpt2-family linears, weight stored (in, out))."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is part of the torch extra
+        return ()
+    return Conv1D
+
+
 def linear_paths(model: torch.nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    """Module paths of the layers LoRA can wrap: ``nn.Linear`` and transformers'
+    ``Conv1D`` (the same function as a linear whose weight is transposed)."""
+    kinds = (torch.nn.Linear, _conv1d_type())
+    return [n for n, m in model.named_modules() if isinstance(m, kinds)]
+
+
+def is_conv1d(module: torch.nn.Module) -> bool:
+    conv1d = _conv1d_type()
+    return bool(conv1d) and isinstance(module, conv1d)
 
 
 def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
                 freeze_a: bool = False):
-    """peft LoRA on the shared target selection. With `freeze_a`, every lora_A is
-    drawn from `seed` by `yeto.frozen` (the same bits on every island and backend)
-    and never trained, so only lora_B is synced and the merge is exact."""
+    """peft LoRA on the shared target selection (`yeto.targets.select_targets`).
+    Conv1D targets get peft's ``fan_in_fan_out=True``: lora_A stays (r, in) and
+    lora_B (out, r), and the forward adds ``scale·B·A·x`` as for a linear (only a
+    merge transposes the delta into Conv1D's (in, out) weight). With `freeze_a`,
+    every lora_A is drawn from `seed` by `yeto.frozen` (the same bits on every
+    island and backend) and never trained, so only lora_B is synced and the merge
+    is exact."""
     from peft import LoraConfig, get_peft_model
 
     chosen = select_targets(linear_paths(model), targets, model.config.to_dict())
+    modules = dict(model.named_modules())
+    fan_in_fan_out = any(is_conv1d(modules[p]) for p in chosen)
     torch.manual_seed(seed)  # same init on every island with the same seed
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=chosen, lora_dropout=0.0,
-                     bias="none", task_type="CAUSAL_LM")
+                     bias="none", task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
     model = get_peft_model(model, cfg)
     if freeze_a:
         with torch.no_grad():
@@ -54,14 +77,11 @@ def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
     return model
 
 
-
-
 def canonical_name(param_name: str, tuning: str) -> str:
     """peft's saved key for LoRA (adapter name dropped); the HF name in full mode."""
     if tuning == "lora":
         return param_name.replace(".default.", ".")
     return param_name
-
 
 
 # ---- outputs ----------------------------------------------------------------
