@@ -1,0 +1,328 @@
+"""LoRA target selection (`yeto.targets`), transformers' Conv1D in peft, and the
+MLX island's mapping of mlx-lm module paths to Hugging Face module paths."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from yeto.targets import TargetError, is_attention, is_moe, select_targets
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=96)
+#: tiny configs of real architectures (meta device: shapes only, no weights)
+ARCHS = {
+    "llama": SMALL,
+    "gpt2": GPT2,
+    "gpt_bigcode": GPT2,
+    "gpt_neox": SMALL,
+    "phi": SMALL,
+    "starcoder2": SMALL,
+    "lfm2": dict(SMALL, layer_types=["conv", "full_attention"]),
+    "qwen3_moe": dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "recurrent_gemma": dict(SMALL, num_hidden_layers=3, lru_width=32),
+    "falcon_mamba": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=4),
+}
+#: leaf names chosen by (attention, all-linear); None = refused
+EXPECTED = {
+    "llama": ({"q_proj", "k_proj", "v_proj", "o_proj"},
+              {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+    "gpt2": ({"attn.c_attn", "attn.c_proj"},
+             {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}),
+    "gpt_bigcode": ({"attn.c_attn", "attn.c_proj"},
+                    {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}),
+    "gpt_neox": ({"query_key_value", "attention.dense"},
+                 {"query_key_value", "attention.dense", "dense_h_to_4h", "dense_4h_to_h"}),
+    "phi": ({"q_proj", "k_proj", "v_proj", "self_attn.dense"},
+            {"q_proj", "k_proj", "v_proj", "self_attn.dense", "fc1", "fc2"}),
+    "starcoder2": ({"q_proj", "k_proj", "v_proj", "o_proj"},
+                   {"q_proj", "k_proj", "v_proj", "o_proj", "mlp.c_fc", "mlp.c_proj"}),
+    "lfm2": ({"q_proj", "k_proj", "v_proj", "self_attn.out_proj"},
+             {"q_proj", "k_proj", "v_proj", "self_attn.out_proj", "conv.in_proj",
+              "conv.out_proj", "w1", "w2", "w3"}),
+    "qwen3_moe": ({"q_proj", "k_proj", "v_proj", "o_proj"}, None),
+    "recurrent_gemma": ({"q_proj", "k_proj", "v_proj", "o_proj"},
+                        {"q_proj", "k_proj", "v_proj", "o_proj", "linear_x", "linear_y",
+                         "linear_out", "gate_proj", "up_proj", "down_proj"}),
+    "falcon_mamba": (set(), {"in_proj", "x_proj", "dt_proj", "out_proj"}),
+}
+
+
+def _short(paths: list[str], wanted: set[str]) -> set[str]:
+    """Each chosen path as the shortest of ``wanted``'s names it ends with (or its leaf)."""
+    out = set()
+    for p in paths:
+        hits = sorted((w for w in wanted if p.endswith("." + w)), key=len, reverse=True)
+        out.add(hits[0] if hits else p.rsplit(".", 1)[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def meta_models():
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from yeto.torch.model import linear_paths
+
+    out = {}
+    for arch, kw in ARCHS.items():
+        config = AutoConfig.for_model(arch, **kw)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        out[arch] = (linear_paths(model), config.to_dict())
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_selection_on_real_architectures(meta_models, arch):
+    paths, config = meta_models[arch]
+    attention, every = EXPECTED[arch]
+    if attention:
+        chosen = select_targets(paths, "attention", config)
+        assert _short(chosen, attention) == attention
+        assert all(".0." in p or ".1." in p or ".2." in p for p in chosen)  # in the blocks
+    else:
+        with pytest.raises(TargetError, match="no attention projections: try all-linear"):
+            select_targets(paths, "attention", config)
+    if every is None:
+        with pytest.raises(TargetError, match="--lora-targets attention"):
+            select_targets(paths, "all-linear", config)
+    else:
+        chosen = select_targets(paths, "all-linear", config)
+        assert _short(chosen, every) == every
+        assert not any(p.startswith("lm_head") or "embed" in p for p in chosen)
+        auto = select_targets(paths, "auto", config)
+        assert auto == chosen  # dense: auto = all-linear
+
+
+def test_explicit_lists_match_like_peft(meta_models):
+    paths, config = meta_models["gpt2"]
+    assert [p.split(".h.")[1] for p in select_targets(paths, "c_attn", config)] == [
+        "0.attn.c_attn", "1.attn.c_attn"]
+    # a dotted entry matches a path suffix: attention's c_proj, not the MLP's
+    chosen = select_targets(paths, "attn.c_proj, c_fc", config)
+    assert sorted(p.split(".h.")[1] for p in chosen) == [
+        "0.attn.c_proj", "0.mlp.c_fc", "1.attn.c_proj", "1.mlp.c_fc"]
+
+
+def test_no_match_error_names_the_flag_and_the_linears(meta_models):
+    paths, config = meta_models["gpt_neox"]
+    with pytest.raises(TargetError) as e:
+        select_targets(paths, "q_proj,v_proj", config)
+    msg = str(e.value)
+    assert "--lora-targets 'q_proj,v_proj' matched no linear layer" in msg
+    assert "dense, dense_4h_to_h, dense_h_to_4h, query_key_value" in msg  # leaves, deduplicated
+    assert "gpt_neox.layers.0.attention.dense" in msg  # a full path as an example
+    assert "e.g. --lora-targets dense,dense_4h_to_h" in msg
+    with pytest.raises(TargetError, match="no linear layers at all"):
+        select_targets([], "auto", {})
+
+
+def test_no_match_from_the_torch_island(meta_models):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from yeto.torch.model import attach_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL))
+    with pytest.raises(TargetError, match=r"--lora-targets 'wq'.*down_proj, gate_proj, k_proj"):
+        attach_lora(model, 4, 8.0, "wq", 0)
+
+
+def test_moe_policy(meta_models, caplog):
+    paths, config = meta_models["qwen3_moe"]
+    assert is_moe(config)
+    with caplog.at_level(logging.INFO, logger="yeto.targets"):
+        chosen = select_targets(paths, "auto", config)
+    assert chosen == select_targets(paths, "attention", config)
+    line = " ".join(r.getMessage() for r in caplog.records)
+    assert "mixture-of-experts model: --lora-targets auto adapts attention only" in line
+    assert "--lora-targets all-linear" in line
+    with pytest.raises(TargetError) as e:
+        select_targets(paths, "all-linear", config)
+    assert "mixture-of-experts" in str(e.value) and "--lora-targets attention" in str(e.value)
+
+
+def test_per_expert_linears_are_adapted_but_not_their_router():
+    blocks = [f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.o_proj", "mlp.gate", "mlp.shared_expert.up_proj",
+        "mlp.experts.0.w1", "mlp.experts.1.w1")]
+    paths = [*blocks, "lm_head"]
+    assert is_moe({}, paths) and not is_moe({"num_experts": 1, "n_shared_experts": 1})
+    every = select_targets(paths, "all-linear", {})
+    assert "model.layers.0.mlp.experts.1.w1" in every and "model.layers.0.mlp.gate" not in every
+    assert "model.layers.1.mlp.shared_expert.up_proj" in every and "lm_head" not in every
+    assert select_targets(paths, "auto", {}) == sorted(p for p in blocks if "self_attn" in p)
+    # a plain entry never picks an expert, one that names the experts does
+    assert not any("experts" in p for p in select_targets(paths, "w1,q_proj", {}))
+    assert len(select_targets(paths, "experts.0.w1", {})) == 2
+
+
+def test_attention_scope():
+    assert is_attention("model.layers.3.self_attn.out_proj")
+    assert is_attention("transformer.blocks.0.norm_attn_norm.attn.Wqkv")
+    assert is_attention("model.layers.0.mixer.q_proj")  # nemotron_h: attention as a "mixer"
+    assert not is_attention("model.layers.0.mixer.in_proj")  # its mamba mixer
+    assert not is_attention("model.layers.0.conv.out_proj")
+    assert not is_attention("lm_head")
+
+
+# ---- transformers' Conv1D in peft ---------------------------------------------
+def test_conv1d_lora_is_peft_fan_in_fan_out_and_a_plain_merge():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    from yeto.torch.model import attach_lora
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **GPT2)).eval()
+    reference = AutoModelForCausalLM.from_config(base.config).eval()
+    reference.load_state_dict(base.state_dict())
+    r, alpha = 4, 8.0
+    model = attach_lora(base, r, alpha, "all-linear", 0)
+    assert model.peft_config["default"].fan_in_fan_out
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (2, 10), generator=gen)
+    modules = dict(reference.named_modules())
+    with torch.no_grad():
+        before = reference(ids).logits
+        for name, m in model.named_modules():
+            if not hasattr(m, "lora_A") or "default" not in m.lora_A:
+                continue
+            a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+            assert isinstance(m.base_layer, Conv1D) and m.fan_in_fan_out
+            conv = m.base_layer.weight  # (in, out)
+            assert tuple(a.shape) == (r, conv.shape[0]) and tuple(b.shape) == (conv.shape[1], r)
+            a.copy_(torch.randn(a.shape, generator=gen) * 0.2)
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+            # Conv1D computes x @ W + b with W (in, out): the merge adds (B @ A)ᵀ
+            target = modules[name.removeprefix("base_model.model.")]
+            target.weight += (alpha / r) * (b @ a).T
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert (want - before).abs().max().item() > 1e-3  # the adapter does change the output
+    assert (got - want).abs().max().item() < 1e-5
+
+
+# ---- MLX: mlx-lm module paths -> Hugging Face module paths ----------------------
+def _mlx():
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[mlx]')")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    return mx, nn
+
+
+def _toy_mlx_model(fuse_qkv: bool):
+    """An mlx-lm-shaped model whose ``sanitize`` does what mlx-lm's gpt2 and gpt_neox
+    do: renames ``transformer.h.N`` to ``model.h.N`` and transposes Conv1D weights;
+    with ``fuse_qkv`` it also splits the HF ``c_attn`` into three linears."""
+    mx, nn = _mlx()
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if fuse_qkv:
+                self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            else:
+                self.c_attn = nn.Linear(8, 24)
+            self.c_proj = nn.Linear(8, 8)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = [Block(), Block()]
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+        def sanitize(self, weights):
+            out = {}
+            for k, v in weights.items():
+                k = "model." + k.removeprefix("transformer.")
+                if k.endswith(".weight"):
+                    v = v.T  # Conv1D (in, out) -> Linear (out, in)
+                if fuse_qkv and ".c_attn." in k:
+                    for name, part in zip("qkv", mx.split(v, 3, axis=0)):
+                        out[k.replace("c_attn", name)] = part
+                else:
+                    out[k] = v
+            return out
+
+    hf = {f"transformer.h.{i}.attn.{m}.{w}": s for i in range(2)
+          for m, s in (("c_attn", (8, 24)), ("c_proj", (8, 8)))
+          for w, s in (("weight", s), ("bias", (s[1],)))}
+    model = Toy()
+    rng = np.random.default_rng(0)
+    hf_arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in hf.items()}
+    model.load_weights(list(model.sanitize({k: mx.array(v)
+                                            for k, v in hf_arrays.items()}).items()))
+    return model, hf, hf_arrays
+
+
+def test_mlx_paths_map_to_hugging_face_paths_through_sanitize():
+    mx, _ = _mlx()
+    from yeto.mlx.lora import LoRAWeights, attach_lora, hf_module_paths, hf_origins
+
+    model, hf, hf_arrays = _toy_mlx_model(fuse_qkv=False)
+    origins = hf_origins(model, hf)
+    assert origins["model.h.1.attn.c_attn"].kind == "transposed"
+    assert origins["model.h.1.attn.c_attn"].modules == ("transformer.h.1.attn.c_attn",)
+    assert hf_module_paths(model, hf)["model.h.0.attn.c_proj"] == "transformer.h.0.attn.c_proj"
+
+    r, alpha = 2, 6.0
+    layers = attach_lora(model, {}, r, alpha, "attention", 0, hf_weight_names=hf)
+    assert sorted(layers) == sorted(k[:-len(".weight")] for k in hf if k.endswith(".weight"))
+    names = [spec.name for spec in LoRAWeights(layers).layout.specs]
+    # the whole-model view names alike
+    assert names == [spec.name for spec in LoRAWeights(model).layout.specs]
+    assert "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight" in names
+    view = LoRAWeights(layers)
+    assert view.tensors()["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"].shape \
+        == (24, r)
+
+    # the same function as peft on the Conv1D: x @ (W + scale (B @ A)ᵀ) + b, W (in, out)
+    rng = np.random.default_rng(2)
+    view.set(rng.standard_normal(view.layout.numel).astype(np.float32))
+    t = view.tensors()
+    layer = layers["transformer.h.0.attn.c_attn"]
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    a = t["base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"]
+    b = t["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"]
+    w, bias = hf_arrays["transformer.h.0.attn.c_attn.weight"], \
+        hf_arrays["transformer.h.0.attn.c_attn.bias"]
+    want = x @ (w + (alpha / r) * (b @ a).T) + bias
+    np.testing.assert_allclose(np.asarray(layer(mx.array(x))), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mlx_refuses_a_hugging_face_linear_that_mlx_lm_splits():
+    _mlx()
+    from yeto.mlx.lora import attach_lora, hf_origins
+
+    model, hf, _ = _toy_mlx_model(fuse_qkv=True)
+    origins = hf_origins(model, hf)
+    assert origins["model.h.0.attn.k"].kind == "part"
+    assert origins["model.h.0.attn.k"].modules == ("transformer.h.0.attn.c_attn",)
+    with pytest.raises(TargetError) as e:
+        attach_lora(model, {}, 2, 4.0, "attention", 0, hf_weight_names=hf)
+    msg = str(e.value)
+    assert re.search(r"splits the Hugging Face linear transformer\.h\.\d\.attn\.c_attn into 3",
+                     msg)
+    assert "--lora-targets c_proj" in msg
+    layers = attach_lora(model, {}, 2, 4.0, "c_proj", 0, hf_weight_names=hf)
+    assert sorted(layers) == ["transformer.h.0.attn.c_proj", "transformer.h.1.attn.c_proj"]
