@@ -1,0 +1,98 @@
+"""Adapters a rollout node loads: a peft **or** an mlx-lm adapter directory, read as
+peft-named tensors (the conversion is `yeto.interop.adapters`', exact), plus the
+LoRA shape that must be attached to hold them (`LoraSpec`)."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from yeto.interop.adapters import (
+    MLX_WEIGHTS,
+    PEFT_WEIGHTS,
+    AdapterConversionError,
+    mlx_to_peft,
+    read_peft_adapter,
+)
+
+_MODULE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_[AB]\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA a node attaches: rank, alpha and target selection (a `--lora-targets`
+    value: a mode, or a comma list of module paths)."""
+
+    r: int = 16
+    alpha: float = 32.0
+    targets: str = "auto"
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be loaded, and why."""
+
+
+def adapter_format(path: str | Path) -> str:
+    """"peft" or "mlx" (mlx-lm), from the files in `path`."""
+    d = Path(path)
+    if (d / PEFT_WEIGHTS).is_file():
+        return "peft"
+    if (d / MLX_WEIGHTS).is_file():
+        return "mlx"
+    raise AdapterError(f"{d} is not an adapter directory: it holds neither {PEFT_WEIGHTS} "
+                       f"(peft) nor {MLX_WEIGHTS} (mlx-lm)")
+
+
+def read_adapter(path: str | Path, base_model: str | Path
+                 ) -> tuple[dict[str, np.ndarray], LoraSpec, str]:
+    """(peft-named float32 tensors, the LoRA that holds them, "peft" | "mlx")."""
+    kind = adapter_format(path)
+    try:
+        if kind == "mlx":
+            with tempfile.TemporaryDirectory(prefix="yeto-adapter-") as tmp:
+                tensors, cfg = read_peft_adapter(mlx_to_peft(path, tmp, base_model))
+        else:
+            tensors, cfg = read_peft_adapter(path)
+    except (AdapterConversionError, OSError, ValueError) as e:
+        raise AdapterError(f"cannot load the adapter at {path}: {e}") from e
+    return {k: np.asarray(v, np.float32) for k, v in tensors.items()}, spec_of(tensors, cfg), kind
+
+
+def spec_of(tensors: dict[str, np.ndarray], cfg: dict) -> LoraSpec:
+    """The LoRA shape of a peft adapter: its r and alpha, and exactly the module
+    paths it adapts as targets."""
+    for key in ("use_rslora", "use_dora"):
+        if cfg.get(key):
+            raise AdapterError(f"the adapter uses {key}; rollout nodes serve plain LoRA")
+    modules = set()
+    for name in tensors:
+        m = _MODULE.match(name)
+        if m is None:
+            raise AdapterError(f"tensor {name} is not a LoRA factor (base_model.model.<module>."
+                               "lora_A/B.weight); rollout nodes serve plain LoRA adapters")
+        modules.add(m["module"])
+    if not modules:
+        raise AdapterError("the adapter holds no LoRA tensors")
+    return LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), ",".join(sorted(modules)))
+
+
+def flat_of(tensors: dict[str, np.ndarray], layout) -> np.ndarray:
+    """The adapter as the flat vector of `layout` (canonical order); refuses an adapter
+    whose tensors are not exactly the layout's."""
+    names = {s.name for s in layout.specs}
+    if set(tensors) != names:
+        extra, missing = sorted(set(tensors) - names), sorted(names - set(tensors))
+        raise AdapterError(f"the adapter's tensors differ from the model's LoRA (e.g. extra "
+                           f"{extra[:1]}, missing {missing[:1]})")
+    parts = []
+    for s in layout.specs:
+        t = tensors[s.name]
+        if tuple(t.shape) != tuple(s.shape):
+            raise AdapterError(f"{s.name} has shape {list(t.shape)}, the model's LoRA "
+                               f"{list(s.shape)}")
+        parts.append(np.asarray(t, np.float32).reshape(-1))
+    return np.concatenate(parts)

@@ -1,0 +1,78 @@
+"""What both rollout engines share: the LoRA they hold (as the island's flat view,
+`weights`), adapters loaded in either format, and the stop tokens of the model.
+
+A backend subclasses `LoRAEngine` and provides `_attach(spec)` (replace the LoRA
+on the base model and return its `yeto.loop.Weights` view) and the four calls of
+`yeto.rollout.generate.Engine`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from yeto.rollout.adapters import AdapterError, LoraSpec, flat_of, read_adapter
+
+log = logging.getLogger("yeto.rollout")
+
+
+def stop_token_ids(model_dir: str | Path, tokenizer) -> list[int]:
+    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (one or a list)
+    and the tokenizer's eos token (vLLM stops on both)."""
+    ids: set[int] = set()
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(int(i) for i in ids)
+
+
+class LoRAEngine:
+    """The backend-free half of an engine. Call `_attach` from the subclass's
+    constructor; `weights` is then the flat float32 view under canonical names."""
+
+    name = "?"
+
+    def __init__(self, model_dir: str | Path, spec: LoraSpec, seed: int = 0):
+        self.model_dir, self.seed = Path(model_dir), seed
+        self.spec = spec
+        self.weights = None
+
+    def attach(self, spec: LoraSpec) -> None:
+        self.weights = self._attach(spec)
+        self.spec = spec
+
+    def _attach(self, spec: LoraSpec):
+        raise NotImplementedError
+
+    @property
+    def layout(self):
+        return self.weights.layout
+
+    def set_weights(self, flat: np.ndarray) -> None:
+        self.weights.set(flat)
+
+    def load_adapter(self, path: str | Path, fixed_layout: bool = False) -> str:
+        """Load a peft or mlx-lm adapter; returns its format. The LoRA is rebuilt when
+        the adapter's shape differs, unless `fixed_layout` (a node in a run: its layout
+        is the run's), which refuses such an adapter instead."""
+        tensors, spec, kind = read_adapter(path, self.model_dir)
+        same_scale = abs(spec.alpha / spec.r - self.spec.alpha / self.spec.r) < 1e-12
+        try:
+            flat = flat_of(tensors, self.layout)
+        except AdapterError:
+            flat = None
+        if flat is None or not same_scale:
+            if fixed_layout:
+                raise AdapterError(f"the adapter at {path} (r={spec.r}, alpha={spec.alpha}) does "
+                                   "not fit this node's LoRA, which is fixed by the run it "
+                                   "observes; load an adapter of the run's shape")
+            log.info("rebuilding LoRA for the adapter: r=%d alpha=%g", spec.r, spec.alpha)
+            self.attach(spec)
+            flat = flat_of(tensors, self.layout)
+        self.set_weights(flat)
+        return kind

@@ -1,0 +1,94 @@
+"""The MLX rollout engine: the MLX island's model (mlx-lm with yeto's peft-shaped
+`LoRALinear`, float32), sampled with mlx-lm's KV caches.
+
+Each prompt is prefilled alone into mlx-lm's `KVCache`; a batch is merged into
+`BatchKVCache` (left padding, masked; RoPE offsets per row), the layout mlx-lm's
+own batched generation uses. Imports no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from yeto.rollout.adapters import LoraSpec
+from yeto.rollout.engine import LoRAEngine
+
+
+class MLXEngine(LoRAEngine):
+    name = "mlx"
+
+    def __init__(self, model_dir: str | Path, spec: LoraSpec = LoraSpec(), *,
+                 seed: int = 0, tokenizer=None):
+        super().__init__(model_dir, spec, seed)
+        import mlx.core as mx
+
+        from yeto.mlx.shims import load_model, read_config
+
+        mx.random.seed(seed)
+        self.model, _ = load_model(self.model_dir)
+        self.hf_config = read_config(self.model_dir)
+        self.layers: dict = {}
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = tokenizer
+        self.attach(spec)
+
+    def _attach(self, spec: LoraSpec):
+        from mlx.utils import tree_unflatten
+
+        from yeto.mlx.learner import hf_weight_names
+        from yeto.mlx.lora import LoRAWeights, attach_lora
+
+        if self.layers:  # a LoRA already: put the base linears back first
+            self.model.update_modules(tree_unflatten(
+                [(p, layer.base_layer) for p, layer in self.layers.items()]))
+        self.layers = attach_lora(self.model, self.hf_config, spec.r, spec.alpha, spec.targets,
+                                  self.seed, hf_weight_names=hf_weight_names(self.model_dir))
+        return LoRAWeights(self.layers)
+
+    @property
+    def max_len(self) -> int:
+        cfg = self.hf_config.get("text_config") or self.hf_config
+        return int(cfg.get("max_position_embeddings") or 1 << 30)
+
+    @property
+    def vocab_size(self) -> int:
+        cfg = self.hf_config.get("text_config") or self.hf_config
+        return int(cfg["vocab_size"])
+
+    def prefill(self, prompt: Sequence[int]):
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        logits = self.model(mx.array([list(prompt)]), cache=cache)[0, -1].astype(mx.float32)
+        mx.eval(logits, [c.state for c in cache])
+        return cache, np.array(logits)
+
+    def merge(self, caches: list):
+        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        if not all(isinstance(c, KVCache) for c in caches[0]):
+            raise NotImplementedError("batched MLX rollouts need a model whose every layer has "
+                                      "a plain KV cache (attention-only models)")
+        return [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+
+    def decode(self, state, tokens: np.ndarray) -> np.ndarray:
+        import mlx.core as mx
+
+        logits = self.model(mx.array(tokens.astype(np.int32))[:, None], cache=state)
+        last = logits[:, -1].astype(mx.float32)
+        mx.eval(last)
+        return np.array(last)
+
+    def filter(self, state, keep: list[int]):
+        import mlx.core as mx
+
+        idx = mx.array(keep)
+        for c in state:
+            c.filter(idx)
+        return state

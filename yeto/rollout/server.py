@@ -1,0 +1,245 @@
+"""`python -m yeto.rollout`: a rollout node's HTTP server (standard library).
+
+Routes (JSON in, JSON out; errors are ``{"error": {message, type, param, code}}``
+with a 4xx status, and the node keeps serving):
+
+    GET  /v1/models               the served model (vLLM's shape, max_model_len)
+    POST /v1/completions          see `yeto.rollout.api`
+    POST /v1/chat/completions
+    POST /reload_adapter          {"path": DIR, "version"?: int}: a peft or mlx-lm
+                                  adapter, converted as needed; also vLLM's
+                                  /v1/load_lora_adapter {"lora_path": DIR}
+    GET  /health                  200 while serving
+    GET  /yeto/status             version, counters, the observer's state
+
+With ``--api-key`` (or $YETO_ROLLOUT_API_KEY) every route but /health needs
+``Authorization: Bearer KEY`` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from yeto.rollout import api
+from yeto.rollout.adapters import AdapterError
+from yeto.rollout.generate import make_rows
+from yeto.rollout.scheduler import Scheduler
+
+log = logging.getLogger("yeto.rollout")
+
+API_KEY_ENV = "YETO_ROLLOUT_API_KEY"
+MAX_BODY = 32 << 20
+REQUEST_TIMEOUT_S = 3600.0
+
+
+class RolloutNode:
+    """An engine behind a scheduler, and what the HTTP layer needs around it."""
+
+    def __init__(self, engine, *, model_name: str, eos_ids, max_batch: int = 64,
+                 api_key: str | None = None, request_log: Path | None = None,
+                 aliases: tuple[str, ...] = ()):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self._tok_lock = threading.Lock()  # HF tokenizers: one caller at a time
+        self.scheduler = Scheduler(engine, eos_ids, self.detok, max_batch=max_batch)
+        self.ctx = api.Context(model_name, _Locked(self.tokenizer, self._tok_lock),
+                               engine.max_len, engine.vocab_size, aliases)
+        self.api_key, self.request_log = api_key, request_log
+        self.follower = None  # the observer of a run (yeto.rollout.observer.Follower)
+        self._log_lock = threading.Lock()
+        self.started = time.time()
+
+    def detok(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def complete(self, body: dict, chat: bool, path: str) -> dict:
+        req = (api.parse_chat if chat else api.parse_completion)(body, self.ctx)
+        rows = [r for i, p in enumerate(req.prompts) for r in make_rows(p, req.params, req.n, i)]
+        served = self.scheduler.submit(rows).result(timeout=REQUEST_TIMEOUT_S)
+        self._log(path, req, served.version)
+        return api.response(req, served.outputs, served.version, self.ctx)
+
+    def reload(self, body: dict) -> dict:
+        path = body.get("path") or body.get("lora_path") or body.get("adapter_path")
+        if not isinstance(path, str) or not path:
+            raise api.ApiError(400, "send {\"path\": \"/dir/of/adapter\"} (a peft or mlx-lm "
+                               "adapter directory)", param="path")
+        if not Path(path).is_dir():
+            raise api.ApiError(404, f"adapter directory {path} not found on the node",
+                               "NotFoundError", "path")
+        version = api.int_field(body, "version", None)
+        fixed = self.follower is not None
+
+        def load():
+            kind = self.engine.load_adapter(path, fixed_layout=fixed)
+            s = self.scheduler
+            s.version = version if version is not None else s.version + 1
+            return kind, s.version
+
+        try:
+            kind, v = self.scheduler.call(load).result(timeout=REQUEST_TIMEOUT_S)
+        except AdapterError as e:
+            raise api.ApiError(400, str(e), param="path") from e
+        log.info("adapter %s (%s) loaded as version %d", path, kind, v)
+        return {"status": "ok", "format": kind, "yeto_version": v}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.ctx.model_name, "object": "model", "created": int(self.started),
+            "owned_by": "yeto", "root": str(self.engine.model_dir),
+            "max_model_len": self.ctx.max_len, "backend": self.engine.name}]}
+
+    def status(self) -> dict:
+        s = self.scheduler
+        return dict(model=self.ctx.model_name, backend=self.engine.name, version=s.version,
+                    requests=s.requests, rows=s.rows_served, tokens_out=s.tokens_out,
+                    batches=s.batches, busy_s=round(s.busy_s, 3),
+                    uptime_s=round(time.time() - self.started, 1),
+                    observer=self.follower.status() if self.follower else None)
+
+    def _log(self, path: str, req: api.Request, version: int) -> None:
+        if self.request_log is None:
+            return
+        line = json.dumps(dict(time=time.time(), path=path, prompts=req.prompts, n=req.n,
+                               version=version))
+        with self._log_lock, open(self.request_log, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
+        self.scheduler.close()
+
+
+class _Locked:
+    """A tokenizer whose calls hold a lock (HF fast tokenizers are not re-entrant)."""
+
+    def __init__(self, tok, lock: threading.Lock):
+        self._tok, self._lock = tok, lock
+
+    def __call__(self, *a, **kw):
+        with self._lock:
+            return self._tok(*a, **kw)
+
+    def decode(self, *a, **kw):
+        with self._lock:
+            return self._tok.decode(*a, **kw)
+
+    def apply_chat_template(self, *a, **kw):
+        with self._lock:
+            return self._tok.apply_chat_template(*a, **kw)
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "yeto-rollout"
+    protocol_version = "HTTP/1.1"
+    node: RolloutNode  # set on the class made by `make_server`
+
+    def log_message(self, fmt: str, *args) -> None:
+        log.debug("%s %s", self.address_string(), fmt % args)
+
+    def do_GET(self) -> None:
+        self._route({"/v1/models": lambda _: self.node.models(),
+                     "/yeto/status": lambda _: self.node.status(),
+                     "/health": lambda _: {"status": "ok"},
+                     "/version": lambda _: {"version": "yeto"}}, body=False)
+
+    def do_POST(self) -> None:
+        n = self.node
+        self._route({"/v1/completions": lambda b: n.complete(b, False, self.path),
+                     "/v1/chat/completions": lambda b: n.complete(b, True, self.path),
+                     "/reload_adapter": n.reload, "/v1/load_lora_adapter": n.reload},
+                    body=True)
+
+    def _route(self, routes: dict, body: bool) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            if path not in routes:
+                self._drain()
+                raise api.ApiError(404, f"no route {self.command} {path}; see GET /v1/models, "
+                                   "POST /v1/completions, /v1/chat/completions, "
+                                   "/reload_adapter", "NotFoundError")
+            self._check_key(path)
+            payload = self._body() if body else None
+            self._send(200, routes[path](payload))
+        except api.ApiError as e:
+            self._send(e.status, e.body())
+        except Exception as e:  # noqa: BLE001 - the node keeps serving
+            log.exception("%s %s failed", self.command, path)
+            self._send(500, api.ApiError(500, f"internal error: {e}", "InternalServerError")
+                       .body())
+
+    def _check_key(self, path: str) -> None:
+        key = self.node.api_key
+        if not key or path == "/health":
+            return
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            self._drain()
+            raise api.ApiError(401, "missing or wrong API key: send the header "
+                               "'Authorization: Bearer <key>' (the node's --api-key)",
+                               "AuthenticationError")
+
+    def _length(self) -> int:
+        try:
+            return int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise api.ApiError(400, "bad Content-Length header") from None
+
+    def _drain(self) -> None:
+        n = self._length()
+        if 0 < n <= MAX_BODY:
+            self.rfile.read(n)
+
+    def _body(self) -> dict:
+        n = self._length()
+        if n > MAX_BODY:
+            self.close_connection = True
+            raise api.ApiError(413, f"request body over {MAX_BODY} bytes", "RequestTooLarge")
+        raw = self.rfile.read(n) if n else b""
+        try:
+            body = json.loads(raw or b"null")
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise api.ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise api.ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def _send(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        self.send_response(status, HTTPStatus(status).phrase)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def make_server(node: RolloutNode, host: str = "127.0.0.1", port: int = 0
+                ) -> ThreadingHTTPServer:
+    """An HTTP server for `node` (port 0: any free port; see `server_address`)."""
+    handler = type("NodeHandler", (Handler,), {"node": node})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve_in_thread(node: RolloutNode, host: str = "127.0.0.1", port: int = 0):
+    """Start serving on a daemon thread; returns (server, base URL). Stop with
+    `server.shutdown(); server.server_close()`."""
+    server = make_server(node, host, port)
+    threading.Thread(target=server.serve_forever, daemon=True, name="yeto-http").start()
+    h, p = server.server_address[:2]
+    return server, f"http://{h}:{p}"
+
+
+def api_key_from_env(key: str | None) -> str | None:
+    return key or os.environ.get(API_KEY_ENV) or None
