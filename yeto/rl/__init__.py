@@ -1,0 +1,11 @@
+"""Reinforcement learning islands: `python -m yeto.rl` (GRPO).
+
+- `rewards`: built-in rewards for the demo task and `--reward module:function`;
+- `prompts`: RL prompts (token ids, text, reference) from the data formats;
+- `pool`: rollout nodes (`python -m yeto.rollout`, or any vLLM-compatible server)
+  as a pool: groups round-robined, failed nodes skipped and reused;
+- `grpo`: advantages, logprob recomputation, the clipped loss;
+- `trainer`: the GRPO step and the held-out reward (greedy, own weights);
+- `run`: the island (`yeto.island.Island` syncing, as every island);
+- `demo`: `yeto demo --rl`.
+"""

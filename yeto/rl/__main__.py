@@ -1,0 +1,5 @@
+import sys
+
+from yeto.rl.cli import main
+
+sys.exit(main())

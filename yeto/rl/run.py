@@ -1,0 +1,163 @@
+"""`run_grpo(cfg, rl)`: a GRPO island from start to end, on the island machinery.
+
+The pieces are the SFT island's (`yeto.loop`): logging, the gRPC client
+(`make_client`), `yeto.island.Island` (`make_island`: join, pushes every H steps,
+merged Θ applied at step boundaries, finish, final weights), the clean stop on
+SIGINT/SIGTERM, metrics lines, and the exit codes; the model, LoRA, optimizer and
+saving are `yeto.torch.learner.TorchBackend`'s. The step is `GRPOTrainer.step`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from yeto.config import IslandConfig
+from yeto.loop import (
+    EXIT_BAD_INPUT,
+    EXIT_NOT_FEDERATED,
+    Solo,
+    exit_code,
+    make_client,
+    make_island,
+    setup_logging,
+    write_metrics,
+)
+from yeto.rl.trainer import GRPOTrainer, RLConfig, finite
+from yeto.signals import GracefulStop, ignore_signals
+from yeto.transport import Refused
+
+log = logging.getLogger("yeto.island")
+
+
+@dataclass
+class Parts:
+    backend: object
+    weights: object
+    trainer: GRPOTrainer
+    provenance: dict
+
+
+def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
+    """Model (+ --adapter), LoRA, optimizer, prompts, rewards and the node pool."""
+    from yeto.data.provenance import build_record, resolve_model, write_provenance
+    from yeto.rl.pool import RolloutPool
+    from yeto.rl.prompts import load_prompts
+    from yeto.rl.rewards import combine, load_reward
+    from yeto.rollout.adapters import flat_of, read_adapter
+    from yeto.rollout.engine import stop_token_ids
+    from yeto.torch.learner import TorchBackend
+
+    reward = combine([load_reward(s) for s in rl.reward or ["reversal_accuracy"]])
+    source = resolve_model(cfg.model, cfg.model_revision, cfg.trust_remote_code)
+    backend = TorchBackend(cfg)
+    tok = backend.load(cfg, source)
+    tensors = None
+    if rl.adapter is not None:  # start from an adapter: its LoRA shape and weights
+        tensors, spec, _ = read_adapter(rl.adapter, source.path)
+        cfg.lora_r, cfg.lora_alpha, cfg.lora_targets = spec.r, spec.alpha, spec.targets
+    weights = backend.attach(cfg)
+    if tensors is not None:
+        weights.set(flat_of(tensors, weights.layout))
+    prompts, data_rec = load_prompts(cfg.data, tok, cfg.shard, revision=cfg.data_revision,
+                                     split=cfg.data_split)
+    held_out, eval_rec = [], None
+    if cfg.eval_data:
+        held_out, eval_rec = load_prompts(cfg.eval_data, tok, revision=cfg.eval_data_revision,
+                                          split=cfg.eval_split, held_out=True)
+        held_out = held_out[:rl.eval_prompts] if rl.eval_prompts else held_out
+    pool = RolloutPool(rl.rollout_url, timeout_s=rl.rollout_timeout, wait_s=rl.rollout_wait,
+                       api_key=rl.rollout_api_key, model=rl.rollout_model)
+    trainer = GRPOTrainer(rl, backend, prompts, held_out, reward, pool,
+                          stop_token_ids(source.path, tok), source.path, cfg.seed)
+    record = build_record(source, data_rec, cfg, backend="torch-grpo", eval_data=eval_rec)
+    if cfg.output:
+        write_provenance(cfg.output, record)
+    return Parts(backend, weights, trainer, record)
+
+
+def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
+    """Run one GRPO island to the end; returns the process exit code."""
+    setup_logging(cfg, Solo())
+    t_start = time.monotonic()
+    try:
+        parts = prepare(cfg, rl)
+    except (OSError, ValueError) as e:  # missing files, bad data, bad reward or adapter
+        log.error("%s", e)
+        return EXIT_BAD_INPUT
+    trainer, weights = parts.trainer, parts.weights
+    client = make_client(cfg, weights.layout, parts.backend)
+    island = make_island(cfg, weights, client, trainer.on_sync)
+    log.info("GRPO island: %d prompts, G=%d x %d prompts per step, %d nodes, %d LoRA "
+             "parameters", len(trainer.prompts), rl.group_size, rl.prompts_per_step,
+             len(trainer.pool.nodes), weights.layout.numel)
+    with GracefulStop(on_first=lambda n: log.warning("%s: stopping after this step", n)) as stop:
+        try:
+            island.start()
+        except Refused as e:
+            log.error("%s", e)
+            return EXIT_NOT_FEDERATED
+        before = trainer.evaluate()
+        log.info("held-out reward before training: %.4f", before)
+        write_metrics(cfg.output, dict(step=0, eval_reward=finite(before),
+                                       version=island.version, time=time.time()))
+        history = train(cfg, trainer, island, stop)
+        if client is not None:
+            island.finish()
+    after = trainer.evaluate()
+    log.info("held-out reward after training: %.4f (before %.4f)", after, before)
+    summary = summarize(cfg, rl, island, client, trainer, history, before, after, t_start)
+    if cfg.output:
+        save(cfg, parts, summary)
+    trainer.pool.close()
+    ignore_signals()
+    return exit_code(cfg, island, client)
+
+
+def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop) -> list[dict]:
+    """The inner loop: a GRPO step, then the island's turn (apply merged Θ, push when
+    due, which evaluates); one metrics line per step."""
+    history = []
+    for step in range(1, cfg.max_steps + 1):
+        m = trainer.step(step, island.version)
+        done = island.after_step(m["tokens"], train_loss=m["loss"])
+        m.update(version=island.version, eval_reward=finite(trainer.eval_reward),
+                 pushes=island.pushes, time=time.time())
+        write_metrics(cfg.output, m)
+        history.append(m)
+        log.info("step %d: reward %.3f, staleness %s, logprob gap %.2e, loss %.4f, version %d",
+                 step, m["reward"], m["staleness"], m.get("logprob_gap", 0.0), m["loss"],
+                 island.version)
+        if done or stop.is_set():
+            break
+    return history
+
+
+def summarize(cfg, rl, island, client, trainer, history, before, after, t_start) -> dict:
+    stale = [m["staleness"] for m in history if m["staleness"] is not None]
+    gaps = [m["logprob_gap"] for m in history if "logprob_gap" in m]
+    return dict(
+        reward_before=finite(before), reward_after=finite(after), steps=island.step,
+        sync_every=cfg.sync_every if client is not None else None, version=island.version,
+        final=island.finished, pushes=island.pushes, evals=trainer.evals,
+        eval_prompts=len(trainer.held_out), eval_via="trainer (greedy, own weights)",
+        group_size=rl.group_size, prompts_per_step=rl.prompts_per_step,
+        staleness_mean=sum(stale) / len(stale) if stale else None,
+        logprob_gap_mean=sum(gaps) / len(gaps) if gaps else None,
+        train_reward_first=history[0]["reward"] if history else None,
+        train_reward_last=history[-1]["reward"] if history else None,
+        nodes=trainer.pool.report(), bytes_up=client.bytes_up if client else 0,
+        bytes_down=client.bytes_down if client else 0,
+        seconds=round(time.monotonic() - t_start, 1))
+
+
+def save(cfg: IslandConfig, parts: Parts, summary: dict) -> None:
+    from yeto.data.provenance import write_provenance
+    from yeto.io import atomic_write
+
+    saved = parts.backend.save(cfg, cfg.output)
+    write_provenance(saved, parts.provenance)
+    atomic_write(cfg.output / "summary.json", json.dumps(summary, indent=2))
+    log.info("saved to %s", cfg.output)

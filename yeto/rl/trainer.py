@@ -1,0 +1,190 @@
+"""The GRPO island: an island whose inner step samples from rollout nodes and trains
+on rewards (`python -m yeto.rl`).
+
+It is an ordinary island: the torch backend (`yeto.torch.learner.TorchBackend`:
+model, peft LoRA, AdamW, saving) and the island machinery (`yeto.island.Island`
+through `yeto.loop.make_client` / `make_island`: join, push every H steps, apply
+merged Θ, finish) are the SFT island's. Only the step differs:
+
+1. the next P prompts go to the rollout nodes, G completions each, groups whole
+   and round-robined (`yeto.rl.pool`);
+2. rewards, group-normalised advantages (`yeto.rl.grpo`);
+3. the trainer recomputes each completion's logprobs on its own weights and takes
+   one AdamW step on the clipped GRPO loss (groups whose rewards are all equal
+   carry no signal and are skipped).
+
+Per step it logs (OUT/metrics.jsonl) the reward, the staleness of the samples (its
+version − the ``yeto_version`` that sampled them) and the mean |behaviour −
+recomputed| logprob gap. Held-out reward is measured greedily on the trainer's own
+weights, in process, never through a rollout node: before training, at every sync
+and at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from yeto.rl.grpo import Seq, completion_logprobs, group_advantages, policy_loss
+from yeto.rl.pool import RolloutPool
+from yeto.rl.prompts import Prompt
+
+log = logging.getLogger("yeto.island")
+
+
+@dataclass
+class RLConfig:
+    """The GRPO island's settings beyond `yeto.config.IslandConfig`'s."""
+
+    rollout_url: list[str]
+    reward: list[str]
+    group_size: int = 8
+    prompts_per_step: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    scale_rewards: bool = True
+    adapter: Path | None = None
+    micro_batch: int = 64
+    max_grad_norm: float = 1.0
+    eval_prompts: int = 64
+    rollout_timeout: float = 300.0
+    rollout_wait: float = 600.0
+    rollout_api_key: str | None = None
+    rollout_model: str | None = None
+
+
+def evaluate_reward(model, tokenizer, model_dir, prompts: list[Prompt], reward, max_new: int,
+                    eos_ids, batch: int = 64) -> float:
+    """Mean reward of greedy completions of `prompts` by `model` itself (in process)."""
+    from yeto.rollout.generate import Row, SamplingParams, generate
+    from yeto.rollout.torch_engine import TorchEngine
+
+    if not prompts:
+        return float("nan")
+    engine = TorchEngine.wrap(model, tokenizer, model_dir)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0)
+    detok = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    was_training = model.training
+    model.eval()
+    scores = []
+    try:
+        for lo in range(0, len(prompts), batch):
+            chunk = prompts[lo:lo + batch]
+            rows = [Row(p.ids, params, np.random.default_rng(0)) for p in chunk]
+            for p, o in zip(chunk, generate(engine, rows, eos_ids, detok)):
+                scores.append(float(reward(o.text, reference=p.reference, prompt=p.text)))
+    finally:
+        model.train(was_training)
+    return float(np.mean(scores))
+
+
+class GRPOTrainer:
+    """The step and the evaluation of a GRPO island (the syncing is `Island`'s)."""
+
+    def __init__(self, rl: RLConfig, backend, prompts: list[Prompt], held_out: list[Prompt],
+                 reward, pool: RolloutPool, eos_ids, model_dir, seed: int = 0):
+        self.rl, self.backend, self.pool = rl, backend, pool
+        self.prompts, self.held_out, self.reward = prompts, held_out, reward
+        self.eos_ids, self.model_dir, self.seed = list(eos_ids), model_dir, seed
+        self.rng = np.random.default_rng(seed)
+        self._order: list[int] = []
+        self.eval_reward = float("nan")
+        self.evals = 0
+        self.pad_id = backend.tokenizer.pad_token_id or 0
+
+    def evaluate(self) -> float:
+        b = self.backend
+        self.eval_reward = evaluate_reward(b.model, b.tokenizer, self.model_dir, self.held_out,
+                                           self.reward, self.rl.max_new_tokens, self.eos_ids)
+        self.evals += 1
+        return self.eval_reward
+
+    def on_sync(self) -> float:
+        """Island's hook at every sync: the held-out reward, logged; NaN goes to the
+        syncer as eval loss (a reward is not a loss)."""
+        log.info("held-out reward %.4f (greedy, own weights)", self.evaluate())
+        return float("nan")
+
+    def _next_prompts(self) -> list[Prompt]:
+        out = []
+        while len(out) < self.rl.prompts_per_step:
+            if not self._order:
+                self._order = list(self.rng.permutation(len(self.prompts)))
+            out.append(self.prompts[self._order.pop()])
+        return out
+
+    def step(self, step: int, version: int) -> dict:
+        """One GRPO step: sample, score, train. Returns its metrics."""
+        rl, batch = self.rl, self._next_prompts()
+        t0 = time.perf_counter()
+        params = dict(max_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                      seed=self.seed * 1_000_003 + step)
+        groups = self.pool.sample([p.ids for p in batch], rl.group_size, params)
+        t_roll = time.perf_counter() - t0
+        rewards = np.array([[float(self.reward(s.text, reference=p.reference, prompt=p.text))
+                             for s in g] for p, g in zip(batch, groups)])
+        adv = group_advantages(rewards, rl.scale_rewards)
+        seqs = [Seq(p.ids, s.token_ids, s.logprobs, float(adv[i, j]), s.version)
+                for i, (p, g) in enumerate(zip(batch, groups)) for j, s in enumerate(g)]
+        trained = [s for s in seqs if abs(s.advantage) > 1e-8]
+        t1 = time.perf_counter()
+        stats = self._train(trained) if trained else dict(loss=0.0, tokens=0)
+        seen = [version - s.version for s in seqs if s.version >= 0]
+        return dict(step=step, reward=float(rewards.mean()), reward_std=float(rewards.std()),
+                    groups_trained=int(sum(np.abs(adv).max(axis=1) > 1e-8)),
+                    staleness=float(np.mean(seen)) if seen else None,
+                    staleness_max=int(max(seen)) if seen else None,
+                    sample_versions=sorted({s.version for s in seqs}),
+                    completion_len=float(np.mean([len(s.tokens) for s in seqs])),
+                    rollout_s=round(t_roll, 3), train_s=round(time.perf_counter() - t1, 3),
+                    **stats)
+
+    def _train(self, seqs: list[Seq]) -> dict:
+        """One AdamW step on the GRPO loss of `seqs` (micro-batched)."""
+        rl, model, opt = self.rl, self.backend.model, self.backend.opt
+        device = self.backend.device
+        total = sum(len(s.tokens) for s in seqs)
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        acc = dict(loss=0.0, gap=0.0, clipped=0.0, ratio=0.0, kl=0.0)
+        for lo in range(0, len(seqs), rl.micro_batch):
+            chunk = seqs[lo:lo + rl.micro_batch]
+            new, mask = completion_logprobs(model, chunk, self.pad_id, device)
+            old = _padded([s.behaviour for s in chunk], new.shape[1], device)
+            adv = torch.tensor([s.advantage for s in chunk], dtype=torch.float32, device=device)
+            ref = None
+            if rl.kl_coef:
+                with torch.no_grad(), model.disable_adapter():
+                    ref, _ = completion_logprobs(model, chunk, self.pad_id, device)
+            loss, st = policy_loss(new, old, adv, mask, rl.clip_eps, rl.kl_coef, ref)
+            (loss / total).backward()
+            acc["loss"] += float(loss.detach())
+            acc["gap"] += float(((new.detach() - old).abs() * mask).sum())
+            for k in ("clipped", "ratio", "kl"):
+                acc[k] += st[k]
+        if rl.max_grad_norm:
+            params = [p for p in model.parameters() if p.requires_grad]
+            torch.nn.utils.clip_grad_norm_(params, rl.max_grad_norm)
+        opt.step()
+        out = {("logprob_gap" if k == "gap" else k): v / total for k, v in acc.items()}
+        return dict(out, tokens=total)
+
+
+def _padded(rows: list[list[float]], width: int, device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out.to(device)
+
+
+def finite(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
