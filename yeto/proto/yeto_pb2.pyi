@@ -25,7 +25,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files")
+    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer")
     class ExportFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,13 +39,15 @@ class JoinRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FILE_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FILES_FIELD_NUMBER: _ClassVar[int]
+    OBSERVER_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     fingerprint: str
     backend: str
     weights_file: str
     export_files: _containers.ScalarMap[str, str]
-    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    observer: bool
+    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq")
