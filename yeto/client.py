@@ -4,6 +4,15 @@ The training loop never blocks on the network: joining (with exponential
 backoff), seeding, and receiving broadcasts happen on a connection thread;
 pushes go through a one-thread executor and return futures. The caller applies
 received weights at a step boundary (see `yeto.island.Island`).
+
+Memory: a push is sent from the caller's payload buffer in zero-copy slices; the
+seed from the caller's array. A broadcast is reassembled whole (one fragment of
+f32) unless the caller asked for streams (`stream_broadcasts()`, as the island
+does): then a large f32 broadcast is handed over at once as a
+`yeto.transport.ThetaStream` and its chunks are passed on as they arrive, so the
+island applies them into the model without the fragment ever being held whole.
+With a compressed downlink the syncer sends updates against the Θ the island
+holds, so the client keeps that Θ (one f32 copy per fragment) to add them to.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from yeto.io import host_port
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
-from yeto.transport import Lost, PushReply, Received, Refused, Unavailable
+from yeto.transport import Lost, PushReply, Received, Refused, ThetaStream, Unavailable
 
 log = logging.getLogger("yeto.client")
 
@@ -50,6 +59,9 @@ def connect(syncer: str | None, learner_id: str, layout: Layout, **options) -> S
         return None
     return SyncerClient(syncer, learner_id, layout, **options)
 
+
+# broadcasts above this size are streamed to a caller that asked for streams
+STREAM_MIN_BYTES = 2 * net.CHUNK_BYTES
 
 # status codes after which the same call would be refused again
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -85,6 +97,9 @@ class SyncerClient:
         self._cond = threading.Condition()
         self._latest: dict[int, Received] = {}  # newest untaken broadcast per fragment
         self._theta_of: dict[int, tuple[int, np.ndarray]] = {}  # fragment -> (version, Θ slice)
+        self._keep_theta = True   # keep each Θ for compressed updates (see stream_broadcasts)
+        self._streams = False
+        self.stream_min_bytes = STREAM_MIN_BYTES
         self.num_fragments = 1
         self._closed = False
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yeto-push")
@@ -98,6 +113,13 @@ class SyncerClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self.wait_s = 0.0
+
+    def stream_broadcasts(self) -> None:
+        """Hand large f32 broadcasts over as `ThetaStream`s, and keep no copy of Θ
+        unless the syncer sends compressed updates (learned from the join reply, or
+        from the first update: then the client rejoins once for the full weights)."""
+        self._streams = True
+        self._keep_theta = False
 
     # ---- connection thread ------------------------------------------------
     def start(self, initial: np.ndarray) -> None:
@@ -157,6 +179,9 @@ class SyncerClient:
         self.generation, self.run_id = reply.generation, reply.run_id
         self.num_fragments = max(1, reply.num_fragments)
         self.acked_seq = reply.last_seq
+        downlink = getattr(reply, "downlink", "")  # a syncer that says so: no guessing
+        if self._streams and downlink:
+            self._keep_theta = downlink != "f32"
         self.connected.set()
         log.info("joined syncer %s as %s (generation %d, %d/%d islands, version %d)",
                  self.address, self.learner_id, reply.generation, reply.joined, reply.quorum,
@@ -165,29 +190,42 @@ class SyncerClient:
             header = pb.PushHeader(learner_id=self.learner_id, generation=self.generation,
                                    kind=pb.SEED, encoding="f32", numel=self.layout.numel,
                                    payload_bytes=4 * self.layout.numel)
-            self._stream_push(header, codec.encode(self._initial, "f32"))
+            seed = np.ascontiguousarray(self._initial, dtype=np.float32)
+            codec.validate(memoryview(seed).cast("B"), "f32", seed.size)
+            self._stream_push(header, memoryview(seed).cast("B"))  # zero-copy slices
 
     def _listen(self, stream) -> None:
-        """Reassemble each broadcast from its chunks and hand it over."""
-        header, buf, n = None, None, 0
-        for chunk in stream:
-            if chunk.HasField("header"):
-                header = chunk.header
-                buf, n = np.empty(header.payload_bytes, np.uint8), 0
-            if header is None:
-                raise _BadBroadcast("broadcast stream started without a header")
-            data = chunk.data  # each access copies: read once
-            if n + len(data) > len(buf):
-                raise _BadBroadcast("broadcast payload longer than its header announced")
-            buf[n:n + len(data)] = np.frombuffer(data, np.uint8)
-            n += len(data)
-            if n == header.payload_bytes:
-                self._deliver(header, buf)
-                header = None
+        """Reassemble each broadcast from its chunks (or pass a stream on) and hand it
+        over."""
+        sink = None
+        try:
+            for chunk in stream:
+                if chunk.HasField("header"):
+                    if sink is not None:
+                        raise _BadBroadcast("a broadcast header arrived inside a broadcast")
+                    sink = self._sink(chunk.header)
+                if sink is None:
+                    raise _BadBroadcast("broadcast stream started without a header")
+                if sink.add(chunk.data):  # each access copies: read once
+                    sink = None
+        except BaseException as e:
+            if sink is not None:
+                sink.fail(str(e) or type(e).__name__)
+            raise
+
+    def _sink(self, header):
+        if (self._streams and not header.delta and header.encoding == "f32"
+                and header.payload_bytes >= self.stream_min_bytes):
+            return _Streamed(self, header)
+        return _Buffered(self, header)
 
     def _deliver(self, header, buf: np.ndarray) -> None:
         if header.delta:  # an update to the version we hold: the same adds as the syncer
             current = self._theta_of.get(header.fragment)
+            if current is None and not self._keep_theta:
+                self._keep_theta = True
+                raise _BadBroadcast("the syncer sends compressed updates: rejoining for the "
+                                    "full weights (kept from now on to add updates to)")
             if current is None or current[0] != header.base_version:
                 raise _BadBroadcast(f"broadcast update against version {header.base_version}, "
                                     f"but this island holds {current and current[0]}")
@@ -198,13 +236,26 @@ class SyncerClient:
             theta = buf.view(np.float32)
         else:
             theta = codec.decode(buf, header.encoding, header.numel)
-        self._theta_of[header.fragment] = (header.version, theta)
+        if self._keep_theta:
+            self._theta_of[header.fragment] = (header.version, theta)
         self.bytes_down += len(buf)
-        got = Received(header.version, header.fragment, header.final, theta)
+        self._hand_over(Received(header.version, header.fragment, header.final, theta))
+
+    def _hand_over(self, got: Received, done: bool | None = None) -> None:
+        """Make `got` the newest broadcast of its fragment; `done`: the final weights are
+        all in (default: `got.final`; a stream's are in when it ends)."""
         with self._cond:
-            self._latest[header.fragment] = got
-            self.finished = self.finished or header.final
+            self._latest[got.fragment] = got
+            self.finished = self.finished or (got.final if done is None else done)
             self._cond.notify_all()
+
+    def _final_in(self) -> None:
+        with self._cond:
+            self.finished = True
+            self._cond.notify_all()
+
+    def _alive(self) -> bool:
+        return not self._closed
 
     # ---- caller side ------------------------------------------------------
     def take(self) -> list[Received]:
@@ -233,11 +284,12 @@ class SyncerClient:
         got = self.wait(timeout)
         return max(got, key=lambda r: r.version) if got else None
 
-    def push(self, payload: bytes, *, encoding: str, base_version: int, loss_tokens: int,
-             steps: int, seq: int, fragment: int = 0, numel: int | None = None,
+    def push(self, payload: bytes | memoryview, *, encoding: str, base_version: int,
+             loss_tokens: int, steps: int, seq: int, fragment: int = 0, numel: int | None = None,
              train_loss: float = float("nan"), eval_loss: float = float("nan")) -> Future:
         """Send one pseudo-gradient in the background; the future resolves to the
-        syncer's `PushReply` or raises `Refused` / `Lost` / `Unavailable`."""
+        syncer's `PushReply` or raises `Refused` / `Lost` / `Unavailable`. `payload` is
+        sent in zero-copy slices: it must not change until the future is done."""
         if not self.connected.is_set():
             f: Future = Future()
             f.set_exception(Unavailable(f"not connected to the syncer at {self.address}"))
@@ -286,6 +338,66 @@ class SyncerClient:
         if stream is not None:
             stream.cancel()
         self._channel.close()
+
+
+class _Buffered:
+    """A broadcast reassembled whole, then handed over."""
+
+    def __init__(self, client: SyncerClient, header):
+        self.client, self.header = client, header
+        self.buf, self.n = np.empty(header.payload_bytes, np.uint8), 0
+
+    def add(self, data: bytes) -> bool:
+        if self.n + len(data) > len(self.buf):
+            raise _BadBroadcast("broadcast payload longer than its header announced")
+        self.buf[self.n:self.n + len(data)] = np.frombuffer(data, np.uint8)
+        self.n += len(data)
+        if self.n < len(self.buf):
+            return False
+        self.client._deliver(self.header, self.buf)
+        return True
+
+    def fail(self, why: str) -> None:
+        pass
+
+
+class _Streamed:
+    """A large f32 broadcast handed over at once as a `ThetaStream`; its chunks are
+    checked (finite, sizes) and passed on as they arrive."""
+
+    def __init__(self, client: SyncerClient, header):
+        self.client, self.header = client, header
+        if header.payload_bytes != 4 * header.numel:
+            raise _BadBroadcast(f"f32 broadcast of {header.numel} values must be "
+                                f"{4 * header.numel} bytes, header says {header.payload_bytes}")
+        self.stream = ThetaStream(header.numel)
+        self.n, self.tail, self.dropped = 0, b"", False
+        client._hand_over(Received(header.version, header.fragment, header.final, self.stream),
+                          done=False)
+
+    def add(self, data: bytes) -> bool:
+        if self.n + len(data) > self.header.payload_bytes:
+            raise _BadBroadcast("broadcast payload longer than its header announced")
+        self.n += len(data)
+        if self.tail:
+            data = self.tail + data
+        cut = len(data) - len(data) % 4
+        self.tail = data[cut:]
+        piece = np.frombuffer(data, np.float32, count=cut // 4)
+        if not np.isfinite(piece).all():
+            raise _BadBroadcast("f32 broadcast holds non-finite values")
+        if piece.size and not self.dropped:
+            self.dropped = not self.stream.put(piece, self.client._alive)
+        if self.n < self.header.payload_bytes:
+            return False
+        self.stream.end()
+        self.client.bytes_down += self.n
+        if self.header.final:
+            self.client._final_in()
+        return True
+
+    def fail(self, why: str) -> None:
+        self.stream.fail(why)
 
 
 class _StreamEnded(grpc.RpcError):

@@ -130,11 +130,18 @@ def _check_finite(x: np.ndarray) -> None:
 
 
 def _q4_encode(x: np.ndarray) -> bytes:
+    nb = -(-x.size // Q4_BLOCK)
+    out = np.empty(4 * nb + nb * Q4_BLOCK // 2, dtype=np.uint8)
+    _q4_encode_into(x, out[:4 * nb].view(np.float32), out[4 * nb:])
+    return out.tobytes()
+
+
+def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+    """Encode x into its blocks' `scales` (float32) and `codes` (uint8, 32 per block):
+    views into a payload, so a vector encoded piece by piece (pieces starting on block
+    boundaries) gives the same bytes as encoded whole."""
     n = x.size
     nb = -(-n // Q4_BLOCK)
-    out = np.empty(4 * nb + nb * Q4_BLOCK // 2, dtype=np.uint8)
-    scales = out[:4 * nb].view(np.float32)
-    codes = out[4 * nb:]
     chunk = max(Q4_BLOCK, min(_CHUNK, nb * Q4_BLOCK))
     work = np.empty(chunk, dtype=np.float32)   # |x|, then x / scale + magic
     wide = np.empty(chunk, dtype=np.float32)   # 1 / scale, per element
@@ -171,15 +178,21 @@ def _q4_encode(x: np.ndarray) -> bytes:
             np.right_shift(cp, 4, out=p)
             p |= cp
             np.copyto(codes[lo // 2:hi // 2], p, casting="unsafe")
-    if not np.isfinite(scales).all():  # a NaN/inf in a block shows in its max
+    if not np.isfinite(scales[:nb]).all():  # a NaN/inf in a block shows in its max
         _check_finite(x)
-    return out.tobytes()
 
 
 def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight) -> None:
     nb = -(-numel // Q4_BLOCK)
-    scales = _q4_scales(buf, numel)
-    codes = np.frombuffer(buf, dtype=np.uint8, offset=4 * nb)
+    _q4_decode_parts(_q4_scales(buf, numel), np.frombuffer(buf, dtype=np.uint8, offset=4 * nb),
+                     numel, out, weight)
+
+
+def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
+                     weight) -> None:
+    """Decode `numel` values from their blocks' scales and codes into `out` (or add
+    weight * them)."""
+    nb = -(-numel // Q4_BLOCK)
     chunk = max(Q4_BLOCK, min(_CHUNK, nb * Q4_BLOCK))
     spread = np.empty(chunk // 2, dtype="<u2")
     tmp = np.empty(chunk // 2, dtype="<u2")
@@ -225,26 +238,104 @@ def q4_error_bound(x: np.ndarray) -> np.ndarray:
     return np.repeat(step / 2, Q4_BLOCK)[:x.size] * (1 + 1e-6)
 
 
+class Encoder:
+    """One payload of `numel` values in `encoding`, filled piece by piece into one
+    preallocated buffer (the bytes the client streams; no copy of the whole vector).
+
+    Pieces start at multiples of Q4_BLOCK, so no q4 block straddles two pieces and
+    the bytes equal `encode()` of the whole vector (each block is encoded on its own).
+    """
+
+    def __init__(self, encoding: str, numel: int):
+        self.encoding, self.numel = encoding, int(numel)
+        self.buffer = np.empty(encoded_size(encoding, self.numel), dtype=np.uint8)
+        self._nb = -(-self.numel // Q4_BLOCK)
+
+    @property
+    def payload(self) -> memoryview:
+        return memoryview(self.buffer)
+
+    def put(self, lo: int, x: np.ndarray) -> None:
+        """Encode x as values [lo, lo + len(x)); refuses non-finite input (CodecError)."""
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        hi = lo + x.size
+        if lo % Q4_BLOCK or hi > self.numel or (hi % Q4_BLOCK and hi != self.numel):
+            raise ValueError(f"piece [{lo}, {hi}) of {self.numel} is not on q4 block bounds")
+        if self.encoding == "q4":
+            b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
+            scales = self.buffer[:4 * self._nb].view(np.float32)[b0:b1]
+            codes = self.buffer[4 * self._nb:][b0 * Q4_BLOCK // 2:b1 * Q4_BLOCK // 2]
+            _q4_encode_into(x, scales, codes)
+        elif self.encoding == "f32":
+            _check_finite(x)
+            self.buffer.view(np.float32)[lo:hi] = x
+        elif self.encoding == "bf16":
+            _check_finite(x)
+            self.buffer.view(np.uint16)[lo:hi] = np.frombuffer(encode(x, "bf16"), np.uint16)
+        else:
+            raise CodecError(f"unknown encoding {self.encoding!r}")
+
+    def decoded(self, lo: int, hi: int) -> np.ndarray:
+        """The decoded values [lo, hi) of what has been put (lo on a block bound)."""
+        if self.encoding == "f32":
+            return self.buffer.view(np.float32)[lo:hi]
+        if self.encoding == "bf16":
+            raw = self.buffer.view(np.uint16)[lo:hi]
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
+        scales = self.buffer[:4 * self._nb].view(np.float32)[b0:b1]
+        codes = self.buffer[4 * self._nb:][b0 * Q4_BLOCK // 2:b1 * Q4_BLOCK // 2]
+        out = np.empty(hi - lo, dtype=np.float32)
+        _q4_decode_parts(scales, codes, hi - lo, out, None)
+        return out
+
+
 class ErrorFeedback:
     """Carry each encode's quantization residual into the next encode.
 
     With it the running sum of decoded pushes equals the running sum of true
     pushes minus the current residual, which is at most half a quantization step:
-    nothing is lost over time, however coarse the wire.
+    nothing is lost over time, however coarse the wire. f32 is exact, so it keeps
+    no residual (`residual` is None) unless work is carried back into it (`carry`).
     """
 
     def __init__(self, numel: int, encoding: str):
-        self.encoding = encoding
-        self.residual = np.zeros(numel, dtype=np.float32)
+        self.encoding, self.numel = encoding, int(numel)
+        self.residual: np.ndarray | None = (
+            None if encoding == "f32" else np.zeros(self.numel, dtype=np.float32))
 
     def encode(self, x: np.ndarray, offset: int = 0) -> bytes:
         """Encode x, which covers residual[offset:offset + len(x)] (a fragment)."""
-        _check_finite(np.asarray(x))
-        span = slice(offset, offset + x.size)
-        target = self.residual[span] + x
-        payload = encode(target, self.encoding)
+        x = np.array(x, dtype=np.float32).reshape(-1)  # a copy: it becomes the target
+        enc = Encoder(self.encoding, x.size)
+        self.encode_piece(x, enc, 0, offset)
+        self.done()
+        return enc.buffer.tobytes()
+
+    def encode_piece(self, x: np.ndarray, enc: Encoder, at: int, offset: int) -> None:
+        """Put x + residual (values [offset, offset + len(x)) of the vector) into `enc`
+        at `at`, keeping what the encoding lost as the new residual there. `x` is
+        overwritten (it becomes the target); on a CodecError nothing is changed."""
+        r = None if self.residual is None else self.residual[offset:offset + x.size]
+        if r is not None:
+            np.add(r, x, out=x)
+        enc.put(at, x)
+        if r is None:
+            return
         if self.encoding == "f32":
-            self.residual[span] = 0.0
+            r[...] = 0.0
         else:
-            self.residual[span] = target - decode(payload, self.encoding, target.size)
-        return payload
+            np.subtract(x, enc.decoded(at, at + x.size), out=r)
+
+    def done(self) -> None:
+        """After a push: an f32 residual (only there after a carry) is freed once every
+        fragment has spent its part."""
+        if self.encoding == "f32" and self.residual is not None and not self.residual.any():
+            self.residual = None
+
+    def carry(self, offset: int, values: np.ndarray) -> None:
+        """Add values to the residual at offset: work the syncer did not get goes into
+        the next push."""
+        if self.residual is None:
+            self.residual = np.zeros(self.numel, dtype=np.float32)
+        self.residual[offset:offset + values.size] += values

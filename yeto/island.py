@@ -1,64 +1,115 @@
 """The island state machine, backend-neutral.
 
-An island owns a flat float32 view of its trainable weights through two
-callbacks, `get_weights() -> np.ndarray` and `set_weights(np.ndarray)`, supplied
-by the torch or MLX edge. Everything else is here. The flat vector is cut into
-the syncer's P fragments (P = 1 unless the syncer runs `--fragments P`); each
-fragment follows the same rules on its own slice:
+An island sees its trainable weights as one flat float32 vector in canonical order,
+through the backend's callbacks: `get_weights() -> np.ndarray` and
+`set_weights(np.ndarray)`, and, when the backend has them, range access
+`read_range(lo, hi) -> np.ndarray` / `write_range(lo, hi, values)` (plus an optional
+`flush()` after a batch of range accesses: see `yeto.loop.Weights`). Everything else
+is here. The flat vector is cut into the syncer's P fragments (P = 1 unless the
+syncer runs `--fragments P`); each fragment follows the same rules on its own slice:
 
-- anchor: the exact Θ bytes last received. `base` is the local weights whose
-  progress the syncer already holds (the anchor, or the weights at the last push
-  while its round is open); a push sends base − local, quantized with error
-  feedback, so the pushes since an anchor add up to anchor − local.
+- anchor: the exact Θ bytes last received, moved to the pushed weights by each
+  push (anchor ← local): it is the point up to which the syncer holds this island's
+  work. A push sends anchor − local, quantized with error feedback, so the pushes
+  since Θ add up to Θ − local.
 - counters: loss tokens and optimizer steps since the fragment's last push.
 - apply: broadcasts are applied only at step boundaries, inside `after_step`.
   Training overlaps the round trip, so when Θ arrives the island keeps the steps it
-  made since its push: local ← Θ + (local − base), anchor ← base ← Θ. Every step
-  is pushed exactly once; with `blocking=True` the island waits for Θ right after
-  each push, so all islands hold bit-identical weights after every round.
-  `merge_alpha` α mixes instead: local ← α·local + (1 − α)·(Θ + local − base);
+  made since its push: local ← Θ + (local − anchor), anchor ← Θ. Every step is
+  pushed exactly once; with `blocking=True` the island waits for Θ right after each
+  push, so all islands hold bit-identical weights after every round.
+  `merge_alpha` α mixes instead: local ← α·local + (1 − α)·(Θ + local − anchor);
   α = 0 (the default) keeps nothing of the pre-merge local weights but the steps
   the merge could not have seen, so islands stay as close to Θ as overlap allows.
-- a push the syncer refuses is carried forward: its work, tokens, steps and
-  quantization residual go into the next push. So is a push the syncer accepted
-  but lost (it restarted from its last saved round): on rejoin the syncer reports
-  the newest push it holds, and the island rolls back to before any newer one.
+  The first Θ an island receives is adopted with α = 0 (all islands start on it).
+- a push the syncer refuses is carried forward: its decoded payload goes back into
+  the error-feedback residual (the anchor already moved past it), its tokens and
+  steps into the next push. So is a push the syncer accepted but lost (it restarted
+  from its last saved round): on rejoin the syncer reports the newest push it holds,
+  and the island carries forward every newer one.
 - schedule: fragment f is pushed every H steps, offset by f·H/P (Streaming
   DiLoCo), or every T seconds with the same stagger; at most `pipeline`
   fragments are in flight at once.
 - finish: a last push of every fragment, then the final Θ (f32) replaces the
   local weights exactly, so every island ends bit-identical to the syncer.
+
+Memory, per trainable parameter, beyond the training loop itself:
+
+- anchor: 4 B (f32, host memory; never on an accelerator). It used to sit beside a
+  second copy, `base` (the weights at the last push, differing from the anchor only
+  while a round is open), and a copy of both plus the residual per push in flight;
+  moving the anchor at the push makes `base` unnecessary, and carrying a refused
+  push's decoded payload into the residual replaces the copies (equal to restoring
+  them up to float rounding).
+- error-feedback residual: 4 B with a q4 or bf16 wire; none with f32 (exact), unless
+  a refused f32 push is carried into one.
+- the payload of the push in flight, kept until its round commits (the bytes the
+  client streams, and what a refusal carries back): 0.625 B (q4), 2 B (bf16),
+  4 B (f32) per parameter of that fragment.
+- the broadcast: streamed from the transport chunk by chunk into the model and the
+  anchor when large (`ThetaStream`), else one fragment of f32 until applied. With a
+  compressed downlink the client also keeps Θ (4 B) to add the syncer's updates to.
+- chunk-sized scratch: every pass (push, apply, start) reads and writes the weights
+  `chunk` values at a time (4 MiB of f32 by default), straight from the backend's
+  tensors when it has range access. A backend without it (`get`/`set` only, e.g.
+  the MLX LoRA view) costs one full flat copy per pass, as before.
+
+So a q4 island holds about 8.6 B per parameter, an f32-wire island 8 B.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
-from yeto.codec import ErrorFeedback
+from yeto.codec import Q4_BLOCK, CodecError, Encoder, ErrorFeedback
 from yeto.layout import Fragment, Layout
-from yeto.transport import Lost, Received, Refused, Transport, TransportError
+from yeto.transport import Lost, Received, Refused, ThetaStream, Transport, TransportError
 
 log = logging.getLogger("yeto.island")
 
+CHUNK = 1 << 20  # values per piece of a pass over the weights (4 MiB of f32)
 
-@dataclass
+
+@dataclass(eq=False)
 class _Push:
     fragment: int
     seq: int
     generation: int
-    base_before: np.ndarray      # the fragment's `base` slice before this push
-    prev_residual: np.ndarray    # and its error-feedback residual
+    encoded: Encoder             # the payload sent (a refusal carries it back)
     tokens: int
     steps: int
     future: Future
     accepted: bool | None = None  # None until the reply (or its loss) is known
+
+
+class _Direct:
+    """One pass over the weights through the backend's own range access."""
+
+    def __init__(self, read, write):
+        self.read, self.write = read, write
+
+
+class _Flat:
+    """One pass over the weights of a backend without range access: one get() at the
+    start, one set() at the end (when written)."""
+
+    def __init__(self, flat: np.ndarray):
+        self.flat, self.dirty = flat, False
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return self.flat[lo:hi]
+
+    def write(self, lo: int, hi: int, values: np.ndarray) -> None:
+        self.flat[lo:hi] = values
+        self.dirty = True
 
 
 class Island:
@@ -69,13 +120,22 @@ class Island:
                  on_sync: Callable[[], float] | None = None,
                  on_apply: Callable[[Received], None] | None = None,
                  start_timeout_s: float | None = None, connect_grace_s: float = 5.0,
-                 finish_timeout_s: float = 1800.0, offline_give_up_s: float = 60.0):
+                 finish_timeout_s: float = 1800.0, offline_give_up_s: float = 60.0,
+                 read_range: Callable[[int, int], np.ndarray] | None = None,
+                 write_range: Callable[[int, int, np.ndarray], None] | None = None,
+                 flush: Callable[[], None] | None = None, chunk: int = CHUNK):
         if sync_every < 1:
             raise ValueError("sync_every must be >= 1")
         if not 0.0 <= merge_alpha < 1.0:
             raise ValueError("merge_alpha must be in [0, 1)")
+        if chunk < Q4_BLOCK or chunk % Q4_BLOCK:
+            raise ValueError(f"chunk must be a positive multiple of {Q4_BLOCK}")
         self.layout, self.client = layout, client
         self._get, self._set = get_weights, set_weights
+        self._read, self._write, self._flush = read_range, write_range, flush
+        if (read_range is None) != (write_range is None):
+            raise ValueError("give both read_range and write_range, or neither")
+        self.chunk = int(chunk)
         self.sync_every, self.wire, self.blocking = sync_every, wire, blocking
         # sync by wall time instead of steps: islands of mixed speed push at the same
         # rate, and token weighting lets the faster one count for more
@@ -86,10 +146,10 @@ class Island:
         self.finish_timeout_s, self.offline_give_up_s = finish_timeout_s, offline_give_up_s
         self.feedback = ErrorFeedback(layout.numel, wire)
         self.anchor: np.ndarray | None = None
-        self.base: np.ndarray | None = None
         self.pushed: list[_Push] = []
         self.versions: dict[int, int] = {}   # fragment -> version of its anchor
         self.finals: set[int] = set()        # fragments whose final weights arrived
+        self._partial: set[int] = set()      # fragments whose last broadcast broke off
         self.step = 0
         self.tokens: dict[int, int] = {}     # per fragment, since its last push
         self.steps: dict[int, int] = {}
@@ -101,6 +161,15 @@ class Island:
         self.pushes = 0
         self._t0 = time.monotonic()
         self._next_due: dict[int, float] = {}
+
+    @classmethod
+    def for_weights(cls, weights, **options) -> Island:
+        """An island over a `yeto.loop.Weights` object (`layout`, `get`, `set`), using its
+        range access (`read_range`, `write_range`, `flush`) when it has it."""
+        return cls(weights.layout, weights.get, weights.set,
+                   read_range=getattr(weights, "read_range", None),
+                   write_range=getattr(weights, "write_range", None),
+                   flush=getattr(weights, "flush", None), **options)
 
     # ---- fragments --------------------------------------------------------
     @property
@@ -115,13 +184,32 @@ class Island:
         """Newest version applied (-1 before joining a run)."""
         return max(self.versions.values(), default=-1)
 
+    @contextlib.contextmanager
+    def _pass(self):
+        """Range access to the weights for one pass (push, apply, start)."""
+        if self._read is not None:
+            try:
+                yield _Direct(self._read, self._write)
+            finally:
+                if self._flush is not None:
+                    self._flush()
+            return
+        view = _Flat(np.asarray(self._get(), dtype=np.float32))
+        try:
+            yield view
+        finally:
+            if view.dirty:
+                self._set(view.flat)
+
     # ---- start ------------------------------------------------------------
     def start(self) -> None:
-        """Join the run and adopt its Θ; trains locally if the syncer is unreachable."""
-        self.anchor = self._get()
-        self.base = self.anchor.copy()
+        """Join the run and adopt its Θ; trains locally if the syncer is unreachable.
+        A single island (no client) pushes nothing and keeps no anchor."""
         if self.client is None:
             return
+        self.anchor = self._read_all()
+        if hasattr(self.client, "stream_broadcasts"):
+            self.client.stream_broadcasts()
         self.client.start(self.anchor)
         t0 = last_log = time.monotonic()
         while True:
@@ -142,6 +230,16 @@ class Island:
                 log.info("waiting for the syncer to start round 1 (quorum) ...")
                 last_log = time.monotonic()
         self._t0 = time.monotonic()
+
+    def _read_all(self) -> np.ndarray:
+        """The weights as a new flat array (the anchor), chunk by chunk."""
+        if self._read is None:
+            return np.array(self._get(), dtype=np.float32)
+        out = np.empty(self.layout.numel, dtype=np.float32)
+        with self._pass() as w:
+            for lo, hi in _ranges(0, self.layout.numel, self.chunk):
+                out[lo:hi] = w.read(lo, hi)
+        return out
 
     # ---- per step ---------------------------------------------------------
     def after_step(self, loss_tokens: int, train_loss: float | None = None) -> bool:
@@ -181,39 +279,17 @@ class Island:
                 if self.step >= offsets[f] and (self.step - offsets[f]) % self.sync_every == 0]
 
     def sync(self, fragment: int = 0) -> None:
-        """Push fragment `fragment` (base − local) now; training continues meanwhile."""
+        """Push fragment `fragment` (anchor − local) now; training continues meanwhile."""
         if self.client is None or self.finished:
             return
         f = fragment
-        self._settle()
-        while self._in_flight(f) or len(self._in_flight()) >= self.pipeline:
-            # wait for the rounds in flight to commit (one per fragment, `pipeline` in all)
-            got = self.client.wait(timeout=self.finish_timeout_s, need_connection=True)
-            self._apply_all(got)
-            self._settle()
-            if self.finished or not got:
-                return  # run over, or offline: the work waits for a later push
+        if not self._room_for(f):
+            return  # run over, or offline: the work waits for a later push
         if self.on_sync is not None:
             self.eval_loss = float(self.on_sync())
         if not self.client.connected.is_set() or f not in self.versions:
-            return  # offline: the work stays in base − local for a later push
-        frag = self.fragments[f]
-        span = slice(frag.start, frag.stop)
-        local = self._get()[span]
-        prev = self.feedback.residual[span].copy()
-        payload = self.feedback.encode(self.base[span] - local, offset=frag.start)
-        self.seq = max(self.seq, self.client.acked_seq + 1)
-        tokens, steps = self.tokens.get(f, 0), self.steps.get(f, 0)
-        fut = self.client.push(payload, encoding=self.wire, base_version=self.versions[f],
-                               fragment=f, numel=frag.numel, loss_tokens=tokens, steps=steps,
-                               seq=self.seq,
-                               train_loss=_nan(self.train_loss), eval_loss=_nan(self.eval_loss))
-        self.pushed.append(_Push(f, self.seq, self.client.generation, self.base[span].copy(),
-                                 prev, tokens, steps, fut))
-        self.base[span] = local
-        self.seq += 1
-        self.pushes += 1
-        self.tokens[f] = self.steps[f] = 0
+            return  # offline: the work stays in anchor − local for a later push
+        self._push(f)
         if self.blocking:
             while self._in_flight(f) and not self.finished:
                 got = self.client.wait(timeout=self.finish_timeout_s, need_connection=True)
@@ -221,6 +297,60 @@ class Island:
                 self._settle()
                 if not got:
                     break
+
+    def _room_for(self, f: int) -> bool:
+        """Wait for the rounds in flight to commit (one per fragment, `pipeline` in all);
+        False when the run ended or the syncer went away meanwhile."""
+        self._settle()
+        while self._in_flight(f) or len(self._in_flight()) >= self.pipeline:
+            got = self.client.wait(timeout=self.finish_timeout_s, need_connection=True)
+            self._apply_all(got)
+            self._settle()
+            if self.finished or not got:
+                return False
+        return True
+
+    def _push(self, f: int) -> None:
+        frag = self.fragments[f]
+        encoded = self._encode(frag)
+        self.seq = max(self.seq, self.client.acked_seq + 1)
+        tokens, steps = self.tokens.get(f, 0), self.steps.get(f, 0)
+        fut = self.client.push(encoded.payload, encoding=self.wire,
+                               base_version=self.versions[f], fragment=f, numel=frag.numel,
+                               loss_tokens=tokens, steps=steps, seq=self.seq,
+                               train_loss=_nan(self.train_loss), eval_loss=_nan(self.eval_loss))
+        self.pushed.append(_Push(f, self.seq, self.client.generation, encoded, tokens, steps,
+                                 fut))
+        self.seq += 1
+        self.pushes += 1
+        self.tokens[f] = self.steps[f] = 0
+
+    def _encode(self, frag: Fragment) -> Encoder:
+        """anchor − local plus the residual, encoded chunk by chunk straight from the
+        weights; the anchor moves to local. On a CodecError (non-finite weights) the
+        chunks already encoded are carried back, so nothing is lost, and it re-raises."""
+        enc = Encoder(self.wire, frag.numel)
+        scratch = np.empty(min(self.chunk, frag.numel), dtype=np.float32)
+        done = frag.start
+        with self._pass() as w:
+            try:
+                for lo, hi in _ranges(frag.start, frag.stop, self.chunk):
+                    local = w.read(lo, hi)
+                    x = np.subtract(self.anchor[lo:hi], local, out=scratch[:hi - lo])
+                    self.feedback.encode_piece(x, enc, lo - frag.start, lo)
+                    self.anchor[lo:hi] = local
+                    done = hi
+            except CodecError:
+                self._carry(enc, frag.start, done)
+                raise
+        self.feedback.done()
+        return enc
+
+    def _carry(self, enc: Encoder, start: int, stop: int) -> None:
+        """Values [start, stop) of a payload whose first value is `start` (its fragment's
+        start), decoded back into the residual: work the syncer does not hold."""
+        for lo, hi in _ranges(start, stop, self.chunk):
+            self.feedback.carry(lo, enc.decoded(lo - start, hi - start))
 
     def _in_flight(self, f: int | None = None) -> list[_Push]:
         return [p for p in self.pushed if p.accepted is not False and f in (None, p.fragment)]
@@ -230,33 +360,56 @@ class Island:
         if not received:
             return
         self._settle(wait=True)
-        local, applied = None, []
-        for got in received:
-            if got.version == self.versions.get(got.fragment) and not got.final:
-                continue  # a rejoin re-sends the current Θ: nothing new
-            frag = self.fragments[got.fragment]
-            span = slice(frag.start, frag.stop)
-            local = self._get() if local is None else local
-            if got.final:
-                local[span] = got.theta
-                self.finals.add(got.fragment)
-            else:
-                merged = got.theta + (local[span] - self.base[span])
-                if self.merge_alpha:
-                    merged = self.merge_alpha * local[span] + (1 - self.merge_alpha) * merged
-                local[span] = merged
-            self.anchor[span] = self.base[span] = got.theta
-            self.pushed = [p for p in self.pushed if p.fragment != got.fragment]
-            self.versions[got.fragment] = got.version
-            applied.append(got)
-        if local is not None:
-            self._set(local)
+        applied = []
+        with self._pass() as w:
+            for got in received:
+                f = got.fragment
+                if got.version == self.versions.get(f) and not got.final \
+                        and f not in self._partial:
+                    _discard(got.theta)
+                    continue  # a rejoin re-sends the current Θ: nothing new
+                if not self._apply(got, w):
+                    continue
+                if got.final:
+                    self.finals.add(f)
+                self.pushed = [p for p in self.pushed if p.fragment != f]
+                self.versions[f] = got.version
+                applied.append(got)
         self.finished = len(self.finals) == len(self.fragments)
         for got in applied if self.on_apply is not None else ():
             self.on_apply(got)
 
+    def _apply(self, got: Received, w) -> bool:
+        """Θ into the model and the anchor, chunk by chunk (as it streams in). False when
+        a streamed broadcast broke off: the chunks applied stay applied (each as a whole
+        apply would have done it), and the fragment's next broadcast is applied whatever
+        its version."""
+        frag = self.fragments[got.fragment]
+        # α mixes merges; the run's first Θ is adopted as is (every island starts on it)
+        alpha = self.merge_alpha if got.fragment in self.versions else 0.0
+        self._partial.add(got.fragment)
+        try:
+            for lo, theta in _pieces(got.theta, frag, self.chunk):
+                hi = lo + theta.size
+                if got.final:
+                    w.write(lo, hi, theta)
+                else:
+                    local = w.read(lo, hi)
+                    merged = theta + (local - self.anchor[lo:hi])
+                    if alpha:
+                        merged = alpha * local + (1 - alpha) * merged
+                    w.write(lo, hi, merged)
+                self.anchor[lo:hi] = theta
+        except TransportError as e:
+            log.warning("broadcast of fragment %d (version %d) broke off: %s; its next "
+                        "broadcast is applied whatever its version", got.fragment,
+                        got.version, e)
+            return False
+        self._partial.discard(got.fragment)
+        return True
+
     def _settle(self, wait: bool = False) -> None:
-        """Learn the fate of pushes in flight; undo those the syncer does not hold."""
+        """Learn the fate of pushes in flight; carry forward those the syncer does not hold."""
         for p in self.pushed:
             if p.accepted is None and (wait or p.future.done()):
                 p.accepted = self._outcome(p)
@@ -269,14 +422,13 @@ class Island:
             lost = next(i for i, p in enumerate(mine) if p.accepted is False)
             undone = mine[lost:]
             frag = self.fragments[f]
-            span = slice(frag.start, frag.stop)
             log.warning("push %d not held by the syncer; its work goes into the next push",
                         undone[0].seq)
-            self.base[span] = undone[0].base_before
-            self.feedback.residual[span] = undone[0].prev_residual
+            for p in undone:  # the anchor moved past them: their work goes to the residual
+                self._carry(p.encoded, frag.start, frag.start + p.encoded.numel)
             self.tokens[f] = self.tokens.get(f, 0) + sum(p.tokens for p in undone)
             self.steps[f] = self.steps.get(f, 0) + sum(p.steps for p in undone)
-            self.pushed = [p for p in self.pushed if p not in undone]
+            self.pushed = [p for p in self.pushed if all(p is not u for u in undone)]
 
     def _outcome(self, p: _Push) -> bool | None:
         """True: the syncer holds the push; False: it does not (redo its work);
@@ -329,3 +481,33 @@ class Island:
 
 def _nan(x: float) -> float:
     return x if x is not None and math.isfinite(x) else float("nan")
+
+
+def _ranges(start: int, stop: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """[start, stop) in pieces of `chunk` values, counted from `start`."""
+    for lo in range(start, stop, chunk):
+        yield lo, min(lo + chunk, stop)
+
+
+def _pieces(theta, frag: Fragment, chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(flat offset, values) pieces of a fragment's Θ, whole or streamed, none longer
+    than `chunk`."""
+    if isinstance(theta, ThetaStream):
+        if theta.numel != frag.numel:
+            theta.discard()
+            raise Lost(f"broadcast of {theta.numel} values for a fragment of {frag.numel}")
+        pieces = theta.pieces()
+    else:
+        pieces = iter((np.asarray(theta, dtype=np.float32),))
+    pos = frag.start
+    for piece in pieces:
+        if pos + piece.size > frag.stop:
+            raise Lost("broadcast longer than its fragment")
+        for lo, hi in _ranges(0, piece.size, chunk):
+            yield pos + lo, piece[lo:hi]
+        pos += piece.size
+
+
+def _discard(theta) -> None:
+    if isinstance(theta, ThetaStream):
+        theta.discard()

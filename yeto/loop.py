@@ -16,7 +16,15 @@ metrics, summary and provenance, save. A backend (`yeto.torch.learner.TorchBacke
     group                                 ranks of one island (`Solo` for one process)
 
 `Weights` is the backend's flat float32 view of the trainable tensors under their
-canonical names: `.layout`, `.get() -> np.ndarray`, `.set(np.ndarray)`.
+canonical names: `.layout`, `.get() -> np.ndarray`, `.set(np.ndarray)`, and
+optionally range access, which lets the island work chunk by chunk without a flat
+copy of the model: `.read_range(lo, hi) -> np.ndarray`, `.write_range(lo, hi,
+values)` and `.flush()` (called after each pass of range accesses).
+
+A group whose ranks each hold a shard of the model (FSDP, `sharded`) runs the
+island on rank 0 through `group.island_weights(weights)` (range accesses that the
+other ranks serve while they wait in `group.share`), evaluates and saves on every
+rank, and runs the island's evaluation through `group.collective`.
 """
 
 from __future__ import annotations
@@ -49,14 +57,24 @@ class Weights(Protocol):
 
     def set(self, flat: np.ndarray) -> None: ...
 
+    # optional: read_range(lo, hi) -> np.ndarray, write_range(lo, hi, values), flush()
+
 
 class Solo:
     """The rank group of a one-process island (a torchrun group implements the same)."""
 
-    rank, world, leader, active = 0, 1, True, False
+    rank, world, leader, active, sharded = 0, 1, True, False, False
 
     def sum(self, value: int) -> int:
         return value
+
+    def island_weights(self, weights: Weights) -> Weights:
+        """The weights the island on this rank works on."""
+        return weights
+
+    def collective(self, fn):
+        """`fn` as rank 0's island calls it (a sharded group runs it on every rank)."""
+        return fn
 
     def share(self, applied: bool, weights: Weights, done: bool = False) -> tuple[bool, bool]:
         """Rank 0's (done, applied) and, when applied, its weights reach every rank."""
@@ -128,10 +146,12 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
         if group.leader:
             island.finish()
         group.share(True, weights)
+        if cfg.output and group.active:  # every rank's final weights, for the record
+            group.record_weights(cfg.output, island.step, weights)
     after = leader_eval(backend, cfg, inputs, before)
     summary = summarize(island, client, group, before, after, tokens_per_s)
-    if cfg.output and group.leader:
-        save_outputs(cfg, backend, inputs, summary)
+    if cfg.output and (group.leader or _group(group).sharded):
+        save_outputs(cfg, backend, inputs, summary, group)
     group.close()
     ignore_signals()  # outputs are saved: a late signal must not make this exit an error
     return exit_code(cfg, island, client)
@@ -187,10 +207,19 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend) -> Transpor
 
 def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,
                 on_sync) -> Island:
-    return Island(weights.layout, weights.get, weights.set, client=client,
-                  sync_every=cfg.sync_every, sync_every_seconds=cfg.sync_every_seconds,
-                  merge_alpha=cfg.merge_alpha, pipeline=cfg.pipeline, wire=cfg.wire,
-                  blocking=cfg.blocking_sync, on_sync=on_sync)
+    return Island.for_weights(weights, client=client, sync_every=cfg.sync_every,
+                              sync_every_seconds=cfg.sync_every_seconds,
+                              merge_alpha=cfg.merge_alpha, pipeline=cfg.pipeline,
+                              wire=cfg.wire, blocking=cfg.blocking_sync, on_sync=on_sync)
+
+
+def _group(group):
+    """`group`, or Solo's sharding hooks for a group that predates them."""
+    return group if hasattr(group, "island_weights") else _Unsharded()
+
+
+class _Unsharded(Solo):
+    """The sharding hooks of a group without them (only these are used from it)."""
 
 
 # ---- training ----------------------------------------------------------------------
@@ -282,8 +311,11 @@ def evaluate(backend: Backend, cfg: IslandConfig, inputs: Inputs) -> float:
 
 def leader_eval(backend: Backend, cfg: IslandConfig, inputs: Inputs,
                 before: float | None = None) -> float:
-    """The held-out loss on rank 0, logged (before training, or after with `before`)."""
+    """The held-out loss on rank 0, logged (before training, or after with `before`).
+    A sharded group evaluates on every rank (each forward needs them all)."""
     if not backend.group.leader:
+        if _group(backend.group).sharded and inputs.held_out is not None:
+            evaluate(backend, cfg, inputs)
         return float("nan")
     if inputs.held_out is None:
         if before is None:
@@ -308,11 +340,16 @@ def summarize(island: Island, client: Transport | None, group, before: float, af
                 tokens_per_s=tokens_per_s)
 
 
-def save_outputs(cfg: IslandConfig, backend: Backend, inputs: Inputs, summary: dict) -> None:
+def save_outputs(cfg: IslandConfig, backend: Backend, inputs: Inputs, summary: dict,
+                 group=Solo()) -> None:
+    """Rank 0 saves the model and the run's records (every rank of a sharded group takes
+    part in gathering the model)."""
     from yeto.data.provenance import write_provenance
     from yeto.io import atomic_write
 
     saved = backend.save(cfg, cfg.output)
+    if not group.leader:
+        return
     write_provenance(saved, inputs.provenance)
     write_metrics(cfg.output, summary)
     atomic_write(cfg.output / "summary.json", json.dumps(summary, indent=2))

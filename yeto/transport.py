@@ -15,7 +15,10 @@ means without knowing the transport:
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,14 +42,88 @@ class Unavailable(TransportError):
     """Not connected to the syncer; nothing was sent."""
 
 
+class ThetaStream:
+    """A fragment of Θ arriving piece by piece: float32 arrays, in order, covering
+    `numel` values. The island applies each piece as it comes (at a step boundary),
+    so no copy of the whole fragment is ever held; the transport's receiver waits
+    while `depth` pieces are waiting to be taken.
+
+    Producer (the transport): `put`, then `end` or `fail`. Consumer (the island):
+    `pieces()` once, or `discard()` when it does not want the broadcast.
+    """
+
+    def __init__(self, numel: int, depth: int = 2, stall_s: float = 300.0):
+        self.numel, self.depth, self.stall_s = int(numel), max(1, depth), stall_s
+        self._cond = threading.Condition()
+        self._queue: collections.deque[np.ndarray] = collections.deque()
+        self._ended = self._discarded = False
+        self._error: str | None = None
+
+    # ---- producer -----------------------------------------------------------
+    def put(self, piece: np.ndarray, alive: Callable[[], bool] = lambda: True) -> bool:
+        """Queue one piece, waiting while the queue is full; False when the consumer
+        discarded the stream or `alive()` turned false (stop sending)."""
+        with self._cond:
+            while len(self._queue) >= self.depth and not self._discarded and alive():
+                self._cond.wait(timeout=0.5)
+            if self._discarded or not alive():
+                return False
+            self._queue.append(piece)
+            self._cond.notify_all()
+            return True
+
+    def end(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        with self._cond:
+            if not self._ended:
+                self._error = why
+            self._cond.notify_all()
+
+    # ---- consumer -----------------------------------------------------------
+    def pieces(self) -> Iterator[np.ndarray]:
+        """The pieces in order; raises `Lost` when the broadcast breaks off."""
+        got = 0
+        while True:
+            with self._cond:
+                t0 = time.monotonic()
+                while not (self._queue or self._ended or self._error):
+                    if time.monotonic() - t0 > self.stall_s:
+                        raise Lost(f"broadcast stalled after {got} of {self.numel} values")
+                    self._cond.wait(timeout=0.5)
+                if self._queue:
+                    piece = self._queue.popleft()
+                    self._cond.notify_all()
+                elif self._error:
+                    raise Lost(f"broadcast broke off after {got} of {self.numel} values: "
+                               f"{self._error}")
+                else:
+                    if got != self.numel:
+                        raise Lost(f"broadcast ended after {got} of {self.numel} values")
+                    return
+            got += piece.size
+            yield piece
+
+    def discard(self) -> None:
+        with self._cond:
+            self._discarded = True
+            self._queue.clear()
+            self._cond.notify_all()
+
+
 @dataclass(frozen=True)
 class Received:
-    """One broadcast of fragment `fragment` of Θ (`theta` is that fragment's slice)."""
+    """One broadcast of fragment `fragment` of Θ: `theta` is that fragment's slice,
+    whole (np.ndarray, read-only to the island) or as a `ThetaStream` (large
+    broadcasts, when the island asked the transport for streams)."""
 
     version: int
     fragment: int
     final: bool
-    theta: np.ndarray
+    theta: np.ndarray | ThetaStream
 
 
 @dataclass(frozen=True)

@@ -93,17 +93,17 @@ class _Base:
                connect_grace_s: float = 5.0, start: bool = True, **island_options):
         """The options both helpers take (documented on `DiLoCo`), in one place."""
         self.learner_id = learner_id
-        layout, get, set_ = weights.layout, weights.get, weights.set
-        self.layout = layout
+        layout = self.layout = weights.layout
         from yeto.client import connect
 
         self.client = connect(syncer, learner_id, layout, token=token, backend=self.backend,
                               weights_file=weights_file, export_files=files, tls=tls)
         self.eval_fn = eval_fn
-        self.island = Island(layout, get, set_, client=self.client, sync_every=sync_every,
-                             sync_every_seconds=sync_every_seconds, wire=wire, blocking=blocking,
-                             on_sync=eval_fn, connect_grace_s=connect_grace_s,
-                             **island_options)
+        # range access when the weights have it: the island works chunk by chunk
+        self.island = Island.for_weights(weights, client=self.client, sync_every=sync_every,
+                                         sync_every_seconds=sync_every_seconds, wire=wire,
+                                         blocking=blocking, on_sync=eval_fn,
+                                         connect_grace_s=connect_grace_s, **island_options)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.metrics = None
         if self.output_dir is not None or report_to:
