@@ -49,6 +49,19 @@ _BLOCK = re.compile(r"(?:^|\.)\d+\.")
 _ATTENTION_SCOPE = re.compile(r"attn|attention", re.IGNORECASE)
 _EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
 _EXPERT_COUNT = re.compile(r"^(?:n|num|moe_num)_(?:local_|routed_)?experts$")
+#: linears that LoRA cannot adapt on the torch island, by model type (leaf names):
+#: peft refuses ``out_proj``/``conv1d`` in Mamba-style models
+#: (``peft.tuners.tuners_utils._check_lora_target_modules_mamba``), and transformers'
+#: Mamba mixers read some weights directly (``self.dt_proj.weight @ x``, and the
+#: fused CUDA kernels ``x_proj.weight``/``out_proj.weight``), which bypasses a LoRA
+#: wrapper: torch islands would train nothing there, the MLX island would.
+_MAMBA1 = frozenset({"out_proj", "conv1d", "x_proj", "dt_proj"})
+_MAMBA2 = frozenset({"out_proj", "conv1d"})
+NOT_ADAPTABLE: dict[str, frozenset[str]] = {
+    "mamba": _MAMBA1, "falcon_mamba": _MAMBA1, "jamba": frozenset({"dt_proj"}),
+    **{t: _MAMBA2 for t in ("mamba2", "falcon_h1", "nemotron_h", "bamba",
+                            "granitemoehybrid", "zamba2")},
+}
 
 
 class TargetError(ValueError):
@@ -125,18 +138,30 @@ def _moe_refusal(mode: str, blocks: list[str]) -> TargetError:
         f"modules to adapt, e.g. {FLAG} {example}")
 
 
+def _refused(config: dict) -> frozenset[str]:
+    return NOT_ADAPTABLE.get(str(config.get("model_type")), frozenset())
+
+
 def choose(linear_paths: Iterable[str], mode: str, config: dict) -> list[str]:
-    """`select_targets` without its log line and without the no-match error
+    """`select_targets` without its log lines and without the no-match error
     (an empty list then)."""
     paths = sorted(set(linear_paths))
-    blocks = [p for p in paths if block_relative(p) is not None]
+    refused = _refused(config)
+    blocks = [p for p in paths if block_relative(p) is not None
+              and p.rsplit(".", 1)[-1] not in refused]
     mode = mode.strip()
+    moe = is_moe(config, paths)
+    if mode == "auto" and moe:
+        attention = [p for p in blocks if is_attention(p) and not is_expert(p)]
+        routers = _routers(blocks)
+        # no attention at all (a state-space MoE): the linears that are not experts
+        return attention or [p for p in blocks if not is_expert(p) and p not in routers]
     if mode == "auto":
-        mode = "attention" if is_moe(config, paths) else "all-linear"
+        mode = "all-linear"
     if mode == "attention":
         return [p for p in blocks if is_attention(p) and not is_expert(p)]
     if mode == "all-linear":
-        if is_moe(config, paths) and not any(map(is_expert, blocks)):
+        if moe and not any(map(is_expert, blocks)):
             raise _moe_refusal(mode, blocks)
         routers = _routers(blocks)
         return [p for p in blocks if p not in routers]
@@ -167,10 +192,18 @@ def select_targets(linear_paths: Iterable[str], mode: str, config: dict) -> list
     chosen = choose(paths, mode, config)
     if not chosen:
         raise TargetError(no_match_message(mode, paths))
+    refused = sorted({p.rsplit(".", 1)[-1] for p in paths if block_relative(p) is not None}
+                     & _refused(config))
+    if refused and mode.strip() != "attention":
+        log.info("%s: %s not adapted: LoRA cannot adapt it on the torch island in %s models "
+                 "(peft refuses it, or transformers' Mamba mixer reads its weight directly)",
+                 FLAG, ", ".join(refused), config.get("model_type"))
     if mode.strip() == "auto" and is_moe(config, paths):
-        log.info("mixture-of-experts model: %s auto adapts attention only (%s in %d modules); "
-                 "the experts are not adapted (%s all-linear adapts them where both backends "
-                 "can, or says why not)", FLAG, ", ".join(_leaves(chosen)), len(chosen), FLAG)
+        what = ("attention only" if all(map(is_attention, chosen))
+                else "its linears that are not experts (it has no attention projections)")
+        log.info("mixture-of-experts model: %s auto adapts %s (%s in %d modules); the experts "
+                 "are not adapted (%s all-linear adapts them where both backends can, or says "
+                 "why not)", FLAG, what, ", ".join(_leaves(chosen)), len(chosen), FLAG)
     return chosen
 
 

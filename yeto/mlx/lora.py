@@ -19,9 +19,10 @@ Hugging Face config and the Hugging Face module paths, the same call the torch
 island makes. mlx-lm's module tree is not always the Hugging Face one (gpt2's
 ``transformer.h.N`` is ``model.h.N``, gpt_neox's ``gpt_neox.layers.N`` is
 ``model.h.N``, gpt2's ``Conv1D`` weights are transposed into ``nn.Linear``, some
-weights are split or fused): `hf_origins` finds, for every MLX linear, the
-checkpoint tensor it was loaded from by replaying the model's own ``sanitize`` on
-marker arrays, and canonical names always use the Hugging Face path. A chosen
+weights are split or fused): `yeto.mlx.hf_paths` finds, for every MLX linear,
+the checkpoint tensor it was loaded from by replaying the model's own
+``sanitize`` on marker arrays, and canonical names always use the Hugging Face
+path. A chosen
 module that mlx-lm split, fused or reordered is refused with the flag to use.
 
 transformers' ``Conv1D`` (weight (in, out)) is adapted by peft with
@@ -33,10 +34,8 @@ computes exactly what peft computes.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,9 +43,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from yeto.layout import Layout
-from yeto.targets import FLAG, TargetError, choose, peft_key, select_targets
+from yeto.mlx.hf_paths import HFPaths, Origin, get_module, linear_paths
+from yeto.targets import peft_key
 
-log = logging.getLogger("yeto.mlx.lora")
+__all__ = ["LoRALinear", "LoRAWeights", "Origin", "attach_lora", "canonical_mlx_name",
+           "get_module", "hf_module_paths", "hf_origins", "linear_paths", "lora_layers"]
 
 
 class LoRALinear(nn.Module):
@@ -90,174 +91,24 @@ class LoRALinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
-def get_module(model: nn.Module, path: str) -> nn.Module:
-    m = model
-    for part in path.split("."):
-        m = m[int(part)] if isinstance(m, list) else m[part]
-    return m
-
-
-def linear_paths(model: nn.Module) -> list[str]:
-    """MLX module paths of the model's plain linears."""
-    return [p for p, m in model.named_modules() if p and isinstance(m, nn.Linear)]
-
-
 def _quantized_in_blocks(model: nn.Module) -> list[str]:
     return [p for p, m in model.named_modules()
             if ".layers." in f".{p}" and isinstance(m, nn.QuantizedLinear)]
 
 
-# ---- MLX module paths -> Hugging Face module paths ----------------------------
-@dataclass(frozen=True)
-class Origin:
-    """Where an MLX linear's weight comes from in the Hugging Face checkpoint.
-
-    ``kind``: ``same`` (the HF tensor as is), ``transposed`` (an HF tensor stored
-    (in, out), e.g. transformers' ``Conv1D``), ``part`` (a slice of one HF tensor:
-    mlx-lm splits it), ``fused`` (built from several HF tensors), ``reordered``
-    (one HF tensor's values in another order), ``unknown`` (not found).
-    ``tensors``: the HF tensor names it was built from."""
-
-    kind: str
-    tensors: tuple[str, ...] = ()
-
-    @property
-    def exact(self) -> bool:
-        return self.kind in ("same", "transposed")
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        """The HF module paths of its tensors (``...q_proj.weight`` -> ``...q_proj``)."""
-        return tuple(t[:-len(".weight")] if t.endswith(".weight") else t for t in self.tensors)
-
-
-class _Trace:
-    """mlx-lm's ``sanitize`` run on marker arrays instead of the checkpoint: every
-    element of HF tensor ``i`` holds its own global index (int64, lazy), so each
-    sanitized array tells exactly which HF tensor elements it holds, in which
-    order. Nothing is computed for tensors that are never looked at."""
-
-    def __init__(self, model: nn.Module, hf_shapes: Mapping[str, tuple[int, ...]]):
-        self.names = sorted(hf_shapes)
-        sizes = [math.prod(hf_shapes[n]) for n in self.names]
-        self.starts = np.cumsum([0, *sizes])
-        self.markers = {n: mx.arange(int(self.starts[i]), int(self.starts[i + 1]),
-                                     dtype=mx.int64).reshape(tuple(hf_shapes[n]))
-                        for i, n in enumerate(self.names)}
-        self.out: dict[str, mx.array] | None = dict(self.markers)
-        if hasattr(model, "sanitize"):
-            try:
-                self.out = model.sanitize(dict(self.markers))
-            except Exception as e:  # noqa: BLE001 - falls back to the names as they are
-                log.debug("sanitize on markers failed (%s: %s); MLX paths are taken as "
-                          "Hugging Face paths", type(e).__name__, e)
-                self.out = None
-
-    def origin(self, arr: mx.array) -> Origin:
-        if arr.dtype != mx.int64 or arr.ndim != 2 or arr.size == 0:
-            return Origin("unknown")
-        probe = np.concatenate([np.asarray(a) for a in (arr[:, 0], arr[0], arr[-1], arr[:, -1])])
-        if probe.min() < 0 or probe.max() >= self.starts[-1]:
-            return Origin("unknown")
-        ids = sorted(set(np.searchsorted(self.starts, probe, side="right").tolist()))
-        tensors = tuple(self.names[i - 1] for i in ids)
-        if len(tensors) > 1:
-            return Origin("fused", tensors)
-        src = self.markers[tensors[0]]
-        if arr.size < src.size:
-            return Origin("part", tensors)
-        if arr.shape == src.shape and mx.array_equal(arr, src).item():
-            return Origin("same", tensors)
-        if src.ndim == 2 and arr.shape == src.shape[::-1] and mx.array_equal(arr, src.T).item():
-            return Origin("transposed", tensors)
-        return Origin("reordered", tensors)
-
-
-def _origin_by_name(model: nn.Module, path: str, hf_shapes) -> Origin:
-    """No trace: the MLX path must be the HF path, with the same or the
-    transposed shape (or any shape when only names are known)."""
-    name = f"{path}.weight"
-    if name not in hf_shapes:
-        return Origin("unknown")
-    if not isinstance(hf_shapes, Mapping):
-        return Origin("same", (name,))
-    shape, hf = tuple(get_module(model, path).weight.shape), tuple(hf_shapes[name])
-    kind = "same" if shape == hf else "transposed" if shape == hf[::-1] else "unknown"
-    return Origin(kind, (name,))
-
-
 def hf_origins(model: nn.Module, hf_weights: Mapping[str, tuple[int, ...]] | Iterable[str],
                ) -> dict[str, Origin]:
-    """{MLX linear path: `Origin`} for an mlx-lm model loaded from a Hugging Face
-    checkpoint. ``hf_weights`` maps the checkpoint's tensor names to their shapes
-    (`yeto.mlx.learner.hf_weight_names`); the model's own ``sanitize`` is replayed
-    on marker arrays (see `_Trace`), which covers renamed prefixes
-    (``transformer.h.N`` -> ``model.h.N``), transposed weights (gpt2's ``Conv1D``),
-    and splits and fusions (reported as such). With names only, or when
-    ``sanitize`` cannot run on markers, MLX paths are matched to HF paths by name."""
-    paths = linear_paths(model)
-    trace = _Trace(model, hf_weights) if isinstance(hf_weights, Mapping) else None
-    if trace is None or trace.out is None:
-        names = hf_weights if isinstance(hf_weights, Mapping) else set(hf_weights)
-        return {p: _origin_by_name(model, p, names) for p in paths}
-    out = {}
-    for p in paths:
-        arr = trace.out.get(f"{p}.weight")
-        out[p] = Origin("unknown") if arr is None else trace.origin(arr)
-    return out
+    """{MLX linear path: `Origin`}: which Hugging Face checkpoint tensor each MLX
+    linear was loaded from, and how (see `yeto.mlx.hf_paths`)."""
+    return HFPaths(model, hf_weights).origins
 
 
-def hf_module_paths(model: nn.Module, hf_weights: Mapping[str, tuple[int, ...]]
-                    ) -> dict[str, str]:
+def hf_module_paths(model: nn.Module, hf_weights: Mapping[str, tuple[int, ...]],
+                    config: dict | None = None) -> dict[str, str]:
     """{MLX linear path: Hugging Face module path} for the linears that are exactly
-    one HF linear (e.g. for ``LoRAWeights(model, paths=...)`` on mlx-lm's own LoRA)."""
-    return {p: o.modules[0] for p, o in hf_origins(model, hf_weights).items() if o.exact}
-
-
-def _why_not(hf: str, entries: list[tuple[str, Origin]]) -> str:
-    mlx = ", ".join(p for p, _ in entries)
-    kind = entries[0][1].kind
-    if len(entries) > 1 or kind == "part":
-        return (f"mlx-lm splits the Hugging Face linear {hf} into {len(entries)} linear(s) "
-                f"({mlx}) when it loads the model")
-    if kind == "fused":
-        return (f"mlx-lm fuses {', '.join(entries[0][1].modules)} into one linear ({mlx}) "
-                "when it loads the model")
-    return f"mlx-lm stores the weight of {hf} ({mlx}) in another order"
-
-
-def _resolve(origins: dict[str, Origin], chosen: list[str]) -> dict[str, str]:
-    """{HF path: MLX path} of the chosen HF linears; refuses any without exactly
-    one MLX linear that holds exactly its weight."""
-    by_hf: dict[str, list[tuple[str, Origin]]] = {}
-    for p, o in origins.items():
-        for hf in o.modules:
-            by_hf.setdefault(hf, []).append((p, o))
-    bad = {hf: _why_not(hf, by_hf[hf]) for hf in chosen
-           if len(by_hf[hf]) != 1 or not by_hf[hf][0][1].exact}
-    if bad:
-        leaves = sorted({h.rsplit(".", 1)[-1] for h in chosen})
-        left = [x for x in leaves if x not in {h.rsplit(".", 1)[-1] for h in bad}]
-        hint = f"{FLAG} {','.join(left)}" if left else f"{FLAG} with other modules"
-        first = next(iter(bad))
-        raise TargetError(f"{bad[first]}, so a LoRA on it cannot be the same on the torch and "
-                          f"MLX islands ({len(bad)} such module(s)). Leave it out, e.g. {hint}")
-    return {hf: by_hf[hf][0][0] for hf in chosen}
-
-
-def _stray_check(origins: dict[str, Origin], targets: str, config: dict) -> None:
-    """MLX linears with no Hugging Face counterpart must not be ones the rule picks."""
-    unknown = [p for p, o in origins.items() if not o.modules]
-    try:
-        stray = choose(unknown, targets, config)
-    except TargetError:
-        stray = []
-    if stray:
-        raise TargetError(
-            f"mlx-lm's linear {stray[0]} ({len(stray)} such) has no Hugging Face counterpart in "
-            "the checkpoint, so its canonical peft name cannot be derived; check with "
-            "scripts/check_name_parity.py --model ..., or pass the modules to adapt, e.g. "
-            f"{FLAG} q_proj,v_proj")
+    one HF linear (e.g. for ``LoRAWeights(model, paths=...)`` on mlx-lm's own LoRA);
+    ``config``, the Hugging Face config dict, brings transformers' renames."""
+    return HFPaths(model, hf_weights, config).exact()
 
 
 def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: str = "auto",
@@ -270,8 +121,9 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
     ``--lora-targets`` value. ``hf_weight_names`` are the checkpoint's tensor
     names, best with their shapes (`yeto.mlx.learner.hf_weight_names`): the MLX
     linears are then mapped to the Hugging Face module paths they were loaded
-    from (`hf_origins`), the selection (`yeto.targets.select_targets`) is made on
-    those paths, and a chosen HF linear that mlx-lm split, fused or reordered is
+    from (`yeto.mlx.hf_paths.HFPaths`), the selection
+    (`yeto.targets.select_targets`) is made on those paths, and a chosen HF linear
+    that mlx-lm splits, fuses, reorders or loads into another kind of layer is
     refused. Without it, MLX paths are taken as HF paths. Returns
     {Hugging Face module path: layer}."""
     quantized = _quantized_in_blocks(model)
@@ -279,16 +131,10 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
         raise ValueError(f"the MLX model has quantized linears (e.g. {quantized[0]}); load the "
                          "float32/bf16 Hugging Face checkpoint instead of an MLX-quantized one")
     model.freeze()
-    if hf_weight_names is None:
-        origins = {p: Origin("same", (f"{p}.weight",)) for p in linear_paths(model)}
-    else:
-        origins = hf_origins(model, hf_weight_names)
-    _stray_check(origins, targets, config)
-    chosen = select_targets([m for o in origins.values() for m in o.modules], targets, config)
-    where = _resolve(origins, chosen)
-    keys = mx.random.split(mx.random.key(seed), len(chosen))
-    layers = {hf: LoRALinear(get_module(model, where[hf]), r, alpha, key=keys[i], hf_path=hf)
-              for i, hf in enumerate(chosen)}
+    where = HFPaths(model, hf_weight_names, config).select(targets, config)
+    keys = mx.random.split(mx.random.key(seed), len(where))
+    layers = {hf: LoRALinear(get_module(model, mp), r, alpha, key=keys[i], hf_path=hf)
+              for i, (hf, mp) in enumerate(sorted(where.items()))}
     model.update_modules(tree_unflatten([(where[hf], layer) for hf, layer in layers.items()]))
     mx.eval([(x.lora_A.weight, x.lora_B.weight) for x in layers.values()])
     return layers

@@ -3,6 +3,7 @@ shared target selection, canonical tensor names, and the files its outputs carry
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -49,6 +50,29 @@ def is_conv1d(module: torch.nn.Module) -> bool:
     return bool(conv1d) and isinstance(module, conv1d)
 
 
+@contextlib.contextmanager
+def _targets_as_given():
+    """peft with transformers 5 rewrites ``target_modules`` of many mixture-of-experts
+    model types (qwen2_moe-like, mixtral-like) from transformers-4 names: any target
+    ending in ``gate_proj``/``up_proj``/``down_proj``/``gate`` (``w1``/``w2``/``w3``)
+    becomes a target *parameter* of the fused experts, so a dense layer's, a shared
+    expert's or an attention gate's ``gate_proj`` would adapt the experts instead,
+    or fail ("Cannot convert PEFT target(s) gate_proj without also targeting
+    up_proj"). yeto's targets are always module paths of the loaded model, so that
+    rewrite is switched off while peft attaches them."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # peft without it, or transformers < 5: nothing is rewritten
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
 def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
                 freeze_a: bool = False):
     """peft LoRA on the shared target selection (`yeto.targets.select_targets`).
@@ -66,7 +90,8 @@ def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
     torch.manual_seed(seed)  # same init on every island with the same seed
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=chosen, lora_dropout=0.0,
                      bias="none", task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
-    model = get_peft_model(model, cfg)
+    with _targets_as_given():
+        model = get_peft_model(model, cfg)
     if freeze_a:
         with torch.no_grad():
             for name, p in model.named_parameters():

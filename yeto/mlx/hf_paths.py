@@ -1,0 +1,261 @@
+"""mlx-lm's module paths, as the Hugging Face module paths they were loaded from.
+
+Canonical LoRA names are peft's, i.e. Hugging Face module paths, but mlx-lm's
+module tree is not always the Hugging Face one: gpt2's ``transformer.h.N`` is
+``model.h.N``, gpt_neox's ``gpt_neox.layers.N`` is ``model.h.N``, gpt2's
+``Conv1D`` weights (in, out) are transposed into ``nn.Linear`` (out, in), and
+some weights are split (deepseek's ``kv_b_proj`` into per-head ``MultiLinear``),
+fused (experts stacked into ``SwitchLinear``) or reordered when mlx-lm loads them.
+
+`HFPaths` finds out which by replaying the model's own ``sanitize`` (the function
+that turns a Hugging Face checkpoint into mlx-lm's parameters) on **marker
+arrays**: every element of checkpoint tensor ``i`` holds its own global index
+(int64, lazy; nothing is computed for tensors never looked at). Each sanitized
+array then says exactly which checkpoint elements it holds, in which order, so
+every MLX linear gets an `Origin`: the checkpoint tensor it is (``same``), or its
+transpose (``transposed``), or a slice of one (``part``), or a mix of several
+(``fused``), or a reordering (``reordered``). Only ``same`` and ``transposed``
+are one Hugging Face linear that LoRA can wrap with the same function as peft;
+a chosen module with any other origin, or one that mlx-lm loads into a layer that
+is not a linear, is refused with the flag to use.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from yeto.mlx.hf_renames import renamer
+from yeto.targets import FLAG, TargetError, block_relative, choose, is_expert, select_targets
+
+log = logging.getLogger("yeto.mlx.hf_paths")
+
+#: layers that hold 2-D weights but are not linears (never LoRA targets)
+_NOT_LINEAR = ("Embedding", "Norm")
+
+
+def get_module(model: nn.Module, path: str) -> nn.Module:
+    m = model
+    for part in path.split("."):
+        m = m[int(part)] if isinstance(m, list) else m[part]
+    return m
+
+
+def linear_paths(model: nn.Module) -> list[str]:
+    """MLX module paths of the model's plain linears."""
+    return [p for p, m in model.named_modules() if p and isinstance(m, nn.Linear)]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an MLX linear's weight comes from in the Hugging Face checkpoint
+    (``kind``: same, transposed, part, fused, reordered, computed or unknown; ``tensors``:
+    the checkpoint tensor names it holds elements of)."""
+
+    kind: str
+    tensors: tuple[str, ...] = ()
+
+    @property
+    def exact(self) -> bool:
+        return self.kind in ("same", "transposed")
+
+
+class _Trace:
+    """The model's ``sanitize`` run on marker arrays (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, hf_shapes: Mapping[str, tuple[int, ...]]):
+        self.names = sorted(hf_shapes)
+        sizes = [math.prod(hf_shapes[n]) for n in self.names]
+        self.starts = np.cumsum([0, *sizes])
+        self.markers = {n: mx.arange(int(self.starts[i]), int(self.starts[i + 1]),
+                                     dtype=mx.int64).reshape(tuple(hf_shapes[n]))
+                        for i, n in enumerate(self.names)}
+        self.out: dict[str, mx.array] | None = dict(self.markers)
+        if hasattr(model, "sanitize"):
+            try:
+                self.out = model.sanitize(dict(self.markers))
+            except Exception as e:  # noqa: BLE001 - falls back to the names as they are
+                log.debug("sanitize on markers failed (%s: %s); MLX paths are taken as "
+                          "Hugging Face paths", type(e).__name__, e)
+                self.out = None
+
+    def sources(self, arr: mx.array) -> list[str] | None:
+        """The checkpoint tensors an array holds elements of (from its edges), or
+        None when it is not made of markers (computed by sanitize, not moved)."""
+        if arr.dtype != mx.int64 or arr.size == 0:
+            return None
+        a = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(1, -1)
+        probe = np.concatenate([np.asarray(x) for x in (a[:, 0], a[0], a[-1], a[:, -1])])
+        if probe.min() < 0 or probe.max() >= self.starts[-1]:
+            return None
+        ids = sorted(set(np.searchsorted(self.starts, probe, side="right").tolist()))
+        return [self.names[i - 1] for i in ids]
+
+    def origin(self, arr: mx.array) -> Origin:
+        tensors = self.sources(arr) if arr.ndim == 2 else None
+        if not tensors:
+            return Origin("unknown")
+        if len(tensors) > 1:
+            return Origin("fused", tuple(tensors))
+        src = self.markers[tensors[0]]
+        if arr.size < src.size:
+            return Origin("part", tuple(tensors))
+        if arr.shape == src.shape and mx.array_equal(arr, src).item():
+            return Origin("same", tuple(tensors))
+        if src.ndim == 2 and arr.shape == src.shape[::-1] and mx.array_equal(arr, src.T).item():
+            return Origin("transposed", tuple(tensors))
+        return Origin("reordered", tuple(tensors))
+
+    def holders(self, hf_name: str) -> list[str]:
+        """MLX parameter names that hold elements of checkpoint tensor ``hf_name``."""
+        return [k for k, arr in (self.out or {}).items() if hf_name in (self.sources(arr) or ())]
+
+
+def _origin_by_name(model: nn.Module, path: str, hf_shapes) -> Origin:
+    """No trace: the MLX path must be the HF path, with the same or the
+    transposed shape (or any shape when only names are known)."""
+    name = f"{path}.weight"
+    if name not in hf_shapes:
+        return Origin("unknown")
+    if not isinstance(hf_shapes, Mapping):
+        return Origin("same", (name,))
+    shape, hf = tuple(get_module(model, path).weight.shape), tuple(hf_shapes[name])
+    kind = "same" if shape == hf else "transposed" if shape == hf[::-1] else "unknown"
+    return Origin(kind, (name,))
+
+
+def _names_for(good: Iterable[str], bad: Iterable[str]) -> str:
+    """A --lora-targets value naming the good modules and none of the bad ones: leaf
+    names, or ``parent.leaf`` where a bad module has the same leaf."""
+    bad_leaves = {b.rsplit(".", 1)[-1] for b in bad}
+    names = {".".join(g.split(".")[-2:]) if g.rsplit(".", 1)[-1] in bad_leaves
+             else g.rsplit(".", 1)[-1] for g in good}
+    return ",".join(sorted(names))
+
+
+class HFPaths:
+    """An mlx-lm model's linears under Hugging Face module paths.
+
+    ``hf_weights`` maps the checkpoint's tensor names to their shapes
+    (`yeto.mlx.learner.hf_weight_names`): the model's ``sanitize`` is replayed on
+    markers. With names only, or when ``sanitize`` cannot run on markers, an MLX
+    linear is the Hugging Face module of the same path (and shape); with None,
+    MLX paths are taken as Hugging Face paths unchecked. ``config`` (the Hugging
+    Face config dict) brings transformers' load-time renames of checkpoint names
+    (`yeto.mlx.hf_renames`), so module paths are the ones peft names."""
+
+    def __init__(self, model: nn.Module,
+                 hf_weights: Mapping[str, tuple[int, ...]] | Iterable[str] | None = None,
+                 config: dict | None = None):
+        self.model = model
+        self.shapes = hf_weights if isinstance(hf_weights, Mapping) else None
+        self.trace = _Trace(model, hf_weights) if self.shapes is not None else None
+        rename = renamer(config or {})
+        paths = linear_paths(model)
+        if hf_weights is None:
+            self.origins = {p: Origin("same", (f"{p}.weight",)) for p in paths}
+        elif self.trace is None or self.trace.out is None:
+            names = self.shapes if self.shapes is not None else set(hf_weights)
+            self.origins = {p: _origin_by_name(model, p, names) for p in paths}
+        else:
+            self.origins = {p: self._traced(f"{p}.weight") for p in paths}
+        names = self.shapes or {t: () for o in self.origins.values() for t in o.tensors}
+        #: checkpoint tensor name -> the Hugging Face module path it loads into
+        self.module_of = {n: rename(n).removesuffix(".weight") for n in names}
+        self.by_hf: dict[str, list[tuple[str, Origin]]] = {}
+        for p, o in self.origins.items():
+            for hf in self.modules(o):
+                self.by_hf.setdefault(hf, []).append((p, o))
+
+    def _traced(self, key: str) -> Origin:
+        arr = self.trace.out.get(key)
+        origin = Origin("unknown") if arr is None else self.trace.origin(arr)
+        if origin.kind == "unknown" and arr is not None and key in self.shapes:
+            return Origin("computed", (key,))  # sanitize did arithmetic on it
+        return origin
+
+    def modules(self, origin: Origin) -> list[str]:
+        return [self.module_of[t] for t in origin.tensors]
+
+    def exact(self) -> dict[str, str]:
+        """{MLX linear path: HF module path} of the linears that are exactly one HF linear."""
+        return {p: self.modules(o)[0] for p, o in self.origins.items() if o.exact}
+
+    def candidates(self) -> list[str]:
+        """HF module paths the selection runs on: those of the MLX linears, and the
+        2-D weights in decoder blocks that no MLX linear holds (Hugging Face
+        linears mlx-lm loads otherwise; refused if chosen, see `select`)."""
+        out = set(self.by_hf)
+        if self.trace is not None and self.trace.out is not None:
+            out.update(self.module_of[n] for n, s in self.shapes.items()
+                       if n.endswith(".weight") and len(s) == 2
+                       and not is_expert(self.module_of[n] + ".")
+                       and block_relative(self.module_of[n]) is not None)
+        return sorted(out)
+
+    def _why_not(self, hf: str) -> str | None:
+        """Why the chosen HF module cannot get LoRA on the MLX island (None: it
+        is no linear there either, e.g. an embedding, so it is left out)."""
+        entries = self.by_hf.get(hf, [])
+        mlx = ", ".join(p for p, _ in entries)
+        if len(entries) > 1 or (entries and entries[0][1].kind == "part"):
+            return (f"mlx-lm splits the Hugging Face linear {hf} into {len(entries)} linear(s) "
+                    f"({mlx}) when it loads the model")
+        if entries and entries[0][1].kind == "fused":
+            return (f"mlx-lm fuses {', '.join(self.modules(entries[0][1]))} into one linear "
+                    f"({mlx}) when it loads the model")
+        if entries and entries[0][1].kind == "computed":
+            return (f"mlx-lm computes the weight of {hf} ({mlx}) from the checkpoint when it "
+                    "loads the model (e.g. folds a multiplier into it)")
+        if entries:
+            return f"mlx-lm stores the weight of {hf} ({mlx}) in another order"
+        tensor = next((n for n, m in self.module_of.items() if m == hf and n.endswith(".weight")),
+                      f"{hf}.weight")
+        holders = self.trace.holders(tensor) if self.trace is not None else []
+        if not holders:
+            return f"mlx-lm does not load the Hugging Face weight {tensor}"
+        kinds = {type(get_module(self.model, h.rsplit(".", 1)[0])).__name__ for h in holders}
+        if all(any(x in k for x in _NOT_LINEAR) for k in kinds):
+            return None
+        return (f"mlx-lm loads the Hugging Face linear {hf} into {', '.join(sorted(kinds))} "
+                f"({', '.join(holders)}), not a linear layer LoRA can wrap")
+
+    def _stray_check(self, targets: str, config: dict) -> None:
+        """MLX linears with no Hugging Face counterpart must not be ones the rule picks."""
+        unknown = [p for p, o in self.origins.items() if not o.tensors]
+        try:
+            stray = choose(unknown, targets, config)
+        except TargetError:
+            stray = []
+        if stray:
+            raise TargetError(
+                f"mlx-lm's linear {stray[0]} ({len(stray)} such) has no Hugging Face counterpart "
+                "in the checkpoint, so its canonical peft name cannot be derived; check with "
+                "scripts/check_name_parity.py --model ..., or pass the modules to adapt, e.g. "
+                f"{FLAG} q_proj,v_proj")
+
+    def select(self, targets: str, config: dict) -> dict[str, str]:
+        """{HF module path: MLX linear path} of the linears to adapt
+        (`yeto.targets.select_targets` on the HF paths). Raises `TargetError` for a
+        chosen module without exactly one MLX linear that holds exactly its weight."""
+        self._stray_check(targets, config)
+        chosen = select_targets(self.candidates(), targets, config)
+        where, bad = {}, {}
+        for hf in chosen:
+            entries = self.by_hf.get(hf, [])
+            if len(entries) == 1 and entries[0][1].exact:
+                where[hf] = entries[0][0]
+            elif (reason := self._why_not(hf)) is not None:
+                bad[hf] = reason
+        if bad:
+            hint = f"{FLAG} {_names_for(where, bad)}" if where else f"{FLAG} with other modules"
+            first = next(iter(bad))
+            raise TargetError(f"{bad[first]}, so a LoRA on it cannot be the same on the torch and "
+                              f"MLX islands ({len(bad)} such module(s)). Leave it out, e.g. {hint}")
+        return where
