@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from syncer import stream
 from yeto import codec
 
 MERGE_RULES = ("mean", "uniform", "rda")
@@ -18,7 +19,7 @@ class DeferredPush:
     """A push kept as received (compressed) until its round commits: clipping needs
     the round's median norm, known only then."""
 
-    payload: bytes
+    payload: bytes | np.ndarray  # the wire bytes (q4: 0.5625 B per parameter)
     encoding: str
     weight: float
     norm: float
@@ -63,12 +64,14 @@ class MergeAccumulator:
         return 1.0 if self.uniform_fallback else weight
 
     def add(self, payload, encoding: str, loss_tokens: int) -> float:
-        """Decode and add one push; returns its rule weight. Validates first, so a
-        bad payload raises CodecError and leaves the accumulator untouched."""
+        """Decode and add one push, one chunk at a time (no decoded copy of the push);
+        returns its rule weight. Validates first, so a bad payload raises CodecError
+        and leaves the accumulator untouched."""
         w = self.weight_for(loss_tokens)
-        if self.clip_factor > 0:
-            norm = float(np.linalg.norm(codec.decode(payload, encoding, self.numel)))
-            self.deferred.append(DeferredPush(bytes(payload), encoding, w, norm))
+        codec.validate(payload, encoding, self.numel)
+        if self.clip_factor > 0:  # kept as received (compressed) until the round commits
+            norm = stream.norm(payload, encoding, self.numel)
+            self.deferred.append(DeferredPush(payload, encoding, w, norm))
             self.total_weight += w
         else:
             self._accumulate(payload, encoding, w)
@@ -76,18 +79,12 @@ class MergeAccumulator:
         return w
 
     def _accumulate(self, payload, encoding: str, w: float) -> None:
-        delta = None
-        if self.rule == "rda":  # needs the push's own norm: decode it whole
-            delta = codec.decode(payload, encoding, self.numel)
-        else:
-            codec.validate(payload, encoding, self.numel)
         scale = self._buffer_weight(w)
         if scale == 0:
             return
-        if delta is not None:
-            self.norm_sum += scale * float(np.linalg.norm(delta))
-            buf = self._buffer()
-            buf += scale * delta
+        if self.rule == "rda":  # needs the push's own norm: computed in the same pass
+            norm = stream.decode_add_norm(payload, encoding, self.numel, self._buffer(), scale)
+            self.norm_sum += scale * norm
         else:
             codec.decode_add(payload, encoding, self.numel, self._buffer(), scale)
 
@@ -144,8 +141,13 @@ class NesterovOuter:
     def __init__(self, lr: float = 1.0, momentum: float = 0.0):
         self.lr, self.momentum = float(lr), float(momentum)
 
-    def step(self, theta: np.ndarray, m: np.ndarray, g: np.ndarray) -> None:
-        """In place on theta and m; g is used as scratch (no full-size temporaries)."""
+    def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray) -> None:
+        """In place on theta and m; g is used as scratch (no full-size temporaries).
+        With momentum 0, m is not needed (None): Θ ← Θ − lr·g."""
+        if m is None or self.momentum == 0:
+            g *= np.float32(self.lr)
+            theta -= g
+            return
         m *= np.float32(self.momentum)
         m += g
         g *= np.float32(self.lr)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from syncer import state
+from syncer import state, stream
 from syncer.merge import MergeAccumulator, NesterovOuter
 from syncer.tape import Tape
 from yeto import codec, frozen
@@ -47,6 +47,16 @@ log = logging.getLogger("syncer")
 
 LEARNER_ID = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
 LIVE = ("waiting", "training")
+
+
+def _f32_owned(payload, numel: int) -> np.ndarray:
+    """An f32 payload as a writable float32 array: the received buffer itself when
+    the caller hands over a uint8 array it owns, else a decoded copy."""
+    if isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and \
+            payload.flags.writeable and payload.flags.c_contiguous:
+        codec.validate(payload, "f32", numel)
+        return payload.view(np.float32)
+    return codec.decode(payload, "f32", numel)
 
 
 class Reject(Exception):
@@ -91,15 +101,71 @@ class Member:
     last_seq: int = -1
 
 
+class Source:
+    """The f32 bytes a broadcast streams to islands that need the whole fragment: a
+    view of the live weights (Θ, or the islands' weights under a compressed
+    downlink), not a copy. Before a commit changes those weights it calls `detach`:
+    the part that streams still in progress have not sent yet is copied, so they
+    finish with the version they started (nothing is copied when none is in
+    progress, the usual case); a source with no reader is retired."""
+
+    def __init__(self, array: np.ndarray):
+        self._array: np.ndarray | None = array.view(np.uint8).reshape(-1)
+        self.size = self._array.size
+        self._offset = 0              # byte of the whole payload at self._array[0]
+        self._live = True
+        self._readers: dict[int, int] = {}  # reader -> the next byte it reads
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def open(self) -> int:
+        with self._lock:
+            if self._array is None:
+                raise RuntimeError("broadcast source retired before it was read")
+            self._next += 1
+            self._readers[self._next] = 0
+            return self._next
+
+    def read(self, reader: int, lo: int, hi: int, prefix: bytes = b"") -> bytes:
+        """`prefix` + bytes [lo, hi) of the payload, as one new bytes object."""
+        with self._lock:
+            self._readers[reader] = hi
+            a = self._array[lo - self._offset:hi - self._offset]
+            return b"".join((prefix, memoryview(a)))
+
+    def close(self, reader: int) -> None:
+        with self._lock:
+            self._readers.pop(reader, None)
+
+    def detach(self) -> int:
+        """Stop viewing the live weights; returns the bytes copied for readers."""
+        with self._lock:
+            if not self._live:
+                return 0
+            self._live = False
+            if not self._readers:
+                self._array = None
+                return 0
+            lo = min(self._readers.values())
+            self._array = self._array[lo - self._offset:].copy()
+            self._offset = lo
+            return self._array.size
+
+
 @dataclass(frozen=True)
 class Broadcast:
     version: int
     fragment: int
-    payload: np.ndarray  # uint8 view of the f32 weights every island holds (this fragment)
+    source: Source  # the f32 weights every island holds (this fragment)
     encoding: str
     final: bool
-    delta: bytes | None = None  # compressed (new − previous) for islands at base_version
+    delta: np.ndarray | None = None  # compressed (new − previous) for islands at base_version
     base_version: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one island is sent: the update when there is one, else the weights."""
+        return self.delta.size if self.delta is not None else self.source.size
 
 
 @dataclass
@@ -125,10 +191,10 @@ class Run:
         self.weights_file = "weights.safetensors"
         self.export_files: dict[str, str] = {}
         self.theta: np.ndarray | None = None
-        self.momentum: np.ndarray | None = None
-        # the weights every island holds: Θ itself with an f32 downlink; with q4, the
-        # sum of the q4 updates sent so far (islands add the same bytes, so they hold
-        # these exact bits; the gap to Θ rides along in the next update)
+        self._momentum: np.ndarray | None = None  # allocated only with momentum > 0
+        # the weights every island holds under a compressed downlink: the sum of the
+        # updates sent so far (islands add the same bytes, so they hold these exact
+        # bits; the gap to Θ rides along in the next update). None with f32: Θ itself
         self.island_theta: np.ndarray | None = None
         self.version = 0
         self.started = False
@@ -152,18 +218,26 @@ class Run:
 
     # ---- join -------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
-             weights_file: str, export_files: dict[str, str]) -> dict:
+             weights_file: str, export_files: dict[str, str], observer: bool = False) -> dict:
+        """An island joins; an `observer` (a rollout node) receives every Θ but never
+        pushes, never seeds and never counts toward the quorum."""
         layout = self._check_join(learner_id, specs, fp)
         with self.cond:
             if self.finished:
                 raise Reject("precondition", "this run has finished; start a new syncer")
-            self._adopt_or_check_layout(learner_id, layout, weights_file, export_files)
-            member = self._enroll(learner_id, backend)
-            log.info("%s joined (generation %d, %s): %d/%d islands", learner_id,
-                     member.generation, backend, self._live_count(), self.cfg.quorum)
+            self._adopt_or_check_layout(learner_id, layout, weights_file, export_files,
+                                        observer)
+            member = self._enroll(learner_id, backend, observer)
+            log.info("%s joined (generation %d, %s%s): %d/%d islands", learner_id,
+                     member.generation, backend, ", observer" if observer else "",
+                     self._live_count(), self.cfg.quorum)
+            if observer:
+                self.tape.write(dict(event="observer", learner=learner_id, backend=backend,
+                                     version=self.version, time=time.time()))
             self._maybe_start()
             return dict(run_id=self.run_id, generation=member.generation,
-                        num_fragments=self.cfg.fragments, send_seed=self.theta is None,
+                        num_fragments=self.cfg.fragments,
+                        send_seed=self.theta is None and not observer,
                         quorum=self.cfg.quorum, joined=self._live_count(),
                         version=self.version, finished=self.finished,
                         last_seq=member.last_seq)
@@ -182,13 +256,15 @@ class Run:
         return layout
 
     def _adopt_or_check_layout(self, learner_id: str, layout: Layout, weights_file: str,
-                               export_files: dict[str, str]) -> None:
+                               export_files: dict[str, str], observer: bool = False) -> None:
         """The first island's layout (and output files) become the run's; every later
-        one must match it."""
-        if self.layout is None:
-            self.layout = layout
+        one must match it. An observer's layout is checked (or adopted) too, but the
+        output files come from the first island."""
+        if not observer and (self.layout is None or not self.export_files):
             self.weights_file = weights_file or self.weights_file
             self.export_files = dict(export_files)
+        if self.layout is None:
+            self.layout = layout
             return
         try:
             self.layout.check_same(layout)
@@ -197,13 +273,13 @@ class Run:
                          "must train the same model with the same --lora-r/--lora-targets/"
                          "--tuning; check with scripts/check_name_parity.py") from None
 
-    def _enroll(self, learner_id: str, backend: str) -> Member:
+    def _enroll(self, learner_id: str, backend: str, observer: bool = False) -> Member:
         """A new ledger row with a fresh generation; a rejoin keeps its counts, so
-        seqs are never counted twice."""
+        seqs are never counted twice. Observers are in state "observer" (never live)."""
         gen = self.next_generation
         self.next_generation += 1
-        member = Member(learner_id, gen, backend or "?", time.monotonic(),
-                        state="training" if self.started else "waiting")
+        state = "observer" if observer else "training" if self.started else "waiting"
+        member = Member(learner_id, gen, backend or "?", time.monotonic(), state=state)
         old = self.islands.get(learner_id)
         if old is not None:
             member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
@@ -255,7 +331,9 @@ class Run:
     def check_push_header(self, h) -> int:
         """Validate a push header before any payload is read; returns the payload size."""
         with self.cond:
-            self.check_island(h.learner_id, h.generation)
+            if self.check_island(h.learner_id, h.generation).state == "observer":
+                raise Reject("precondition", f"{h.learner_id} joined as an observer: "
+                             "observers receive Θ and never push")
             if self.layout is None:
                 raise Reject("precondition", "no layout yet")
             if h.encoding not in codec.ENCODINGS:
@@ -356,23 +434,32 @@ class Run:
         if self.theta is not None:
             return dict(accepted=False, status="duplicate", round=0, staleness=0)
         try:
-            theta = codec.decode(payload, "f32", self.layout.numel)
+            theta = _f32_owned(payload, self.layout.numel)
         except codec.CodecError as e:
             raise Reject("invalid", f"seed from {member.learner_id} rejected: {e}") from None
         self.theta = theta
-        self.momentum = np.zeros_like(theta)
+        if self.outer.momentum != 0:
+            self._momentum = np.zeros_like(theta)
         log.info("Θ seeded by %s (%d parameters)", member.learner_id, theta.size)
         self._maybe_start()
         return dict(accepted=True, status="accepted", round=0, staleness=0)
+
+    @property
+    def momentum(self) -> np.ndarray | None:
+        """The outer momentum m (zeros, made on request, when momentum is 0: then the
+        run keeps no m at all)."""
+        if self._momentum is None and self.theta is not None:
+            return np.zeros_like(self.theta)
+        return self._momentum
 
     def state_digest(self) -> str:
         """SHA-256 over everything a rejected message must leave untouched."""
         with self.cond:
             h = hashlib.sha256(f"{self.version}|{self.started}|{self.finished}".encode())
-            for a in (self.theta, self.momentum):
-                h.update(b"-" if a is None else a.tobytes())
+            for a in (self.theta, self._momentum):
+                h.update(b"-" if a is None else memoryview(a).cast("B"))
             for f, rnd in sorted(self.open.items()):
-                h.update(b"-" if rnd.acc.sum is None else rnd.acc.sum.tobytes())
+                h.update(b"-" if rnd.acc.sum is None else memoryview(rnd.acc.sum).cast("B"))
                 h.update(repr((f, len(rnd.responders), rnd.acc.total_weight,
                                rnd.acc.count)).encode())
             for m in sorted(self.islands.values(), key=lambda m: m.learner_id):
@@ -422,11 +509,13 @@ class Run:
         t0 = time.perf_counter()
         f = rnd.fragment
         lo, hi = self._span(f)
+        self._detach_broadcast(f)  # Θ changes below: streams of the old version keep it
         g = rnd.acc.result()
         if rnd.acc.uniform_fallback:
             log.warning("round %d: every push carried 0 loss tokens; merged with uniform "
                         "weights", self.version + 1)
-        self.outer.step(self.theta[lo:hi], self.momentum[lo:hi], g)
+        m = None if self._momentum is None else self._momentum[lo:hi]
+        self.outer.step(self.theta[lo:hi], m, g)
         self.version += 1
         self.commits[f].append(self.version)
         merge_s = time.perf_counter() - t0
@@ -456,11 +545,13 @@ class Run:
             event="merge", round=self.version, fragment=rnd.fragment, version=self.version,
             reason=reason, responders=rnd.responders, quorum=self.cfg.quorum,
             islands_live=subscribers, bytes_in=rnd.bytes_in,
-            bytes_out=len(broadcast.delta or broadcast.payload) * subscribers,
+            bytes_out=broadcast.nbytes * subscribers,
             duplicates=rnd.duplicates, merge_seconds=merge_s, clip_scales=rnd.acc.clip_scales,
             round_seconds=now - rnd.first_push_at, outer_lr=self.outer.lr,
             outer_momentum=self.outer.momentum, merge_rule=self.cfg.merge,
-            uniform_fallback=rnd.acc.uniform_fallback, time=time.time()))
+            uniform_fallback=rnd.acc.uniform_fallback, time=time.time(),
+            observers=sorted(m.learner_id for m in self.islands.values()
+                             if m.state == "observer")))
 
     def _span(self, f: int) -> tuple[int, int]:
         frag = self.layout.fragments[f]
@@ -484,22 +575,34 @@ class Run:
 
     def _next_broadcast(self, f: int, final: bool) -> Broadcast:
         """Fragment f of Θ for the islands (updates `island_theta`); the caller publishes
-        it. The final weights always go out exact, in f32."""
+        it. The final weights always go out exact, in f32. Nothing is copied: the
+        broadcast streams from the live weights (see `Source`), and a compressed
+        update is encoded chunk by chunk into the one buffer all islands are sent."""
         lo, hi = self._span(f)
         prev = self.broadcasts.get(f)
-        if self.island_theta is None:
-            self.island_theta = self.theta.copy()
+        self._detach_broadcast(f)
         delta = None
-        if final or self.cfg.downlink == "f32" or prev is None:
-            new = self.theta[lo:hi].copy()
+        if self.cfg.downlink == "f32":
+            source = self.theta[lo:hi]
         else:
-            delta = codec.encode(self.theta[lo:hi] - self.island_theta[lo:hi],
-                                 self.cfg.downlink)
-            new = self.island_theta[lo:hi].copy()
-            codec.decode_add(delta, self.cfg.downlink, new.size, new, 1.0)
-        self.island_theta[lo:hi] = new  # `new` is what goes out: later rounds never touch it
-        return Broadcast(self._fragment_version(f), f, new.view(np.uint8), "f32", final, delta,
+            if self.island_theta is None:
+                self.island_theta = self.theta.copy()
+            source = self.island_theta[lo:hi]
+            if final or prev is None:
+                source[...] = self.theta[lo:hi]
+            else:
+                delta = stream.encode_diff(self.theta[lo:hi], source, self.cfg.downlink)
+        return Broadcast(self._fragment_version(f), f, Source(source), "f32", final, delta,
                          prev.version if prev else 0)
+
+    def _detach_broadcast(self, f: int) -> None:
+        """Before the weights of fragment f change: its broadcast stops viewing them."""
+        prev = self.broadcasts.get(f)
+        if prev is not None:
+            copied = prev.source.detach()
+            if copied:
+                log.info("fragment %d: %d bytes of version %d kept for streams in progress",
+                         f, copied, prev.version)
 
     def _final_broadcasts(self) -> None:
         for f in range(self.cfg.fragments):
@@ -509,6 +612,8 @@ class Run:
     def finish_island(self, learner_id: str, generation: int) -> bool:
         with self.cond:
             member = self.check_island(learner_id, generation)
+            if member.state == "observer":
+                return self.finished  # an observer has no training to finish
             member.state = "finished"
             log.info("%s finished training", learner_id)
             self._maybe_finish_run()
@@ -517,7 +622,8 @@ class Run:
     def island_gone(self, learner_id: str, generation: int) -> None:
         with self.cond:
             member = self.islands.get(learner_id)
-            if member and member.generation == generation and member.state in LIVE:
+            if member and member.generation == generation and \
+                    (member.state in LIVE or member.state == "observer"):
                 member.state = "gone"
                 log.warning("%s disconnected", learner_id)
                 self._maybe_finish_run()
@@ -579,7 +685,7 @@ class Run:
     def _save(self) -> None:
         if self.cfg.state_dir is None:
             return
-        state.save(self.cfg.state_dir, self.theta, self.momentum, self.island_theta, dict(
+        state.save(self.cfg.state_dir, self.theta, self._momentum, self.island_theta, dict(
             run_id=self.run_id, version=self.version, round=self.version,
             fragment_versions=[self._fragment_version(f) for f in range(self.cfg.fragments)],
             fingerprint=self.layout.fingerprint,
@@ -603,8 +709,10 @@ class Run:
         if self.layout.fingerprint != meta["fingerprint"] or self.layout.numel != theta.size:
             raise state.StateError(f"{state_dir}: layout and weights disagree (corrupt state)")
         self.run_id, self.version = meta["run_id"], meta["version"]
-        self.theta, self.momentum = theta.copy(), momentum.copy()
-        self.island_theta = None if island_theta is None else island_theta.copy()
+        self.theta, self._momentum = theta, momentum if self.outer.momentum != 0 else None
+        if self._momentum is None and self.outer.momentum != 0:
+            self._momentum = np.zeros_like(theta)
+        self.island_theta = island_theta if self.cfg.downlink != "f32" else None
         self.commits = {f: [v] for f, v in enumerate(meta["fragment_versions"])}
         self.weights_file, self.export_files = meta["weights_file"], meta["export_files"]
         self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]

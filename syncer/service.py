@@ -9,12 +9,13 @@ import logging
 import socket
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
+from syncer import stream, wire
 from syncer.run import Broadcast, Reject, Run
-from yeto import net
+from yeto import codec, net
 from yeto.io import host_port
 from yeto.layout import TensorSpec
 from yeto.proto import yeto_pb2 as pb
@@ -47,7 +48,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                  for t in request.layout]
         try:
             r = self.run.join(request.learner_id, specs, request.fingerprint, request.backend,
-                              request.weights_file, dict(request.export_files))
+                              request.weights_file, dict(request.export_files),
+                              observer=request.observer)
         except Reject as e:
             _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)
@@ -56,18 +58,20 @@ class SyncerService(pb_grpc.SyncerServicer):
         first = None
         try:
             first = next(request_iterator, None)
-            if first is None or not first.HasField("header"):
+            if first is None or first.header is None:
                 raise Reject("invalid", "a push must start with a header chunk")
             h = first.header
             if h.kind not in (pb.DELTA, pb.SEED):
                 raise Reject("invalid", f"unknown push kind {h.kind}")
-            size = self.run.check_push_header(h)
-            # bounded: concurrent pushes each hold a payload buffer until merged
+            self.run.check_push_header(h)
+            # bounded: each push in flight holds its payload, compressed as it came
+            # (q4: 0.5625 B per parameter), until it is validated whole and merged
             with self.inflight:
-                payload = _receive(first, request_iterator, size)
+                payload = _receive(h, first, request_iterator)
                 return pb.PushReply(**self.run.push(h, payload))
         except Reject as e:
-            _abort(context, e, self.run, "push", first.header.learner_id if first else "")
+            learner = first.header.learner_id if first and first.header else ""
+            _abort(context, e, self.run, "push", learner)
 
     def Subscribe(self, request, context):
         run = self.run
@@ -80,12 +84,15 @@ class SyncerService(pb_grpc.SyncerServicer):
         sub = Subscription(run, request.learner_id, request.generation)
         while context.is_active():
             try:
-                bc = sub.wait_next(context.is_active)
+                nxt = sub.wait_next(context.is_active)
             except Reject as e:  # superseded by a newer connection of the same island
                 _abort(context, e)
-            if bc is None or not context.is_active():
+            if nxt is None:
                 return
-            yield from sub.send(bc)
+            if not context.is_active():
+                nxt.release()
+                return
+            yield from sub.send(nxt)
             if sub.all_finals_sent():
                 run.mark_final_delivered(request.learner_id)
                 return
@@ -126,33 +133,44 @@ class Subscription:
                 return bc
         return None
 
-    def wait_next(self, active) -> Broadcast | None:
+    def wait_next(self, active) -> Outgoing | None:
         """The next broadcast to send, waiting while `active()`; None when it ends.
-        Raises Reject when this connection has been superseded."""
+        Raises Reject when this connection has been superseded. A broadcast of the
+        whole weights is opened for reading here, under the run's lock, so a commit
+        that follows keeps its bytes for this stream (`syncer.run.Source.detach`)."""
         run = self.run
         with run.cond:
             bc = self._pending()
             while active() and bc is None:
                 run.cond.wait(timeout=1.0)
                 bc = self._pending()
-            if bc is not None:
-                run.check_island(self.learner_id, self.generation)
-            return bc
+            if bc is None:
+                return None
+            run.check_island(self.learner_id, self.generation)
+            use_delta = bc.delta is not None and self.sent.get(bc.fragment) == bc.base_version
+            return Outgoing(bc, use_delta, None if use_delta else bc.source.open())
 
-    def send(self, bc: Broadcast):
-        """The chunks of one broadcast; records it as sent once they are all out."""
-        run = self.run
-        use_delta = bc.delta is not None and self.sent.get(bc.fragment) == bc.base_version
-        payload = bc.delta if use_delta else bc.payload
+    def send(self, out: Outgoing):
+        """The chunks of one broadcast, as wire bytes built straight from the weights
+        (or from the one compressed update all islands share); records it as sent
+        once they are all out."""
+        run, bc = self.run, out.bc
+        size = bc.delta.size if out.use_delta else bc.source.size
         header = pb.BroadcastHeader(
             version=bc.version, round=bc.version, fragment=bc.fragment,
-            encoding=run.cfg.downlink if use_delta else bc.encoding,
-            numel=run.layout.fragments[bc.fragment].numel, payload_bytes=len(payload),
-            final=bc.final, delta=use_delta, base_version=bc.base_version)
-        for i, piece in enumerate(net.chunks(payload)):
-            yield pb.BroadcastChunk(header=header if i == 0 else None, data=bytes(piece))
+            encoding=run.cfg.downlink if out.use_delta else bc.encoding,
+            numel=run.layout.fragments[bc.fragment].numel, payload_bytes=size,
+            final=bc.final, delta=out.use_delta, base_version=bc.base_version)
+        try:
+            if out.use_delta:
+                for i, piece in enumerate(net.chunks(memoryview(bc.delta).cast("B"))):
+                    yield wire.broadcast_chunk(header if i == 0 else None, piece)
+            else:
+                yield from _source_chunks(header, bc.source, out.reader)
+        finally:
+            out.release()
         with run.cond:
-            run.bytes_out += len(payload)
+            run.bytes_out += size
         self.sent[bc.fragment] = bc.version
         if bc.final:
             self.sent_final.add(bc.fragment)
@@ -161,22 +179,65 @@ class Subscription:
         return len(self.sent_final) == self.run.cfg.fragments
 
 
-def _receive(first, rest, size: int) -> np.ndarray:
-    """Assemble a push payload of exactly `size` bytes from its chunks."""
-    payload = np.empty(size, np.uint8)  # numpy buffers avoid bytearray's page-fault cost
-    n = 0
-    for chunk in itertools.chain([first], rest):
-        if chunk is not first and chunk.HasField("header"):
-            raise Reject("invalid", "a push carries exactly one header")
-        data = chunk.data  # each access copies: read once
-        k = len(data)
-        if n + k > size:
-            raise Reject("invalid", f"push payload exceeds the {size} bytes its header announced")
-        payload[n:n + k] = np.frombuffer(data, np.uint8)
-        n += k
-    if n != size:
-        raise Reject("invalid", f"push payload ended after {n} of {size} bytes")
-    return payload
+@dataclass
+class Outgoing:
+    """A broadcast picked for one stream: sent as the compressed update or whole
+    (then `reader` holds its place in the broadcast's source until `release`)."""
+
+    bc: Broadcast
+    use_delta: bool
+    reader: int | None
+
+    def release(self) -> None:
+        if self.reader is not None:
+            self.bc.source.close(self.reader)
+            self.reader = None
+
+
+def _source_chunks(header, source, reader: int):
+    """Chunks read from a broadcast's source (see `syncer.run.Source`), one at a time."""
+    size = source.size
+    for i, lo in enumerate(range(0, max(size, 1), net.CHUNK_BYTES)):
+        hi = min(lo + net.CHUNK_BYTES, size)
+        prefix = wire.chunk_prefix(header if i == 0 else None, hi - lo)
+        yield source.read(reader, lo, hi, prefix)
+
+
+def _receive(h, first, rest):
+    """Assemble a push payload from its chunks, validated as it arrives (see
+    `syncer.stream.PayloadReceiver`): one buffer of the wire size."""
+    try:
+        rx = stream.PayloadReceiver(h.encoding, h.numel)
+        for chunk in itertools.chain([first], rest):
+            if chunk is not first and chunk.header is not None:
+                raise Reject("invalid", "a push carries exactly one header")
+            rx.add(chunk.data)
+        return rx.finish()
+    except codec.CodecError as e:
+        raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
+    except ValueError as e:
+        raise Reject("invalid", f"push from {h.learner_id}: {e}") from None
+
+
+def add_to_server(service: SyncerService, server) -> None:
+    """Register the service's methods; Push and Subscribe move their payloads through
+    `syncer.wire` (the same bytes on the wire, fewer copies)."""
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Join": unary(service.Join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString),
+        "Push": grpc.stream_unary_rpc_method_handler(
+            service.Push, wire.parse_push_chunk, pb.PushReply.SerializeToString),
+        "Subscribe": grpc.unary_stream_rpc_method_handler(
+            service.Subscribe, pb.SubscribeRequest.FromString, wire.serialize_broadcast),
+        "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest.FromString,
+                           pb.HeartbeatReply.SerializeToString),
+        "Status": unary(service.Status, pb.StatusRequest.FromString,
+                        pb.StatusReply.SerializeToString),
+        "Finish": unary(service.Finish, pb.FinishRequest.FromString,
+                        pb.FinishReply.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -227,7 +288,7 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     interceptors = [TokenAuth(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=net.GRPC_OPTIONS)
-    pb_grpc.add_SyncerServicer_to_server(SyncerService(run, max_inflight_pushes), server)
+    add_to_server(SyncerService(run, max_inflight_pushes), server)
     address = host_port(host, port)
     if tls:
         cert, key, ca = tls

@@ -1,0 +1,295 @@
+"""The syncer's chunked paths give the same bits as the whole-array computations they
+replace, and a bad push leaves the state as it was. (Memory itself is measured by
+scripts/bench_memory.py, never asserted here.)"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+from conftest import make_client, running_syncer
+
+from syncer import state, stream, wire
+from syncer.merge import MergeAccumulator, NesterovOuter
+from syncer.run import Source
+from yeto import codec, net
+from yeto.layout import Layout
+from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
+
+N = 3 * stream.CHUNK + 77  # several chunks and a partial last q4 block
+ENCODINGS = ("f32", "bf16", "q4")
+
+
+def _deltas(k: int, n: int = N, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(n) * (i + 1) * 1e-2).astype(np.float32) for i in range(k)]
+
+
+def _blocked_norm(x: np.ndarray) -> float:
+    """The norm the syncer defines: float64 dots over fixed chunks, summed in order."""
+    x = x.astype(np.float64)
+    return float(np.sqrt(sum(float(np.dot(x[lo:hi], x[lo:hi]))
+                             for lo, hi in stream.chunks(x.size))))
+
+
+def _whole_array_merge(payloads, encoding: str, tokens: list[int], rule: str) -> np.ndarray:
+    """The merge computed on whole decoded arrays (what the syncer did before)."""
+    acc = np.zeros(N, np.float32)
+    total = norm_sum = 0.0
+    for p, t in zip(payloads, tokens):
+        w = 1.0 if rule == "uniform" else float(t)
+        d = codec.decode(p, encoding, N)
+        acc += np.float32(w) * d
+        total += w
+        norm_sum += w * _blocked_norm(d)
+    acc /= total
+    if rule == "rda":
+        acc *= (norm_sum / total) / float(np.linalg.norm(acc))
+    return acc
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("rule", ["mean", "uniform", "rda"])
+def test_chunked_merge_equals_the_whole_array_merge(rule, encoding):
+    payloads = [codec.encode(d, encoding) for d in _deltas(3)]
+    tokens = [100, 300, 600]
+    acc = MergeAccumulator(N, rule)
+    for p, t in zip(payloads, tokens):
+        acc.add(p, encoding, t)
+    got = acc.result()
+    assert got.tobytes() == _whole_array_merge(payloads, encoding, tokens, rule).tobytes()
+
+
+def test_decode_add_equals_codec_and_norm_matches_numpy():
+    for encoding in ENCODINGS:
+        d = _deltas(1)[0]
+        p = codec.encode(d, encoding)
+        a, b = np.ones(N, np.float32), np.ones(N, np.float32)
+        norm = stream.decode_add_norm(p, encoding, N, a, 0.3)
+        codec.decode_add(p, encoding, N, b, 0.3)
+        assert a.tobytes() == b.tobytes()
+        whole = codec.decode(p, encoding, N)
+        assert norm == _blocked_norm(whole) == stream.norm(p, encoding, N)
+        assert norm == pytest.approx(float(np.linalg.norm(whole.astype(np.float64))), rel=1e-12)
+
+
+def test_clipped_merge_keeps_pushes_compressed_and_equals_whole_arrays():
+    payloads = [codec.encode(d, "q4") for d in _deltas(3)]
+    acc = MergeAccumulator(N, "mean", clip_factor=1.0)
+    for p in payloads:
+        acc.add(p, "q4", 10)
+    assert all(isinstance(dp.payload, bytes) for dp in acc.deferred)  # as received
+    got = acc.result()
+    norms = [_blocked_norm(codec.decode(p, "q4", N)) for p in payloads]
+    limit = float(np.median(norms))
+    want = np.zeros(N, np.float32)
+    for p, nrm in zip(payloads, norms):
+        want += np.float32(10 * min(1.0, limit / nrm)) * codec.decode(p, "q4", N)
+    want /= 30.0
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_outer_step_by_chunks_equals_the_whole_array_step(momentum):
+    rng = np.random.default_rng(1)
+    theta, m, g = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+    outer = NesterovOuter(0.7, momentum)
+    t1, m1, g1 = theta.copy(), m.copy(), g.copy()
+    outer.step(t1, m1 if momentum else None, g1)
+    t2, m2, g2 = theta.copy(), m.copy(), g.copy()
+    for lo, hi in stream.chunks(N, 1000):
+        outer.step(t2[lo:hi], m2[lo:hi] if momentum else None, g2[lo:hi])
+    assert t1.tobytes() == t2.tobytes() and m1.tobytes() == m2.tobytes()
+    if momentum:  # the documented math, on whole arrays
+        mm = np.float32(momentum) * m + g
+        want = theta - np.float32(0.7) * g
+        want -= np.float32(0.7 * momentum) * mm
+        assert t1.tobytes() == want.tobytes() and m1.tobytes() == mm.tobytes()
+    else:
+        assert t1.tobytes() == (theta - np.float32(0.7) * g).tobytes()
+
+
+@pytest.mark.parametrize("encoding", ["q4", "bf16"])
+def test_compressed_broadcast_encoded_by_chunks_equals_the_whole_encode(encoding):
+    rng = np.random.default_rng(2)
+    theta = rng.standard_normal(N).astype(np.float32)
+    held = theta + rng.standard_normal(N).astype(np.float32) * 1e-2
+    whole = codec.encode(theta - held, encoding)
+    want_held = held.copy()
+    codec.decode_add(whole, encoding, N, want_held, 1.0)
+    got = stream.encode_diff(theta, held, encoding)
+    assert got.tobytes() == whole and held.tobytes() == want_held.tobytes()
+
+
+def test_broadcast_source_keeps_its_version_for_streams_in_progress():
+    live = np.arange(1000, dtype=np.float32)
+    before = live.tobytes()
+    src = Source(live)
+    idle = Source(live)
+    reader = src.open()
+    first = src.read(reader, 0, 1000)
+    assert idle.detach() == 0  # nobody reading: nothing copied
+    assert src.detach() == 4000 - 1000  # only what the reader has not sent yet
+    live += 1  # the commit changes the weights
+    rest = src.read(reader, 1000, 4000, prefix=b"p")
+    assert first + rest[1:] == before and rest[:1] == b"p"
+    src.close(reader)
+    later = Source(live)
+    assert later.read(later.open(), 0, 4000) == live.tobytes()  # a live source is a view
+
+
+def test_state_streams_to_a_safetensors_file_that_safe_open_loads(tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(3)
+    theta, m, island = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+    state.save(tmp_path, theta, m, island, dict(run_id="r", version=2))
+    t2, m2, i2, meta = state.load(tmp_path)
+    assert (t2.tobytes(), m2.tobytes(), i2.tobytes()) == (theta.tobytes(), m.tobytes(),
+                                                          island.tobytes())
+    assert t2.flags.writeable and meta["version"] == 2
+    path = str(tmp_path / state.STATE_FILE)
+    with safe_open(path, framework="np") as f:
+        assert sorted(f.keys()) == ["island_theta", "momentum", "theta"]
+        assert f.get_tensor("theta").tobytes() == theta.tobytes()
+        assert json.loads(f.metadata()["yeto_state"])["theta_sha256"] == state.digest(theta)
+    state.save(tmp_path, theta, None, None, dict(run_id="r", version=3))  # momentum 0
+    assert sorted(load_file(path)) == ["theta"]
+    t3, m3, i3, _ = state.load(tmp_path)
+    assert t3.tobytes() == theta.tobytes() and m3 is None and i3 is None
+
+
+def test_final_weights_stream_to_safetensors_with_shapes(tmp_path):
+    from safetensors.numpy import load_file
+
+    layout = Layout.from_shapes({"a.weight": (3, 5), "b.weight": (7,), "c.bias": (2, 2, 2)})
+    flat = np.arange(layout.numel, dtype=np.float32)
+    tensors = layout.unflatten(flat)
+    with open(tmp_path / "w.safetensors", "wb") as f:
+        state.write_safetensors(f, tensors, {"format": "pt"})
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in tensors.items()}
+    assert all(np.array_equal(got[k], v) for k, v in tensors.items())
+    back, meta = state.read_safetensors(tmp_path / "w.safetensors")
+    assert meta == {"format": "pt"} and all(np.array_equal(back[k], v)
+                                            for k, v in tensors.items())
+
+
+def test_push_chunks_parse_as_protobuf_does_and_broadcast_chunks_are_valid_protobuf():
+    h = pb.PushHeader(learner_id="a", generation=7, numel=5, payload_bytes=20, seq=3)
+    for msg in (pb.PushChunk(header=h, data=b"x" * 300), pb.PushChunk(data=b"abc"),
+                pb.PushChunk(), pb.PushChunk(header=h)):
+        got = wire.parse_push_chunk(msg.SerializeToString())
+        assert got.header == (msg.header if msg.HasField("header") else None)
+        assert bytes(got.data) == msg.data
+    bh = pb.BroadcastHeader(version=3, numel=7, payload_bytes=28)
+    for header, data in ((bh, b"q" * 28), (None, b"z" * 200_000), (bh, b"")):
+        parsed = pb.BroadcastChunk.FromString(wire.broadcast_chunk(header, data))
+        assert parsed.data == data and parsed.HasField("header") == (header is not None)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_receiver_refuses_bad_bytes_as_they_arrive(encoding):
+    good = codec.encode(_deltas(1)[0], encoding)
+    rx = stream.PayloadReceiver(encoding, N)
+    for piece in net.chunks(good, 100_000):
+        rx.add(piece)
+    assert rx.finish().tobytes() == good
+    bad = bytearray(good)
+    nb = -(-N // codec.Q4_BLOCK)
+    at = 4 * 5 if encoding == "q4" else len(good) // 2 // 4 * 4  # a scale, or a value
+    bad[at:at + 4] = np.array([np.nan], np.float32).tobytes()[:4] if encoding != "bf16" \
+        else b"\xc0\x7f\xc0\x7f"
+    rx = stream.PayloadReceiver(encoding, N)
+    with pytest.raises(codec.CodecError):
+        for piece in net.chunks(bytes(bad), 4096):
+            rx.add(piece)
+    refused_at = rx.n
+    assert refused_at < len(good)  # before the whole push was held
+    if encoding == "q4":
+        assert refused_at <= 4 * nb + 4096  # as soon as the scales were in
+    with pytest.raises(ValueError):
+        stream.PayloadReceiver(encoding, N).finish()  # short
+
+
+def _stub_push(addr, chunks):
+    with grpc.insecure_channel(addr, options=net.GRPC_OPTIONS) as ch:
+        return pb_grpc.SyncerStub(ch).Push(iter(chunks), timeout=30)
+
+
+@pytest.mark.parametrize("case", ["nan chunk", "truncated", "overlong", "second header"])
+def test_a_bad_chunk_mid_push_leaves_the_round_and_theta_unchanged(toy_layout, case):
+    n = toy_layout.numel
+    with running_syncer(quorum=2) as (run, addr):
+        a, b = make_client(addr, "a", toy_layout), make_client(addr, "b", toy_layout)
+        a.start(np.zeros(n, np.float32))
+        b.start(np.zeros(n, np.float32))
+        a.wait_one(timeout=20), b.wait_one(timeout=20)
+        ok = codec.encode(np.full(n, 0.5, np.float32), "q4")
+        assert a.push(ok, encoding="q4", base_version=0, loss_tokens=5, steps=1,
+                      seq=0).result(20).accepted
+        digest, theta = run.state_digest(), run.theta.copy()
+        acc_sum = run.open[0].acc.sum.copy()
+        payload = codec.encode(np.ones(n, np.float32), "f32")
+        if case == "nan chunk":
+            payload = payload[:200] + np.array([np.nan], np.float32).tobytes() + payload[204:]
+        header = pb.PushHeader(learner_id="b", generation=b.generation, round=1,
+                               base_version=0, loss_tokens=7, steps=1, encoding="f32",
+                               numel=n, payload_bytes=4 * n, kind=pb.DELTA, seq=0)
+        pieces = [payload[i:i + 64] for i in range(0, len(payload), 64)]
+        if case == "truncated":
+            pieces = pieces[:-1]
+        elif case == "overlong":
+            pieces.append(b"\0\0\0\0")
+        chunks = [pb.PushChunk(header=header if i == 0 else None, data=p)
+                  for i, p in enumerate(pieces)]
+        if case == "second header":
+            chunks[3] = pb.PushChunk(header=header, data=pieces[3])
+        with pytest.raises(grpc.RpcError) as e:
+            _stub_push(addr, chunks)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert run.state_digest() == digest and run.version == 0
+        assert run.theta.tobytes() == theta.tobytes()
+        assert run.open[0].acc.sum.tobytes() == acc_sum.tobytes()
+        # the same push, whole and in small chunks, is then taken and commits
+        good = [pb.PushChunk(header=header if i == 0 else None, data=payload[j:j + 64])
+                for i, j in enumerate(range(0, len(payload), 64))] if case != "nan chunk" \
+            else [pb.PushChunk(header=header, data=codec.encode(np.ones(n, np.float32), "f32"))]
+        assert _stub_push(addr, good).accepted
+        assert a.wait_one(timeout=20).version == 1
+        a.close(), b.close()
+
+
+def test_a_broadcast_in_progress_keeps_its_version_across_a_commit():
+    n = 3 * net.CHUNK_BYTES // 4 + 1000  # four chunks of f32
+    layout = Layout.from_shapes({"w": (n,)})
+    theta0 = np.random.default_rng(4).standard_normal(n).astype(np.float32)
+    with running_syncer(quorum=1, grace_ms=0) as (run, addr):
+        a = make_client(addr, "a", layout)
+        a.start(theta0)
+        a.wait_one(timeout=20)
+        with grpc.insecure_channel(addr, options=net.GRPC_OPTIONS) as ch:
+            stub = pb_grpc.SyncerStub(ch)
+            join = stub.Join(pb.JoinRequest(learner_id="b", fingerprint=layout.fingerprint,
+                                            layout=[pb.TensorSpec(name="w", shape=[n],
+                                                                  dtype="float32")]))
+            chunks = stub.Subscribe(pb.SubscribeRequest(learner_id="b",
+                                                        generation=join.generation))
+            first = next(chunks)
+            assert first.header.version == 0
+            got = [first.data]
+            d = np.full(n, 0.25, np.float32)
+            assert a.push(codec.encode(d, "f32"), encoding="f32", base_version=0,
+                          loss_tokens=1, steps=1, seq=0).result(20).accepted
+            assert a.wait_one(timeout=20).version == 1 and run.version == 1
+            while sum(map(len, got)) < 4 * n:
+                got.append(next(chunks).data)
+            assert b"".join(got) == theta0.tobytes()  # version 0, whole
+            nxt = next(chunks)
+            assert nxt.header.version == 1
+            chunks.cancel()
+        a.close()
