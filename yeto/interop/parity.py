@@ -22,6 +22,7 @@ Failures are `ParityError` with a ``stage`` that says whose problem it is (see
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -75,6 +76,7 @@ class Report:
     max_dlogit: float | None = None                # None: no logits compared
     max_logit: float | None = None
     adapter_effect: float | None = None             # max |logit(adapter) - logit(base)| (torch)
+    base_dlogit: float | None = None                # max |dlogit| before the adapter is set
     numeric_layers: int | None = None               # set when logits ran on a truncated copy
     notes: list[str] = field(default_factory=list)
 
@@ -125,12 +127,8 @@ def compare_layouts(t, m) -> tuple[list[str], str | None]:
 
 
 def _target_stage(e: Exception, side: str) -> str:
-    """A ValueError from attaching LoRA is target selection's; anything else is the
-    model build's."""
-    msg = str(e)
-    if "lora-targets" in msg or "module tree" in msg or "Hugging Face weight" in msg:
-        return f"{side}-targets"
-    return "torch-build" if side == "torch" else "mlx-load"
+    """Attaching LoRA to a model that built: target selection and canonical names."""
+    return f"{side}-targets"
 
 
 def torch_lora(model_dir: str | Path, r: int, alpha: float, targets: str, *, meta: bool,
@@ -267,6 +265,7 @@ def logit_parity(model_dir: str | Path, r: int = 16, alpha: float = 32, targets:
     ids = token_ids(vocab, seed)
     try:
         base = _torch_logits(tmodel, ids)
+        mlx_base = _mlx_logits(mmodel, ids)
         flat = adapter_vector(tw.layout, seed)
         tw.set(flat)
         mw.set(flat)
@@ -279,14 +278,47 @@ def logit_parity(model_dir: str | Path, r: int = 16, alpha: float = 32, targets:
     report.max_dlogit = float(np.abs(got - want).max())
     report.max_logit = float(np.abs(want).max())
     report.adapter_effect = float(np.abs(want - base).max())
+    if mlx_base.shape == base.shape:
+        report.base_dlogit = float(np.abs(mlx_base - base).max())
+        rel_base = report.base_dlogit / max(report.max_logit, 1e-30)
+        if report.rel > REL_TOL and rel_base <= REL_TOL:
+            culprit = _culprit(tmodel, mmodel, tw, mw, flat, ids)
+            if culprit:
+                report.notes.append(culprit)
     if not np.isfinite(report.max_dlogit):
         report.max_dlogit = float("inf")
     return report
 
 
+def _culprit(tmodel, mmodel, tw, mw, flat: np.ndarray, ids: np.ndarray,
+             limit: int = 64) -> str | None:
+    """The first adapted module whose adapter alone moves the two backends' logits
+    apart (the base models agree), as a note; None when none does on its own."""
+    modules: dict[str, list] = {}
+    for spec in tw.layout.specs:
+        modules.setdefault(spec.name.rsplit(".lora_", 1)[0], []).append(spec.name)
+    try:
+        for module, names in list(modules.items())[:limit]:
+            part = np.zeros_like(flat)
+            for name in names:
+                lo, hi = tw.layout.offsets[name]
+                part[lo:hi] = flat[lo:hi]
+            tw.set(part)
+            mw.set(part)
+            want, got = _torch_logits(tmodel, ids), _mlx_logits(mmodel, ids)
+            if np.abs(got - want).max() > REL_TOL * max(np.abs(want).max(), 1e-30):
+                return (f"the adapter on {module[len(PREFIX):]} alone changes the torch and "
+                        "MLX logits differently (the base models agree): the two backends "
+                        "do not apply this layer the same way")
+        return None
+    finally:
+        tw.set(flat)
+        mw.set(flat)
+
+
 # ---- truncated copies -------------------------------------------------------
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def checkpoint_bytes(model_dir: str | Path) -> int:
@@ -304,10 +336,10 @@ def truncated_copy(model_dir: str | Path, n_layers: int, dest: str | Path) -> Pa
     dest.mkdir(parents=True, exist_ok=True)
     config = json.loads((model_dir / "config.json").read_text())
     sub = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    old = next((sub[k] for k in _LAYER_KEYS if isinstance(sub.get(k), int)), None)
+    old = next((sub[k] for k in _LAYER_COUNTS if isinstance(sub.get(k), int)), None)
     if old is None:
         raise ParityError("torch-build", "cannot truncate: the config has no layer count")
-    for k in _LAYER_KEYS:
+    for k in _LAYER_COUNTS:
         if isinstance(sub.get(k), int):
             sub[k] = n_layers
     for k, v in list(sub.items()):
@@ -356,59 +388,177 @@ def check(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = 
         report.numeric_layers = numeric_layers
         report.notes.append(f"logits compared on a truncated copy: the first {numeric_layers} "
                             "decoder layers")
-        return logit_parity(tmp, r, alpha, targets, seed, report)
+        try:
+            return logit_parity(tmp, r, alpha, targets, seed, report)
+        except ParityError as e:
+            raise ParityError(e.stage, f"{e.args[0]} (on a copy truncated to "
+                              f"{numeric_layers} layers; --numeric-layers sets how many)") from e
 
 
 # ---- tiny random models -----------------------------------------------------
 #: small sizes, under the config's own attribute names or their `attribute_map` aliases;
-#: a key is set only where the architecture's config has it (or an alias of it)
+#: a key is set only where the architecture's config has it (or an alias of it). Six
+#: layers: hybrids with a layer pattern (gemma3 5:1 sliding/full, qwen3_5 3:1
+#: linear/full, jamba's attention at layer 4 of 8) keep at least one layer of each kind.
+TINY_LAYERS = 6
 TINY: dict[str, Any] = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 256,
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": TINY_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 256,
+    # configs that use other names and no attribute_map (dbrx)
+    "d_model": 64, "n_heads": 4, "n_layers": TINY_LAYERS, "max_seq_len": 256,
+    "ffn_hidden_size": 128, "kv_n_heads": 2,
     # mixture of experts
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_k": 2, "top_k": 2, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1,
-    "topk_group": 1, "first_k_dense_replace": 1,
-    # multi-head latent attention
-    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    # state-space / linear attention
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_k": 2, "moe_top_k": 2,
+    "top_k": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32, "n_shared_experts": 1, "num_shared_experts": 1,
+    "n_group": 1, "num_expert_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    # multi-head latent attention (rotary part = head_dim, as transformers sets it)
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+    "qk_head_dim": 32, "v_head_dim": 16,
+    # state-space / linear attention / recurrent blocks: inner width 2 x hidden
     "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "time_step_rank": 8,
-    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16, "n_groups": 1,
-    "mamba_n_groups": 1, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    # vision towers of composite (image-text) configs
+    "mamba_dt_rank": 8, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16,
+    "mamba_d_ssm": 128, "n_groups": 1, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+    "chunk_size": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_heads": 4,
+    "linear_head_dim": 16, "lru_width": 64, "rotary_dim": 8,
+    # per-layer token embeddings (gemma3n, gemma4)
+    "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,
+    # vision / audio towers of composite (image-text) configs
     "image_size": 32, "patch_size": 8, "num_channels": 3,
 }
+_MOE_SIZES = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+              "num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_top_k", "top_k",
+              "moe_intermediate_size", "shared_expert_intermediate_size",
+              "shared_intermediate_size", "n_shared_experts", "num_shared_experts"}
 
 
-def _tiny_kwargs(defaults: dict, attribute_map: dict, extra: dict) -> dict:
-    out = {}
+def _tiny_entry(value: Any) -> Any:
+    """A per-layer config entry ({"head_dim": 512}) at `TINY` sizes."""
+    if isinstance(value, dict):
+        return {k: TINY.get(k, v) if isinstance(v, int) else v for k, v in value.items()}
+    return value
+
+
+def _init_default(config_cls, key: str) -> Any:
+    try:
+        param = inspect.signature(config_cls.__init__).parameters.get(key)
+    except (TypeError, ValueError):
+        return inspect.Parameter.empty
+    return inspect.Parameter.empty if param is None else param.default
+
+
+def _shrink(default, extra: dict) -> dict:
+    """Constructor kwargs for a tiny version of a transformers config object: the
+    `TINY` sizes it has; its per-layer lists left for the class to derive for the new
+    layer count (or cut to the first layers' entries where the class cannot), dicts
+    keyed by layer index cut the same way; token ids outside the tiny vocabulary moved
+    inside it; sub-configs shrunk alike."""
+    from transformers import PretrainedConfig
+
+    d = default.to_dict()
+    amap = getattr(default, "attribute_map", {}) or {}
+    out: dict[str, Any] = {}
+    dense = any(k.startswith(("enable_moe", "use_moe")) and v is False for k, v in d.items())
     for key, value in {**TINY, **extra}.items():
-        name = key if key in defaults else attribute_map.get(key)
-        if name is not None and name in defaults and name not in out:
-            out[name] = value
+        name = key if key in d else amap.get(key)
+        if name is None or name not in d or name in out or isinstance(value, dict):
+            continue
+        if key in _MOE_SIZES and key not in extra and dense:
+            continue  # a dense model that only has the fields (gemma4 without its MoE block)
+        out[name] = value
+    if "kv_lora_rank" in d and "num_key_value_heads" in out:
+        # multi-head latent attention: one key/value head per query head (as in every
+        # MLA checkpoint); transformers repeats keys by heads / num_key_value_heads
+        out["num_key_value_heads"] = out.get("num_attention_heads", d.get("num_attention_heads"))
+    old_n = next((d[k] for k in _LAYER_COUNTS if isinstance(d.get(k), int)), None)
+    new_n = next((out[k] for k in _LAYER_COUNTS if k in out), None)
+    for key, value in d.items():
+        if key in out or key in extra or old_n is None or new_n is None or old_n == new_n:
+            continue
+        if isinstance(value, list) and len(value) == old_n:
+            derived = _init_default(type(default), key) is None
+            out[key] = None if derived else value[:new_n]
+        elif (isinstance(value, dict) and value and key != "rope_parameters"
+              and all(isinstance(k, str) and k.isdigit() for k in value)):
+            out[key] = {k: _tiny_entry(v) for k, v in value.items() if int(k) < new_n}
+    vocab = out.get("vocab_size", d.get("vocab_size"))
+    if isinstance(vocab, int):
+        for i, key in enumerate(k for k in d if k.endswith(("_token_id", "_token_index"))):
+            v = d[key]
+            if isinstance(v, int) and v >= vocab:
+                out[key] = vocab - 1 - i % 8
+            elif isinstance(v, list) and any(isinstance(x, int) and x >= vocab for x in v):
+                out[key] = [x if x < vocab else vocab - 1 - i % 8 for x in v]
+    for name in sorted(set(getattr(default, "sub_configs", {}) or {}) | set(d)):
+        try:
+            sub = getattr(default, name, None)
+        except Exception:  # noqa: BLE001 - attributes transformers refuses to read globally
+            continue
+        if isinstance(sub, PretrainedConfig):
+            kw = _shrink(sub, extra.get(name, {}))
+            if sub.model_type:
+                kw["model_type"] = sub.model_type
+            out[name] = {**extra.get(name, {}), **kw}
+    for key, value in extra.items():
+        if key not in out:
+            out[key] = value
     return out
 
 
-def tiny_config(arch: str, overrides: dict | None = None):
-    """A transformers config of ``arch`` at `TINY` sizes (plus ``overrides``),
-    sub-configs (``text_config``, ``vision_config``, ...) shrunk the same way."""
-    from transformers import AutoConfig, PretrainedConfig
+#: per-architecture settings, only where the generic `TINY` sizes cannot make a tiny
+#: model shaped like the real checkpoints; each says why
+TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    # transformers' default Lfm2Config has attention in every layer; LFM2 checkpoints
+    # interleave short-conv blocks (LFM2-350M: 10 conv + 6 attention), and mlx-lm's
+    # lfm2.py needs at least one conv layer
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv", "conv", "full_attention",
+                             "conv"]},
+    # transformers' default Lfm2MoeConfig has no layer_types, which its modelling code
+    # needs; LFM2-8B-A1B interleaves conv and attention blocks, first layers dense
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "conv", "full_attention",
+                                 "conv"], "num_dense_layers": 1},
+    # mamba2's SSM heads: num_heads * head_dim must equal expand * hidden_size
+    "mamba2": {"num_heads": 8},
+    # transformers 5.24's modeling_dbrx reads attn_config.rope_theta, which
+    # DbrxAttentionConfig no longer defines; DBRX checkpoints carry it (5e5)
+    # (and clamps q/k/v to clip_qkv, which its default leaves None: DBRX uses 8)
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0},
+             "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+    # mlx-lm's gpt_neox.py hard-codes the MLP width 4 x hidden, as in GPT-NeoX and
+    # Pythia checkpoints
+    "gpt_neox": {"intermediate_size": 256},
+    # Phi-3.5-MoE has biases on attention and lm_head, and mlx-lm's phimoe.py always
+    # builds them; transformers' default config has none
+    "phimoe": {"attention_bias": True, "lm_head_bias": True},
+    # RecurrentGemma checkpoints attend with one key/value head of hidden/heads
+    # dims, which mlx-lm's recurrent_gemma.py hard-codes
+    "recurrent_gemma": {"num_key_value_heads": 1},
+    # DeepSeek-V2 and MiniCPM3 checkpoints use scaled RoPE (yarn, longrope), which
+    # mlx-lm's deepseek_v2.py and minicpm3.py read unconditionally
+    "deepseek_v2": {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707}},
+    # (MiniCPM3 also: mlx-lm's minicpm3.py divides the hidden states by
+    # hidden_size / dim_model_base before the LM head only for untied embeddings,
+    # transformers always; the tiny model unties them to check everything else)
+    "minicpm3": {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.1] * 8,
+        "long_factor": [1.5] * 8, "original_max_position_embeddings": 256},
+        "tie_word_embeddings": False},
+}
 
-    overrides = dict(overrides or {})
-    default = AutoConfig.for_model(arch)
-    kwargs = _tiny_kwargs(default.to_dict(), getattr(default, "attribute_map", {}), overrides)
-    for name in default.to_dict():
-        sub = getattr(default, name, None)
-        if isinstance(sub, PretrainedConfig):
-            kw = _tiny_kwargs(sub.to_dict(), getattr(sub, "attribute_map", {}),
-                              overrides.pop(name, {}))
-            kwargs[name] = {**sub.to_dict(), **kw}
-    kwargs.update({k: v for k, v in overrides.items() if k not in kwargs})
-    return AutoConfig.for_model(arch, **kwargs)
+
+def tiny_config(arch: str, overrides: dict | None = None):
+    """A transformers config of ``arch`` at `TINY` sizes, with `TINY_OVERRIDES` and
+    ``overrides`` (a dict value for a sub-config name overrides inside it)."""
+    from transformers import AutoConfig
+
+    extra = {**TINY_OVERRIDES.get(arch, {}), **(overrides or {})}
+    return AutoConfig.for_model(arch, **_shrink(AutoConfig.for_model(arch), extra))
 
 
 def tiny_model(arch: str, dest: str | Path, seed: int = 0, overrides: dict | None = None) -> Path:

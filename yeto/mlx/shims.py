@@ -53,23 +53,37 @@ _MISSING = object()
 _NOT_FROM_OBJECT = {"rope_scaling", "rope_theta", "rope_parameters", "model_type",
                     "text_config", "vision_config", "audio_config", "quantization",
                     "quantization_config"}
+_FULL, _SLIDING = "full_attention", "sliding_attention"
 
 
-def flat_rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
-    """The flat RoPE keys mlx-lm reads, recovered from transformers-5
-    ``rope_parameters`` (also inside ``text_config``). Empty when nothing is
-    missing. Per-layer-type forms (``{"full_attention": {...}, ...}``) are left
-    alone: the models that use them read ``rope_parameters`` themselves."""
+def _rope_dict(rope: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default"):
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if "partial_rotary_factor" in rope:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    return out
+
+
+def flat_rope_overrides(config: dict[str, Any], reads_layered: bool = False
+                        ) -> dict[str, Any]:
+    """The flat RoPE keys mlx-lm reads (``rope_theta``, ``rope_scaling`` for a
+    non-default type, ``partial_rotary_factor``), recovered from transformers-5
+    ``rope_parameters`` (also inside ``text_config``). A per-layer-type form
+    (``{"full_attention": {...}, "sliding_attention": {...}}``) gives the
+    full-attention layers' values (the sliding layers' theta is `_DERIVED`'s
+    ``rope_local_base_freq`` / ``swa_rope_theta``), unless ``reads_layered`` (the
+    mlx-lm model reads the per-layer form itself). Empty when nothing is missing; a
+    flat value already in the config wins."""
     out: dict[str, Any] = {}
     rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get(_FULL), dict):
+        rope = None if reads_layered else rope[_FULL]
     if isinstance(rope, dict) and "rope_theta" in rope:
-        if config.get("rope_theta") is None:
-            out["rope_theta"] = rope["rope_theta"]
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in (None, "default") and config.get("rope_scaling") is None:
-            out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-        if "partial_rotary_factor" in rope and config.get("partial_rotary_factor") is None:
-            out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        out = {k: v for k, v in _rope_dict(rope).items() if config.get(k) is None}
     text = config.get("text_config")
     if isinstance(text, dict):
         inner = flat_rope_overrides(text)
@@ -86,14 +100,15 @@ def mlx_model_module(config: dict[str, Any]):
     return importlib.import_module(_get_classes(config)[0].__module__)
 
 
-def args_fields(args_cls) -> dict[str, bool]:
-    """{field name: required} of an mlx-lm ``ModelArgs``-like class."""
+def args_fields(args_cls) -> dict[str, tuple[bool, str]]:
+    """{field name: (required, type annotation as text)} of an mlx-lm
+    ``ModelArgs``-like class."""
     try:
         params = inspect.signature(args_cls).parameters
     except (TypeError, ValueError):
         return {}
-    return {k: p.default is inspect.Parameter.empty for k, p in params.items()
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return {k: (p.default is inspect.Parameter.empty, str(p.annotation))
+            for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def _text_args_class(module, text_config: dict):
@@ -141,41 +156,59 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _translate(config: dict[str, Any], args_cls, hf) -> dict[str, Any]:
-    """Overrides for one level of config against one mlx-lm arguments class."""
-    out = flat_rope_overrides({k: v for k, v in config.items() if k != "text_config"})
-    fields = args_fields(args_cls)
-    have = {**config, **out}
-    for name, required in fields.items():
-        if have.get(name) is not None or name in _NOT_FROM_OBJECT or hf is None:
-            continue
+def _from_object(hf, name: str, required: bool) -> Any:
+    if hf is None or name in _NOT_FROM_OBJECT:
+        return _MISSING
+    try:
         value = getattr(hf, name, _MISSING)
-        if value is _MISSING or (value is None and not required):
-            continue
-        try:
-            json.dumps(_plain(value))
-        except (TypeError, ValueError):
-            continue
-        out[name] = have[name] = _plain(value)
-    kind = config.get("model_type")
-    for name, rule in _PER_MODEL.get(kind, {}).items():
+    except Exception:  # noqa: BLE001 - attributes transformers refuses to read globally
+        return _MISSING
+    if value is _MISSING or (value is None and not required):
+        return _MISSING
+    value = _plain(value)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return _MISSING
+    return value
+
+
+def _translate(config: dict[str, Any], args_cls, hf, parent: dict | None = None
+               ) -> dict[str, Any]:
+    """Overrides for one level of config against one mlx-lm arguments class."""
+    fields = args_fields(args_cls)
+    out = flat_rope_overrides({k: v for k, v in config.items() if k != "text_config"},
+                              reads_layered="rope_parameters" in fields)
+    have = {**config, **out}
+
+    def put(name: str, value: Any) -> None:
+        if value is not _MISSING and value is not None:
+            out[name] = have[name] = value
+
+    for name, (required, _) in fields.items():  # 1: the transformers config object
+        if have.get(name) is None:
+            put(name, _from_object(hf, name, required))
+    for name, (_, annotation) in fields.items():  # 3: transformers-5 structures
+        rule = _DERIVED.get(name)
+        if rule is not None and (have.get(name) is None or name in _FROM_LAYER_TYPES):
+            put(name, rule(have, annotation))
+    for name, rule in _PER_MODEL.get(config.get("model_type"), {}).items():
         if name in fields and have.get(name) is None:
-            value = rule(have)
-            if value is not None:
-                out[name] = have[name] = value
-    for name, rule in _DEFAULTS.items():
-        if name in fields and name not in have:
-            value = rule(have)
-            if value is not None:
-                out[name] = have[name] = value
-    if fields.get("rope_scaling") and "rope_scaling" not in have:
+            put(name, rule(have))
+    for name in fields:
+        if have.get(name) is None and parent is not None and parent.get(name) is not None:
+            put(name, parent[name])  # a composite's text model field kept at the top
+        if name not in have and parent is None and isinstance(config.get("text_config"), dict):
+            put(name, config["text_config"].get(name))  # moved into text_config
+    if "rope_scaling" in fields and fields["rope_scaling"][0] and "rope_scaling" not in have:
         out["rope_scaling"] = None  # plain RoPE; exaone4's ModelArgs requires the field
     return out
 
 
 def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """What to add to a config.json dict so that mlx-lm reads it as the checkpoint
-    means it (see the module docstring); a value already there is never replaced."""
+    means it (see the module docstring); a value already there is replaced only
+    where mlx-lm would read it differently from transformers (`_FROM_LAYER_TYPES`)."""
     module = mlx_model_module(config)
     hf = _hf_config(config)
     out = _translate(config, module.ModelArgs, hf)
@@ -183,21 +216,116 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(text, dict):
         text_cls = _text_args_class(module, text)
         if text_cls is not None:
-            inner = _translate(text, text_cls, getattr(hf, "text_config", None))
+            inner = _translate({**text, **out.get("text_config", {})}, text_cls,
+                               getattr(hf, "text_config", None), parent=config)
             if inner:
-                out["text_config"] = {**text, **inner}
+                out["text_config"] = {**text, **out.get("text_config", {}), **inner}
     return out
 
 
-def _rope(config: dict[str, Any], key: str) -> Any:
+# ---- transformers-5 structures, by the mlx-lm field that reads them ------------------
+def _rope_of(config: dict, layer_type: str, key: str = "rope_theta") -> Any:
     rope = config.get("rope_parameters")
-    return rope.get(key) if isinstance(rope, dict) else None
+    if isinstance(rope, dict) and isinstance(rope.get(layer_type), dict):
+        return rope[layer_type].get(key)
+    return rope.get(key) if isinstance(rope, dict) and layer_type == _FULL else None
 
 
-# Defaults the transformers modelling code applies when a config leaves a value out.
-_DEFAULTS = {
-    "head_dim": lambda c: (c["hidden_size"] // c["num_attention_heads"]
-                           if c.get("hidden_size") and c.get("num_attention_heads") else None),
+def _layer_types(config: dict) -> list[str] | None:
+    types = config.get("layer_types")
+    return types if isinstance(types, list) and types else None
+
+
+def _mlp_types(config: dict) -> list[str] | None:
+    types = config.get("mlp_layer_types")
+    return types if isinstance(types, list) and types else None
+
+
+def _leading_dense(config: dict) -> int | None:
+    types = _mlp_types(config)
+    if types is None:
+        return None
+    return next((i for i, t in enumerate(types) if t != "dense"), len(types))
+
+
+def _moe_layer_freq(config: dict, annotation: str) -> Any:
+    types = _mlp_types(config)
+    if types is None:
+        return None
+    if "List" in annotation or "list" in annotation:
+        return [int(t != "dense") for t in types]
+    return 1
+
+
+def _sliding_window_pattern(config: dict, annotation: str) -> Any:
+    """exaone4.py reads a string ("LLLG": L local, G global, cycled); the others an
+    int period (every n-th layer global)."""
+    types = _layer_types(config)
+    current = config.get("sliding_window_pattern")
+    if types is None:
+        return None
+    if "str" in annotation:
+        if isinstance(current, str):
+            return None
+        return "".join("L" if t == _SLIDING else "G" for t in types)
+    if current is not None:
+        return None
+    full = [i for i, t in enumerate(types) if t != _SLIDING]
+    return full[0] + 1 if full else None
+
+
+def _head_dim(c: dict) -> int | None:
+    if c.get("hidden_size") and c.get("num_attention_heads"):
+        return c["hidden_size"] // c["num_attention_heads"]
+    return None
+
+
+def _full_attn_idxs(c: dict, _annotation: str) -> list[int] | None:
+    """lfm2.py builds attention where ``full_attn_idxs`` says; transformers reads
+    ``layer_types``, so that decides (the two can disagree in a config)."""
+    types = _layer_types(c)
+    return None if types is None else [i for i, t in enumerate(types) if t == _FULL]
+
+
+def _per_layer(c: dict, key: str) -> Any:
+    """A value transformers 5 moved into ``per_layer_config`` (gemma4: the
+    full-attention layers' head_dim and key/value heads, once ``global_head_dim`` /
+    ``num_global_key_value_heads``)."""
+    layers = c.get("per_layer_config")
+    if not isinstance(layers, dict):
+        return None
+    return next((e[key] for e in layers.values() if isinstance(e, dict) and key in e),
+                c.get(key))  # no entry: the same as every layer
+
+
+# fields derived from transformers' own structures whenever mlx-lm would read them
+# differently (they replace a value already in the config)
+_FROM_LAYER_TYPES = {"full_attn_idxs", "sliding_window_pattern"}
+
+# mlx-lm field -> its value from a transformers-5 config (when the config lacks it)
+_DERIVED: dict[str, Any] = {
+    "head_dim": lambda c, a: _head_dim(c),  # the modelling code's default
+    "full_attn_idxs": _full_attn_idxs,
+    "sliding_window_pattern": _sliding_window_pattern,
+    # mixture of experts: transformers 5 lists dense/sparse per layer (mlp_layer_types)
+    # where checkpoints said first_k_dense_replace / moe_layer_freq / is_moe_layer
+    "first_k_dense_replace": lambda c, a: _leading_dense(c),
+    "moe_layer_freq": _moe_layer_freq,
+    "is_moe_layer": lambda c, a: ([t != "dense" for t in _mlp_types(c)]
+                                  if _mlp_types(c) else None),
+    "global_head_dim": lambda c, a: _per_layer(c, "head_dim"),
+    "num_global_key_value_heads": lambda c, a: _per_layer(c, "num_key_value_heads"),
+    # the sliding-window layers' RoPE base (gemma3_text.py, mimo_v2_flash.py)
+    "rope_local_base_freq": lambda c, a: _rope_of(c, _SLIDING),
+    "swa_rope_theta": lambda c, a: _rope_of(c, _SLIDING),
+    # the same value under another name in some mlx-lm files
+    "layernorm_epsilon": lambda c, a: c.get("rms_norm_eps") or c.get("layer_norm_epsilon"),
+    # GPT-2 family (gpt2.py, gpt_bigcode.py): context and MLP width under the old names,
+    # None meaning transformers' default 4 x n_embd
+    "n_ctx": lambda c, a: c.get("n_positions"),
+    "n_inner": lambda c, a: 4 * c["n_embd"] if c.get("n_embd") else None,
+    "rotary_dim": lambda c, a: (int((c.get("head_dim") or _head_dim(c) or 0)
+                                    * (c.get("partial_rotary_factor") or 1.0)) or None),
 }
 
 # Per-model keys under names only one mlx-lm model file reads.
@@ -206,9 +334,16 @@ _PER_MODEL: dict[str, dict[str, Any]] = {
     # original config, is the hidden size (transformers 5 dropped the key)
     "lfm2": {"block_dim": lambda c: c.get("hidden_size")},
     # mlx_lm/models/gpt_neox.py: GPT-NeoX's original names for RoPE base and fraction
-    "gpt_neox": {"rotary_emb_base": lambda c: c.get("rope_theta") or _rope(c, "rope_theta"),
+    "gpt_neox": {"rotary_emb_base": lambda c: c.get("rope_theta") or _rope_of(c, _FULL),
                  "rotary_pct": lambda c: (c.get("partial_rotary_factor")
-                                          or _rope(c, "partial_rotary_factor"))},
+                                          or _rope_of(c, _FULL, "partial_rotary_factor"))},
+    # mlx_lm/models/glm_moe_dsa.py: the router of GLM-5 checkpoints (sigmoid scores,
+    # bias-corrected top-k), which transformers' GlmMoeDsa hard-codes
+    "glm_moe_dsa": {"topk_method": lambda c: "noaux_tc", "scoring_func": lambda c: "sigmoid"},
+    # mlx_lm/models/apertus.py requires three flags transformers' Apertus hard-codes
+    # (no MLP bias, QK-norm, pre-norm), as in Apertus checkpoints
+    "apertus": {"mlp_bias": lambda c: False, "qk_norm": lambda c: True,
+                "post_norm": lambda c: False},
 }
 
 
@@ -251,12 +386,68 @@ def load_model(model_dir: str | Path, *, lazy: bool = False, dtype: str | None =
     overrides = config_overrides(load_config(model_dir))
     if overrides:
         log.debug("config shim: %s", overrides)
-    model, config = _load_model(model_dir, lazy=lazy, model_config=overrides or None)
+    model, config = _load_model(model_dir, lazy=lazy, model_config=overrides or None,
+                                get_model_classes=_classes)
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
         if not lazy:
             mx.eval(model.parameters())
     return model, config
+
+
+# ---- checkpoint layouts ---------------------------------------------------------------
+def _gpt2_weights(weights: dict) -> dict:
+    """mlx_lm/models/gpt2.py reads the original GPT-2 layout (``h.0.attn...``);
+    transformers writes ``transformer.h.0.attn...`` (and the tied ``lm_head``)."""
+    out = {}
+    for k, v in weights.items():
+        if k == "lm_head.weight":
+            continue  # GPT-2 ties it to wte, which mlx-lm uses as the head
+        out[k[len("transformer."):] if k.startswith("transformer.") else k] = v
+    return out
+
+
+def _gpt_oss_weights(weights: dict) -> dict:
+    """mlx_lm/models/gpt_oss.py reads OpenAI's release layout (MXFP4 ``*_blocks``, or
+    (experts, out, in) ``.weight`` arrays); transformers writes unquantized experts
+    as (experts, in, out) arrays without a ``.weight`` suffix."""
+    import mlx.core as mx
+
+    out = {}
+    for k, v in weights.items():
+        if k.endswith((".experts.gate_up_proj", ".experts.down_proj")) and v.ndim == 3:
+            out[f"{k}.weight"] = mx.swapaxes(v, 1, 2)
+        else:
+            out[k] = v
+    return out
+
+
+# model type -> translation of the transformers-written weights, before mlx-lm's sanitize
+_WEIGHTS = {"gpt2": _gpt2_weights, "gpt_oss": _gpt_oss_weights}
+
+
+def _classes(config: dict):
+    """mlx-lm's (Model, ModelArgs) with two adapters on the built model: a Model whose
+    ``__init__`` skips ``nn.Module.__init__`` (mlx_lm/models/recurrent_gemma.py) is
+    completed, so that freezing and LoRA work on it; and weights in a layout
+    transformers writes but mlx-lm's ``sanitize`` does not read are translated
+    first (`_WEIGHTS`)."""
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(config)
+    translate = _WEIGHTS.get(config.get("model_type"))
+
+    def build(args):
+        model = model_cls(args)
+        if "_no_grad" not in vars(model):
+            model._no_grad = set()
+            model._training = True
+        if translate is not None:
+            sanitize = getattr(model, "sanitize", lambda w: w)
+            object.__setattr__(model, "sanitize", lambda w: sanitize(translate(w)))
+        return model
+
+    return build, args_cls
 
 
 class MaskCache:
