@@ -328,3 +328,120 @@ def test_mlx_refuses_a_hugging_face_linear_that_mlx_lm_splits():
     assert "--lora-targets c_proj" in msg
     layers = attach_lora(model, {}, 2, 4.0, "c_proj", 0, hf_weight_names=hf)
     assert sorted(layers) == ["transformer.h.0.attn.c_proj", "transformer.h.1.attn.c_proj"]
+
+
+def _toy_loader(sanitize, modules):
+    """A model of ``modules`` ({path: module}) whose ``sanitize`` is ``sanitize``."""
+    _, nn = _mlx()
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Module()]
+            for path, module in modules.items():
+                setattr(self.layers[0], path, module)
+
+        def sanitize(self, weights):
+            return sanitize(weights)
+
+    return Toy()
+
+
+def test_mlx_refuses_weights_that_mlx_lm_computes_or_loads_into_another_layer():
+    mx, nn = _mlx()
+    from yeto.mlx.lora import attach_lora
+
+    class MultiLinear(nn.Module):  # as mlx-lm's deepseek keeps kv_b_proj, per head
+        def __init__(self):
+            super().__init__()
+            self.weight = mx.zeros((2, 4, 4))
+
+    hf = {"layers.0.q_proj.weight": (4, 4), "layers.0.o_proj.weight": (4, 4),
+          "layers.0.kv_b_proj.weight": (8, 4)}
+
+    def sanitize(w):
+        w = dict(w)
+        w["layers.0.o_proj.weight"] = w["layers.0.o_proj.weight"] * 2.0  # a folded multiplier
+        w["layers.0.embed_q.weight"] = w.pop("layers.0.kv_b_proj.weight").reshape(2, 4, 4)
+        return w
+
+    def toy():
+        return _toy_loader(sanitize, {"q_proj": nn.Linear(4, 4, bias=False),
+                                      "o_proj": nn.Linear(4, 4, bias=False),
+                                      "embed_q": MultiLinear()})
+
+    with pytest.raises(TargetError, match=r"mlx-lm computes the weight of layers\.0\.o_proj"):
+        attach_lora(toy(), {}, 2, 4.0, "q_proj,o_proj", 0, hf_weight_names=hf)
+    with pytest.raises(TargetError, match=r"kv_b_proj into MultiLinear \(layers\.0\.embed_q"
+                                          r"\.weight\), not a linear layer.*--lora-targets q_proj"):
+        attach_lora(toy(), {}, 2, 4.0, "q_proj,kv_b_proj", 0, hf_weight_names=hf)
+    assert list(attach_lora(toy(), {}, 2, 4.0, "q_proj", 0, hf_weight_names=hf)) == [
+        "layers.0.q_proj"]
+
+
+# ---- transformers' load-time renames, without torch ----------------------------
+MODULE_PATHS = [f"{p}.weight" for p in (
+    "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
+    "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mixer.in_proj",
+    "model.layers.1.mixer.out_proj", "model.layers.1.mlp.shared_experts.up_proj",
+    "model.layers.0.self_attn.forget_gate.f_a_proj", "model.layers.0.feed_forward.w1",
+    "model.layers.0.mlp.router", "model.embed_tokens", "lm_head", "model.norm",
+    "model.language_model.layers.0.self_attn.q_proj", "transformer.h.0.attn.c_attn")]
+
+
+def test_renames_read_without_torch_equal_transformers():
+    """`yeto.mlx.hf_renames` (transformers' rename rules read from its source, applied
+    without torch) renames every checkpoint key as transformers itself does, for every
+    model type transformers has rules for."""
+    pytest.importorskip("torch")
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    from yeto.mlx.hf_renames import _table, renamer
+
+    checked = 0
+    for model_type in sorted(k for k in _table() if k != "legacy"):
+        real = [t for t in (get_checkpoint_conversion_mapping(model_type) or [])
+                + get_checkpoint_conversion_mapping("legacy") if type(t) is WeightRenaming]
+        if not real:
+            continue
+        # checkpoint keys as transformers saves them: the module paths renamed back
+        legacy = {apply_renamings(k, [t.reverse_transform() for t in reversed(real)])
+                  for k in MODULE_PATHS}
+        mine = renamer({"model_type": model_type})
+        for key in sorted(legacy | set(MODULE_PATHS)):
+            assert mine(key) == apply_renamings(key, real), (model_type, key)
+        checked += 1
+    assert checked > 50
+    exaone = renamer({"model_type": "exaone", "architectures": ["ExaoneForCausalLM"]})
+    assert exaone("transformer.h.3.attn.attention.out_proj.weight") == \
+        "model.layers.3.self_attn.o_proj.weight"
+
+
+def test_peft_keeps_module_targets_on_moe_models():
+    """peft's transformers-4 rewrite of MoE targets (``*gate_proj`` -> the fused
+    experts' ``gate_up_proj``) must not touch yeto's module paths."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from yeto.torch.model import attach_lora
+
+    config = AutoConfig.for_model("qwen2_moe", **SMALL, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = attach_lora(model, 4, 8.0, "q_proj,shared_expert.gate_proj", 0)
+    adapted = sorted({n.split(".lora_A")[0].split(".layers.1.")[-1] for n, _ in
+                      model.named_parameters() if ".lora_A." in n and ".layers.1." in n})
+    assert adapted == ["mlp.shared_expert.gate_proj", "self_attn.q_proj"]
+    assert not model.peft_config["default"].target_parameters
+
+
+def test_multimodal_towers_are_not_targets():
+    paths = [f"model.{t}.layers.{i}.{m}" for t in ("language_model", "vision_tower.encoder")
+             for i in range(2) for m in ("self_attn.q_proj", "mlp.fc1")]
+    paths += ["model.multi_modal_projector.layers.0.linear", "model.audio_tower.layers.0.q_proj"]
+    assert select_targets(paths, "all-linear", {}) == [
+        f"model.language_model.layers.{i}.{m}" for i in range(2)
+        for m in ("mlp.fc1", "self_attn.q_proj")]

@@ -11,7 +11,8 @@ The rule is structural, not a list of module names per architecture:
 
 - A **decoder block** is what the first integer segment of a path indexes
   (``model.layers.3.``, ``transformer.h.3.``, ``gpt_neox.layers.3.``); only
-  linears inside blocks are ever chosen (never embeddings or ``lm_head``).
+  linears inside the language model's blocks are ever chosen (never embeddings,
+  ``lm_head``, or the vision/audio towers of a multimodal checkpoint).
 - **attention** = the linears under a block submodule whose name says attention
   (``self_attn``, ``attn``, ``attention``, ``linear_attn``, ...), plus, for blocks
   whose mixer has another name (``mixer``, ``temporal_block``), the classic
@@ -20,11 +21,15 @@ The rule is structural, not a list of module names per architecture:
 - **all-linear** = every linear in the blocks (the MLP's ``c_fc``/``c_proj``,
   ``dense_h_to_4h``, ``fc1``/``fc2``, ``w1``/``w2``/``w3``, ``in_proj``/
   ``out_proj``, ...). Per-expert linears are included, their routers are not.
-- **auto** = all-linear for dense models, attention for mixture-of-experts
-  models (adapting every expert multiplies the adapter size), with a log line.
+- **auto** = all-linear for dense models; attention for mixture-of-experts models
+  (adapting every expert multiplies the adapter size), or, for an MoE without
+  attention projections, its linears that are not experts; with a log line.
 - A **comma list** names modules as peft's ``target_modules`` does: an entry
   matches a path equal to it or ending in ``.<entry>`` (``q_proj``,
   ``self_attn.o_proj``); expert linears only when the entry names ``experts``.
+- Never chosen: the linears LoRA cannot adapt on the torch island
+  (`NOT_ADAPTABLE`: Mamba mixers' weights that peft refuses or transformers reads
+  directly).
 
 Mixture-of-experts experts are adapted only where they are per-expert linear
 layers. transformers 5 stores most experts as fused 3-D weights and mlx-lm as
@@ -46,6 +51,10 @@ FLAG = "--lora-targets"
 ATTENTION_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
                               "query_key_value", "c_attn", "Wqkv"})
 _BLOCK = re.compile(r"(?:^|\.)\d+\.")
+#: the towers of multimodal checkpoints (yeto fine-tunes the language model; mlx-lm
+#: drops the towers when it loads one)
+_TOWER = re.compile(r"(?:^|\.)\w*(?:vision|visual|image|audio|speech|multi_modal|mm_proj)\w*\.",
+                    re.IGNORECASE)
 _ATTENTION_SCOPE = re.compile(r"attn|attention", re.IGNORECASE)
 _EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
 _EXPERT_COUNT = re.compile(r"^(?:n|num|moe_num)_(?:local_|routed_)?experts$")
@@ -70,9 +79,10 @@ class TargetError(ValueError):
 
 
 def block_relative(path: str) -> str | None:
-    """The path inside its decoder block (``self_attn.q_proj``), None outside blocks."""
+    """The path inside its decoder block (``self_attn.q_proj``), None outside the
+    language model's decoder blocks."""
     m = _BLOCK.search(path)
-    return path[m.end():] if m else None
+    return path[m.end():] if m and not _TOWER.search(path) else None
 
 
 def is_attention(path: str) -> bool:
