@@ -5,6 +5,12 @@ like islands with different data), through the real Island and client.
 
     python scripts/synthetic_island.py --syncer 127.0.0.1:29400 --learner-id sim-0 \\
         --steps 200 --sync-every 10 --record runs/sim-0.jsonl
+
+It is lean at any --dim (scripts/bench_memory.py runs it at 5e8 parameters): it holds
+its weights w (4 B per parameter) and hands the island range access to them (no
+copies); the target is one chunk of random values repeated (its first --dim values
+when --dim fits one chunk), and each step runs chunk by chunk. The "done" record
+carries the process's peak RSS (VmHWM).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from yeto.client import SyncerClient  # noqa: E402
 from yeto.island import Island  # noqa: E402
 from yeto.layout import Layout  # noqa: E402
 
+CHUNK = 1 << 20  # values per piece of a step, and the period of the target
+
 
 def layout_for(dim: int) -> Layout:
     half = dim // 2
@@ -32,7 +40,43 @@ def layout_for(dim: int) -> Layout:
                                "sim.layers.0.lora_B.weight": (dim - half,)})
 
 
-def main(argv=None) -> int:
+def peak_rss_kib() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+class Quadratic:
+    """w pulled toward a target: w -= lr * (w - target), one chunk at a time."""
+
+    def __init__(self, numel: int, seed: int, lr: float):
+        self.w = np.zeros(numel, np.float32)
+        self.target = np.random.default_rng(seed).standard_normal(
+            min(numel, CHUNK)).astype(np.float32)
+        self.lr = np.float32(lr)
+        self._diff = np.empty(min(numel, CHUNK), np.float32)
+
+    def step(self) -> float:
+        """One step; returns the mean squared distance to the target before it."""
+        total = 0.0
+        for lo in range(0, self.w.size, CHUNK):
+            w = self.w[lo:lo + CHUNK]
+            d = np.subtract(w, self.target[:w.size], out=self._diff[:w.size])
+            total += float(np.dot(d, d))
+            d *= self.lr
+            w -= d
+        return total / max(self.w.size, 1)
+
+    def set(self, x: np.ndarray) -> None:
+        self.w[...] = x
+
+    def write(self, lo: int, hi: int, values: np.ndarray) -> None:
+        self.w[lo:hi] = values
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--syncer", required=True)
@@ -49,40 +93,47 @@ def main(argv=None) -> int:
     p.add_argument("--token", default=None)
     p.add_argument("--record", type=Path, default=None,
                    help="JSONL: one line per applied version with the weights' SHA-256")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format=f"%(asctime)s {args.learner_id} %(message)s")
     layout = layout_for(args.dim)
-    rng = np.random.default_rng(args.seed)
-    target = rng.standard_normal(layout.numel).astype(np.float32)
-    w = {"v": np.zeros(layout.numel, np.float32)}
+    model = Quadratic(layout.numel, args.seed, args.lr)
 
     def record(event: str, **kw) -> None:
         if args.record:
             with open(args.record, "a") as f:
-                f.write(json.dumps(dict(event=event, learner=args.learner_id, **kw)) + "\n")
+                f.write(json.dumps(dict(event=event, learner=args.learner_id,
+                                        time=time.time(), **kw)) + "\n")
 
-    def set_weights(x: np.ndarray) -> None:
-        w["v"] = x.astype(np.float32, copy=True)
+    def on_apply(got) -> None:
+        whole = isinstance(got.theta, np.ndarray)  # else it streamed into w
+        record("applied", version=got.version, final=got.final,
+               theta_sha256=hashlib.sha256(got.theta).hexdigest() if whole else None)
+
+    def on_sync() -> float:
+        record("push")
+        return float("nan")
 
     client = SyncerClient(args.syncer, args.learner_id, layout, token=args.token,
                           backend="numpy", backoff_s=0.1, max_backoff_s=1.0)
-    def on_apply(got) -> None:
-        record("applied", version=got.version, final=got.final,
-               theta_sha256=hashlib.sha256(got.theta.tobytes()).hexdigest())
-
-    island = Island(layout, lambda: w["v"].copy(), set_weights, client=client,
+    island = Island(layout, lambda: model.w, model.set, client=client,
                     sync_every=args.sync_every, wire=args.wire, blocking=args.blocking_sync,
-                    on_apply=on_apply, connect_grace_s=30.0)
+                    on_apply=on_apply, on_sync=on_sync if args.record else None,
+                    connect_grace_s=30.0, read_range=lambda lo, hi: model.w[lo:hi],
+                    write_range=model.write)
     island.start()
     for _ in range(args.steps):
-        w["v"] -= args.lr * (w["v"] - target)
+        loss = model.step()
         if args.step_seconds:
             time.sleep(args.step_seconds)
-        if island.after_step(args.tokens, train_loss=float(np.mean((w["v"] - target) ** 2))):
+        if island.after_step(args.tokens, train_loss=loss):
             break
     island.finish()
     record("done", version=island.version, final=island.finished, step=island.step,
-           weights_sha256=hashlib.sha256(w["v"].tobytes()).hexdigest())
+           weights_sha256=hashlib.sha256(model.w).hexdigest(), peak_rss_kib=peak_rss_kib())
     return 0
 
 
