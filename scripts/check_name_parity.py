@@ -1,18 +1,23 @@
-"""Check that the torch and MLX islands see the same trainable tensors.
+"""Check that the torch and MLX islands train the same tensors of the same model.
 
 Run before any heterogeneous (torch + MLX) run. Builds the torch/peft adapter the
-torch island would train (`yeto.learner.attach_lora` + `TorchWeights`) and the MLX
-adapter the MLX island would train (`yeto.mlx.lora`), and compares canonical
-names, shapes and flat order. Only shapes are needed: the torch model is built on
-the meta device and the MLX weights are loaded lazily, so this is quick and light
-even for large models.
+torch island would train (`yeto.torch.model.attach_lora` + `TorchWeights`) and the
+MLX adapter the MLX island would train (`yeto.mlx.learner.build_lora_model` +
+`LoRAWeights`), and compares canonical names, shapes and flat order (from shapes
+only: a meta-device torch model, lazily loaded MLX weights). Then, unless
+``--no-logits``, it sets the same seeded random non-zero adapter in both and runs
+both on the same token ids (`yeto.interop.parity`): names can agree while the two
+backends compute different functions. A checkpoint over 1 GiB is compared on a copy
+truncated to its first ``--numeric-layers`` (default 2) decoder layers, and the
+output says so.
 
     python scripts/check_name_parity.py --model runs/demo/model [--lora-targets auto]
-        [--lora-r 16]
+        [--lora-r 16] [--numeric-layers N] [--no-logits]
 
-Prints one row per tensor and a last line `parity: OK, N tensors` (exit 0), or
-names the first mismatch (exit 1). `--mlx-lora-r` / `--mlx-lora-targets` check an
-MLX island configured differently from the torch one.
+Prints one row per tensor, then as the last line `parity: OK, N tensors, max |dlogit|
+X` (exit 0), or the first mismatch (exit 1). A model the islands cannot both build
+exits 2 with the reason. `--mlx-lora-r` / `--mlx-lora-targets` check an MLX island
+configured differently from the torch one (names only).
 """
 
 from __future__ import annotations
@@ -25,67 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PREFIX = "base_model.model."
-
-
-def torch_layout(model: str, r: int, alpha: float, targets: str):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from yeto.torch.model import attach_lora
-    from yeto.torch.weights import TorchWeights
-
-    config = AutoConfig.from_pretrained(model)
-    with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(config)
-    return TorchWeights(attach_lora(base, r, alpha, targets, seed=0), "lora").layout
-
-
-def mlx_layout(model: str, r: int, alpha: float, targets: str):
-    from yeto.mlx.learner import build_lora_model
-    from yeto.mlx.lora import LoRAWeights
-    from yeto.mlx.shims import resolve_model_dir
-
-    _, _, layers = build_lora_model(resolve_model_dir(model), r, alpha, targets, seed=0,
-                                    lazy=True)
-    return LoRAWeights(layers).layout
-
-
-def _shape(spec) -> str:
-    return "-" if spec is None else "x".join(map(str, spec.shape))
-
-
-def compare(t, m) -> tuple[list[str], str | None]:
-    """Table rows and the first mismatch (None when the layouts are identical)."""
-    rows, first = [], None
-    width = max(len(s.name) - len(PREFIX) for s in [*t.specs, *m.specs])
-    rows.append(f"{'#':>4}  {'canonical name (base_model.model. ...)':<{width}}  "
-                f"{'torch':>12}  {'mlx':>12}")
-    for i in range(max(len(t.specs), len(m.specs))):
-        a = t.specs[i] if i < len(t.specs) else None
-        b = m.specs[i] if i < len(m.specs) else None
-        ok = a is not None and b is not None and a == b
-        name = (a or b).name
-        if a is not None and b is not None and a.name != b.name:
-            name = f"{a.name} | mlx: {b.name[len(PREFIX):]}"
-        rows.append(f"{i:>4}  {name[len(PREFIX):]:<{width}}  {_shape(a):>12}  {_shape(b):>12}"
-                    f"{'' if ok else '  <-- differs'}")
-        if not ok and first is None:
-            if a is None or b is None:
-                side, extra = ("torch", a) if b is None else ("mlx", b)
-                first = (f"tensor #{i}: only {side} has {extra.name} {list(extra.shape)} "
-                         f"(torch {len(t.specs)} tensors, mlx {len(m.specs)})")
-            else:
-                first = (f"tensor #{i}: torch has {a.name} {list(a.shape)}, "
-                         f"mlx has {b.name} {list(b.shape)}")
-    return rows, first
+# a problem of the model or the libraries (exit 2), not a mismatch between islands (exit 1)
+UNSUPPORTED = {"tiny", "mlx-import", "torch-build", "torch-targets", "mlx-load", "mlx-targets",
+               "forward"}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="check_name_parity.py",
         description="Compare the canonical LoRA tensor names, shapes and order of the torch "
-                    "and MLX islands for a model.")
+                    "and MLX islands for a model, and their logits with the same adapter.")
     p.add_argument("--model", required=True, help="local Hugging Face model dir")
     p.add_argument("--lora-targets", default="auto", help="auto | attention | all-linear | list")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
@@ -94,6 +48,13 @@ def main(argv=None) -> int:
                    help="rank of the MLX island (default: --lora-r)")
     p.add_argument("--mlx-lora-targets", default=None,
                    help="targets of the MLX island (default: --lora-targets)")
+    p.add_argument("--no-logits", action="store_true", help="compare names only")
+    p.add_argument("--numeric-layers", type=int, default=None,
+                   help="compare logits on a copy with only the first N decoder layers "
+                        "(default: the whole model up to 1 GiB of weights, else 2)")
+    p.add_argument("--rel-tol", type=float, default=None,
+                   help="pass when max |dlogit| <= REL_TOL x max |logit| (default 1e-4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the adapter and token ids")
     p.add_argument("--quiet", action="store_true", help="print only the last line")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -103,22 +64,50 @@ def main(argv=None) -> int:
     if not mlx_available():
         print(f"parity: cannot check, {INSTALL_HINT}")
         return 2
+    from transformers.utils import logging as hf_logging
+
+    from yeto.interop import parity
+
+    hf_logging.disable_progress_bar()
+
+    rel_tol = parity.REL_TOL if args.rel_tol is None else args.rel_tol
     try:
-        t = torch_layout(args.model, args.lora_r, args.lora_alpha, args.lora_targets)
-        m = mlx_layout(args.model, args.mlx_lora_r or args.lora_r, args.lora_alpha,
-                       args.mlx_lora_targets or args.lora_targets)
+        rep = parity.check(args.model, args.lora_r, args.lora_alpha, args.lora_targets,
+                           args.mlx_lora_r, args.mlx_lora_targets, logits=not args.no_logits,
+                           numeric_layers=args.numeric_layers, seed=args.seed)
+    except parity.ParityError as e:
+        if e.stage in UNSUPPORTED:
+            print(f"parity: cannot check ({parity.STAGES.get(e.stage, e.stage)}): {e.args[0]}")
+            return 2
+        print(f"parity: MISMATCH ({e.stage}): {e.args[0]}")
+        return 1
     except (OSError, ValueError) as e:
         print(f"parity: cannot check: {e}")
         return 2
-    rows, first = compare(t, m)
     if not args.quiet:
-        print("\n".join(rows))
-        print(f"torch fingerprint {t.fingerprint[:16]}  mlx fingerprint {m.fingerprint[:16]}")
-    if first is None and t.fingerprint == m.fingerprint:
-        print(f"parity: OK, {len(t.specs)} tensors")
+        print("\n".join(rep.rows))
+        print(f"torch fingerprint {rep.torch_fingerprint[:16]}  "
+              f"mlx fingerprint {rep.mlx_fingerprint[:16]}")
+        for note in rep.notes:
+            print(f"note: {note}")
+    if not rep.names_ok:
+        print(f"parity: MISMATCH at {rep.first_mismatch or 'the layout fingerprint'}")
+        return 1
+    if rep.max_dlogit is None:
+        print(f"parity: OK, {rep.n_tensors} tensors (names only)")
         return 0
-    print(f"parity: MISMATCH at {first}")
-    return 1
+    if not args.quiet:
+        where = (f"first {rep.numeric_layers} layers" if rep.numeric_layers else "whole model")
+        print(f"logits ({where}): max |dlogit| {rep.max_dlogit:.3g}, max |logit| "
+              f"{rep.max_logit:.3g}, adapter moves logits by up to {rep.adapter_effect:.3g}, "
+              f"without the adapter max |dlogit| {rep.base_dlogit:.3g}")
+    if not rep.logits_ok(rel_tol):
+        print(f"parity: MISMATCH in logits: max |dlogit| {rep.max_dlogit:.3g} > {rel_tol:g} x "
+              f"max |logit| {rep.max_logit:.3g}")
+        return 1
+    where = f" (logits of the first {rep.numeric_layers} layers)" if rep.numeric_layers else ""
+    print(f"parity: OK, {rep.n_tensors} tensors, max |dlogit| {rep.max_dlogit:.3g}{where}")
+    return 0
 
 
 if __name__ == "__main__":

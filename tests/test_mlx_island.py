@@ -51,8 +51,10 @@ def test_flat_rope_overrides():
     yarn = {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}
     assert flat_rope_overrides(yarn) == {"rope_theta": 1e6,
                                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    per_layer = {"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}
-    assert flat_rope_overrides(per_layer) == {}
+    per_layer = {"rope_parameters": {"full_attention": {"rope_theta": 1e6},
+                                      "sliding_attention": {"rope_theta": 1e4}}}
+    assert flat_rope_overrides(per_layer) == {"rope_theta": 1e6}  # the full-attention layers'
+    assert flat_rope_overrides(per_layer, reads_layered=True) == {}  # the model reads them
     vlm = {"text_config": {"hidden_size": 8, **nested}}
     assert flat_rope_overrides(vlm) == {"text_config": {"hidden_size": 8, **nested,
                                                         "rope_theta": 5e5}}

@@ -198,6 +198,9 @@ def names(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = 
           mlx_r: int | None = None, mlx_targets: str | None = None) -> Report:
     """Canonical names, shapes and order of both islands' trainable tensors, from
     shapes only (meta-device torch model, lazily loaded MLX model)."""
+    from yeto.mlx.shims import resolve_model_dir
+
+    model_dir = resolve_model_dir(model_dir)
     _, tw = torch_lora(model_dir, r, alpha, targets, meta=True)
     _, mw = mlx_lora(model_dir, mlx_r or r, alpha, mlx_targets or targets, lazy=True)
     return _names_report(tw.layout, mw.layout)
