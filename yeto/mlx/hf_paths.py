@@ -71,19 +71,31 @@ class _Trace:
 
     def __init__(self, model: nn.Module, hf_shapes: Mapping[str, tuple[int, ...]]):
         self.names = sorted(hf_shapes)
-        sizes = [math.prod(hf_shapes[n]) for n in self.names]
+        self.shapes = {n: tuple(hf_shapes[n]) for n in self.names}
+        sizes = [math.prod(self.shapes[n]) for n in self.names]
         self.starts = np.cumsum([0, *sizes])
-        self.markers = {n: mx.arange(int(self.starts[i]), int(self.starts[i + 1]),
-                                     dtype=mx.int64).reshape(tuple(hf_shapes[n]))
-                        for i, n in enumerate(self.names)}
-        self.out: dict[str, mx.array] | None = dict(self.markers)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        markers = {n: self.marker(n) for n in self.names}
+        # no reference to the markers is kept: an array looked at (and so computed)
+        # is freed once `take` hands it out and the caller drops it
+        self.out: dict[str, mx.array] | None = markers
         if hasattr(model, "sanitize"):
             try:
-                self.out = model.sanitize(dict(self.markers))
+                self.out = model.sanitize(markers)
             except Exception as e:  # noqa: BLE001 - falls back to the names as they are
                 log.debug("sanitize on markers failed (%s: %s); MLX paths are taken as "
                           "Hugging Face paths", type(e).__name__, e)
                 self.out = None
+
+    def marker(self, name: str) -> mx.array:
+        """Checkpoint tensor ``name`` as markers (lazy): element j holds start + j."""
+        i = self.index[name]
+        return mx.arange(int(self.starts[i]), int(self.starts[i + 1]),
+                         dtype=mx.int64).reshape(self.shapes[name])
+
+    def take(self, key: str) -> mx.array | None:
+        """The sanitized array of MLX parameter ``key``, removed from the trace."""
+        return self.out.pop(key, None) if self.out is not None else None
 
     def sources(self, arr: mx.array) -> list[str] | None:
         """The checkpoint tensors an array holds elements of (from its edges), or
@@ -103,7 +115,7 @@ class _Trace:
             return Origin("unknown")
         if len(tensors) > 1:
             return Origin("fused", tuple(tensors))
-        src = self.markers[tensors[0]]
+        src = self.marker(tensors[0])
         if arr.size < src.size:
             return Origin("part", tuple(tensors))
         if arr.shape == src.shape and mx.array_equal(arr, src).item():
@@ -165,6 +177,7 @@ class HFPaths:
             self.origins = {p: _origin_by_name(model, p, names) for p in paths}
         else:
             self.origins = {p: self._traced(f"{p}.weight") for p in paths}
+            mx.clear_cache()
         names = self.shapes or {t: () for o in self.origins.values() for t in o.tensors}
         #: checkpoint tensor name -> the Hugging Face module path it loads into
         self.module_of = {n: rename(n).removesuffix(".weight") for n in names}
@@ -174,7 +187,7 @@ class HFPaths:
                 self.by_hf.setdefault(hf, []).append((p, o))
 
     def _traced(self, key: str) -> Origin:
-        arr = self.trace.out.get(key)
+        arr = self.trace.take(key)
         origin = Origin("unknown") if arr is None else self.trace.origin(arr)
         if origin.kind == "unknown" and arr is not None and key in self.shapes:
             return Origin("computed", (key,))  # sanitize did arithmetic on it
