@@ -138,7 +138,8 @@ class GRPOTrainer:
         trained = [s for s in seqs if abs(s.advantage) > 1e-8]
         t1 = time.perf_counter()
         stats = self._train(trained) if trained else dict(loss=0.0, tokens=0)
-        seen = [version - s.version for s in seqs if s.version >= 0]
+        # staleness: commits between the sampling weights and the trainer's (in a run)
+        seen = [version - s.version for s in seqs if s.version >= 0 <= version]
         return dict(step=step, reward=float(rewards.mean()), reward_std=float(rewards.std()),
                     groups_trained=int(sum(np.abs(adv).max(axis=1) > 1e-8)),
                     staleness=float(np.mean(seen)) if seen else None,
