@@ -83,6 +83,13 @@ KNOWN: dict[str, tuple[str, str]] = {
     "gpt_oss": ("mlx-lm", "mlx-lm's YarnRoPE (rope_utils.py) always truncates the yarn "
                 "correction range; gpt-oss checkpoints say truncate=false, which transformers "
                 "honours (with default RoPE the logits agree to 3e-7)"),
+    "minimax": ("mlx-lm", "mlx-lm's minimax.py is MiniMax-M2 (full attention, QK-norm, "
+                "rotary_dim); transformers' minimax is MiniMax-Text-01 (lightning linear-attention "
+                "layers), another architecture under the same model type"),
+    "bailing_hybrid": ("mlx-lm", "mlx-lm's bailing_hybrid.py has lightning linear attention "
+                       "(g_proj + GroupRMSNorm, group_norm_size); transformers' bailing_hybrid "
+                       "has gated delta-rule attention (BailingHybridDeltaAttention): another "
+                       "architecture under the same model type"),
     "gemma3n": ("transformers", "Gemma3nForConditionalGeneration needs timm and pillow for "
                 "its vision tower (not installed), so no tiny model is written"),
 }

@@ -471,6 +471,8 @@ def _shrink(default, extra: dict) -> dict:
             continue
         if key in _MOE_SIZES and key not in extra and dense:
             continue  # a dense model that only has the fields (gemma4 without its MoE block)
+        if key == "q_lora_rank" and d[name] is None:
+            continue  # MLA without a query low-rank (DeepSeek-V2-Lite, Kimi-Linear)
         out[name] = value
     if "kv_lora_rank" in d and "num_key_value_heads" in out:
         # multi-head latent attention: one key/value head per query head (as in every
@@ -523,6 +525,14 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     # needs; LFM2-8B-A1B interleaves conv and attention blocks, first layers dense
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "conv", "full_attention",
                                  "conv"], "num_dense_layers": 1},
+    # Granite-4.0-H interleaves attention layers among the mamba ones; transformers'
+    # default has none (and target selection then finds no attention to adapt)
+    "granitemoehybrid": {"layer_types": ["linear_attention", "linear_attention",
+                                         "full_attention", "linear_attention",
+                                         "linear_attention", "full_attention"]},
+    # Llama 4 routes each token to one expert, the only routing mlx-lm's llama4.py has
+    "llama4": {"num_experts_per_tok": 1, "text_config": {"num_experts_per_tok": 1}},
+    "llama4_text": {"num_experts_per_tok": 1},
     # mamba2's SSM heads: num_heads * head_dim must equal expand * hidden_size
     "mamba2": {"num_heads": 8},
     # transformers 5.24's modeling_dbrx reads attn_config.rope_theta, which

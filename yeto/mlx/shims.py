@@ -41,6 +41,7 @@ import importlib
 import inspect
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +95,52 @@ def flat_rope_overrides(config: dict[str, Any], reads_layered: bool = False
 
 def mlx_model_module(config: dict[str, Any]):
     """mlx-lm's model module for this config (its ``Model`` and ``ModelArgs``),
-    chosen as mlx-lm chooses it (``mlx_lm.utils._get_classes``)."""
+    chosen as mlx-lm chooses it (``mlx_lm.utils._get_classes``), after
+    `text_only_remap`."""
     from mlx_lm.utils import _get_classes
 
+    remap = text_only_remap(config)
+    if remap is not None:
+        config = {**config, "model_type": remap[0]}
     return importlib.import_module(_get_classes(config)[0].__module__)
+
+
+def _mlx_module(kind: str):
+    try:
+        return importlib.import_module(f"mlx_lm.models.{kind}")
+    except ImportError:
+        return None
+
+
+def _has_experts(config: dict[str, Any]) -> bool:
+    return any(isinstance(config.get(k), int) and config[k] > 1
+               for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def text_only_remap(config: dict[str, Any]) -> tuple[str, bool] | None:
+    """(mlx-lm model type, wrap) for a text-only checkpoint of a composite
+    (image-text) model: transformers writes it with the text model type
+    (``qwen3_5_text``, ``llama4_text``), which mlx-lm knows only inside the composite
+    model's module (``qwen3_5.py``, ``llama4.py``), or under the same name for another
+    variant (mlx-lm's ``llama4_text.py`` is a dense model; Llama 4 text is MoE).
+    ``wrap``: the composite's arguments take the text config nested as
+    ``text_config`` (qwen3_5's take a flat one too). None: mlx-lm reads it as is."""
+    kind = str(config.get("model_type", ""))
+    if not kind.endswith("_text") or "text_config" in config:
+        return None
+    base = _mlx_module(kind[:-len("_text")])
+    if base is None or "text_config" not in args_fields(getattr(base, "ModelArgs", None)):
+        return None
+    own = _mlx_module(kind)
+    if own is not None:
+        own_fields = args_fields(getattr(own, "ModelArgs", None))
+        expert_fields = {"num_local_experts", "num_experts", "n_routed_experts"}
+        if not (_has_experts(config) and not expert_fields & set(own_fields)):
+            return None  # mlx-lm's own module for the type fits
+    from mlx_lm.models.base import BaseModelArgs
+
+    wrap = base.ModelArgs.from_dict.__func__ is BaseModelArgs.from_dict.__func__
+    return base.__name__.rsplit(".", 1)[1], wrap
 
 
 def args_fields(args_cls) -> dict[str, tuple[bool, str]]:
@@ -111,24 +154,25 @@ def args_fields(args_cls) -> dict[str, tuple[bool, str]]:
             for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
-def _text_args_class(module, text_config: dict):
+def _text_args_class(module, text_config: dict, own_first: bool = False):
     """The mlx-lm arguments class a composite model builds its text model from: the
     ``ModelArgs`` of mlx-lm's module for the text model type (gemma3 -> gemma3_text),
     else a ``*Text*`` args class of the model's own module (llama4 ``TextArgs``,
     qwen3_5 ``TextModelArgs``, gemma3n ``TextConfig``)."""
     from mlx_lm.models.base import BaseModelArgs
 
+    own = next((obj for name, obj in vars(module).items()
+                if inspect.isclass(obj) and issubclass(obj, BaseModelArgs) and "Text" in name
+                and obj.__module__ == module.__name__), None)
+    if own is not None and own_first:
+        return own
     kind = text_config.get("model_type")
     if kind:
         try:
             return importlib.import_module(f"mlx_lm.models.{kind}").ModelArgs
         except (ImportError, AttributeError):
             pass
-    for name, obj in vars(module).items():
-        if (inspect.isclass(obj) and issubclass(obj, BaseModelArgs) and "Text" in name
-                and obj.__module__ == module.__name__):
-            return obj
-    return None
+    return own
 
 
 def _hf_config(config: dict[str, Any]):
@@ -195,6 +239,9 @@ def _translate(config: dict[str, Any], args_cls, hf, parent: dict | None = None
     for name, rule in _PER_MODEL.get(config.get("model_type"), {}).items():
         if name in fields and have.get(name) is None:
             put(name, rule(have))
+    for name, rule in _FORCED.get(config.get("model_type"), {}).items():
+        if name in fields:
+            put(name, rule(have))
     for name in fields:
         if have.get(name) is None and parent is not None and parent.get(name) is not None:
             put(name, parent[name])  # a composite's text model field kept at the top
@@ -211,6 +258,13 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     where mlx-lm would read it differently from transformers (`_FROM_LAYER_TYPES`)."""
     module = mlx_model_module(config)
     hf = _hf_config(config)
+    remap = text_only_remap(config)
+    if remap is not None:
+        kind, wrap = remap
+        text_cls = _text_args_class(module, config, own_first=True) or module.ModelArgs
+        inner = {**config, **_translate(config, text_cls, hf)}
+        return {"model_type": kind, "text_config": inner} if wrap else {**inner,
+                                                                          "model_type": kind}
     out = _translate(config, module.ModelArgs, hf)
     text = config.get("text_config")
     if isinstance(text, dict):
@@ -328,6 +382,19 @@ _DERIVED: dict[str, Any] = {
                                     * (c.get("partial_rotary_factor") or 1.0)) or None),
 }
 
+def _kimi_linear_attn(c: dict) -> dict | None:
+    """mlx_lm/models/kimi_linear.py reads Kimi-Linear's original nested
+    ``linear_attn_config`` (1-based layer numbers); transformers 5 flattens it into
+    linear_* keys and ``layer_types``."""
+    types = _layer_types(c)
+    if types is None or c.get("linear_head_dim") is None:
+        return None
+    return {"head_dim": c["linear_head_dim"], "num_heads": c.get("linear_num_heads"),
+            "short_conv_kernel_size": c.get("linear_conv_kernel_dim", 4),
+            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == _FULL]}
+
+
 # Per-model keys under names only one mlx-lm model file reads.
 _PER_MODEL: dict[str, dict[str, Any]] = {
     # mlx_lm/models/lfm2.py: the conv/attention block width, ``block_dim`` in LFM2's
@@ -340,6 +407,18 @@ _PER_MODEL: dict[str, dict[str, Any]] = {
     # mlx_lm/models/glm_moe_dsa.py: the router of GLM-5 checkpoints (sigmoid scores,
     # bias-corrected top-k), which transformers' GlmMoeDsa hard-codes
     "glm_moe_dsa": {"topk_method": lambda c: "noaux_tc", "scoring_func": lambda c: "sigmoid"},
+    # mlx_lm/models/kimi_linear.py: the KDA layout, and a RoPE base its MLA never uses
+    # (Kimi-Linear's MLA has no rotary embedding, in transformers nor in mlx-lm)
+    "kimi_linear": {"linear_attn_config": _kimi_linear_attn, "rope_theta": lambda c: 10000.0},
+    # mlx_lm/models/mamba2.py requires the SSM inner width (transformers derives it)
+    "mamba2": {"intermediate_size": lambda c: (c["expand"] * c["hidden_size"]
+                                               if c.get("expand") else None)},
+    # mlx_lm/models/solar_open.py: every Solar-Open layer is MoE in transformers (no
+    # leading dense layers, so the dense width is unused) and RoPE rotates the whole head
+    "solar_open": {"first_k_dense_replace": lambda c: 0,
+                   "intermediate_size": lambda c: c.get("moe_intermediate_size"),
+                   "partial_rotary_factor": lambda c: _rope_of(c, _FULL,
+                                                               "partial_rotary_factor") or 1.0},
     # mlx_lm/models/apertus.py requires three flags transformers' Apertus hard-codes
     # (no MLP bias, QK-norm, pre-norm), as in Apertus checkpoints
     "apertus": {"mlp_bias": lambda c: False, "qk_norm": lambda c: True,
@@ -395,6 +474,31 @@ def load_model(model_dir: str | Path, *, lazy: bool = False, dtype: str | None =
     return model, config
 
 
+def _dbrx_attn_config(c: dict) -> dict | None:
+    theta = _rope_of(c, _FULL)
+    attn = c.get("attn_config")
+    return None if theta is None or not isinstance(attn, dict) else {**attn, "rope_theta": theta}
+
+
+_GRANITE_LAYERS = {"linear_attention": "mamba", "full_attention": "attention"}
+
+# Per-model values transformers reads from another key than mlx-lm: the key mlx-lm
+# reads is rewritten from the one transformers reads, even when the config has both.
+_FORCED: dict[str, dict[str, Any]] = {
+    # mlx_lm/models/dbrx.py reads attn_config.rope_theta; transformers 5 rope_parameters
+    "dbrx": {"attn_config": _dbrx_attn_config},
+    # mlx_lm/models/granitemoehybrid.py knows the layer types as "mamba"/"attention";
+    # transformers 5 writes "linear_attention"/"full_attention"
+    # "linear_attention"/"full_attention"; and transformers rotates only for
+    # position_embedding_type "rope" where mlx-lm skips RoPE only for "nope"
+    "granitemoehybrid": {
+        "layer_types": lambda c: ([_GRANITE_LAYERS.get(t, t) for t in c["layer_types"]]
+                                  if _layer_types(c) else None),
+        "position_embedding_type": lambda c: ("rope" if c.get("position_embedding_type") == "rope"
+                                              else "nope")},
+}
+
+
 # ---- checkpoint layouts ---------------------------------------------------------------
 def _gpt2_weights(weights: dict) -> dict:
     """mlx_lm/models/gpt2.py reads the original GPT-2 layout (``h.0.attn...``);
@@ -422,8 +526,47 @@ def _gpt_oss_weights(weights: dict) -> dict:
     return out
 
 
+def _kimi_linear_weights(weights: dict) -> dict:
+    """mlx_lm/models/kimi_linear.py reads a dense layer's MLP under ``mlp.``;
+    transformers writes it under ``block_sparse_moe.`` as the MoE layers."""
+    dense = re.compile(r"\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+    return {dense.sub(r".mlp.\1", k): v for k, v in weights.items()}
+
+
+def _text_only_weights(weights: dict) -> dict:
+    """A text-only checkpoint loaded into a composite mlx-lm model (`text_only_remap`):
+    its weights go under ``language_model.`` as in the composite checkpoints (a
+    checkpoint that has any such prefix is left as it is)."""
+    if any(k.startswith(("language_model.", "model.language_model.", "model.visual",
+                         "vision_tower")) for k in weights):
+        return weights
+    return {f"language_model.{k}": v for k, v in weights.items()}
+
+
+def _stacked_experts(weights: dict) -> dict:
+    """mlx_lm/models/qwen3_5_moe.py reads the experts fused (``experts.gate_up_proj``);
+    transformers writes one linear per expert (``experts.<e>.gate_proj.weight``):
+    stacked here into the ``switch_mlp`` arrays mlx-lm builds."""
+    import mlx.core as mx
+
+    per_expert = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[tuple[str, str], dict[int, Any]] = {}
+    out = {}
+    for k, v in weights.items():
+        m = per_expert.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            groups.setdefault((m[1], m[3]), {})[int(m[2])] = v
+    for (prefix, name), experts in groups.items():
+        out[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(
+            [experts[i] for i in sorted(experts)])
+    return out
+
+
 # model type -> translation of the transformers-written weights, before mlx-lm's sanitize
-_WEIGHTS = {"gpt2": _gpt2_weights, "gpt_oss": _gpt_oss_weights}
+_WEIGHTS = {"gpt2": _gpt2_weights, "gpt_oss": _gpt_oss_weights,
+            "kimi_linear": _kimi_linear_weights, "qwen3_5_moe": _stacked_experts}
 
 
 def _classes(config: dict):
@@ -436,6 +579,10 @@ def _classes(config: dict):
 
     model_cls, args_cls = _get_classes(config)
     translate = _WEIGHTS.get(config.get("model_type"))
+    text = config.get("text_config")
+    if translate is None and isinstance(text, dict) and str(text.get("model_type")).endswith(
+            "_text"):
+        translate = _text_only_weights
 
     def build(args):
         model = model_cls(args)
