@@ -72,6 +72,7 @@ class IslandConfig:
     log_level: str = "INFO"
     device: str = "auto"               # torch: auto | cpu | cuda | cuda:N
     threads: int = 0                   # torch CPU threads (0 = torch's default)
+    fsdp: bool = False                 # torch under torchrun: shard the model (FSDP2)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> IslandConfig:

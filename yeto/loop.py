@@ -127,7 +127,8 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
         log.error("%s", e)
         return EXIT_BAD_INPUT
     client = (connect or make_client)(cfg, weights.layout, backend) if group.leader else None
-    island = make_island(cfg, weights, client, lambda: evaluate(backend, cfg, inputs))
+    on_sync = _group(group).collective(lambda: evaluate(backend, cfg, inputs))
+    island = make_island(cfg, _group(group).island_weights(weights), client, on_sync)
     log.info("%d trainable tensors, %d parameters (%s, %s); %d training blocks, "
              "%d loss tokens%s", len(weights.layout.specs), weights.layout.numel, cfg.tuning,
              backend.describe(), len(inputs.train), inputs.train.loss_tokens,
@@ -147,7 +148,7 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
             island.finish()
         group.share(True, weights)
         if cfg.output and group.active:  # every rank's final weights, for the record
-            group.record_weights(cfg.output, island.step, weights)
+            group.record_weights(cfg.output, "final", weights)
     after = leader_eval(backend, cfg, inputs, before)
     summary = summarize(island, client, group, before, after, tokens_per_s)
     if cfg.output and (group.leader or _group(group).sharded):

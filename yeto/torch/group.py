@@ -5,9 +5,11 @@
 Every rank trains on its own slice of the island's data shard with DDP (gloo on
 CPU, NCCL on GPUs), so all ranks take identical optimizer steps. Only rank 0
 talks to the syncer; after each step it tells the others, in one small
-broadcast, whether merged weights were applied (then the weights follow in a
-second broadcast) and whether the run is over. Loss tokens are summed over
-ranks, so the syncer counts the island once with all of its tokens.
+broadcast, whether merged weights were applied (then the weights follow, tensor
+by tensor, straight into the parameters) and whether the run is over. Loss tokens
+are summed over ranks, so the syncer counts the island once with all of its tokens.
+
+With `--fsdp` the ranks shard the model instead (`yeto.torch.fsdp`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -33,6 +36,7 @@ class TorchGroup:
 
     rank: int = 0
     world: int = 1
+    sharded: ClassVar[bool] = False
 
     @property
     def leader(self) -> bool:
@@ -50,27 +54,32 @@ class TorchGroup:
         dist.all_reduce(t)
         return int(t.item())
 
+    def island_weights(self, weights):
+        return weights
+
+    def collective(self, fn):
+        return fn
+
     def share(self, applied: bool, weights, done: bool = False) -> tuple[bool, bool]:
         """Rank 0's (applied, done) go to every rank; when rank 0 applied merged
         weights, its trainable weights follow and every other rank sets them.
         Returns (done, applied)."""
         if not self.active:
             return done, applied
+        applied, done = self._flags(applied, done)
+        if applied:
+            broadcast_weights(weights, self.leader)
+        return done, applied
+
+    def _flags(self, applied: bool, done: bool) -> tuple[bool, bool]:
         flags = torch.tensor([int(applied), int(done)], dtype=torch.int64)
         dist.broadcast(flags, src=0)
-        applied, done = bool(flags[0]), bool(flags[1])
-        if applied:
-            buf = torch.from_numpy(np.ascontiguousarray(weights.get())) if self.leader else \
-                torch.empty(weights.layout.numel, dtype=torch.float32)
-            dist.broadcast(buf, src=0)
-            if not self.leader:
-                weights.set(buf.numpy())
-        return done, applied
+        return bool(flags[0]), bool(flags[1])
 
     def record_weights(self, out: Path, step: int, weights) -> None:
         """Each rank notes a digest of its weights after a merge (rank-N.jsonl), so a
         test can see that every rank holds the same weights."""
-        digest = hashlib.sha256(weights.get().tobytes()).hexdigest()
+        digest = weights_digest(weights)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"rank-{self.rank}.jsonl", "a") as f:
             f.write(json.dumps(dict(step=step, weights_sha256=digest)) + "\n")
@@ -80,15 +89,61 @@ class TorchGroup:
             dist.destroy_process_group()
 
 
-def init_group(device: torch.device, timeout_s: float = 1800) -> TorchGroup:
-    """Join the torchrun group described by the environment (a no-op without one)."""
+def broadcast_weights(weights, leader: bool, chunk: int = 1 << 20) -> None:
+    """Rank 0's trainable weights onto every rank: tensor by tensor in place when the
+    weights expose their tensors (no copy), else chunk by chunk through range access."""
+    tensors = getattr(weights, "tensors", None)
+    if tensors is not None:
+        with torch.no_grad():
+            for t in tensors():
+                dist.broadcast(t.detach(), src=0)
+        return
+    n = weights.layout.numel
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        buf = torch.from_numpy(np.ascontiguousarray(weights.read_range(lo, hi))) if leader \
+            else torch.empty(hi - lo, dtype=torch.float32)
+        dist.broadcast(buf, src=0)
+        if not leader:
+            weights.write_range(lo, hi, buf.numpy())
+
+
+def weights_digest(weights, chunk: int = 1 << 20) -> str:
+    """SHA-256 of the flat float32 weights in canonical order, read chunk by chunk
+    (a sharded view computes it collectively: `digest()`)."""
+    if hasattr(weights, "digest"):
+        return weights.digest()
+    read = getattr(weights, "read_range", None)
+    if read is None:
+        return hashlib.sha256(weights.get().tobytes()).hexdigest()
+    h = hashlib.sha256()
+    for lo in range(0, weights.layout.numel, chunk):
+        h.update(read(lo, min(lo + chunk, weights.layout.numel)).tobytes())
+    return h.hexdigest()
+
+
+def init_group(device: torch.device, timeout_s: float = 1800,
+               sharded: bool = False) -> TorchGroup:
+    """Join the torchrun group described by the environment (a no-op without one).
+    `sharded`: the ranks shard the model with FSDP (`yeto.torch.fsdp.FSDPGroup`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
+        if sharded:
+            log.info("--fsdp in a single process: nothing to shard over; training unsharded")
         return TorchGroup()
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # CPU tensors (flags, counts, commands) go over gloo, CUDA tensors over NCCL
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # FSDP and NCCL use the current device
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    group = TorchGroup(dist.get_rank(), dist.get_world_size())
-    log.info("rank %d of %d (%s)", group.rank, group.world, backend)
+    if sharded:
+        from yeto.torch.fsdp import FSDPGroup
+
+        group: TorchGroup = FSDPGroup(dist.get_rank(), dist.get_world_size(), device=device)
+    else:
+        group = TorchGroup(dist.get_rank(), dist.get_world_size())
+    log.info("rank %d of %d (%s%s)", group.rank, group.world, backend,
+             ", FSDP" if sharded else "")
     return group
 
 

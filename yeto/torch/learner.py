@@ -9,7 +9,9 @@ Example (with a syncer on 127.0.0.1:29400, two islands):
         --eval-data runs/demo/data/eval.jsonl --syncer 127.0.0.1:29400 \\
         --learner-id island-0 --num-learners 2 --max-steps 200 --output runs/island-0
 
-Several processes (or GPUs) as one island: `torchrun --nproc-per-node N -m yeto.learner`.
+Several processes (or GPUs) as one island: `torchrun --nproc-per-node N -m yeto.learner`
+(data-parallel, DDP), or with `--fsdp` sharding the model across them (FSDP2; see
+`yeto.torch.fsdp`) for models that do not fit one device.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from yeto.torch.weights import TorchWeights
 
 class TorchBackend:
     """The torch edge of an island (`yeto.loop.Backend`): a torchrun group of ranks
-    training data-parallel (DDP), or one process."""
+    training data-parallel (DDP) or sharded (FSDP2, `--fsdp`), or one process."""
 
     name = "torch"
 
     def __init__(self, cfg: IslandConfig):
         self.device = torch_group.local_device(cfg.device)
-        self.group = torch_group.init_group(self.device)  # torchrun: N processes, one island
+        # torchrun: N processes, one island
+        self.group = torch_group.init_group(self.device, sharded=cfg.fsdp)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
@@ -46,16 +49,22 @@ class TorchBackend:
         self.model, self.tokenizer = load_base(source)
         return self.tokenizer
 
-    def attach(self, cfg: IslandConfig) -> TorchWeights:
+    def attach(self, cfg: IslandConfig):
         if cfg.tuning == "lora":
             self.model = attach_lora(self.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets,
                                      cfg.seed, freeze_a=cfg.lora_freeze_a)
-        self.model.to(self.device).train()
-        weights = TorchWeights(self.model, cfg.tuning)
+        if self.group.sharded:  # FSDP2 moves each layer's shards to the device
+            from yeto.torch.fsdp import ShardedWeights, shard_model
+
+            shard_model(self.model, self.group).train()
+            weights = ShardedWeights(self.model, cfg.tuning, self.group)
+        else:
+            self.model.to(self.device).train()
+            weights = TorchWeights(self.model, cfg.tuning)
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                      lr=cfg.inner_lr, weight_decay=cfg.weight_decay)
         self.stepper = self.model
-        if self.group.active:  # identical steps on every rank: DDP averages gradients
+        if self.group.active and not self.group.sharded:  # identical steps: DDP averages
             self.stepper = torch.nn.parallel.DistributedDataParallel(self.model,
                                                                      broadcast_buffers=False)
         return weights
@@ -70,8 +79,22 @@ class TorchBackend:
         return evaluate(self.model, blocks, batch_size, self.device)
 
     def save(self, cfg: IslandConfig, out: Path) -> Path:
+        """The adapter or model (rank 0 writes; every rank of an FSDP island takes part
+        in gathering it, one tensor at a time)."""
         saved = out / "adapter" if cfg.tuning == "lora" else out / "model"
-        save_output(self.model, saved, cfg.tuning, self.tokenizer)
+        if not self.group.sharded:
+            save_output(self.model, saved, cfg.tuning, self.tokenizer)
+            return saved
+        from yeto.torch.fsdp import gather_state_dict
+
+        lora = cfg.tuning == "lora"
+        state = gather_state_dict(self.model, (lambda n: "lora_" in n) if lora else
+                                  (lambda n: True))
+        if self.group.leader:
+            saved.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(saved, safe_serialization=True, state_dict=state)
+            if not lora and self.tokenizer is not None:
+                self.tokenizer.save_pretrained(saved)
         return saved
 
     def describe(self) -> str:
@@ -92,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train LoRA adapters, or all weights")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model across the ranks (FSDP2, each decoder "
+                        "layer and the root) instead of replicating it (DDP); rank 0 syncs, "
+                        "gathering one tensor at a time")
     return p
 
 
