@@ -361,7 +361,7 @@ def test_mlx_refuses_weights_that_mlx_lm_computes_or_loads_into_another_layer():
 
     def sanitize(w):
         w = dict(w)
-        w["layers.0.o_proj.weight"] = w["layers.0.o_proj.weight"] * 2.0  # a folded multiplier
+        w["layers.0.o_proj.weight"] = w["layers.0.o_proj.weight"] + 1.0  # not a scaling
         w["layers.0.embed_q.weight"] = w.pop("layers.0.kv_b_proj.weight").reshape(2, 4, 4)
         return w
 
@@ -377,6 +377,40 @@ def test_mlx_refuses_weights_that_mlx_lm_computes_or_loads_into_another_layer():
         attach_lora(toy(), {}, 2, 4.0, "q_proj,kv_b_proj", 0, hf_weight_names=hf)
     assert list(attach_lora(toy(), {}, 2, 4.0, "q_proj", 0, hf_weight_names=hf)) == [
         "layers.0.q_proj"]
+
+
+def test_mlx_lora_on_weights_with_folded_multipliers():
+    """mlx-lm folds multipliers into some weights (falcon_h1: diag(out) · W · diag(in));
+    the torch model applies them around its linear, so to peft's update as well."""
+    mx, nn = _mlx()
+    from yeto.mlx.lora import LoRAWeights, attach_lora, hf_origins
+
+    out_m = np.array([1.0, 2.0, 0.5, 3.0, 1.5, 0.25], np.float32)
+    in_m = np.float32(0.75)
+    hf = {"layers.0.up_proj.weight": (6, 4)}
+
+    def sanitize(w):
+        return {k: v * mx.array(out_m)[:, None] * in_m for k, v in w.items()}
+
+    model = _toy_loader(sanitize, {"up_proj": nn.Linear(4, 6, bias=False)})
+    w = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    model.load_weights(list(sanitize({"layers.0.up_proj.weight": mx.array(w)}).items()))
+    origin = hf_origins(model, hf)["layers.0.up_proj"]
+    assert origin.kind == "scaled" and origin.exact
+    r, alpha = 2, 6.0
+    layers = attach_lora(model, {}, r, alpha, "up_proj", 0, hf_weight_names=hf)
+    view = LoRAWeights(layers)
+    assert [s.name for s in view.layout.specs] == [
+        "base_model.model.layers.0.up_proj.lora_A.weight",
+        "base_model.model.layers.0.up_proj.lora_B.weight"]  # the scales are not trained
+    view.set(np.random.default_rng(1).standard_normal(view.layout.numel).astype(np.float32))
+    t = view.tensors()
+    a, b = t["base_model.model.layers.0.up_proj.lora_A.weight"], \
+        t["base_model.model.layers.0.up_proj.lora_B.weight"]
+    x = np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32)
+    want = ((x * in_m) @ (w + (alpha / r) * b @ a).T) * out_m  # torch: around peft's linear
+    got = np.asarray(layers["layers.0.up_proj"](mx.array(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 # ---- transformers' load-time renames, without torch ----------------------------

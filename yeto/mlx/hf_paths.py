@@ -10,7 +10,7 @@ fused (experts stacked into ``SwitchLinear``) or reordered when mlx-lm loads the
 `HFPaths` finds out which by replaying the model's own ``sanitize`` (the function
 that turns a Hugging Face checkpoint into mlx-lm's parameters) on **marker
 arrays**: every element of checkpoint tensor ``i`` holds its own global index
-(int64, lazy; nothing is computed for tensors never looked at). Each sanitized
+(plus one; int64, lazy; nothing is computed for tensors never looked at). Each sanitized
 array then says exactly which checkpoint elements it holds, in which order, so
 every MLX linear gets an `Origin`: the checkpoint tensor it is (``same``), or its
 transpose (``transposed``), or a slice of one (``part``), or a mix of several
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,15 +55,18 @@ def linear_paths(model: nn.Module) -> list[str]:
 @dataclass(frozen=True)
 class Origin:
     """Where an MLX linear's weight comes from in the Hugging Face checkpoint
-    (``kind``: same, transposed, part, fused, reordered, computed or unknown; ``tensors``:
-    the checkpoint tensor names it holds elements of)."""
+    (``kind``: same, transposed, scaled, part, fused, reordered, computed or
+    unknown; ``tensors``: the checkpoint tensor names it holds elements of)."""
 
     kind: str
     tensors: tuple[str, ...] = ()
+    #: ``scaled``: the MLX weight is diag(out) · W · diag(in) (mlx-lm folded
+    #: multipliers into it); (out, in), either None where it is all ones
+    scale: tuple = field(default=(None, None), compare=False)
 
     @property
     def exact(self) -> bool:
-        return self.kind in ("same", "transposed")
+        return self.kind in ("same", "transposed", "scaled")
 
 
 class _Trace:
@@ -88,9 +91,10 @@ class _Trace:
                 self.out = None
 
     def marker(self, name: str) -> mx.array:
-        """Checkpoint tensor ``name`` as markers (lazy): element j holds start + j."""
+        """Checkpoint tensor ``name`` as markers (lazy): element j holds start + j + 1
+        (never 0, so a multiplier folded into it shows)."""
         i = self.index[name]
-        return mx.arange(int(self.starts[i]), int(self.starts[i + 1]),
+        return mx.arange(int(self.starts[i]) + 1, int(self.starts[i + 1]) + 1,
                          dtype=mx.int64).reshape(self.shapes[name])
 
     def take(self, key: str) -> mx.array | None:
@@ -103,7 +107,7 @@ class _Trace:
         if arr.dtype != mx.int64 or arr.size == 0:
             return None
         a = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(1, -1)
-        probe = np.concatenate([np.asarray(x) for x in (a[:, 0], a[0], a[-1], a[:, -1])])
+        probe = np.concatenate([np.asarray(x) for x in (a[:, 0], a[0], a[-1], a[:, -1])]) - 1
         if probe.min() < 0 or probe.max() >= self.starts[-1]:
             return None
         ids = sorted(set(np.searchsorted(self.starts, probe, side="right").tolist()))
@@ -123,6 +127,21 @@ class _Trace:
         if src.ndim == 2 and arr.shape == src.shape[::-1] and mx.array_equal(arr, src.T).item():
             return Origin("transposed", tuple(tensors))
         return Origin("reordered", tuple(tensors))
+
+    def scaled(self, arr: mx.array, name: str) -> tuple | None:
+        """(out, in) with arr == diag(out) · W · diag(in), W = checkpoint tensor
+        ``name`` (a multiplier sanitize folded in: markers times floats), else None."""
+        src = np.asarray(self.marker(name)).astype(np.float64)
+        if arr.ndim != 2 or tuple(arr.shape) != src.shape:
+            return None
+        a = np.asarray(arr.astype(mx.float32)).astype(np.float64)
+        out = a[:, 0] / src[:, 0]
+        inn = a[0] / (src[0] * out[0])
+        if not out.all() or not np.allclose(a, out[:, None] * src * inn[None], rtol=1e-5, atol=0):
+            return None
+        ones = np.ones(1)
+        return (None if np.allclose(out, ones, rtol=1e-6) else out.astype(np.float32),
+                None if np.allclose(inn, ones, rtol=1e-6) else inn.astype(np.float32))
 
     def holders(self, hf_name: str) -> list[str]:
         """MLX parameter names that hold elements of checkpoint tensor ``hf_name``."""
@@ -190,11 +209,15 @@ class HFPaths:
         arr = self.trace.take(key)
         origin = Origin("unknown") if arr is None else self.trace.origin(arr)
         if origin.kind == "unknown" and arr is not None and key in self.shapes:
-            return Origin("computed", (key,))  # sanitize did arithmetic on it
+            scale = self.trace.scaled(arr, key)  # sanitize did arithmetic on it
+            return Origin("scaled", (key,), scale) if scale else Origin("computed", (key,))
         return origin
 
     def modules(self, origin: Origin) -> list[str]:
         return [self.module_of[t] for t in origin.tensors]
+
+    def origin_of(self, mlx_path: str) -> Origin:
+        return self.origins[mlx_path]
 
     def exact(self) -> dict[str, str]:
         """{MLX linear path: HF module path} of the linears that are exactly one HF linear."""

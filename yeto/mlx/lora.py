@@ -55,7 +55,7 @@ class LoRALinear(nn.Module):
     train with lora_dropout=0)."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, key: mx.array | None = None,
-                 hf_path: str | None = None):
+                 hf_path: str | None = None, out_scale=None, in_scale=None):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear wraps mlx.nn.Linear, got {type(base).__name__}; "
@@ -77,6 +77,11 @@ class LoRALinear(nn.Module):
         #: the Hugging Face module path this layer adapts (its canonical names), when
         #: it differs from, or is not known from, its place in the MLX module tree
         self.hf_path = hf_path
+        # multipliers mlx-lm folded into the base weight (diag(out) · W · diag(in)):
+        # the torch model applies them around its linear, so to the LoRA update too
+        self.out_scale = None if out_scale is None else mx.array(out_scale)
+        self.in_scale = None if in_scale is None else mx.array(in_scale)
+        self.freeze(keys=["out_scale", "in_scale"], recurse=False, strict=False)
 
     @property
     def in_features(self) -> int:
@@ -88,7 +93,11 @@ class LoRALinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         # peft: result = base_layer(x); result = result + lora_B(lora_A(dropout(x))) * scaling
-        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+        if self.out_scale is None and self.in_scale is None:
+            return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+        z = x if self.in_scale is None else x * self.in_scale
+        delta = self.lora_B(self.lora_A(z)) * self.scaling
+        return self.base_layer(x) + (delta if self.out_scale is None else delta * self.out_scale)
 
 
 def _quantized_in_blocks(model: nn.Module) -> list[str]:
@@ -131,9 +140,12 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
         raise ValueError(f"the MLX model has quantized linears (e.g. {quantized[0]}); load the "
                          "float32/bf16 Hugging Face checkpoint instead of an MLX-quantized one")
     model.freeze()
-    where = HFPaths(model, hf_weight_names, config).select(targets, config)
+    paths = HFPaths(model, hf_weight_names, config)
+    where = paths.select(targets, config)
     keys = mx.random.split(mx.random.key(seed), len(where))
-    layers = {hf: LoRALinear(get_module(model, mp), r, alpha, key=keys[i], hf_path=hf)
+    layers = {hf: LoRALinear(get_module(model, mp), r, alpha, key=keys[i], hf_path=hf,
+                             out_scale=paths.origin_of(mp).scale[0],
+                             in_scale=paths.origin_of(mp).scale[1])
               for i, (hf, mp) in enumerate(sorted(where.items()))}
     model.update_modules(tree_unflatten([(where[hf], layer) for hf, layer in layers.items()]))
     mx.eval([(x.lora_A.weight, x.lora_B.weight) for x in layers.values()])
