@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -51,6 +52,8 @@ from rich.console import Group
 from rich.text import Text
 
 from syncer.spawn import SyncerProcess, SyncerStartError, start_syncer
+from yeto import net
+from yeto.cli import join
 from yeto.cli.display import Screen, human_bytes, human_seconds, table, to_text
 from yeto.io import atomic_write, finite_or_none
 from yeto.metrics import JsonlFollower, MetricsError, check_report_to, tape_scalars
@@ -62,7 +65,8 @@ ISLAND_MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
 ISLAND_SCALARS = ("train_loss", "eval_loss", "tokens_per_s", "loss_tokens")  # to TensorBoard
 # island flags the launcher sets itself
 OWN_ISLAND_FLAGS = ("--syncer", "--learner-id", "--learner-index", "--num-learners", "--output",
-                    "--model", "--data", "--eval-data", "--token")
+                    "--model", "--data", "--eval-data", "--token", "--tls-ca", "--tls-cert",
+                    "--tls-key")
 SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
     "outer_lr": ("--outer-lr", float, None, "outer Nesterov learning rate (syncer default 1.0)"),
     "outer_momentum": ("--outer-momentum", float, None, "outer momentum (syncer default 0.0)"),
@@ -104,11 +108,14 @@ class IslandProc:
     syncer_state: str = ""
     pushes: int = 0
     last_contact_s: float | None = None
+    external: bool = False            # a reserved slot: an island on another machine
 
     @property
     def state(self) -> str:
         if self.code is not None:
             return "done" if self.code == 0 else f"failed ({self.code})"
+        if self.external:
+            return self.syncer_state or "waiting (external)"
         return self.syncer_state or "starting"
 
 
@@ -134,6 +141,19 @@ class LaunchConfig:
     max_steps: int | None = None        # for the display only
     overwrite: bool = False
     status_every_s: float = 30.0        # plain display: a table this often
+    external: list[str] = field(default_factory=list)  # reserved slots: any | torch | mlx
+    advertise_host: str | None = None   # what other machines dial (default: see join.py)
+    tls_cert: Path | None = None        # the syncer's certificate and key: TLS on
+    tls_key: Path | None = None
+    tls_ca: Path | None = None          # what islands trust (default: tls_cert)
+
+    @property
+    def num_islands(self) -> int:
+        return len(self.backends) + len(self.external)
+
+    @property
+    def island_ca(self) -> Path | None:
+        return self.tls_ca or self.tls_cert
 
 
 class LaunchError(RuntimeError):
@@ -163,8 +183,12 @@ class LocalRun:
         self._logs: list = []
         self._tb: dict = {}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.token = cfg.token
+        self.token_file: Path | None = None   # a token the launcher generated
+        self.join_address = ""                # what external islands dial
+        self.notes: list[str] = []            # lines for the display (islands joining)
         if cfg.token:
-            self.env["YETO_TOKEN"] = cfg.token  # not on the command line (visible in ps)
+            self.env[net.TOKEN_ENV] = cfg.token  # not on the command line (visible in ps)
 
     # ---- start ------------------------------------------------------------------
     def prepare(self) -> None:
@@ -176,9 +200,28 @@ class LocalRun:
                     raise LaunchError(f"{p} already holds a run's outputs: pass --overwrite to "
                                       "replace them, or choose another --out")
                 shutil.rmtree(p, ignore_errors=True)
-        (self.out / "summary.json").unlink(missing_ok=True)
+        for name in ("summary.json", "join.txt", "token"):
+            (self.out / name).unlink(missing_ok=True)
         self.syncer_dir.mkdir(parents=True, exist_ok=True)
         self._tensorboard("syncer")
+        if self.cfg.external:
+            self._prepare_external()
+
+    def _prepare_external(self) -> None:
+        """Check that other machines can reach the syncer; without a token, make one
+        (in OUT/token, readable by this user only: it is never printed)."""
+        try:
+            join.advertise_host(self.cfg.host, self.cfg.advertise_host)
+        except join.JoinError as e:
+            raise LaunchError(str(e)) from None
+        if self.token:
+            return
+        self.token = secrets.token_hex(16)
+        self.token_file = self.out / "token"
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token + "\n")
+        self.env[net.TOKEN_ENV] = self.token
 
     def _tensorboard(self, name: str) -> None:
         if self.cfg.report_to:
@@ -189,10 +232,12 @@ class LocalRun:
 
     def start_syncer(self, timeout: float = 60.0) -> str:
         """Start the syncer (its own session, log in syncer/log.txt); returns its address."""
-        quorum = self.cfg.quorum or len(self.cfg.backends)
+        quorum = self.cfg.quorum or self.cfg.num_islands
+        tls = ["--tls-cert", str(self.cfg.tls_cert), "--tls-key", str(self.cfg.tls_key)] \
+            if self.cfg.tls_cert else []
         try:
             self.syncer = start_syncer(
-                ["--quorum", str(quorum), "--state-dir", str(self.syncer_dir),
+                ["--quorum", str(quorum), "--state-dir", str(self.syncer_dir), *tls,
                  *self.cfg.syncer_args],
                 host=self.cfg.host, port=self.cfg.port, port_file=self.syncer_dir / "port",
                 dashboard_port=self.cfg.dashboard_port, env=self.env,
@@ -201,15 +246,22 @@ class LocalRun:
             raise LaunchError(f"{e}\n(the syncer's log: {self.syncer_dir / 'log.txt'})") \
                 from None
         self.address, self.dashboard_url = self.syncer.address, self.syncer.dashboard_url
+        if self.cfg.external or self.cfg.advertise_host:
+            self.join_address = join.join_address(self.cfg.host, self.syncer.port,
+                                                  self.cfg.advertise_host)
+            if self.cfg.tls_cert:  # the certificate names the address others dial
+                self.address = self.join_address
         return self.address
 
     def island_command(self, index: int, backend: str, out_dir: Path) -> list[str]:
         """The island program (``python -m yeto.learner`` / ``yeto.mlx.learner``) and its
         flags: the run's model and data, this island's id and output, the shared flags."""
-        n = len(self.cfg.backends)
+        n = self.cfg.num_islands
         extra = list(self.cfg.backend_args.get(backend, []))
         if backend == "torch" and "--threads" not in self.cfg.island_args + extra:
-            extra += ["--threads", str(max(1, (os.cpu_count() or 1) // n))]
+            extra += ["--threads", str(max(1, (os.cpu_count() or 1) // len(self.cfg.backends)))]
+        if self.cfg.island_ca is not None:
+            extra += ["--tls-ca", str(self.cfg.island_ca)]
         return [sys.executable, "-m", ISLAND_MODULES[backend],
                 "--model", str(self.cfg.model), "--data", str(self.cfg.data),
                 *(["--eval-data", str(self.cfg.eval_data)] if self.cfg.eval_data else []),
@@ -231,6 +283,38 @@ class LocalRun:
             self.islands.append(isl)
             self._tensorboard(iid)
 
+    # ---- external slots -----------------------------------------------------------
+    def reserve_external(self) -> list[str]:
+        """An `IslandProc` per reserved slot (after the local islands: island-L, ...);
+        returns the join commands to print (also written to OUT/join.txt)."""
+        spec = join.JoinSpec(
+            address=self.join_address, model=str(self.cfg.model), data=str(self.cfg.data),
+            num_learners=self.cfg.num_islands,
+            eval_data=str(self.cfg.eval_data) if self.cfg.eval_data else None,
+            island_args=list(self.cfg.island_args), backend_args=self.cfg.backend_args,
+            tls_ca=self.cfg.island_ca.resolve() if self.cfg.island_ca else None,
+            token_hint=self._token_hint())
+        lines: list[str] = []
+        for k, kind in enumerate(self.cfg.external):
+            index = len(self.cfg.backends) + k
+            iid = f"island-{index}"
+            argv = join.island_argv(spec, "torch" if kind == "any" else kind, iid, index)
+            self.islands.append(IslandProc(iid, kind, self.out / "external" / iid, argv,
+                                           external=True))
+            lines += join.join_block(spec, kind, iid, index) + [""]
+        atomic_write(self.out / "join.txt", "\n".join(lines))
+        return lines
+
+    def _token_hint(self) -> str | None:
+        if self.token_file is not None:
+            return f"generated by yeto launch: in {self.token_file} on this machine"
+        if self.token:
+            return f"the one given to yeto launch: --token or ${net.TOKEN_ENV}"
+        return None
+
+    def external(self) -> list[IslandProc]:
+        return [i for i in self.islands if i.external]
+
     # ---- follow -----------------------------------------------------------------
     def poll(self, with_status: bool = True) -> tuple[list[dict], list[IslandProc]]:
         """Read what is new; returns (new merge/rejection records, islands that just exited)."""
@@ -248,6 +332,8 @@ class LocalRun:
     def _read_islands(self) -> list[IslandProc]:
         exited = []
         for isl in self.islands:
+            if isl.external:  # its metrics are on its own machine
+                continue
             for rec in isl.metrics.read_new():
                 self._island_record(isl, rec)
             if isl.code is None and isl.proc.poll() is not None:
@@ -270,6 +356,9 @@ class LocalRun:
             if not rec.get("fragment"):
                 isl.loss_tokens += int(r.get("tokens") or 0)
                 isl.t_tokens = finite_or_none(rec.get("time")) or time.time()
+                if isl.external:  # what the tape tells of an island on another machine
+                    self._joined(isl, None)
+                    _external_record(isl, rec, r)
         w = self._tb.get("syncer")
         if w is not None:
             for prefix, scalars in tape_scalars(rec).items():
@@ -295,15 +384,33 @@ class LocalRun:
     def _poll_status(self) -> None:
         from yeto.cli.status import fetch
 
+        tls = None
+        if self.cfg.island_ca is not None:
+            from yeto.client import TLSConfig
+
+            tls = TLSConfig(ca=self.cfg.island_ca.read_bytes())
         try:
-            self.status = fetch(self.address, self.cfg.token, timeout=2.0)
+            self.status = fetch(self.address, self.token, tls=tls, timeout=2.0)
         except Exception:  # noqa: BLE001 - the display keeps its last view
             return
         by_id = {i["learner_id"]: i for i in self.status.get("islands", [])}
         for isl in self.islands:
             s = by_id.get(isl.id)
-            if s is not None:
-                isl.syncer_state, isl.last_contact_s = s["state"], s.get("last_contact_s")
+            if s is None:
+                continue
+            if isl.external:
+                self._joined(isl, s.get("backend"))
+            isl.syncer_state, isl.last_contact_s = s["state"], s.get("last_contact_s")
+
+    def _joined(self, isl: IslandProc, backend: str | None) -> None:
+        """An external island seen for the first time (in the Status or the tape)."""
+        if backend and backend in ISLAND_MODULES:
+            isl.backend = backend
+        if isl.syncer_state:
+            return
+        isl.syncer_state = "training"
+        isl.t_first = time.time()
+        self.notes.append(f"{isl.id} joined from another machine ({isl.backend})")
 
     def rate(self, isl: IslandProc) -> float | None:
         """Loss tokens per second: the island's own figure when its metrics carry one,
@@ -316,7 +423,17 @@ class LocalRun:
         return isl.loss_tokens / (isl.t_tokens - isl.t_first)
 
     def running(self) -> list[IslandProc]:
-        return [i for i in self.islands if i.code is None]
+        """Local islands still running."""
+        return [i for i in self.islands if i.code is None and not i.external]
+
+    def awaiting_external(self) -> bool:
+        """External slots whose islands may still be training (the syncer runs and no
+        stop was asked for): the launcher stays with the run."""
+        return bool(self.external()) and self.stopping is None and \
+            self.syncer is not None and self.syncer.poll() is None
+
+    def waiting_slots(self) -> list[IslandProc]:
+        return [i for i in self.external() if not i.syncer_state]
 
     def stopped_by_signal(self) -> bool:
         return bool(self.stopping and self.stopping.startswith("signal"))
@@ -328,6 +445,10 @@ class LocalRun:
         if self.stopping is None:
             self.stopping, self.stop_started = reason, time.monotonic()
             self._signal_islands(signal.SIGINT)
+            if not self.merges and self.waiting_slots():
+                # still waiting for the quorum: nothing trained, nothing to save
+                self.hard_stop = True
+                self._signal_islands(signal.SIGTERM)
         elif not self.hard_stop:
             self.hard_stop = True
             self._signal_islands(signal.SIGTERM)
@@ -377,11 +498,20 @@ class LocalRun:
             shutil.rmtree(self.out / "adapter", ignore_errors=True)
             shutil.copytree(final, self.out / "adapter")
         try:
-            summary = summarize(self.out, seconds)
+            summary = summarize(self.out, seconds, [i.id for i in self.external()])
         except (OSError, ValueError, StopIteration):
             return None
         atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
         return summary
+
+
+def _external_record(isl: IslandProc, rec: dict, r: dict) -> None:
+    """An external island's step, losses and round, from its responder entry."""
+    isl.step += int(r.get("steps") or 0)
+    isl.version = rec.get("round", isl.version)
+    for k in ("train_loss", "eval_loss"):
+        if finite_or_none(r.get(k)) is not None:
+            setattr(isl, k, finite_or_none(r[k]))
 
 
 def _send(proc: subprocess.Popen, sig) -> None:
@@ -399,26 +529,34 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
-def summarize(out: Path, seconds: float) -> dict:
+def summarize(out: Path, seconds: float, external: list[str] = ()) -> dict:
     """summary.json of a local run (the format `yeto demo` has always written):
     held-out loss before/after (island-0's), rounds, bytes up/down, seconds, and
-    per island its held-out loss, loss tokens and whether it got the final weights."""
+    per island its held-out loss, loss tokens and whether it got the final weights;
+    per external slot, from the tape: merged pushes and loss tokens (its own outputs
+    are on its machine)."""
     from syncer.tape import read_tape
 
     tape = out / "syncer" / "tape.jsonl"
     merges = [r for r in read_tape(tape) if r.get("event") == "merge"] if tape.exists() else []
     islands = {}
-    for d in sorted((out / "islands").iterdir()):
+    for d in sorted((out / "islands").iterdir()) if (out / "islands").is_dir() else ():
         if (d / "summary.json").is_file():
             islands[d.name] = json.loads((d / "summary.json").read_text())
     first = next(iter(islands.values()), {})
+    ext = {k: dict(pushes=0, loss_tokens=0) for k in external}
+    for r in (x for m in merges for x in m.get("responders", []) if not m.get("fragment")):
+        if r.get("learner") in ext:
+            ext[r["learner"]]["pushes"] += 1
+            ext[r["learner"]]["loss_tokens"] += int(r.get("tokens") or 0)
     return dict(eval_loss_before=finite_or_none(first.get("eval_loss_before")),
                 eval_loss_after=finite_or_none(first.get("eval_loss")),
                 rounds=len(merges), bytes_up=sum(r["bytes_in"] for r in merges),
                 bytes_down=sum(r["bytes_out"] for r in merges), seconds=round(seconds, 1),
                 islands={k: dict(eval_loss=finite_or_none(v.get("eval_loss")),
                                  loss_tokens=v.get("loss_tokens"),
-                                 final=v.get("final")) for k, v in islands.items()})
+                                 final=v.get("final")) for k, v in islands.items()},
+                **(dict(external=ext) if ext else {}))
 
 
 # ---- display ---------------------------------------------------------------------------
@@ -440,7 +578,11 @@ def run_state(run: LocalRun) -> str:
 
 def headline(run: LocalRun) -> str:
     m = run.merges
-    return (f"syncer {run.address}  {run_state(run)}  round {m[-1]['round'] if m else 0}  "
+    waiting = run.waiting_slots()
+    wait = f"  waiting for {len(waiting)} external island{'s' if len(waiting) > 1 else ''}" \
+        if waiting else ""
+    return (f"syncer {run.join_address or run.address}  {run_state(run)}{wait}  "
+            f"round {m[-1]['round'] if m else 0}  "
             f"merges {len(m)}  up {human_bytes(sum(r.get('bytes_in', 0) for r in m))}  down "
             f"{human_bytes(sum(r.get('bytes_out', 0) for r in m))}  rejected {run.rejected}  "
             f"{human_seconds(time.monotonic() - run.t0)}")
@@ -448,6 +590,8 @@ def headline(run: LocalRun) -> str:
 
 def island_row(run: LocalRun, isl: IslandProc) -> list[str]:
     steps, rate = run.cfg.max_steps, run.rate(isl)
+    if isl.external and not isl.syncer_state:
+        return [isl.id, isl.backend, "-", "-", "-", "-", "-", "0", isl.state]
     return [isl.id, isl.backend, f"{isl.step}/{steps}" if steps else str(isl.step),
             _loss(isl.train_loss), _loss(isl.eval_loss),
             "-" if rate is None else f"{rate:,.0f}",
@@ -457,8 +601,9 @@ def island_row(run: LocalRun, isl: IslandProc) -> list[str]:
 
 def view(run: LocalRun) -> Group:
     """The run at a glance: a headline and a row per island."""
+    islands = sorted(run.islands, key=lambda i: (len(i.id), i.id))  # island-2 before -10
     return Group(Text(headline(run)),
-                 table(ISLAND_COLUMNS, [island_row(run, isl) for isl in run.islands]))
+                 table(ISLAND_COLUMNS, [island_row(run, isl) for isl in islands]))
 
 
 def render_table(run: LocalRun) -> str:
@@ -498,11 +643,18 @@ class Display:
         self.screen.say(text)
 
     def update(self, run: LocalRun, new: list[dict], exited: list[IslandProc]) -> None:
+        notes, run.notes = run.notes, []
         if self.mode == "none":
             return
-        for line in event_lines(new, exited):
+        for line in notes + event_lines(new, exited):
             self.screen.say(line)
         if self.mode == "live" or time.monotonic() - self._last_view >= self.status_every_s:
+            self._last_view = time.monotonic()
+            self.screen.show(view(run))
+
+    def show(self, run: LocalRun) -> None:
+        """The run's view now (plain: printed once; live: redrawn)."""
+        if self.mode != "none":
             self._last_view = time.monotonic()
             self.screen.show(view(run))
 
@@ -552,16 +704,34 @@ def _start(run: LocalRun, display: Display, on_started) -> None:
     display.say(f"syncer on {run.address}"
                 + (f", dashboard {run.dashboard_url}" if run.dashboard_url else "")
                 + f"; starting {len(run.cfg.backends)} islands ({', '.join(run.cfg.backends)})")
+    if run.cfg.external:
+        _say_external(run, display)
     run.start_islands()
+    if run.cfg.external:
+        display.show(run)  # the reserved slots, waiting
     if on_started is not None:
         on_started(run)
+
+
+def _say_external(run: LocalRun, display: Display) -> None:
+    """The join command of every reserved slot (never the token itself)."""
+    lines = run.reserve_external()
+    n = len(run.cfg.external)
+    display.say(f"{n} external island slot{'s' if n > 1 else ''} reserved; the run starts "
+                f"when {'they join' if n > 1 else 'it joins'} (other machines dial "
+                f"{run.join_address}; also in {run.out / 'join.txt'}):\n")
+    for line in lines:
+        display.say(line)
+    if run.token_file is not None:
+        display.say(f"no --token given: generated one in {run.token_file} (readable by you "
+                    "only); give it to the other machines over a channel you trust")
 
 
 def _follow(run: LocalRun, display: Display) -> None:
     """Until every island exited: read metrics and the tape, show them, react to
     failures, escalate a stop that takes too long."""
     last_status = 0.0
-    while run.running():
+    while run.running() or run.awaiting_external():
         now = time.monotonic()
         with_status = now - last_status >= STATUS_EVERY_S
         if with_status:
@@ -596,8 +766,13 @@ def _finish(run: LocalRun, display: Display) -> int:
     run ended (0 finished, 130 stopped by a signal, 1 failed)."""
     by_signal = run.stopped_by_signal()
     stopped = STOPPED_CODES if by_signal else ()
-    failed = [i for i in run.islands if i.code != 0 and i.code not in stopped]
-    run.stop_syncer(wait_s=1.0 if failed else 60.0)
+    failed = [i for i in run.islands if i.code != 0 and i.code not in stopped
+              and not i.external]
+    # external islands may train on after a stop: the syncer saves its state and goes
+    code = run.stop_syncer(wait_s=1.0 if failed or (by_signal and run.external()) else 60.0)
+    for isl in run.external():  # a syncer that ended by itself finished the run
+        if isl.syncer_state and code == 0 and not by_signal:
+            isl.syncer_state = "finished"
     new, exited = run.poll(with_status=False)
     display.update(run, new, exited)
     return 1 if failed else 130 if by_signal else 0
@@ -618,7 +793,8 @@ def build_parser() -> argparse.ArgumentParser:
                "--max-steps 200 --sync-every 20")
     p.add_argument("--islands", default="torch,torch",
                    help="comma list of island backends, one island each: torch, mlx "
-                        "(default: torch,torch)")
+                        "(default: torch,torch); 'none' with --external-islands: only the "
+                        "syncer runs here")
     p.add_argument("--model", help="local Hugging Face model dir or hub id (required)")
     p.add_argument("--data", help="training data, sharded over the islands (required)")
     p.add_argument("--eval-data", default=None, help="held-out data, evaluated at every sync")
@@ -628,10 +804,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the outputs of an earlier run in --out")
     p.add_argument("--torch-args", default="", help="extra flags for torch islands only")
     p.add_argument("--mlx-args", default="", help="extra flags for MLX islands only")
-    p.add_argument("--host", default="127.0.0.1", help="syncer address (default: loopback)")
-    p.add_argument("--port", type=int, default=0, help="syncer port (default 0: any free port)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the syncer listens on (default: loopback); 0.0.0.0 for all "
+                        "interfaces")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"syncer port (default: any free port; {net.DEFAULT_PORT} with "
+                        "--external-islands, so a firewall can be opened for it)")
     p.add_argument("--token", default=None,
-                   help="shared token for the syncer and islands (default: $YETO_TOKEN)")
+                   help="shared token for the syncer and islands (default: $YETO_TOKEN; "
+                        "with --external-islands and none given, one is generated into "
+                        "OUT/token)")
+    _add_external_args(p)
     p.add_argument("--dashboard-port", type=int, default=0,
                    help="the syncer's dashboard port (default 0: any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="no dashboard")
@@ -653,12 +836,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> LaunchConfig:
-    backends = [b.strip() for b in args.islands.split(",") if b.strip()]
+def _add_external_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--external-islands", "--external", "--external-learners", dest="external",
+                   default="", metavar="SLOTS",
+                   help="reserve slots for islands on other machines, which the launcher does "
+                        "not start: N (torch or MLX), torch:N, mlx:N or a comma list. They "
+                        "count in the quorum and the data sharding; the launcher prints the "
+                        "command that joins each one and waits for them")
+    p.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="the address other machines dial (default: --host when it is a "
+                        "specific address; for 0.0.0.0, this machine's default-route address, "
+                        "else its first non-loopback interface address)")
+    p.add_argument("--tls-cert", type=Path, default=None,
+                   help="PEM certificate of the syncer (TLS on); its names must include the "
+                        "address islands dial")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="PEM CA islands trust (default: --tls-cert, for a self-signed one)")
+
+
+def _backends(p: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
+    """(local island backends, external slots) from --islands and --external-islands."""
+    try:
+        external = join.parse_slots(args.external)
+    except join.JoinError as e:
+        p.error(str(e))
+    spec = "" if args.islands.strip() == "none" else args.islands
+    backends = [b.strip() for b in spec.split(",") if b.strip()]
     bad = [b for b in backends if b not in ISLAND_MODULES]
-    if not backends or bad:
+    if bad or not (backends or external):
         p.error(f"--islands {args.islands!r}: use a comma list of {', '.join(ISLAND_MODULES)}, "
-                "e.g. --islands torch,torch,mlx")
+                "e.g. --islands torch,torch,mlx ('none' only with --external-islands)")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together, e.g. --tls-cert server.pem "
+                "--tls-key server.key")
+    return backends, external
+
+
+def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> LaunchConfig:
+    backends, external = _backends(p, args)
     if not args.model or not args.data:
         p.error("--model and --data are required, e.g. yeto launch --model runs/demo/model "
                 "--data runs/demo/data/train.jsonl (`yeto make-tiny-model DIR` and `yeto "
@@ -687,7 +903,10 @@ def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> Launc
         out=args.out, backends=backends, model=args.model, data=args.data,
         eval_data=args.eval_data, island_args=rest,
         backend_args={"torch": shlex.split(args.torch_args), "mlx": shlex.split(args.mlx_args)},
-        syncer_args=syncer_args, quorum=args.quorum, host=args.host, port=args.port,
+        syncer_args=syncer_args, quorum=args.quorum, host=args.host,
+        port=args.port if args.port is not None else net.DEFAULT_PORT if external else 0,
+        external=external, advertise_host=args.advertise_host, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_ca=args.tls_ca,
         token=args.token or os.environ.get("YETO_TOKEN") or None,
         dashboard_port=None if args.no_dashboard else args.dashboard_port,
         display=args.display, report_to=report_to, stop_timeout_s=args.stop_timeout,
@@ -714,7 +933,12 @@ def print_outputs(run: LocalRun, summary: dict | None, code: int, stream=None) -
     else:
         print("  (no final adapter: the run did not finish; `yeto export --state-dir "
               f"{out / 'syncer'} ...` exports its last merged weights)", file=stream)
-    print("  islands/<id>/    adapter/, metrics.jsonl, summary.json, log.txt", file=stream)
+    if run.cfg.backends:
+        print("  islands/<id>/    adapter/, metrics.jsonl, summary.json, log.txt", file=stream)
+    if run.external():
+        print(f"  join.txt         the join commands (external islands, "
+              f"{', '.join(i.id for i in run.external())}, keep their outputs on their own "
+              "machines: --output there)", file=stream)
     print("  syncer/          tape.jsonl (one line per merge), state, log.txt", file=stream)
     if (out / "summary.json").exists():
         print("  summary.json", file=stream)
