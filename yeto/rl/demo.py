@@ -175,7 +175,7 @@ def node_status(nodes: list[dict]) -> list[dict]:
                 s = json.loads(r.read())
         except OSError as e:
             s = dict(error=str(e))
-        out.append(dict(backend=n["backend"], url=n["url"], **s))
+        out.append({**s, "backend": n["backend"], "url": n["url"]})
     return out
 
 
