@@ -239,3 +239,129 @@ def test_plain_tables_are_parseable_and_never_wrapped():
     assert re.split(r"\s{2,}", lines[0]) == headers
     assert lines[2].startswith("[bold]x[/bold]") and lines[3].startswith("[::1]:29400")
     assert "\x1b" not in text and all(line == line.rstrip() for line in lines)
+
+
+# ---- external island slots ---------------------------------------------------------------
+def test_external_slot_specs():
+    from yeto.cli.join import JoinError, parse_slots
+
+    assert parse_slots("2") == ["any", "any"]
+    assert parse_slots("mlx:1, torch:2") == ["mlx", "torch", "torch"]
+    assert parse_slots("") == []
+    for bad in ("cuda:1", "mlx:x", "one"):
+        with pytest.raises(JoinError, match="torch:N, mlx:N"):
+            parse_slots(bad)
+
+
+def test_the_address_other_machines_dial(monkeypatch):
+    """--advertise-host wins; a specific --host is itself; a wildcard asks the default
+    route, then the interfaces; loopback is refused (with the fix in the message)."""
+    from yeto.cli import join
+
+    assert join.advertise_host("0.0.0.0", "syncer.example.org") == "syncer.example.org"
+    assert join.advertise_host("198.51.100.7") == "198.51.100.7"
+    with pytest.raises(join.JoinError, match="--host 0.0.0.0"):
+        join.advertise_host("127.0.0.1")
+    assert join.advertise_host("127.0.0.1", "198.51.100.9") == "198.51.100.9"  # a tunnel
+    monkeypatch.setattr(join, "route_address", lambda: "198.51.100.20")
+    assert join.advertise_host("0.0.0.0") == "198.51.100.20"
+    monkeypatch.setattr(join, "route_address", lambda: None)
+    monkeypatch.setattr(join, "interface_address", lambda: "198.51.100.21")
+    assert join.advertise_host("::") == "198.51.100.21"
+    monkeypatch.setattr(join, "interface_address", lambda: None)
+    monkeypatch.setattr(join, "hostname_address", lambda: None)
+    with pytest.raises(join.JoinError, match="--advertise-host"):
+        join.advertise_host("0.0.0.0")
+
+
+def _external_run(tmp_path, **kw) -> LocalRun:
+    cfg = LaunchConfig(out=tmp_path / "run", backends=["torch"], model="hub/model",
+                       data="hub/data", island_args=["--max-steps", "7"], host="0.0.0.0",
+                       advertise_host="198.51.100.7", external=["any", "mlx"],
+                       backend_args={"mlx": ["--mlx-flag"]}, **kw)
+    run = LocalRun(cfg)
+    run.prepare()
+    run.join_address = "198.51.100.7:29400"
+    return run
+
+
+def test_join_commands_carry_everything_but_the_secret(tmp_path):
+    from yeto.cli.join import shell_lines
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("cert")
+    run = _external_run(tmp_path, token="s3cret-token-value", tls_cert=ca,
+                        tls_key=tmp_path / "key")
+    lines = run.reserve_external()
+    text = "\n".join(lines)
+    assert "s3cret-token-value" not in text and run.token_file is None
+    assert (run.out / "join.txt").read_text() == text
+    blocks = text.split("\n\n")
+    first, second = (shell_lines(b.splitlines()) for b in blocks[:2])
+    assert first[0] == ("printf 'YETO_TOKEN: ' >&2; read -rs YETO_TOKEN; export YETO_TOKEN; "
+                        "echo >&2")
+    assert first[1:] == ['pip install "yeto[torch]"', (
+        "python -m yeto.learner --syncer 198.51.100.7:29400 --learner-id island-1 "
+        "--learner-index 1 --num-learners 3 --model hub/model --data hub/data "
+        f"--tls-ca {ca} --output island-1 --max-steps 7")]
+    assert '#   pip install "yeto[mlx]"' in blocks[0]  # the MLX alternative of an "any" slot
+    assert second[1] == 'pip install "yeto[mlx]"'
+    assert second[2].startswith("python -m yeto.mlx.learner --syncer 198.51.100.7:29400 "
+                                "--learner-id island-2 --learner-index 2 --num-learners 3")
+    assert second[2].endswith("--mlx-flag")
+    # the local island shares the data with the slots and trusts the same certificate
+    cmd = run.island_command(0, "torch", tmp_path / "i0")
+    flags = dict(zip(cmd[3:], cmd[4:]))
+    assert flags["--num-learners"] == "3" and flags["--tls-ca"] == str(ca)
+    assert [(i.id, i.state) for i in run.external()] == [
+        ("island-1", "waiting (external)"), ("island-2", "waiting (external)")]
+
+
+def test_without_a_token_launch_makes_one_only_the_user_can_read(tmp_path, monkeypatch):
+    monkeypatch.delenv("YETO_TOKEN", raising=False)
+    run = _external_run(tmp_path)
+    token = (run.out / "token").read_text().strip()
+    assert len(token) == 32 and (run.out / "token").stat().st_mode & 0o777 == 0o600
+    assert run.env["YETO_TOKEN"] == token
+    text = "\n".join(run.reserve_external())
+    assert token not in text and f"in {run.out / 'token'} on this machine" in text
+
+
+def test_external_slots_count_in_the_quorum_and_show_as_waiting(tmp_path, monkeypatch):
+    """The syncer's quorum counts the slots; the display shows them waiting until the
+    syncer's Status or the tape says they joined."""
+    started = {}
+
+    class Syncer:
+        address, dashboard_url, port = "198.51.100.7:29400", None, 29400
+
+        def poll(self):
+            return None
+
+    def fake_start(args, **kw):
+        started.update(args=args, **kw)
+        return Syncer()
+
+    monkeypatch.setattr(launch, "start_syncer", fake_start)
+    cfg = launch.config_from_args(launch.build_parser(), *launch.build_parser().parse_known_args(
+        ["--islands", "none", "--external-islands", "torch:2", "--model", "m", "--data", "d",
+         "--host", "198.51.100.7", "--token", "t", "--out", str(tmp_path / "run")]))
+    assert cfg.backends == [] and cfg.port == 29400 and cfg.num_islands == 2
+    run = LocalRun(cfg)
+    run.prepare()
+    run.start_syncer()
+    assert started["args"][:2] == ["--quorum", "2"] and started["host"] == "198.51.100.7"
+    assert run.join_address == "198.51.100.7:29400"
+    run.reserve_external()
+    text = render_table(run)
+    assert "waiting for 2 external islands" in text
+    assert re.search(r"island-0\s+torch\s+-.*waiting \(external\)", text)
+    (run.syncer_dir / "tape.jsonl").write_text(json.dumps(dict(
+        event="merge", round=1, version=1, bytes_in=10, bytes_out=10, time=time.time(),
+        responders=[dict(learner="island-0", tokens=50, steps=4, train_loss=2.5)])) + "\n")
+    run.poll(with_status=False)
+    assert run.notes == ["island-0 joined from another machine (torch)"]
+    text = render_table(run)
+    assert "waiting for 1 external island " in text
+    assert re.search(r"island-0\s+torch\s+4/200\s+2\.500.*training", text)
+    assert re.search(r"island-1\s+torch\s+-.*waiting \(external\)", text)

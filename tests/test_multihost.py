@@ -143,6 +143,10 @@ def test_the_lab_links_hosts_limits_bandwidth_and_tears_down(tmp_path):
         relay, address = lab.relay(b, f"{a.addr}:9000", delay_ms=100)
         r = lab.run(b, [sys.executable, "-c", send, *address.split(":"), "10"], timeout=60)
         assert r.returncode == 0 and float(r.stdout.split()[0]) >= 0.2  # 2 x 100 ms
+        # a launcher on a listening on all interfaces tells others a's own address
+        r = lab.run(a, [sys.executable, "-c", "from yeto.cli.join import advertise_host; "
+                                              "print(advertise_host('0.0.0.0'))"])
+        assert r.stdout.strip() == a.addr, r.stderr
         with lab.cut(b):
             r = lab.run(b, [sys.executable, "-c", send, a.addr, "9000", "10"], timeout=60)
             assert r.returncode != 0  # no carrier: nothing gets through
