@@ -347,22 +347,23 @@ def _toy_loader(sanitize, modules):
     return Toy()
 
 
-def test_mlx_refuses_weights_that_mlx_lm_computes_or_loads_into_another_layer():
+def test_mlx_refuses_weights_that_mlx_lm_computes_or_mixes_into_another_layer():
     mx, nn = _mlx()
     from yeto.mlx.lora import attach_lora
 
-    class MultiLinear(nn.Module):  # as mlx-lm's deepseek keeps kv_b_proj, per head
+    class MultiLinear(nn.Module):  # per-head weights, as mlx-lm's deepseek keeps kv_b_proj
         def __init__(self):
             super().__init__()
-            self.weight = mx.zeros((2, 4, 4))
+            self.weight = mx.zeros((3, 4, 4))
 
     hf = {"layers.0.q_proj.weight": (4, 4), "layers.0.o_proj.weight": (4, 4),
-          "layers.0.kv_b_proj.weight": (8, 4)}
+          "layers.0.kv_b_proj.weight": (8, 4), "layers.0.sink": (1, 4, 4)}
 
     def sanitize(w):
         w = dict(w)
         w["layers.0.o_proj.weight"] = w["layers.0.o_proj.weight"] + 1.0  # not a scaling
-        w["layers.0.embed_q.weight"] = w.pop("layers.0.kv_b_proj.weight").reshape(2, 4, 4)
+        kv = w.pop("layers.0.kv_b_proj.weight").reshape(2, 4, 4)
+        w["layers.0.embed_q.weight"] = mx.concatenate([kv, w.pop("layers.0.sink")])
         return w
 
     def toy():
@@ -373,7 +374,8 @@ def test_mlx_refuses_weights_that_mlx_lm_computes_or_loads_into_another_layer():
     with pytest.raises(TargetError, match=r"mlx-lm computes the weight of layers\.0\.o_proj"):
         attach_lora(toy(), {}, 2, 4.0, "q_proj,o_proj", 0, hf_weight_names=hf)
     with pytest.raises(TargetError, match=r"kv_b_proj into MultiLinear \(layers\.0\.embed_q"
-                                          r"\.weight\), not a linear layer.*--lora-targets q_proj"):
+                                          r"\.weight\) together with other weights.*"
+                                          r"--lora-targets q_proj"):
         attach_lora(toy(), {}, 2, 4.0, "q_proj,kv_b_proj", 0, hf_weight_names=hf)
     assert list(attach_lora(toy(), {}, 2, 4.0, "q_proj", 0, hf_weight_names=hf)) == [
         "layers.0.q_proj"]
@@ -479,3 +481,66 @@ def test_multimodal_towers_are_not_targets():
     assert select_targets(paths, "all-linear", {}) == [
         f"model.language_model.layers.{i}.{m}" for i in range(2)
         for m in ("mlp.fc1", "self_attn.q_proj")]
+
+
+def test_delta_lora_on_a_linear_mlx_lm_keeps_as_other_layers():
+    """deepseek's kv_b_proj: mlx-lm keeps it as two per-head MultiLinear (one half
+    transposed). `DeltaLoRA` adds peft's update through the split: same output and
+    same gradients as a LoRALinear on the unsplit weight."""
+    mx, nn = _mlx()
+    from mlx.utils import tree_flatten
+
+    from yeto.mlx.lora import DeltaLoRA, LoRALinear, LoRAWeights, attach_lora
+
+    class Half(nn.Module):
+        def __init__(self, transposed: bool):
+            super().__init__()
+            self.transposed = transposed
+            self.weight = mx.zeros((4, 4))
+
+        def __call__(self, x):
+            return x @ (self.weight if self.transposed else self.weight.T)
+
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Module()]
+            self.layers[0].top, self.layers[0].bottom = Half(False), Half(True)
+
+        def __call__(self, x):
+            b = self.layers[0]
+            return mx.concatenate([b.top(x), b.bottom(x)], axis=-1)
+
+        def sanitize(self, w):
+            v = w.pop("layers.0.kv_b_proj.weight")
+            return {"layers.0.top.weight": v[:4], "layers.0.bottom.weight": v[4:].T}
+
+    hf = {"layers.0.kv_b_proj.weight": (8, 4)}
+    w = mx.array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32))
+    split = Split()
+    split.load_weights(list(split.sanitize({"layers.0.kv_b_proj.weight": w}).items()))
+    layers = attach_lora(split, {}, 2, 6.0, "kv_b_proj", 0, hf_weight_names=hf)
+    assert isinstance(layers["layers.0.kv_b_proj"], DeltaLoRA)
+    view = LoRAWeights(split)
+    assert [s.name for s in view.layout.specs] == [
+        "base_model.model.layers.0.kv_b_proj.lora_A.weight",
+        "base_model.model.layers.0.kv_b_proj.lora_B.weight"]
+    flat = np.random.default_rng(1).standard_normal(view.layout.numel).astype(np.float32)
+    view.set(flat)
+
+    plain = nn.Linear(4, 8, bias=False)
+    plain.weight = w
+    ref = LoRALinear(plain, 2, 6.0)
+    ref_view = LoRAWeights({"layers.0.kv_b_proj": ref})
+    ref_view.set(flat)
+    x = mx.array(np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(split(x)), np.asarray(ref(x)), rtol=1e-5, atol=1e-5)
+
+    def grads(model):
+        g = nn.value_and_grad(model, lambda x: (model(x) ** 2).sum())(x)[1]
+        return {k.split(".")[-2]: np.asarray(v) for k, v in tree_flatten(g)}
+
+    got, want = grads(split), grads(ref)
+    assert sorted(got) == ["lora_A", "lora_B"]
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5)

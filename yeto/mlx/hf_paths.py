@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -144,8 +145,39 @@ class _Trace:
                 None if np.allclose(inn, ones, rtol=1e-6) else inn.astype(np.float32))
 
     def holders(self, hf_name: str) -> list[str]:
-        """MLX parameter names that hold elements of checkpoint tensor ``hf_name``."""
-        return [k for k, arr in (self.out or {}).items() if hf_name in (self.sources(arr) or ())]
+        """MLX parameter names that hold elements of checkpoint tensor ``hf_name``
+        (looked for among the parameters of the same decoder block first)."""
+        out = self.out or {}
+        block = re.search(r"\.(\d+)\.", hf_name)
+        near = [k for k in out if block and f".{block.group(1)}." in f".{k}."]
+        for keys in (near, list(out)):
+            found = [k for k in keys if hf_name in (self.sources(out[k]) or ())]
+            if found:
+                return found
+        return []
+
+    def index_into(self, key: str, hf_name: str) -> np.ndarray | None:
+        """For MLX parameter ``key`` made only of elements of checkpoint tensor
+        ``hf_name``: each element's flat position in ``hf_name`` (``key``'s shape)."""
+        arr = (self.out or {}).get(key)
+        if arr is None or arr.dtype != mx.int64:
+            return None
+        i = self.index[hf_name]
+        idx = np.asarray(arr) - 1 - int(self.starts[i])
+        if idx.min() < 0 or idx.max() >= self.starts[i + 1] - self.starts[i]:
+            return None
+        return idx
+
+
+@dataclass
+class Delta:
+    """LoRA on a Hugging Face linear that mlx-lm loads into other layers (deepseek's
+    ``kv_b_proj`` as two per-head ``MultiLinear``): its update ``scale·B·A`` (HF
+    layout, (out, in)) is added to each holder's weight through ``index`` (the flat
+    position in the HF weight of every element of the holder's weight)."""
+
+    shape: tuple[int, int]
+    holders: list[tuple[str, str, np.ndarray]]  # (module path, parameter name, index)
 
 
 def _origin_by_name(model: nn.Module, path: str, hf_shapes) -> Origin:
@@ -235,32 +267,40 @@ class HFPaths:
                        and block_relative(self.module_of[n]) is not None)
         return sorted(out)
 
-    def _why_not(self, hf: str) -> str | None:
-        """Why the chosen HF module cannot get LoRA on the MLX island (None: it
-        is no linear there either, e.g. an embedding, so it is left out)."""
-        entries = self.by_hf.get(hf, [])
+    def _why_not(self, hf: str, entries: list[tuple[str, Origin]]) -> str:
+        """Why the chosen HF module, held by MLX linears ``entries``, cannot get LoRA."""
         mlx = ", ".join(p for p, _ in entries)
-        if len(entries) > 1 or (entries and entries[0][1].kind == "part"):
+        if len(entries) > 1 or entries[0][1].kind == "part":
             return (f"mlx-lm splits the Hugging Face linear {hf} into {len(entries)} linear(s) "
                     f"({mlx}) when it loads the model")
-        if entries and entries[0][1].kind == "fused":
+        if entries[0][1].kind == "fused":
             return (f"mlx-lm fuses {', '.join(self.modules(entries[0][1]))} into one linear "
                     f"({mlx}) when it loads the model")
-        if entries and entries[0][1].kind == "computed":
+        if entries[0][1].kind == "computed":
             return (f"mlx-lm computes the weight of {hf} ({mlx}) from the checkpoint when it "
                     "loads the model (e.g. folds a multiplier into it)")
-        if entries:
-            return f"mlx-lm stores the weight of {hf} ({mlx}) in another order"
+        return f"mlx-lm stores the weight of {hf} ({mlx}) in another order"
+
+    def _loose(self, hf: str) -> tuple[Delta | None, str | None]:
+        """A chosen HF module no MLX linear holds: (its `Delta`, None) when mlx-lm
+        loads it into other layers whose weights are made of its elements only,
+        (None, why) when it cannot get LoRA, (None, None) when it is no linear on
+        the MLX island either (an embedding, a norm) and is left out."""
         tensor = next((n for n, m in self.module_of.items() if m == hf and n.endswith(".weight")),
                       f"{hf}.weight")
         holders = self.trace.holders(tensor) if self.trace is not None else []
         if not holders:
-            return f"mlx-lm does not load the Hugging Face weight {tensor}"
+            return None, f"mlx-lm does not load the Hugging Face weight {tensor}"
         kinds = {type(get_module(self.model, h.rsplit(".", 1)[0])).__name__ for h in holders}
         if all(any(x in k for x in _NOT_LINEAR) for k in kinds):
-            return None
-        return (f"mlx-lm loads the Hugging Face linear {hf} into {', '.join(sorted(kinds))} "
-                f"({', '.join(holders)}), not a linear layer LoRA can wrap")
+            return None, None
+        index = [self.trace.index_into(h, tensor) for h in holders]
+        if len(self.shapes[tensor]) == 2 and all(i is not None for i in index):
+            return Delta(tuple(self.shapes[tensor]),
+                         [(*h.rsplit(".", 1), i) for h, i in zip(holders, index)]), None
+        return None, (f"mlx-lm loads the Hugging Face linear {hf} into "
+                      f"{', '.join(sorted(kinds))} ({', '.join(holders)}) together with other "
+                      "weights, not a layer LoRA can wrap")
 
     def _stray_check(self, targets: str, config: dict) -> None:
         """MLX linears with no Hugging Face counterpart must not be ones the rule picks."""
@@ -278,19 +318,26 @@ class HFPaths:
 
     def select(self, targets: str, config: dict) -> dict[str, str]:
         """{HF module path: MLX linear path} of the linears to adapt
-        (`yeto.targets.select_targets` on the HF paths). Raises `TargetError` for a
-        chosen module without exactly one MLX linear that holds exactly its weight."""
+        (`yeto.targets.select_targets` on the HF paths); the chosen HF linears that
+        mlx-lm loads into other layers are in ``self.deltas`` ({HF path: `Delta`}).
+        Raises `TargetError` for a chosen module that cannot get the same LoRA."""
         self._stray_check(targets, config)
         chosen = select_targets(self.candidates(), targets, config)
         where, bad = {}, {}
+        self.deltas: dict[str, Delta] = {}
         for hf in chosen:
             entries = self.by_hf.get(hf, [])
             if len(entries) == 1 and entries[0][1].exact:
                 where[hf] = entries[0][0]
-            elif (reason := self._why_not(hf)) is not None:
+                continue
+            delta, reason = self._loose(hf) if not entries else (None, self._why_not(hf, entries))
+            if delta is not None:
+                self.deltas[hf] = delta
+            elif reason is not None:
                 bad[hf] = reason
         if bad:
-            hint = f"{FLAG} {_names_for(where, bad)}" if where else f"{FLAG} with other modules"
+            good = [*where, *self.deltas]
+            hint = f"{FLAG} {_names_for(good, bad)}" if good else f"{FLAG} with other modules"
             first = next(iter(bad))
             raise TargetError(f"{bad[first]}, so a LoRA on it cannot be the same on the torch and "
                               f"MLX islands ({len(bad)} such module(s)). Leave it out, e.g. {hint}")

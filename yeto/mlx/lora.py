@@ -46,8 +46,22 @@ from yeto.layout import Layout
 from yeto.mlx.hf_paths import HFPaths, Origin, get_module, linear_paths
 from yeto.targets import peft_key
 
-__all__ = ["LoRALinear", "LoRAWeights", "Origin", "attach_lora", "canonical_mlx_name",
+__all__ = ["DeltaLoRA", "LoRALinear", "LoRAWeights", "Origin", "attach_lora", "canonical_mlx_name",
            "get_module", "hf_module_paths", "hf_origins", "linear_paths", "lora_layers"]
+
+
+def _init_factors(layer: nn.Module, in_dims: int, out_dims: int, r: int, alpha: float,
+                  key: mx.array | None) -> None:
+    """peft's factors on ``layer``: lora_A (r, in) kaiming-uniform(a=sqrt(5)), i.e.
+    uniform(-1/sqrt(in), 1/sqrt(in)); lora_B (out, r) zeros; scaling alpha / r."""
+    layer.lora_A = nn.Linear(in_dims, r, bias=False)
+    layer.lora_B = nn.Linear(r, out_dims, bias=False)
+    bound = 1.0 / math.sqrt(in_dims)
+    layer.lora_A.weight = mx.random.uniform(-bound, bound, (r, in_dims), key=key)
+    layer.lora_B.weight = mx.zeros((out_dims, r))
+    layer.r = int(r)
+    layer.alpha = float(alpha)
+    layer.scaling = layer.alpha / layer.r
 
 
 class LoRALinear(nn.Module):
@@ -66,14 +80,7 @@ class LoRALinear(nn.Module):
         out_dims, in_dims = base.weight.shape
         base.freeze()
         self.base_layer = base
-        self.lora_A = nn.Linear(in_dims, r, bias=False)
-        self.lora_B = nn.Linear(r, out_dims, bias=False)
-        bound = 1.0 / math.sqrt(in_dims)  # kaiming_uniform_(a=sqrt(5)) on an (r, in) weight
-        self.lora_A.weight = mx.random.uniform(-bound, bound, (r, in_dims), key=key)
-        self.lora_B.weight = mx.zeros((out_dims, r))
-        self.r = int(r)
-        self.alpha = float(alpha)
-        self.scaling = self.alpha / self.r
+        _init_factors(self, in_dims, out_dims, r, alpha, key)
         #: the Hugging Face module path this layer adapts (its canonical names), when
         #: it differs from, or is not known from, its place in the MLX module tree
         self.hf_path = hf_path
@@ -100,6 +107,49 @@ class LoRALinear(nn.Module):
         return self.base_layer(x) + (delta if self.out_scale is None else delta * self.out_scale)
 
 
+class _Ref:
+    """A reference the MLX module tree does not follow (no parameter is shared)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+
+class DeltaLoRA(nn.Module):
+    """peft's LoRA on a Hugging Face linear that mlx-lm loads into another kind of
+    layer (deepseek's ``kv_b_proj``, kept as two per-head ``MultiLinear``; see
+    `yeto.mlx.hf_paths.Delta`). Each call adds peft's update ``scale·B·A`` (the HF
+    weight's layout, (out, in)) to the wrapped layer's weight through a fixed index,
+    so the layer computes with ``W + scale·B·A`` wherever the torch model computes
+    with it. The first wrapper of a Hugging Face linear holds its lora_A (r, in) and
+    lora_B (out, r); the others use those."""
+
+    def __init__(self, base: nn.Module, key: str, index: np.ndarray,
+                 owner: DeltaLoRA | None = None, *, shape: tuple[int, int] | None = None,
+                 r: int = 0, alpha: float = 0.0, rng: mx.array | None = None,
+                 hf_path: str | None = None):
+        super().__init__()
+        base.freeze()
+        self.base_layer = base
+        self.param = key
+        self.index = mx.array(np.ascontiguousarray(index.reshape(-1), dtype=np.int32))
+        self.freeze(keys=["index"], recurse=False)
+        self.owner = None if owner is None else _Ref(owner)
+        self.hf_path = hf_path if owner is None else None
+        if owner is None:
+            _init_factors(self, shape[1], shape[0], r, alpha, rng)
+
+    def __call__(self, *args, **kwargs):
+        o = self if self.owner is None else self.owner.module
+        delta = (o.lora_B.weight @ o.lora_A.weight) * o.scaling
+        base = self.base_layer[self.param]
+        self.base_layer[self.param] = base + mx.take(delta.reshape(-1), self.index).reshape(
+            base.shape).astype(base.dtype)
+        try:
+            return self.base_layer(*args, **kwargs)
+        finally:
+            self.base_layer[self.param] = base
+
+
 def _quantized_in_blocks(model: nn.Module) -> list[str]:
     return [p for p, m in model.named_modules()
             if ".layers." in f".{p}" and isinstance(m, nn.QuantizedLinear)]
@@ -123,7 +173,7 @@ def hf_module_paths(model: nn.Module, hf_weights: Mapping[str, tuple[int, ...]],
 def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: str = "auto",
                 seed: int = 0,
                 hf_weight_names: Mapping[str, tuple[int, ...]] | Iterable[str] | None = None,
-                ) -> dict[str, LoRALinear]:
+                ) -> dict[str, nn.Module]:
     """Freeze the model and wrap the selected linears in `LoRALinear`.
 
     ``config`` is the Hugging Face config dict (config.json); ``targets`` is the
@@ -133,8 +183,10 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
     from (`yeto.mlx.hf_paths.HFPaths`), the selection
     (`yeto.targets.select_targets`) is made on those paths, and a chosen HF linear
     that mlx-lm splits, fuses, reorders or loads into another kind of layer is
-    refused. Without it, MLX paths are taken as HF paths. Returns
-    {Hugging Face module path: layer}."""
+    refused. A chosen HF linear that mlx-lm loads into other layers made of its
+    elements only (deepseek's ``kv_b_proj``) gets `DeltaLoRA` wrappers. Without
+    ``hf_weight_names``, MLX paths are taken as HF paths. Returns {Hugging Face
+    module path: the layer that holds its lora_A and lora_B}."""
     quantized = _quantized_in_blocks(model)
     if quantized:
         raise ValueError(f"the MLX model has quantized linears (e.g. {quantized[0]}); load the "
@@ -142,19 +194,32 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
     model.freeze()
     paths = HFPaths(model, hf_weight_names, config)
     where = paths.select(targets, config)
-    keys = mx.random.split(mx.random.key(seed), len(where))
-    layers = {hf: LoRALinear(get_module(model, mp), r, alpha, key=keys[i], hf_path=hf,
-                             out_scale=paths.origin_of(mp).scale[0],
-                             in_scale=paths.origin_of(mp).scale[1])
-              for i, (hf, mp) in enumerate(sorted(where.items()))}
-    model.update_modules(tree_unflatten([(where[hf], layer) for hf, layer in layers.items()]))
+    chosen = sorted([*where, *paths.deltas])
+    keys = dict(zip(chosen, mx.random.split(mx.random.key(seed), len(chosen))))
+    layers: dict[str, nn.Module] = {}
+    placed: list[tuple[str, nn.Module]] = []
+    for hf, mp in where.items():
+        scale = paths.origin_of(mp).scale
+        layers[hf] = LoRALinear(get_module(model, mp), r, alpha, key=keys[hf], hf_path=hf,
+                                out_scale=scale[0], in_scale=scale[1])
+        placed.append((mp, layers[hf]))
+    for hf, delta in paths.deltas.items():
+        for module, key, index in delta.holders:
+            wrapper = DeltaLoRA(get_module(model, module), key, index, layers.get(hf),
+                                shape=delta.shape, r=r, alpha=alpha, rng=keys[hf], hf_path=hf)
+            layers.setdefault(hf, wrapper)
+            placed.append((module, wrapper))
+    model.update_modules(tree_unflatten(placed))
+    layers = dict(sorted(layers.items()))
     mx.eval([(x.lora_A.weight, x.lora_B.weight) for x in layers.values()])
     return layers
 
 
-def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
-    """{module path: LoRALinear} of a model with LoRA attached."""
-    return {p: m for p, m in model.named_modules() if isinstance(m, LoRALinear)}
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """{module path: layer that holds LoRA factors} of a model with LoRA attached
+    (`LoRALinear`, and the first `DeltaLoRA` of each Hugging Face linear)."""
+    return {p: m for p, m in model.named_modules()
+            if isinstance(m, (LoRALinear, DeltaLoRA)) and "lora_A" in m}
 
 
 _PEFT_PREFIX = "base_model.model."
@@ -228,8 +293,7 @@ class LoRAWeights:
                  paths: Mapping[str, str] | None = None):
         self._slots: dict[str, _Slot] = {}
         if isinstance(source, nn.Module):
-            known = {p: m.hf_path for p, m in source.named_modules()
-                     if isinstance(m, LoRALinear) and m.hf_path}
+            known = {p: m.hf_path for p, m in lora_layers(source).items() if m.hf_path}
             known.update(paths or {})
             for name, _ in tree_flatten(source.trainable_parameters()):
                 canonical, transpose = canonical_mlx_name(name, known)
