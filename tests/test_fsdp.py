@@ -1,9 +1,9 @@
 """FSDP islands: a torchrun group (2 CPU processes, gloo) that shards the model with
 FSDP2 and syncs through rank 0, one tensor at a time.
 
-- the smoke (default suite): ShardedWeights on a small module with odd shapes
-  (uneven shards) reads, writes and digests exactly what an unsharded copy holds;
-- the run (slow suite): an FSDP island of 2 ranks and a plain island train one
+- ShardedWeights on a small module with odd shapes (uneven shards) reads, writes
+  and digests exactly what an unsharded copy holds;
+- an FSDP island of 2 ranks and a plain island train one
   full-weight model together against a real syncer; every rank of both islands ends
   on the syncer's final weights, bit for bit, and the held-out loss falls.
 """
@@ -93,8 +93,8 @@ def _islands(tmp, address, model, task, port, steps, extra=()):
     train, held_out = task
     common = ["--model", str(model), "--data", str(train), "--eval-data", str(held_out),
               "--syncer", address, "--num-learners", "2", "--max-steps", str(steps),
-              "--sync-every", "5", "--seq-len", "64", "--batch-size", "4", "--no-progress",
-              "--threads", "1", "--tuning", "full", "--inner-lr", "1e-3", "--eval-blocks", "8",
+              "--sync-every", "6", "--seq-len", "128", "--batch-size", "8", "--no-progress",
+              "--threads", "1", "--tuning", "full", "--inner-lr", "1e-4", "--eval-blocks", "24",
               *extra]
     fsdp = subprocess.Popen([str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(port),
                              "-m", "yeto.learner", "--fsdp", *common, "--learner-id", "island-0",
@@ -113,7 +113,6 @@ def _flat_digest(tensors: dict) -> str:
 
 
 @needs_torchrun
-@pytest.mark.slow
 def test_fsdp_island_and_plain_island_end_on_the_syncer_weights(tmp_path, tiny_llama,
                                                                  tiny_task, free_port):
     syncer = start_syncer(["--quorum", "2", "--state-dir", str(tmp_path / "s"),
