@@ -29,9 +29,14 @@ islands; island overhead <= 10 B/param; the 5e8 round fits in 24 GiB and takes
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import queue
+import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -41,7 +46,7 @@ import grpc
 import numpy as np
 
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
-from _bench import MIB, ROOT, parser
+from _bench import ROOT, parser
 
 from syncer.spawn import start_syncer
 from yeto import codec, net
@@ -244,36 +249,305 @@ def measure_syncer(numel: int, islands: int, momentum: str, rounds: int,
 def syncer_table(rows: list[dict], numel: int) -> None:
     print(f"syncer: peak RSS (VmHWM) minus its RSS once listening, {numel:,} parameters, "
           "q4 up, f32 down, quorum = islands, state dir on")
-    print_table(["islands", "momentum", "baseline MiB", "peak MiB", "peak - baseline MiB",
-                 "B/param", "rounds peak B/param"],
-                [[r["islands"], r["momentum"], r["baseline_kib"] / 1024, r["peak_kib"] / 1024,
-                  (r["peak_kib"] - r["baseline_kib"]) / 1024, r["bpp"],
-                  (r["rounds_peak_kib"] - r["baseline_kib"]) * 1024 / numel] for r in rows],
-                right=range(7))
+    print_table(["islands", "momentum", "flags", "baseline MiB", "peak MiB",
+                 "peak - baseline MiB", "B/param"],
+                [[r["islands"], r["momentum"], r.get("extra") or "defaults",
+                  r["baseline_kib"] / 1024, r["peak_kib"] / 1024,
+                  (r["peak_kib"] - r["baseline_kib"]) / 1024, r["bpp"]] for r in rows],
+                right=[0, 3, 4, 5, 6])
+
+
+# ---- the island -----------------------------------------------------------------------
+def torch_model(numel: int):
+    """A plain stack of square Linear layers with about `numel` parameters."""
+    import torch
+
+    width = 4096 if numel >= 5e7 else 1024
+    layers = max(1, round(numel / width / width))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                 for _ in range(layers)]), width
+
+
+def island_worker(mode: str, numel: int, steps: int, sync_every: int, syncer: str) -> dict:
+    """One training loop in this process: AdamW on random regression data, bare or with
+    DiLoCo; returns its RSS after imports and its peak RSS (KiB)."""
+    import torch
+
+    from yeto.interop.integrations import DiLoCo
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    baseline = proc_kib(os.getpid(), "VmRSS")
+    model, width = torch_model(numel)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = torch.randn(32, width), torch.randn(32, width)
+    diloco = DiLoCo(model, syncer, learner_id="island-0", sync_every=sync_every, wire="q4",
+                    tuning="full") if mode == "diloco" else None
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if diloco is not None:
+            diloco.step(32 * width, loss=loss.item())
+    if diloco is not None:
+        diloco.finish()
+    return dict(mode=mode, params=params, baseline_kib=baseline, seconds=time.perf_counter() - t0,
+                peak_kib=proc_kib(os.getpid(), "VmHWM"))
+
+
+def measure_island(numel: int, steps: int, sync_every: int) -> list[dict]:
+    """The bare loop and the DiLoCo loop, each in its own subprocess."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+        with start_syncer(["--quorum", "1", "--grace-ms", "0"], cwd=ROOT,
+                          log=Path(tmp) / "syncer.log") as syncer:
+            for mode in ("bare", "diloco"):
+                r = subprocess.run(
+                    [sys.executable, __file__, "--island-worker", mode, "--params", str(numel),
+                     "--steps", str(steps), "--sync-every", str(sync_every),
+                     "--syncer-address", syncer.address],
+                    capture_output=True, text=True, timeout=1800)
+                if r.returncode != 0:
+                    raise RuntimeError(f"island worker ({mode}) failed:\n{r.stderr[-3000:]}")
+                rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def island_table(rows: list[dict]) -> float:
+    bare, dl = rows
+    params = bare["params"]
+    per = {r["mode"]: (r["peak_kib"] - r["baseline_kib"]) * 1024 / params for r in rows}
+    print(f"island: a {params:,}-parameter stack of Linear layers, AdamW, CPU, full weights, "
+          "q4 up; peak RSS (VmHWM) minus the RSS after imports")
+    print_table(["loop", "baseline MiB", "peak MiB", "peak - baseline MiB", "B/param", "s"],
+                [[r["mode"], r["baseline_kib"] / 1024, r["peak_kib"] / 1024,
+                  (r["peak_kib"] - r["baseline_kib"]) / 1024, per[r["mode"]], r["seconds"]]
+                 for r in rows], right=range(1, 6))
+    overhead = per["diloco"] - per["bare"]
+    print(f"island overhead: {overhead:.2f} B/param (DiLoCo loop - bare loop)")
+    return overhead
 
 
 def main(argv=None) -> int:
     p = parser(__doc__.split("\n\n")[0], "\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--params", type=float, default=1e8,
-                   help="parameters (default 1e8; --quick uses 5e6 unless given)")
+    p.add_argument("--params", type=float, default=None,
+                   help="parameters (default 1e8, 5e8 with --half-billion; --quick: 5e6)")
     p.add_argument("--rounds", type=int, default=2, help="rounds per syncer run")
     p.add_argument("--islands", default=",".join(map(str, ISLANDS)),
                    help="island counts for the syncer runs")
     p.add_argument("--momentum", default="none,0.9", help="none and/or 0.9")
     p.add_argument("--syncer-args", default="", help="more syncer flags, space-separated")
     p.add_argument("--skip-island", action="store_true", help="measure the syncer only")
+    p.add_argument("--skip-syncer", action="store_true", help="measure the island only")
+    p.add_argument("--steps", type=int, default=8, help="island training steps")
+    p.add_argument("--sync-every", type=int, default=3, help="island steps per push")
+    p.add_argument("--half-billion", action="store_true",
+                   help="only the 5e8-parameter round: syncer + two synthetic islands")
+    p.add_argument("--island-worker", choices=("bare", "diloco"), help=argparse.SUPPRESS)
+    p.add_argument("--syncer-address", help=argparse.SUPPRESS)
+    p.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    numel = int(5e6 if args.quick and args.params == 1e8 else args.params)
+    numel = int(args.params or (5e6 if args.quick else 1e8))
+    if args.raw_server:
+        return raw_server_main(args.raw_server, args.port_file)
+    if args.island_worker:
+        print(json.dumps(island_worker(args.island_worker, numel, args.steps, args.sync_every,
+                                       args.syncer_address)))
+        return 0
+    if args.half_billion:
+        return half_billion_main(args)
     if numel < 1e8:
         print(f"NOTE: {numel:,} parameters, below the 1e8 the goal is stated at "
               f"({'--quick' if args.quick else '--params'}): fixed buffers weigh more per "
               "parameter")
-    rows = [measure_syncer(numel, k, m, args.rounds, tuple(args.syncer_args.split()))
-            for m in args.momentum.split(",") for k in map(int, args.islands.split(","))]
-    syncer_table(rows, numel)
-    worst = max(r["bpp"] for r in rows)
-    print(f"RESULT syncer_bytes_per_param={worst:.2f} island_overhead_bytes_per_param=nan")
+    syncer_bpp = island_bpp = float("nan")
+    momentum_bpp = float("nan")
+    if not args.skip_syncer:
+        rows = syncer_rows(numel, args)
+        syncer_table(rows, numel)
+        default = [r for r in rows if not r["extra"]] or rows
+        syncer_bpp = max(r["bpp"] for r in default if r["momentum"] == "none")
+        momentum_bpp = max((r["bpp"] for r in default if r["momentum"] != "none"),
+                           default=float("nan"))
+    if not args.skip_island:
+        island_bpp = island_table(measure_island(numel, args.steps, args.sync_every))
+    print(f"RESULT syncer_bytes_per_param={syncer_bpp:.2f} "
+          f"island_overhead_bytes_per_param={island_bpp:.2f} "
+          f"syncer_momentum_bytes_per_param={momentum_bpp:.2f} params={numel}")
+    return 0
+
+
+def syncer_rows(numel: int, args) -> list[dict]:
+    """Every island count with the default flags, and the most islands with
+    --max-inflight-pushes 2, for each momentum setting."""
+    counts = [int(k) for k in args.islands.split(",")]
+    extra = tuple(args.syncer_args.split())
+    rows = []
+    for m in args.momentum.split(","):
+        runs = [(k, extra) for k in counts]
+        if max(counts) > 2 and not extra:
+            runs.append((max(counts), ("--max-inflight-pushes", "2")))
+        for k, ex in runs:
+            r = measure_syncer(numel, k, m, args.rounds, ex)
+            r["extra"] = " ".join(ex)
+            rows.append(r)
+    return rows
+
+
+# ---- the half-billion round ----------------------------------------------------------
+def raw_server_main(total: int, port_file: Path) -> int:
+    """A raw gRPC server (bench_transfer's) in its own process, as the syncer is."""
+    from bench_transfer import raw_server
+
+    from yeto.io import atomic_write
+
+    server, port, _ = raw_server(total)
+    atomic_write(port_file, str(port))
+    server.wait_for_termination()
+    return 0
+
+
+def _together(fns) -> float:
+    """Run the callables in threads at once; seconds until all are done."""
+    threads = [threading.Thread(target=fn) for fn in fns]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> tuple[float, float]:
+    """Best seconds for `streams` concurrent raw uploads of `up_bytes` each, then as many
+    concurrent raw downloads of `down_bytes` each (4 MiB messages, another process)."""
+    from bench_transfer import RAW_SERVICE
+
+    with tempfile.TemporaryDirectory(prefix="bench-raw-") as tmp:
+        port_file = Path(tmp) / "port"
+        proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(down_bytes),
+                                 "--port-file", str(port_file)])
+        try:
+            while not port_file.exists():
+                if proc.poll() is not None:
+                    raise RuntimeError("the raw gRPC server did not start")
+                time.sleep(0.05)
+            addr = f"127.0.0.1:{port_file.read_text()}"
+            opts = net.GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
+            chans = [grpc.insecure_channel(addr, options=opts) for _ in range(streams)]
+            piece = np.random.default_rng(1).bytes(net.CHUNK_BYTES)
+            sizes = [min(net.CHUNK_BYTES, up_bytes - lo)
+                     for lo in range(0, up_bytes, net.CHUNK_BYTES)]
+
+            def up(ch):
+                ch.stream_unary(f"/{RAW_SERVICE}/Up")(iter(piece[:k] for k in sizes), timeout=600)
+
+            def down(ch):
+                for _ in ch.unary_stream(f"/{RAW_SERVICE}/Down")(b"", timeout=600):
+                    pass
+
+            best_up = min(_together([lambda c=c: up(c) for c in chans]) for _ in range(repeat))
+            best_down = min(_together([lambda c=c: down(c) for c in chans])
+                            for _ in range(repeat))
+            for ch in chans:
+                ch.close()
+        finally:
+            proc.terminate()
+            proc.wait()
+    return best_up, best_down
+
+
+def mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / (1 << 20)
+    return float("nan")
+
+
+def half_billion_run(numel: int, rounds: int, tmp: Path) -> dict:
+    """The syncer and two synthetic islands (subprocesses), blocking sync every step."""
+    island = ROOT / "scripts" / "synthetic_island.py"
+    records = [tmp / f"half-{i}.jsonl" for i in range(2)]
+    with start_syncer(["--quorum", "2", "--grace-ms", "0"], cwd=ROOT,
+                      log=tmp / "syncer.log") as syncer:
+        watch = PeakWatch(syncer.pid)
+        procs = [subprocess.Popen(
+            [sys.executable, str(island), "--syncer", syncer.address, "--learner-id",
+             f"half-{i}", "--dim", str(numel), "--steps", str(rounds), "--sync-every", "1",
+             "--blocking-sync", "--seed", str(i), "--record", str(rec)], cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=open(tmp / f"half-{i}.log", "w"))
+            for i, rec in enumerate(records)]
+        for i, proc in enumerate(procs):
+            if proc.wait(timeout=3600) != 0:
+                log_text = (tmp / f"half-{i}.log").read_text()
+                raise RuntimeError(f"island {i} failed:\n{log_text[-3000:]}")
+        syncer.wait(timeout=300)
+        syncer_peak = watch.stop()
+    recs = [[json.loads(line) for line in r.read_text().splitlines()] for r in records]
+    done = [[e for e in r if e["event"] == "done"][-1] for r in recs]
+    if not all(d["final"] for d in done) or done[0]["weights_sha256"] != done[1]["weights_sha256"]:
+        raise RuntimeError("the islands did not end with the same final weights")
+    return dict(syncer_peak_kib=syncer_peak, island_peak_kib=[d["peak_rss_kib"] for d in done],
+                round_s=_round_seconds(recs, rounds))
+
+
+def _round_seconds(recs: list[list[dict]], rounds: int) -> list[dict]:
+    """Per round, from the islands' records: `total` from the first island starting to
+    encode its push to both having applied the merged weights; `encode` until the
+    last push is handed to its client; `merge` until the last reply (the last push
+    of a round is answered after the commit: transfer, merge, outer step); `bcast`
+    until both applied the broadcast."""
+    def times(event: str, r: int) -> list[float]:
+        """The time of each island's r-th `event` (for "applied": of version r + 1)."""
+        if event == "applied":
+            return [next(e["time"] for e in rec if e["event"] == event and
+                         e["version"] == r + 1) for rec in recs]
+        return [[e["time"] for e in rec if e["event"] == event][r] for rec in recs]
+
+    out = []
+    for r in range(rounds):
+        start, sent = min(times("push", r)), max(times("sent", r))
+        replied, applied = max(times("replied", r)), max(times("applied", r))
+        out.append(dict(total=applied - start, encode=sent - start, merge=replied - sent,
+                        bcast=applied - replied))
+    return out
+
+
+def half_billion_main(args) -> int:
+    numel = int(args.params or 5e8)
+    rounds = max(2, args.rounds)
+    avail = mem_available_gib()
+    print(f"{numel:,} f32 parameters, 2 synthetic islands, q4 up, f32 down, quorum 2, no state "
+          f"dir, blocking sync every step; {avail:.1f} GiB available before the run")
+    up = codec.encoded_size("q4", numel)
+    raw_up, raw_down = raw_grpc(up, 4 * numel, streams=2)
+    with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
+        run = half_billion_run(numel, rounds, Path(tmp))
+    peaks = [run["syncer_peak_kib"], *run["island_peak_kib"]]
+    total_gib = sum(peaks) / (1 << 20)
+    raw = raw_up + raw_down
+    round_s = statistics.median(r["total"] for r in run["round_s"])
+    print_table(["process", "peak RSS GiB", "B/param"],
+                [[name, k / (1 << 20), k * 1024 / numel] for name, k in
+                 zip(["syncer", "island 0", "island 1"], peaks)] +
+                [["sum", total_gib, sum(peaks) * 1024 / numel]], right=[1, 2])
+    print_table(["path", "seconds", "GiB moved"],
+                [["raw gRPC: 2 q4 pushes at once", raw_up, 2 * up / (1 << 30)],
+                 ["raw gRPC: 2 f32 broadcasts at once", raw_down, 8 * numel / (1 << 30)],
+                 ["raw gRPC: the round's bytes", raw, (2 * up + 8 * numel) / (1 << 30)],
+                 ["round (median): first push encode to both applied", round_s, ""]],
+                right=[1, 2])
+    print_table(["round", "total s", "islands encode", "push + merge + step", "broadcast + apply"],
+                [[i + 1, r["total"], r["encode"], r["merge"], r["bcast"]]
+                 for i, r in enumerate(run["round_s"])], right=range(5))
+    print(f"RESULT half_billion_peak_gib={total_gib:.2f} round_s={round_s:.2f} raw_s={raw:.2f} "
+          f"round_over_raw={round_s / raw:.2f} params={numel}")
     return 0
 
 

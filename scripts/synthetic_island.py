@@ -76,6 +76,20 @@ class Quadratic:
         self.w[lo:hi] = values
 
 
+def _record_pushes(client, record) -> None:
+    """Record when each push is handed to the client (encoded) and when the syncer's
+    reply arrives (merged; the last push of a round replies after the commit)."""
+    push = client.push
+
+    def timed(payload, **kw):
+        record("sent", seq=kw.get("seq"), bytes=len(payload))
+        fut = push(payload, **kw)
+        fut.add_done_callback(lambda _: record("replied", seq=kw.get("seq")))
+        return fut
+
+    client.push = timed
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +133,8 @@ def main(argv=None) -> int:
 
     client = SyncerClient(args.syncer, args.learner_id, layout, token=args.token,
                           backend="numpy", backoff_s=0.1, max_backoff_s=1.0)
+    if args.record:
+        _record_pushes(client, record)
     island = Island(layout, lambda: model.w, model.set, client=client,
                     sync_every=args.sync_every, wire=args.wire, blocking=args.blocking_sync,
                     on_apply=on_apply, on_sync=on_sync if args.record else None,

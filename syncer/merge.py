@@ -86,7 +86,7 @@ class MergeAccumulator:
             norm = stream.decode_add_norm(payload, encoding, self.numel, self._buffer(), scale)
             self.norm_sum += scale * norm
         else:
-            codec.decode_add(payload, encoding, self.numel, self._buffer(), scale)
+            stream.decode_add(payload, encoding, self.numel, self._buffer(), scale)
 
     def _buffer_weight(self, w: float) -> float:
         """The weight a validated push is summed with now (see the class docstring)."""
@@ -105,18 +105,46 @@ class MergeAccumulator:
 
     def result(self) -> np.ndarray:
         """The merged pseudo-gradient g (reuses the accumulator's buffer)."""
+        divisor, g = self._prepare(), self._buffer()
+        g /= divisor
+        if self.rule == "rda":
+            norm = stream.vector_norm(g)
+            if norm > 0:
+                g *= (self.norm_sum / divisor) / norm
+        return g
+
+    def step_outer(self, outer: NesterovOuter, theta: np.ndarray,
+                   m: np.ndarray | None) -> np.ndarray:
+        """`outer.step(theta, m, self.result())` with the same bits, in one pass per
+        chunk over the buffers (two with RDA, whose scale needs g's norm first), on a
+        few threads. Returns g's buffer (scratch afterwards)."""
+        divisor, g = self._prepare(), self._buffer()
+        divide, factor = True, None
+        if self.rule == "rda":
+            def by_divisor(lo: int, hi: int) -> None:
+                g[lo:hi] /= divisor
+
+            stream.each_chunk(g.size, by_divisor)
+            norm = stream.vector_norm(g)
+            divide, factor = False, (self.norm_sum / divisor) / norm if norm > 0 else None
+
+        def one(lo: int, hi: int) -> None:
+            if divide:
+                g[lo:hi] /= divisor
+            if factor is not None:
+                g[lo:hi] *= factor
+            outer.step(theta[lo:hi], None if m is None else m[lo:hi], g[lo:hi])
+
+        stream.each_chunk(g.size, one)
+        return g
+
+    def _prepare(self) -> float:
+        """Merge deferred (clipped) pushes; the divisor of the round's sum."""
         if self.count == 0:
             raise RuntimeError("no pushes to merge")
         if self.deferred:
             self._merge_deferred()
-        divisor = self.count if self.uniform_fallback else self.total_weight
-        g = self._buffer()
-        g /= divisor
-        if self.rule == "rda":
-            norm = float(np.linalg.norm(g))
-            if norm > 0:
-                g *= (self.norm_sum / divisor) / norm
-        return g
+        return self.count if self.uniform_fallback else self.total_weight
 
     def _merge_deferred(self) -> None:
         """Scale each deferred push to norm ≤ clip_factor × the round's median norm."""
@@ -127,7 +155,7 @@ class MergeAccumulator:
             scale = min(1.0, limit / p.norm) if p.norm > 0 else 1.0
             w = self.merged_weight(p.weight) * scale
             self.clip_scales.append(scale)
-            codec.decode_add(p.payload, p.encoding, self.numel, buf, w)
+            stream.decode_add(p.payload, p.encoding, self.numel, buf, w)
             self.norm_sum += w * p.norm
         self.deferred.clear()
 

@@ -510,12 +510,11 @@ class Run:
         f = rnd.fragment
         lo, hi = self._span(f)
         self._detach_broadcast(f)  # Θ changes below: streams of the old version keep it
-        g = rnd.acc.result()
+        m = None if self._momentum is None else self._momentum[lo:hi]
+        g = rnd.acc.step_outer(self.outer, self.theta[lo:hi], m)
         if rnd.acc.uniform_fallback:
             log.warning("round %d: every push carried 0 loss tokens; merged with uniform "
                         "weights", self.version + 1)
-        m = None if self._momentum is None else self._momentum[lo:hi]
-        self.outer.step(self.theta[lo:hi], m, g)
         self.version += 1
         self.commits[f].append(self.version)
         merge_s = time.perf_counter() - t0

@@ -47,7 +47,7 @@ def _whole_array_merge(payloads, encoding: str, tokens: list[int], rule: str) ->
         norm_sum += w * _blocked_norm(d)
     acc /= total
     if rule == "rda":
-        acc *= (norm_sum / total) / float(np.linalg.norm(acc))
+        acc *= (norm_sum / total) / _blocked_norm(acc)
     return acc
 
 
@@ -63,14 +63,33 @@ def test_chunked_merge_equals_the_whole_array_merge(rule, encoding):
     assert got.tobytes() == _whole_array_merge(payloads, encoding, tokens, rule).tobytes()
 
 
+@pytest.mark.parametrize("rule", ["mean", "uniform", "rda"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_chunked_commit_equals_result_then_whole_step(rule, momentum):
+    payloads = [codec.encode(d, "q4") for d in _deltas(3)]
+    rng = np.random.default_rng(5)
+    theta, m = rng.standard_normal(N).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+    outer = NesterovOuter(0.7, momentum)
+    accs = [MergeAccumulator(N, rule) for _ in range(2)]
+    for acc in accs:
+        for p, t in zip(payloads, [5, 0, 9]):
+            acc.add(p, "q4", t)
+    t1, m1 = theta.copy(), m.copy()
+    outer.step(t1, m1 if momentum else None, accs[0].result())
+    t2, m2 = theta.copy(), m.copy()
+    accs[1].step_outer(outer, t2, m2 if momentum else None)
+    assert t1.tobytes() == t2.tobytes() and m1.tobytes() == m2.tobytes()
+
+
 def test_decode_add_equals_codec_and_norm_matches_numpy():
     for encoding in ENCODINGS:
         d = _deltas(1)[0]
         p = codec.encode(d, encoding)
-        a, b = np.ones(N, np.float32), np.ones(N, np.float32)
+        a, b, c = (np.ones(N, np.float32) for _ in range(3))
         norm = stream.decode_add_norm(p, encoding, N, a, 0.3)
         codec.decode_add(p, encoding, N, b, 0.3)
-        assert a.tobytes() == b.tobytes()
+        stream.decode_add(p, encoding, N, c, 0.3)
+        assert a.tobytes() == b.tobytes() == c.tobytes()
         whole = codec.decode(p, encoding, N)
         assert norm == _blocked_norm(whole) == stream.norm(p, encoding, N)
         assert norm == pytest.approx(float(np.linalg.norm(whole.astype(np.float64))), rel=1e-12)
