@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="advantages r − mean only (no division by the group's std)")
     g.add_argument("--micro-batch", type=int, default=64, help="sequences per forward pass")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
+    g.add_argument("--warmup-steps", type=int, default=0,
+                   help="raise the learning rate linearly over the first steps")
     g.add_argument("--eval-prompts", type=int, default=64,
                    help="held-out prompts (from --eval-data) scored greedily (0 = all)")
     g.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds per request")
@@ -74,6 +76,7 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
         temperature=args.temperature, top_p=args.top_p, clip_eps=args.clip_eps,
         kl_coef=args.kl_coef, scale_rewards=not args.no_scale_rewards, adapter=args.adapter,
         micro_batch=args.micro_batch, max_grad_norm=args.max_grad_norm,
+        warmup_steps=args.warmup_steps,
         eval_prompts=args.eval_prompts, rollout_timeout=args.rollout_timeout,
         rollout_wait=args.rollout_wait, rollout_api_key=args.rollout_api_key,
         rollout_model=args.rollout_model)

@@ -90,7 +90,9 @@ def warm_start(args, model: Path, train: Path) -> Path:
     return out / "adapter"
 
 
-def start_nodes(args, model: Path, adapter: Path, syncer: str) -> list[dict]:
+def start_nodes(args, model: Path, adapter: Path, syncer: str | None) -> list[dict]:
+    """The rollout nodes of --nodes, serving `adapter`, observing `syncer` (None: not in
+    a run, they serve `adapter` forever)."""
     nodes = []
     for backend in [b.strip() for b in args.nodes.split(",") if b.strip()]:
         d = args.out / "nodes"
@@ -98,8 +100,10 @@ def start_nodes(args, model: Path, adapter: Path, syncer: str) -> list[dict]:
         port_file.unlink(missing_ok=True)
         cmd = [PY, "-m", "yeto.rollout", "--model", str(model), "--backend", backend,
                "--adapter", str(adapter), "--port", "0", "--port-file", str(port_file),
-               "--syncer", syncer, "--node-id", f"rollout-{backend}",
+               "--node-id", f"rollout-{backend}",
                "--request-log", str(d / f"{backend}.requests.jsonl")]
+        if syncer:
+            cmd += ["--syncer", syncer]
         if backend == "torch":
             cmd += ["--threads", "1"]
         (d / f"{backend}.requests.jsonl").unlink(missing_ok=True)
@@ -110,11 +114,13 @@ def start_nodes(args, model: Path, adapter: Path, syncer: str) -> list[dict]:
     return nodes
 
 
-def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: str,
+def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: str | None,
              nodes: list[dict]) -> dict:
+    """The GRPO island as a process (its progress printed from its metrics); returns its
+    summary. Without `syncer` it trains alone and the nodes never get its weights."""
     out = args.out / "rl"
     cmd = [PY, "-m", "yeto.rl", "--model", str(model), "--adapter", str(adapter),
-           "--data", str(data[0]), "--eval-data", str(data[1]), "--syncer", syncer,
+           "--data", str(data[0]), "--eval-data", str(data[1]), "--syncer", syncer or "none",
            "--learner-id", "grpo-0", "--sync-every", str(args.sync_every), "--wire", "f32",
            "--max-steps", str(args.max_steps), "--group-size", str(args.group_size),
            "--prompts-per-step", str(args.prompts_per_step), "--inner-lr", str(args.inner_lr),

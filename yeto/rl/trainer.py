@@ -55,6 +55,7 @@ class RLConfig:
     adapter: Path | None = None
     micro_batch: int = 64
     max_grad_norm: float = 1.0
+    warmup_steps: int = 0
     eval_prompts: int = 64
     rollout_timeout: float = 300.0
     rollout_wait: float = 600.0
@@ -137,7 +138,7 @@ class GRPOTrainer:
                 for i, (p, g) in enumerate(zip(batch, groups)) for j, s in enumerate(g)]
         trained = [s for s in seqs if abs(s.advantage) > 1e-8]
         t1 = time.perf_counter()
-        stats = self._train(trained) if trained else dict(loss=0.0, tokens=0)
+        stats = self._train(trained, step) if trained else dict(loss=0.0, tokens=0)
         # staleness: commits between the sampling weights and the trainer's (in a run)
         seen = [version - s.version for s in seqs if s.version >= 0 <= version]
         return dict(step=step, reward=float(rewards.mean()), reward_std=float(rewards.std()),
@@ -149,12 +150,15 @@ class GRPOTrainer:
                     rollout_s=round(t_roll, 3), train_s=round(time.perf_counter() - t1, 3),
                     **stats)
 
-    def _train(self, seqs: list[Seq]) -> dict:
+    def _train(self, seqs: list[Seq], step: int) -> dict:
         """One AdamW step on the GRPO loss of `seqs` (micro-batched)."""
         rl, model, opt = self.rl, self.backend.model, self.backend.opt
         device = self.backend.device
         total = sum(len(s.tokens) for s in seqs)
         model.train()
+        for group in opt.param_groups:  # linear warmup (AdamW's first steps are noisy)
+            group.setdefault("base_lr", group["lr"])
+            group["lr"] = group["base_lr"] * min(1.0, step / max(1, rl.warmup_steps))
         opt.zero_grad(set_to_none=True)
         acc = dict(loss=0.0, gap=0.0, clipped=0.0, ratio=0.0, kl=0.0)
         for lo in range(0, len(seqs), rl.micro_batch):
