@@ -5,13 +5,16 @@ takes part. The syncer listens on host a's own address (192.0.2.1), islands run 
 other hosts, and the tests wait on events (port files, log lines, the tape), never
 on fixed sleeps where an event exists.
 
-Needs root and iproute2; skipped with the reason elsewhere."""
+Needs root and iproute2; skipped with the reason elsewhere. Also here: the deployment
+recipes in examples/deploy/, checked as far as this machine can (no Slurm, no cloud).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +33,7 @@ from syncer.tape import read_tape  # noqa: E402
 from yeto.cli.join import shell_lines  # noqa: E402
 
 WHY = netlab.unavailable()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+needs_lab = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 PORT = 29400
 SMALL = ["--seq-len", "64", "--batch-size", "4", "--lora-r", "4", "--eval-blocks", "8",
@@ -41,6 +44,8 @@ TOKEN = "lab-token-" + "5f" * 12
 # ---- fixtures and helpers ------------------------------------------------------------
 @pytest.fixture
 def lab():
+    if WHY:
+        pytest.skip(WHY)
     with netlab.Lab() as lab:
         yield lab
 
@@ -119,6 +124,7 @@ def merges(state: Path) -> list[dict]:
 
 
 # ---- the lab itself --------------------------------------------------------------------
+@needs_lab
 def test_the_lab_links_hosts_limits_bandwidth_and_tears_down(tmp_path):
     """Two hosts talk over the switch; a 20 Mbit/s limit holds; a relay adds its delay;
     a cut link refuses traffic until it is up again; the namespaces are gone after
@@ -362,3 +368,81 @@ def test_a_silent_link_cut_does_not_stall_the_island(lab, tmp_path, tiny_llama, 
     done, paced = steps_through_the_cut(tmp_path / "island-0" / "metrics.jsonl",
                                         got["t_cut"], got["t_up"])
     assert done >= 0.5 * paced and done > 2 * H, (done, paced)
+
+
+# ---- deployment recipes (examples/deploy/) ---------------------------------------------
+DEPLOY = ROOT / "examples" / "deploy"
+
+
+def test_slurm_script_parses_and_keeps_the_token_off_command_lines():
+    script = DEPLOY / "slurm.sbatch"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    if shutil.which("shellcheck"):
+        r = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stdout
+    text = script.read_text()
+    assert "python -m syncer --host 0.0.0.0" in text and "torchrun --standalone" in text
+    assert "--token" not in text and "export YETO_TOKEN" in text
+
+
+def test_skypilot_tasks_parse_and_pass_the_syncer_address_in():
+    yaml = pytest.importorskip("yaml")
+    syncer = yaml.safe_load((DEPLOY / "skypilot" / "syncer.yaml").read_text())
+    island = yaml.safe_load((DEPLOY / "skypilot" / "island.yaml").read_text())
+    assert syncer["resources"]["ports"] == PORT and "python -m syncer" in syncer["run"]
+    assert "SYNCER" in island["envs"] and '--syncer "$SYNCER"' in island["run"]
+    for task in (syncer, island):
+        assert "YETO_TOKEN" in task["envs"] and task["envs"]["YETO_TOKEN"] is None
+        assert "--token" not in task["run"]
+
+
+def systemd_command(unit: Path) -> str:
+    """The shell command of the unit's ExecStart (continuations joined, $$ -> $)."""
+    text = unit.read_text().replace("\\\n", " ")
+    line = next(x for x in text.splitlines() if x.startswith("ExecStart="))
+    cmd = line.removeprefix("ExecStart=/bin/sh -c ").replace("$$", "$")
+    assert cmd[0] == cmd[-1] == "'"
+    return cmd[1:-1]
+
+
+def test_systemd_unit_verifies_and_resumes_only_a_saved_run(tmp_path):
+    unit = DEPLOY / "yeto-syncer.service"
+    if shutil.which("systemd-analyze"):
+        r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+    cmd = systemd_command(unit).replace("exec /opt/yeto/bin/python", "exec echo")
+    env = dict(os.environ, STATE_DIRECTORY=str(tmp_path), CREDENTIALS_DIRECTORY="/creds")
+    first = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert first.stdout.split()[:3] == ["-m", "syncer", "--host"]
+    assert f"--state-dir {tmp_path}" in first.stdout and "--resume" not in first.stdout
+    assert "--tls-key /creds/server.key" in first.stdout
+    (tmp_path / "state.safetensors").write_bytes(b"")
+    again = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert again.stdout.split()[-1] == "--resume"
+
+
+def test_systemd_unit_command_starts_a_syncer(lab, cert, tmp_path):
+    """The unit's own command line, run as systemd would (state and credential
+    directories, the token from the environment) on a lab host: it listens on every
+    interface with TLS, and SIGTERM stops it cleanly."""
+    a = lab.host("a")
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    for src, name in zip(cert, ("server.pem", "server.key")):
+        shutil.copy(src, creds / name)
+    cmd = systemd_command(DEPLOY / "yeto-syncer.service").replace(
+        "/opt/yeto/bin/python", sys.executable).replace("--port 29400", "--port 29400 "
+                                                        f"--port-file {tmp_path}/port")
+    e = dict(env(TOKEN), STATE_DIRECTORY=str(tmp_path / "state"),
+             CREDENTIALS_DIRECTORY=str(creds))
+    (tmp_path / "state").mkdir()
+    log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
+    proc = lab.popen(a, ["sh", "-c", cmd], stdout=log, stderr=subprocess.STDOUT, env=e)
+    log.close()
+    wait_for((tmp_path / "port").exists, 60, "the unit's syncer to listen", [proc])
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+    assert f"listening on 0.0.0.0:{PORT}" in (tmp_path / "log.txt").read_text()
