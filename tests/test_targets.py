@@ -544,3 +544,25 @@ def test_delta_lora_on_a_linear_mlx_lm_keeps_as_other_layers():
     assert sorted(got) == ["lora_A", "lora_B"]
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5)
+
+
+def test_lora_linear_weight_is_the_base_weight_as_in_peft():
+    """Model code that reads (or clips, as gemma3n's AltUp) a linear's ``weight`` sees
+    the base weight on both islands; the update is added when the layer is called."""
+    mx, nn = _mlx()
+    from yeto.mlx.lora import LoRALinear
+
+    base = nn.Linear(3, 2)
+    layer = LoRALinear(base, 2, 4.0)
+    assert layer.weight is base.weight and layer.bias is base.bias
+    layer.weight = mx.clip(layer.weight, -0.01, 0.01)
+    assert float(base.weight.max()) <= 0.01 and "weight" not in layer
+    assert not hasattr(LoRALinear(nn.Linear(3, 2, bias=False), 2, 4.0), "bias")
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    wrapped = get_peft_model(net, LoraConfig(r=2, lora_alpha=4, target_modules=["0"]))
+    layer = wrapped.base_model.model[0]
+    assert layer.weight is layer.base_layer.weight

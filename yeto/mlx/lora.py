@@ -90,6 +90,20 @@ class LoRALinear(nn.Module):
         self.in_scale = None if in_scale is None else mx.array(in_scale)
         self.freeze(keys=["out_scale", "in_scale"], recurse=False, strict=False)
 
+    # As peft's LoRA layer: ``weight``/``bias`` are the base layer's (model code that
+    # reads or clips a linear's weight directly, as gemma3n's AltUp does, sees the same
+    # array on both islands, and the update is added only when the layer is called).
+    def __getattr__(self, key: str):
+        if key in ("weight", "bias") and "base_layer" in self:
+            return getattr(self["base_layer"], key)
+        return super().__getattr__(key)
+
+    def __setattr__(self, key: str, value) -> None:
+        if key in ("weight", "bias") and "base_layer" in self:
+            setattr(self["base_layer"], key, value)
+        else:
+            super().__setattr__(key, value)
+
     @property
     def in_features(self) -> int:
         return int(self.lora_A.weight.shape[1])
