@@ -42,6 +42,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     def __init__(self, run: Run, max_inflight_pushes: int = 4):
         self.run = run
         self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
+        self.pool = stream.BufferPool(max_inflight_pushes)
 
     def Join(self, request, context):
         specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype)
@@ -67,11 +68,22 @@ class SyncerService(pb_grpc.SyncerServicer):
             # bounded: each push in flight holds its payload, compressed as it came
             # (q4: 0.5625 B per parameter), until it is validated whole and merged
             with self.inflight:
-                payload = _receive(h, first, request_iterator)
-                return pb.PushReply(**self.run.push(h, payload))
+                return pb.PushReply(**self._push(h, first, request_iterator))
         except Reject as e:
             learner = first.header.learner_id if first and first.header else ""
             _abort(context, e, self.run, "push", learner)
+
+    def _push(self, h, first, rest) -> dict:
+        """Receive and merge one push. A delta's buffer goes back to the pool once merged,
+        unless the run keeps pushes until the round commits (clipping); the seed's
+        becomes Θ."""
+        reuse = h.kind == pb.DELTA and not self.run.cfg.clip_factor
+        buf = self.pool.get(h.payload_bytes) if reuse else None
+        try:
+            return self.run.push(h, _receive(h, first, rest, buf))
+        finally:
+            if reuse:
+                self.pool.put(buf)
 
     def Subscribe(self, request, context):
         run = self.run
@@ -203,11 +215,11 @@ def _source_chunks(header, source, reader: int):
         yield source.read(reader, lo, hi, prefix)
 
 
-def _receive(h, first, rest):
-    """Assemble a push payload from its chunks, validated as it arrives (see
-    `syncer.stream.PayloadReceiver`): one buffer of the wire size."""
+def _receive(h, first, rest, into=None):
+    """Assemble a push payload from its chunks into `into` (or a new buffer), validated
+    as it arrives (see `syncer.stream.PayloadReceiver`): one buffer of the wire size."""
     try:
-        rx = stream.PayloadReceiver(h.encoding, h.numel)
+        rx = stream.PayloadReceiver(h.encoding, h.numel, into)
         for chunk in itertools.chain([first], rest):
             if chunk is not first and chunk.header is not None:
                 raise Reject("invalid", "a push carries exactly one header")

@@ -27,6 +27,7 @@ These functions only compose `yeto.codec`'s encoders and decoders; `chunk_payloa
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -158,6 +159,30 @@ def _place(out: np.ndarray, encoding: str, numel: int, lo: int, hi: int, piece: 
     half = codec.Q4_BLOCK // 2
     out[4 * b0:4 * b1] = src[:4 * (b1 - b0)]
     out[4 * nb + half * b0:4 * nb + half * b1] = src[4 * (b1 - b0):]
+
+
+class BufferPool:
+    """Receive buffers kept for the next push of the same size: a fresh buffer costs a
+    page fault per 4 KiB on first touch (on a VM, more than receiving the bytes), a
+    reused one nothing. Holds at most `limit` buffers (one per push in flight), so
+    it adds nothing to the peak the in-flight bound already allows."""
+
+    def __init__(self, limit: int):
+        self.limit = max(0, limit)
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def get(self, size: int) -> np.ndarray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.size == size:
+                    return self._free.pop(i)
+        return np.empty(size, np.uint8)
+
+    def put(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
+            del self._free[:-self.limit or len(self._free)]
 
 
 class PayloadReceiver:
