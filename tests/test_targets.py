@@ -566,3 +566,16 @@ def test_lora_linear_weight_is_the_base_weight_as_in_peft():
     wrapped = get_peft_model(net, LoraConfig(r=2, lora_alpha=4, target_modules=["0"]))
     layer = wrapped.base_model.model[0]
     assert layer.weight is layer.base_layer.weight
+
+
+def test_auto_on_a_moe_without_attention_adapts_its_non_expert_linears(caplog):
+    paths = [f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "mamba.in_proj", "mamba.out_proj", "shared_mlp.input_linear", "shared_mlp.output_linear")]
+    config = {"model_type": "granitemoehybrid", "num_local_experts": 4}
+    with caplog.at_level(logging.INFO, logger="yeto.targets"):
+        chosen = select_targets(paths, "auto", config)
+    assert chosen == sorted(p for p in paths if not p.endswith("out_proj"))  # Mamba out_proj
+    assert "its linears that are not experts" in caplog.text and "out_proj not adapted" in \
+        caplog.text
+    with pytest.raises(TargetError, match="no attention projections: try all-linear"):
+        select_targets(paths, "attention", config)
