@@ -393,8 +393,8 @@ def test_skypilot_tasks_parse_and_pass_the_syncer_address_in():
     island = yaml.safe_load((DEPLOY / "skypilot" / "island.yaml").read_text())
     assert syncer["resources"]["ports"] == PORT and "python -m syncer" in syncer["run"]
     assert "SYNCER" in island["envs"] and '--syncer "$SYNCER"' in island["run"]
-    for task in (syncer, island):
-        assert "YETO_TOKEN" in task["envs"] and task["envs"]["YETO_TOKEN"] is None
+    for task in (syncer, island):  # a required secret, never on a command line
+        assert task["secrets"] == {"YETO_TOKEN": None} and "YETO_TOKEN" not in task["envs"]
         assert "--token" not in task["run"]
 
 
@@ -446,3 +446,17 @@ def test_systemd_unit_command_starts_a_syncer(lab, cert, tmp_path):
     proc.terminate()
     assert proc.wait(timeout=60) == 0
     assert f"listening on 0.0.0.0:{PORT}" in (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.slow
+@needs_lab
+def test_bench_link_runs_and_reports(tmp_path):
+    """scripts/bench_link.py --quick ends with its RESULT line (numbers not asserted)."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_link.py"), "--quick",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    m = re.match(r"^RESULT wait_share=(\S+) wait_share_P4=(\S+)( [a-z_A-Z0-9]+=\S+)*$", last)
+    assert m, last
+    assert 0 <= float(m.group(1)) <= 1 and 0 <= float(m.group(2)) <= 1
