@@ -15,18 +15,24 @@ as in tests/conftest.py `running_syncer`):
            streaming the same total as 4 MiB `bytes` chunks: one client-streaming
            call up, one server-streaming call down (receivers only count bytes).
 
+  wire     The same syncer, with the island's side replaced by raw gRPC (identity
+           serializers: pushes sent as prepared wire bytes, broadcasts counted, not
+           parsed): what the syncer's own side costs, apart from the client's.
+
 `ratio` = raw (up + down) time / syncer (push + broadcast) time: what moving the
 payload through the syncer's protocol costs against raw gRPC bytes (the design
 says a transfer should cost about what raw bytes cost). Goal: ratio >= 0.7.
 `push_ratio` and `bcast_ratio` split it by direction; `round_ratio` also counts
-the merge (the whole round as an island sees it). A q4 push of the same fragment
-is shown for context, as parameters per second and the f32 bytes it stands for.
+the merge (the whole round as an island sees it); `push_server_ratio` and
+`bcast_server_ratio` are the wire rows. A q4 push of the same fragment is shown for
+context, as parameters per second and the f32 bytes it stands for.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 from concurrent import futures
 
@@ -36,14 +42,18 @@ import numpy as np
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
 from _bench import MIB, parser, rate, result_line
 
+from syncer import wire
 from syncer.run import Config, Run
 from syncer.service import serve
 from yeto import codec, net
 from yeto.cli.display import print_table
 from yeto.client import SyncerClient
 from yeto.layout import Layout
+from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 RAW_SERVICE = "yetobench.Raw"
+SYNCER = "/yeto.v1.Syncer/"
 
 
 # ---- raw gRPC baseline ---------------------------------------------------------
@@ -141,11 +151,97 @@ def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
                          "push_rpc": t_reply - t0, "bcast": t_got - probe.published,
                          "total": t_got - t0})
             del payload, got
+        client.close()
+        rows += wire_rounds(f"127.0.0.1:{port}", layout, probe, version, rounds)
     finally:
         client.close()
         server.ticker_stop.set()
         server.stop(grace=0).wait()
         run.tape.close()
+    return rows
+
+
+class WireIsland:
+    """An island that speaks the syncer's protocol as raw gRPC bytes: pushes are
+    prepared wire bytes, broadcasts are counted (only each header chunk is parsed)."""
+
+    def __init__(self, address: str, layout: Layout):
+        self.channel = grpc.insecure_channel(address, options=net.GRPC_OPTIONS)
+        stub = pb_grpc.SyncerStub(self.channel)
+        join = stub.Join(pb.JoinRequest(
+            learner_id="wire", fingerprint=layout.fingerprint,
+            layout=[pb.TensorSpec(name=x.name, shape=list(x.shape), dtype=x.dtype)
+                    for x in layout.specs]), timeout=60)
+        self.generation, self.numel = join.generation, layout.numel
+        self.done: dict[int, float] = {}  # version -> when its last byte arrived
+        self.cond = threading.Condition()
+        self._push = self.channel.stream_unary(SYNCER + "Push", request_serializer=bytes,
+                                               response_deserializer=pb.PushReply.FromString)
+        listen = self.channel.unary_stream(
+            SYNCER + "Subscribe", request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=bytes)
+        self._stream = listen(pb.SubscribeRequest(learner_id="wire", generation=self.generation))
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self) -> None:
+        left, version = 0, -1
+        try:
+            for raw in self._stream:
+                if left == 0:  # a header chunk: parse it (one per broadcast)
+                    head = pb.BroadcastChunk.FromString(raw)
+                    left, version = head.header.payload_bytes, head.header.version
+                    left -= len(head.data)
+                else:  # a data chunk (field 2 only): its length without a copy
+                    left -= len(wire.parse_push_chunk(raw).data)
+                if left <= 0:
+                    with self.cond:
+                        self.done[version] = time.perf_counter()
+                        self.cond.notify_all()
+                    left = 0
+        except grpc.RpcError:
+            pass
+
+    def prepare(self, payload: bytes, version: int, seq: int) -> list[bytes]:
+        h = pb.PushHeader(learner_id="wire", generation=self.generation, round=version + 1,
+                          base_version=version, loss_tokens=100, steps=1, encoding="f32",
+                          numel=self.numel, payload_bytes=len(payload), kind=pb.DELTA, seq=seq)
+        return [pb.PushChunk(header=h if i == 0 else None, data=bytes(piece)).SerializeToString()
+                for i, piece in enumerate(net.chunks(payload))]
+
+    def push(self, chunks: list[bytes]) -> pb.PushReply:
+        return self._push(iter(chunks), timeout=300)
+
+    def wait(self, version: int) -> float:
+        with self.cond:
+            self.cond.wait_for(lambda: version in self.done, timeout=300)
+            return self.done[version]
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self.channel.close()
+
+
+def wire_rounds(address: str, layout: Layout, probe: Probe, version: int, rounds: int,
+                warmup: int = 1) -> list[dict]:
+    """Rounds of the wire island alone (the client island has left)."""
+    isl = WireIsland(address, layout)
+    rng = np.random.default_rng(1)
+    rows = []
+    try:
+        isl.wait(version)
+        for r in range(warmup + rounds):
+            chunks = isl.prepare(codec.encode(rng.standard_normal(layout.numel, dtype=np.float32)
+                                              * 1e-3, "f32"), version, seq=r)
+            t0 = time.perf_counter()
+            if not isl.push(chunks).accepted:
+                raise RuntimeError(f"wire round {r}: push refused")
+            got = isl.wait(version + 1)
+            version += 1
+            if r >= warmup:
+                rows.append({"enc": "wire", "push": probe.received - t0,
+                             "bcast": got - probe.published})
+    finally:
+        isl.close()
     return rows
 
 
@@ -175,6 +271,7 @@ def main(argv=None) -> int:
     raw_down = min(d for _, d in raw)
     f32 = [r for r in rows if r["enc"] == "f32"]
     q4 = [r for r in rows if r["enc"] == "q4"]
+    wired = [r for r in rows if r["enc"] == "wire"]
 
     def best(key, rs=f32):
         return min(r[key] for r in rs)
@@ -201,11 +298,18 @@ def main(argv=None) -> int:
          (raw_up + raw_down) / total_s],
         ["q4 push (f32-equivalent)", best("push", q4) * 1e3, median_ms("push", q4),
          rate(total, best("push", q4)), raw_up / best("push", q4)],
+        ["wire: syncer push (raw writer)", best("push", wired) * 1e3, median_ms("push", wired),
+         rate(total, best("push", wired)), raw_up / best("push", wired)],
+        ["wire: syncer broadcast (raw reader)", best("bcast", wired) * 1e3,
+         median_ms("bcast", wired), rate(total, best("bcast", wired)),
+         raw_down / best("bcast", wired)],
     ]
     headers = ["path", "ms", "median", "MiB/s", "raw/this"]
     print_table(headers, tab, right=range(1, len(headers)))
     print(result_line(ratio, goal=">=0.7", mib=total / MIB,
                       push_ratio=raw_up / push, bcast_ratio=raw_down / bcast,
+                      push_server_ratio=raw_up / best("push", wired),
+                      bcast_server_ratio=raw_down / best("bcast", wired),
                       round_ratio=(raw_up + raw_down) / total_s,
                       raw_up_mib_s=rate(total, raw_up), raw_down_mib_s=rate(total, raw_down),
                       push_mib_s=rate(total, push), bcast_mib_s=rate(total, bcast),
