@@ -67,9 +67,6 @@ LOOSER: dict[str, tuple[float, str]] = {
 KNOWN: dict[str, tuple[str, str]] = {
     "olmo": ("mlx-lm", "mlx-lm's olmo.py calls sys.exit unless the ai2-olmo package (hf_olmo) "
              "is installed; it reads the original OLMo checkpoint layout"),
-    "glm": ("mlx-lm", "mlx-lm's glm.py rotates the whole head (RoPE dims = head_dim) and "
-            "ignores partial_rotary_factor (0.5 in GLM-4 checkpoints); with factor 1.0 the "
-            "logits agree to 1e-6"),
     "jamba": ("mlx-lm", "mlx-lm's jamba.py renormalises the top-k router weights (softmax "
               "over the chosen experts); transformers' Jamba keeps the top-k of the softmax "
               "over all experts, unnormalised (base logits already differ)"),
@@ -90,6 +87,9 @@ KNOWN: dict[str, tuple[str, str]] = {
                        "(g_proj + GroupRMSNorm, group_norm_size); transformers' bailing_hybrid "
                        "has gated delta-rule attention (BailingHybridDeltaAttention): another "
                        "architecture under the same model type"),
+    "nanochat": ("mlx-lm", "mlx-lm's nanochat.py hard-codes RMSNorm eps 1e-5 (also in its "
+                 "QK-norm) and ignores rms_norm_eps (transformers' default 1e-6); with 1e-5 in "
+                 "the config the logits agree to 6e-7"),
     "gemma3n": ("transformers", "Gemma3nForConditionalGeneration needs timm and pillow for "
                 "its vision tower (not installed), so no tiny model is written"),
 }

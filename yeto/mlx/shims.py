@@ -48,6 +48,7 @@ from typing import Any
 log = logging.getLogger("yeto.mlx.shims")
 
 _MISSING = object()
+_NONE = object()  # a rule's answer "None, explicitly" (where mlx-lm tests `is not None`)
 # ModelArgs fields never read from the transformers object: RoPE is translated by
 # flat_rope_overrides (transformers 5's ``rope_scaling`` attribute is an alias of
 # ``rope_parameters`` with rope_theta inside, which mlx-lm takes for a scaling)
@@ -226,7 +227,9 @@ def _translate(config: dict[str, Any], args_cls, hf, parent: dict | None = None
     have = {**config, **out}
 
     def put(name: str, value: Any) -> None:
-        if value is not _MISSING and value is not None:
+        if value is _NONE:
+            out[name] = have[name] = None
+        elif value is not _MISSING and value is not None:
             out[name] = have[name] = value
 
     for name, (required, _) in fields.items():  # 1: the transformers config object
@@ -419,6 +422,29 @@ _PER_MODEL: dict[str, dict[str, Any]] = {
                    "intermediate_size": lambda c: c.get("moe_intermediate_size"),
                    "partial_rotary_factor": lambda c: _rope_of(c, _FULL,
                                                                "partial_rotary_factor") or 1.0},
+    # mlx_lm/models/longcat_flash.py: what transformers' LongcatFlash hard-codes (MLA
+    # with both latent scales, identity zero-experts), as in LongCat-Flash checkpoints
+    "longcat_flash": {"attention_method": lambda c: "MLA",
+                      "zero_expert_type": lambda c: "identity",
+                      "mla_scale_q_lora": lambda c: True, "mla_scale_kv_lora": lambda c: True},
+    # mlx_lm/models/mimo_v2_flash.py: MiMo-V2-Flash's original keys; transformers keeps
+    # layer_types / mlp_layer_types and hard-codes the rest: sliding-window layers with
+    # twice the key/value heads and attention sinks, full layers without, a sigmoid
+    # bias-corrected router, no shared experts, sliding_window = window size + 1
+    "mimo_v2_flash": {
+        "hybrid_layer_pattern": lambda c: ([int(t == _SLIDING) for t in c["layer_types"]]
+                                           if _layer_types(c) else None),
+        "add_swa_attention_sink_bias": lambda c: True,
+        "add_full_attention_sink_bias": lambda c: False,
+        "sliding_window_size": lambda c: (c["sliding_window"] - 1
+                                          if c.get("sliding_window") else None),
+        "n_shared_experts": lambda c: _NONE,
+        "topk_method": lambda c: "noaux_tc", "scoring_func": lambda c: "sigmoid",
+        "swa_num_attention_heads": lambda c: c.get("num_attention_heads"),
+        "swa_num_key_value_heads": lambda c: (2 * c["num_key_value_heads"]
+                                              if c.get("num_key_value_heads") else None),
+        "swa_head_dim": lambda c: c.get("head_dim"),
+        "swa_v_head_dim": lambda c: c.get("v_head_dim")},
     # mlx_lm/models/apertus.py requires three flags transformers' Apertus hard-codes
     # (no MLP bias, QK-norm, pre-norm), as in Apertus checkpoints
     "apertus": {"mlp_bias": lambda c: False, "qk_norm": lambda c: True,
@@ -500,7 +526,7 @@ _FORCED: dict[str, dict[str, Any]] = {
 
 
 # ---- checkpoint layouts ---------------------------------------------------------------
-def _gpt2_weights(weights: dict) -> dict:
+def _gpt2_weights(weights: dict, args=None) -> dict:
     """mlx_lm/models/gpt2.py reads the original GPT-2 layout (``h.0.attn...``);
     transformers writes ``transformer.h.0.attn...`` (and the tied ``lm_head``)."""
     out = {}
@@ -511,7 +537,7 @@ def _gpt2_weights(weights: dict) -> dict:
     return out
 
 
-def _gpt_oss_weights(weights: dict) -> dict:
+def _gpt_oss_weights(weights: dict, args=None) -> dict:
     """mlx_lm/models/gpt_oss.py reads OpenAI's release layout (MXFP4 ``*_blocks``, or
     (experts, out, in) ``.weight`` arrays); transformers writes unquantized experts
     as (experts, in, out) arrays without a ``.weight`` suffix."""
@@ -526,24 +552,79 @@ def _gpt_oss_weights(weights: dict) -> dict:
     return out
 
 
-def _kimi_linear_weights(weights: dict) -> dict:
+def _kimi_linear_weights(weights: dict, args=None) -> dict:
     """mlx_lm/models/kimi_linear.py reads a dense layer's MLP under ``mlp.``;
     transformers writes it under ``block_sparse_moe.`` as the MoE layers."""
     dense = re.compile(r"\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
     return {dense.sub(r".mlp.\1", k): v for k, v in weights.items()}
 
 
-def _text_only_weights(weights: dict) -> dict:
-    """A text-only checkpoint loaded into a composite mlx-lm model (`text_only_remap`):
-    its weights go under ``language_model.`` as in the composite checkpoints (a
-    checkpoint that has any such prefix is left as it is)."""
-    if any(k.startswith(("language_model.", "model.language_model.", "model.visual",
-                         "vision_tower")) for k in weights):
-        return weights
-    return {f"language_model.{k}": v for k, v in weights.items()}
+def _text_only_weights(model):
+    """For a text-only checkpoint loaded into a composite mlx-lm model
+    (`text_only_remap`): its text model's weights (``model.*``, ``lm_head.*``) moved
+    to where the composite keeps them (llama4 ``language_model.model.*``, gemma3n
+    ``model.language_model.*``), as in the composite checkpoints. A checkpoint that
+    already has that layout is left as it is."""
+    paths = {p for p, _ in model.named_modules()}
+    embed = min((p for p in paths if p.endswith(".embed_tokens")), key=len, default=None)
+    if embed is None:
+        return None
+    inner = embed[:-len(".embed_tokens")]
+    outer = inner.rsplit(".", 1)[0] if "." in inner else ""
+    head = f"{outer}.lm_head" if outer else "lm_head"
+
+    def translate(weights: dict, args=None) -> dict:
+        if inner == "model" or any(k.startswith(f"{inner}.") for k in weights):
+            return weights
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("model."):
+                out[f"{inner}.{k[len('model.'):]}"] = v
+            elif k.startswith("lm_head.") and head in paths:
+                out[f"{head}.{k[len('lm_head.'):]}"] = v
+            elif not k.startswith("lm_head."):  # a tied head has no module
+                out[k] = v
+        return out
+
+    return translate
 
 
-def _stacked_experts(weights: dict) -> dict:
+def _renamed(pairs: list[tuple[str, str]]):
+    """Weights renamed by regular expressions (the first that matches)."""
+    compiled = [(re.compile(a), b) for a, b in pairs]
+
+    def rename(weights: dict, args=None) -> dict:
+        out = {}
+        for k, v in weights.items():
+            for pattern, repl in compiled:
+                k, n = pattern.subn(repl, k)
+                if n:
+                    break
+            out[k] = v
+        return out
+
+    return rename
+
+
+# mlx_lm/models/olmo_hybrid.py reads the layer norms of its linear-attention layers
+# under transformers' module names; transformers writes OLMo-Hybrid's original ones
+_olmo_hybrid_weights = _renamed([(r"\.attention_layer_norm\.", ".input_layernorm."),
+                                 (r"\.feedforward_layer_norm\.", ".post_attention_layernorm.")])
+
+# mlx_lm/models/nanochat.py reads nanochat's own export (transformer.h.N.attn.c_q,
+# transformer.wte); transformers writes model.layers.N.self_attn.q_proj, model.embed_tokens
+_nanochat_weights = _renamed([
+    (r"^model\.embed_tokens\.", "transformer.wte."),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_proj\.", r"transformer.h.\1.attn.c_q."),
+    (r"^model\.layers\.(\d+)\.self_attn\.k_proj\.", r"transformer.h.\1.attn.c_k."),
+    (r"^model\.layers\.(\d+)\.self_attn\.v_proj\.", r"transformer.h.\1.attn.c_v."),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"transformer.h.\1.attn.c_proj."),
+    (r"^model\.layers\.(\d+)\.mlp\.fc1\.", r"transformer.h.\1.mlp.c_fc."),
+    (r"^model\.layers\.(\d+)\.mlp\.fc2\.", r"transformer.h.\1.mlp.c_proj."),
+])
+
+
+def _stacked_experts(weights: dict, args=None) -> dict:
     """mlx_lm/models/qwen3_5_moe.py reads the experts fused (``experts.gate_up_proj``);
     transformers writes one linear per expert (``experts.<e>.gate_proj.weight``):
     stacked here into the ``switch_mlp`` arrays mlx-lm builds."""
@@ -564,34 +645,77 @@ def _stacked_experts(weights: dict) -> dict:
     return out
 
 
+def _longcat_weights(weights: dict, args) -> dict:
+    """transformers' LongcatFlash holds weights for its zero-compute (identity)
+    experts too, unused; mlx_lm/models/longcat_flash.py has only the routed ones."""
+    expert = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    return {k: v for k, v in weights.items()
+            if not ((m := expert.search(k)) and int(m[1]) >= args.n_routed_experts)}
+
+
 # model type -> translation of the transformers-written weights, before mlx-lm's sanitize
 _WEIGHTS = {"gpt2": _gpt2_weights, "gpt_oss": _gpt_oss_weights,
-            "kimi_linear": _kimi_linear_weights, "qwen3_5_moe": _stacked_experts}
+            "kimi_linear": _kimi_linear_weights, "qwen3_5_moe": _stacked_experts,
+            "olmo_hybrid": _olmo_hybrid_weights, "nanochat": _nanochat_weights,
+            "longcat_flash": _longcat_weights,
+            # mlx_lm/models/mimo_v2_flash.py names the attention sinks attention_sink_bias
+            "mimo_v2_flash": _renamed([(r"\.self_attn\.sinks$", ".self_attn.attention_sink_bias")])}
+
+
+# ---- built models -------------------------------------------------------------------
+def _glm_rope(model, args, config: dict) -> None:
+    """mlx_lm/models/glm.py rotates the whole head; GLM-4 (transformers' glm) rotates the
+    first ``partial_rotary_factor`` of it (0.5 in GLM-4 checkpoints), pairs interleaved."""
+    import mlx.nn as nn
+
+    factor = (config.get("partial_rotary_factor")
+              or _rope_of(config, _FULL, "partial_rotary_factor") or 1.0)
+    for layer in model.layers:
+        attn = layer.self_attn
+        dims = int(attn.head_dim * factor)
+        if dims != attn.rope.dims:
+            attn.rope = nn.RoPE(dims=dims, traditional=True, base=args.rope_theta)
+
+
+def _recurrent_gemma_eps(model, args, config: dict) -> None:
+    """mlx_lm/models/recurrent_gemma.py builds its block norms with eps 1e-5 and only
+    the final norm with the config's rms_norm_eps (1e-6 in RecurrentGemma checkpoints),
+    which transformers uses everywhere."""
+    for block in model.layers:
+        for name in ("temporal_pre_norm", "channel_pre_norm"):
+            getattr(block, name).eps = args.rms_norm_eps
+
+
+# model type -> settings of the built mlx-lm model that mlx-lm leaves at a constant where
+# the checkpoint's config says otherwise (applied before the weights load)
+_MODEL_FIXES = {"glm": (_glm_rope,), "recurrent_gemma": (_recurrent_gemma_eps,)}
 
 
 def _classes(config: dict):
-    """mlx-lm's (Model, ModelArgs) with two adapters on the built model: a Model whose
+    """mlx-lm's (Model, ModelArgs) with adapters on the built model: a Model whose
     ``__init__`` skips ``nn.Module.__init__`` (mlx_lm/models/recurrent_gemma.py) is
-    completed, so that freezing and LoRA work on it; and weights in a layout
-    transformers writes but mlx-lm's ``sanitize`` does not read are translated
-    first (`_WEIGHTS`)."""
+    completed, so that freezing and LoRA work on it; settings mlx-lm hard-codes are
+    set from the config (`_MODEL_FIXES`); and weights in a layout transformers writes
+    but mlx-lm's ``sanitize`` does not read are translated first (`_WEIGHTS`,
+    text-only checkpoints of composite models)."""
     from mlx_lm.utils import _get_classes
 
     model_cls, args_cls = _get_classes(config)
     translate = _WEIGHTS.get(config.get("model_type"))
     text = config.get("text_config")
-    if translate is None and isinstance(text, dict) and str(text.get("model_type")).endswith(
-            "_text"):
-        translate = _text_only_weights
+    text_only = isinstance(text, dict) and str(text.get("model_type")).endswith("_text")
 
     def build(args):
         model = model_cls(args)
         if "_no_grad" not in vars(model):
             model._no_grad = set()
             model._training = True
-        if translate is not None:
+        for repair in _MODEL_FIXES.get(config.get("model_type"), ()):
+            repair(model, args, config)
+        fix = translate or (_text_only_weights(model) if text_only else None)
+        if fix is not None:
             sanitize = getattr(model, "sanitize", lambda w: w)
-            object.__setattr__(model, "sanitize", lambda w: sanitize(translate(w)))
+            object.__setattr__(model, "sanitize", lambda w: sanitize(fix(w, args)))
         return model
 
     return build, args_cls
