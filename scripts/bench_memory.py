@@ -119,17 +119,18 @@ def seed_chunks(numel: int):
 
 
 class LeanIsland:
-    """Joins, seeds, pushes prepared payloads, counts broadcast bytes: a syncer load
-    that keeps nothing per parameter but the payload it is given."""
+    """Joins, seeds, pushes prepared payloads (one per fragment), counts broadcast
+    bytes: a syncer load that keeps nothing per parameter but the payloads it is given."""
 
     def __init__(self, address: str, learner_id: str, layout: Layout):
         opts = net.GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
         self.channel = grpc.insecure_channel(address, options=opts)
         self.stub = pb_grpc.SyncerStub(self.channel)
         self.learner_id, self.layout = learner_id, layout
-        self.got: queue.Queue = queue.Queue()  # (version, final) per complete broadcast
-        self.bytes_down = 0
-        self.generation = 0
+        self.got: queue.Queue = queue.Queue()  # (fragment, version, final) per broadcast
+        self.versions: dict[int, int] = {}     # fragment -> newest version received
+        self.generation = self.seq = 0
+        self.final = False
 
     def join(self) -> None:
         req = pb.JoinRequest(learner_id=self.learner_id, fingerprint=self.layout.fingerprint,
@@ -138,6 +139,7 @@ class LeanIsland:
                                  for s in self.layout.specs])
         reply = self.stub.Join(req, timeout=60)
         self.generation = reply.generation
+        self.layout = self.layout.with_fragments(max(1, reply.num_fragments))
         if reply.send_seed:
             h = pb.PushHeader(learner_id=self.learner_id, generation=self.generation,
                               kind=pb.SEED, encoding="f32", numel=self.layout.numel,
@@ -154,12 +156,11 @@ class LeanIsland:
                 if chunk.HasField("header"):
                     header, n = chunk.header, 0
                 n += len(chunk.data)
-                self.bytes_down += len(chunk.data)
                 if header is not None and n == header.payload_bytes:
-                    self.got.put((header.version, header.final))
+                    self.got.put((header.fragment, header.version, header.final))
         except grpc.RpcError:
             pass
-        self.got.put((-1, True))
+        self.got.put((-1, -1, True))
 
     def _push(self, header, pieces) -> pb.PushReply:
         def chunks():
@@ -167,19 +168,26 @@ class LeanIsland:
                 yield pb.PushChunk(header=header if i == 0 else None, data=piece)
         return self.stub.Push(chunks(), timeout=600)
 
-    def push(self, payload: bytes, version: int, seq: int) -> pb.PushReply:
+    def push(self, payload: bytes, fragment: int) -> pb.PushReply:
+        """Push `payload` (q4, the size of `fragment`) against the fragment's newest Θ."""
+        base = self.versions[fragment]
         h = pb.PushHeader(learner_id=self.learner_id, generation=self.generation,
-                          round=version + 1, base_version=version, loss_tokens=100 + seq,
-                          steps=1, encoding="q4", numel=self.layout.numel,
-                          payload_bytes=len(payload), kind=pb.DELTA, seq=seq)
+                          round=base + 1, fragment=fragment, base_version=base,
+                          loss_tokens=100 + self.seq, steps=1, encoding="q4",
+                          numel=self.layout.fragments[fragment].numel,
+                          payload_bytes=len(payload), kind=pb.DELTA, seq=self.seq)
+        self.seq += 1
         return self._push(h, (bytes(p) for p in net.chunks(payload)))
 
-    def wait_version(self, version: int, timeout: float = 600) -> bool:
-        """Wait for broadcast `version` (True), or the final one (False)."""
-        while True:
-            v, final = self.got.get(timeout=timeout)
-            if final or v >= version:
-                return not final
+    def wait_newer(self, fragment: int, than: int, timeout: float = 600) -> bool:
+        """Wait until fragment's newest version is above `than` (True), or the final
+        weights arrived (False)."""
+        while self.versions.get(fragment, -1) <= than and not self.final:
+            f, v, final = self.got.get(timeout=timeout)
+            self.final = self.final or final
+            if f >= 0:
+                self.versions[f] = max(v, self.versions.get(f, -1))
+        return not self.final
 
     def finish(self) -> None:
         self.stub.Finish(pb.FinishRequest(learner_id=self.learner_id,
@@ -197,14 +205,19 @@ def flat_layout(numel: int) -> Layout:
     return Layout.from_shapes({f"model.layers.{i}.mlp.weight": (n,) for i, n in enumerate(sizes)})
 
 
-def _island_rounds(isl: LeanIsland, payload: bytes, rounds: int, errors: list) -> None:
+def _island_rounds(isl: LeanIsland, payloads: list[bytes], rounds: int, errors: list) -> None:
+    """`rounds` pushes of every fragment, each against the fragment's newest Θ."""
     try:
+        seen = {f: -1 for f in range(len(payloads))}
         for r in range(rounds):
-            if not isl.wait_version(r):
-                raise RuntimeError(f"{isl.learner_id}: run ended before round {r + 1}")
-            if not isl.push(payload, r, seq=r).accepted:
-                raise RuntimeError(f"{isl.learner_id}: push {r} not accepted")
-        isl.wait_version(rounds)
+            for f, payload in enumerate(payloads):
+                if not isl.wait_newer(f, seen[f]):
+                    raise RuntimeError(f"{isl.learner_id}: run ended before round {r + 1}")
+                seen[f] = isl.versions[f]
+                if not isl.push(payload, f).accepted:
+                    raise RuntimeError(f"{isl.learner_id}: push {r} not accepted")
+        for f in seen:
+            isl.wait_newer(f, seen[f])
     except Exception as e:  # reported by the caller
         errors.append(e)
 
@@ -212,8 +225,9 @@ def _island_rounds(isl: LeanIsland, payload: bytes, rounds: int, errors: list) -
 def measure_syncer(numel: int, islands: int, momentum: str, rounds: int,
                    extra: tuple = ()) -> dict:
     """One syncer run: `islands` lean islands, `rounds` rounds, then finish."""
-    layout = flat_layout(numel)
-    payload = q4_payload(numel, seed=islands)
+    frags = int(extra[extra.index("--fragments") + 1]) if "--fragments" in extra else 1
+    layout = flat_layout(numel).with_fragments(frags)
+    payloads = [q4_payload(f.numel, seed=islands) for f in layout.fragments]
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         args = ["--quorum", str(islands), "--rounds", "0", "--grace-ms", "0",
                 "--state-dir", f"{tmp}/state", *MOMENTUM[momentum], *extra]
@@ -224,8 +238,8 @@ def measure_syncer(numel: int, islands: int, momentum: str, rounds: int,
             for isl in fleet:
                 isl.join()
             errors: list = []
-            threads = [threading.Thread(target=_island_rounds, args=(isl, payload, rounds, errors))
-                       for isl in fleet]
+            threads = [threading.Thread(target=_island_rounds,
+                                        args=(isl, payloads, rounds, errors)) for isl in fleet]
             for t in threads:
                 t.start()
             for t in threads:
@@ -237,7 +251,7 @@ def measure_syncer(numel: int, islands: int, momentum: str, rounds: int,
             for isl in fleet:
                 isl.finish()
             for isl in fleet:
-                isl.wait_version(1 << 62)
+                isl.wait_newer(0, 1 << 62)
                 isl.close()
             syncer.wait(timeout=120)
             peak = watch.stop()
@@ -384,7 +398,7 @@ def main(argv=None) -> int:
 
 def syncer_rows(numel: int, args) -> list[dict]:
     """Every island count with the default flags, and the most islands with
-    --max-inflight-pushes 2, for each momentum setting."""
+    --max-inflight-pushes 2, for each momentum setting; 2 islands with --fragments 4."""
     counts = [int(k) for k in args.islands.split(",")]
     extra = tuple(args.syncer_args.split())
     rows = []
@@ -392,6 +406,8 @@ def syncer_rows(numel: int, args) -> list[dict]:
         runs = [(k, extra) for k in counts]
         if max(counts) > 2 and not extra:
             runs.append((max(counts), ("--max-inflight-pushes", "2")))
+        if 2 in counts and not extra and m == "none":
+            runs.append((2, ("--fragments", "4")))
         for k, ex in runs:
             r = measure_syncer(numel, k, m, args.rounds, ex)
             r["extra"] = " ".join(ex)

@@ -266,7 +266,13 @@ def main(argv=None) -> int:
         server.stop(grace=0).wait()
         del pieces
     rows = syncer_rounds(n, rounds, q4_rounds=1 if args.quick else 2)
+    report(raw, rows, n, rounds)
+    return 0
 
+
+def report(raw: list[tuple[float, float]], rows: list[dict], n: int, rounds: int) -> None:
+    """The table and the RESULT line."""
+    total = 4 * n
     raw_up = min(u for u, _ in raw)
     raw_down = min(d for _, d in raw)
     f32 = [r for r in rows if r["enc"] == "f32"]
@@ -316,7 +322,6 @@ def main(argv=None) -> int:
                       merge_ms=merge * 1e3,
                       q4_push_mparams_s=n / 1e6 / best("push", q4),
                       q4_payload_mib=q4[0]["bytes"] / MIB))
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,12 +4,23 @@ Read it top to bottom, in the order a push travels:
 
   __main__   the command: flags -> `Config`, serve until the run ends, stop on signals
   service    server: the gRPC edge (framing, auth, status codes, broadcast streams)
+  wire       the push and broadcast chunks as protobuf wire bytes, without payload copies
   run        rounds: members, open rounds, commits, broadcasts, finish (one lock)
   merge      merge rules (token-weighted mean, uniform, RDA) and the outer Nesterov step
-  state      state on disk (atomic, after every round) and the final/ folder
+  stream     chunked codec work: receive, decode-and-add, norms, compressed updates
+  state      state on disk (atomic, after every round, streamed) and the final/ folder
   tape       the event tape: one JSON line per merge or refused message
   dashboard  the live dashboard: one HTML page and a JSON API
   spawn      starting `python -m syncer` as a subprocess and learning its address
 
 Needs numpy, grpcio, protobuf and safetensors only: no torch, transformers, peft or mlx.
+
+Memory, per parameter: Θ (4 B) and the open round's running sum (4 B); the outer
+momentum (4 B) only when it is not 0; the islands' weights (4 B) only with a
+compressed downlink, plus its encoded update (0.625 B for q4), shared by all
+islands. Each push in flight is held as it came (q4: 0.5625 B per parameter of its
+fragment) until it is validated whole and added to the sum chunk by chunk: at most
+`--max-inflight-pushes` of them (clipping keeps a round's pushes until it commits).
+Broadcasts stream from the live weights; the state file streams from the arrays.
+Nothing else grows with the number of islands or with `--fragments`.
 """

@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="encoding of broadcast updates; islands hold bit-identical weights "
                         "either way, and the final weights always go out in f32")
     p.add_argument("--max-inflight-pushes", type=int, default=4,
-                   help="pushes received at once; each holds its payload until merged, so "
-                        "this bounds the syncer's memory")
+                   help="pushes received at once; each holds its payload as it came (q4: "
+                        "0.5625 B per parameter) until validated whole and merged, so this "
+                        "bounds the syncer's memory beyond Θ and the round's sum (8 B per "
+                        "parameter; 12 with momentum)")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where state (state.safetensors, saved after every round), the tape "
                         "(tape.jsonl) and final weights (final/) are written")
