@@ -20,9 +20,13 @@ from yeto.rl.trainer import RLConfig
 EPILOG = __doc__.split("Example", 1)[1]
 
 
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the example kept as written."""
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m yeto.rl", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m yeto.rl", formatter_class=HelpFormatter,
         description="A GRPO island: samples G completions per prompt from rollout nodes "
                     "(python -m yeto.rollout), scores them, trains with GRPO, and syncs with "
                     "a yeto syncer like any island. --data holds the prompts (chat or "
@@ -36,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward", action="append", default=[],
                    help=f"built-in ({', '.join(BUILTIN)}) or module:function; several add up "
                         "(default reversal_accuracy)")
+    g.add_argument("--eval-reward", action="append", default=[],
+                   help="the held-out metric, as --reward (default: the training reward)")
     g.add_argument("--adapter", type=Path, default=None,
                    help="start from this peft or mlx-lm adapter (e.g. an SFT warm start)")
     g.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
@@ -76,7 +82,7 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
         temperature=args.temperature, top_p=args.top_p, clip_eps=args.clip_eps,
         kl_coef=args.kl_coef, scale_rewards=not args.no_scale_rewards, adapter=args.adapter,
         micro_batch=args.micro_batch, max_grad_norm=args.max_grad_norm,
-        warmup_steps=args.warmup_steps,
+        warmup_steps=args.warmup_steps, eval_reward=args.eval_reward or None,
         eval_prompts=args.eval_prompts, rollout_timeout=args.rollout_timeout,
         rollout_wait=args.rollout_wait, rollout_api_key=args.rollout_api_key,
         rollout_model=args.rollout_model)

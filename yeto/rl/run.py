@@ -72,6 +72,8 @@ def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
                        api_key=rl.rollout_api_key, model=rl.rollout_model)
     trainer = GRPOTrainer(rl, backend, prompts, held_out, reward, pool,
                           stop_token_ids(source.path, tok), source.path, cfg.seed)
+    if rl.eval_reward:
+        trainer.eval_fn = combine([load_reward(s) for s in rl.eval_reward])
     record = build_record(source, data_rec, cfg, backend="torch-grpo", eval_data=eval_rec)
     if cfg.output:
         write_provenance(cfg.output, record)
@@ -143,6 +145,8 @@ def summarize(cfg, rl, island, client, trainer, history, before, after, t_start)
         sync_every=cfg.sync_every if client is not None else None, version=island.version,
         final=island.finished, pushes=island.pushes, evals=trainer.evals,
         eval_prompts=len(trainer.held_out), eval_via="trainer (greedy, own weights)",
+        reward=getattr(trainer.reward, "__name__", "reward"),
+        eval_metric=getattr(trainer.eval_fn, "__name__", "reward"),
         group_size=rl.group_size, prompts_per_step=rl.prompts_per_step,
         staleness_mean=sum(stale) / len(stale) if stale else None,
         logprob_gap_mean=sum(gaps) / len(gaps) if gaps else None,

@@ -56,6 +56,7 @@ class RLConfig:
     micro_batch: int = 64
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    eval_reward: list[str] | None = None   # None: the training reward
     eval_prompts: int = 64
     rollout_timeout: float = 300.0
     rollout_wait: float = 600.0
@@ -96,6 +97,7 @@ class GRPOTrainer:
         self.rl, self.backend, self.pool = rl, backend, pool
         self.prompts, self.held_out, self.reward = prompts, held_out, reward
         self.eos_ids, self.model_dir, self.seed = list(eos_ids), model_dir, seed
+        self.eval_fn = reward  # the held-out metric (`RLConfig.eval_reward`, else `reward`)
         self.rng = np.random.default_rng(seed)
         self._order: list[int] = []
         self.eval_reward = float("nan")
@@ -105,7 +107,7 @@ class GRPOTrainer:
     def evaluate(self) -> float:
         b = self.backend
         self.eval_reward = evaluate_reward(b.model, b.tokenizer, self.model_dir, self.held_out,
-                                           self.reward, self.rl.max_new_tokens, self.eos_ids)
+                                           self.eval_fn, self.rl.max_new_tokens, self.eos_ids)
         self.evals += 1
         return self.eval_reward
 

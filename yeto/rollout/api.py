@@ -137,6 +137,11 @@ def _common(body: dict, ctx: Context, prompts: list[list[int]], chat: bool,
             logprobs: int | None) -> Request:
     if body.get("stream"):
         raise _bad("stream is not supported by rollout nodes; send stream: false", "stream")
+    for key in ("echo", "use_beam_search"):
+        if body.get(key):
+            raise _bad(f"{key} is not supported by rollout nodes", key)
+    if int_field(body, "best_of", None, lo=1) not in (None, body.get("n", 1)):
+        raise _bad("best_of is not supported by rollout nodes; use n", "best_of")
     longest = max(len(p) for p in prompts)
     default_max = ctx.max_len - longest if chat else 16
     max_tokens = int_field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body

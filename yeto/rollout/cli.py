@@ -23,9 +23,13 @@ from yeto.targets import TARGET_MODES
 log = logging.getLogger("yeto.rollout")
 
 
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the example kept as written."""
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m yeto.rollout", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m yeto.rollout", formatter_class=HelpFormatter,
         description="A rollout node: an OpenAI/vLLM-compatible completion server that returns "
                     "sampled token ids and their logprobs (for RL), on torch or MLX. With "
                     "--syncer it observes a run and serves every merged Θ.",

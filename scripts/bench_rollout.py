@@ -1,0 +1,248 @@
+"""Rollout nodes for RL: sampling throughput against each backend's bare generate, and
+how the sync cadence (weights reaching the nodes every H steps) shapes GRPO.
+
+Goal: a rollout node (`python -m yeto.rollout`) samples a GRPO batch (P prompts x G
+completions, with token ids and logprobs) at least as fast as its backend's own
+generate on the same weights (transformers `generate`, batched; `mlx_lm.generate`,
+one sequence at a time), and GRPO with weights reaching the nodes every 1-2 steps
+learns more per step than every 5 steps or never (the seed's table, measured here
+on the tiny model and the word-reversal task).
+
+Part 1, throughput (in process, same weights, measured interleaved): completion
+tokens per second of a node over HTTP (requests sent at once, batched by the node,
+EOS ignored so every row has M tokens) against the bare generate of the same workload.
+
+Part 2, cadence (as `yeto demo --rl`: real processes, a syncer, rollout nodes
+observing it, a GRPO island pushing every H steps; "never": no syncer, the nodes
+serve the warm start forever): held-out reward (greedy, the island's own weights)
+after the same number of GRPO steps.
+
+The last line is `RESULT ratio=<torch node tok/s / transformers generate tok/s> ...`
+with the MLX ratio and the reward of each cadence.
+
+    python scripts/bench_rollout.py                 # both parts (minutes)
+    python scripts/bench_rollout.py --quick         # throughput only, small workload
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from _bench import ROOT, interleaved, parser, result_line
+
+from yeto.cli.display import markdown_table, print_table
+
+
+def _args():
+    p = parser(__doc__.split("\n\n")[0], __doc__.split("\n\n", 1)[1])
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-rollout")
+    p.add_argument("--prompts", type=int, default=8, help="P: prompts per batch")
+    p.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="M: tokens per completion")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--cadences", default="1,2,5,never", help="sync cadences to compare")
+    p.add_argument("--steps", type=int, default=60, help="GRPO steps per cadence")
+    p.add_argument("--sft-steps", type=int, default=80)
+    p.add_argument("--nodes", default="torch,mlx", help="rollout nodes in part 2")
+    p.add_argument("--inner-lr", type=float, default=1e-3)
+    p.add_argument("--temperature", type=float, default=0.5)
+    p.add_argument("--eval-prompts", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+# ---- part 1: throughput -----------------------------------------------------------------
+def _workload(model_dir: Path, data: Path, n: int):
+    from transformers import AutoTokenizer
+
+    from yeto.rl.prompts import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return tok, [list(p.ids) for p in load_prompts(str(data), tok)[0][:n]]
+
+
+def node_rate(engine, prompts, g: int, m: int):
+    """A function that samples the workload through a node over HTTP (one request per
+    prompt, sent at once) and returns the completion tokens it got."""
+    from yeto.rl.pool import post_json
+    from yeto.rollout.engine import stop_token_ids
+    from yeto.rollout.server import RolloutNode, serve_in_thread
+
+    node = RolloutNode(engine, model_name="bench",
+                       eos_ids=stop_token_ids(engine.model_dir, engine.tokenizer))
+    server, url = serve_in_thread(node)
+    counts: list[int] = []
+
+    def one(p):
+        body = dict(prompt=p, n=g, max_tokens=m, temperature=1.0, ignore_eos=True, logprobs=0,
+                    return_tokens_as_token_ids=True)
+        reply = post_json(f"{url}/v1/completions", body, 600)
+        counts.append(reply["usage"]["completion_tokens"])
+
+    def run():
+        counts.clear()
+        threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(counts)
+
+    return run, lambda: (server.shutdown(), server.server_close(), node.close())
+
+
+def torch_generate(engine, tok, prompts, g: int, m: int):
+    """transformers `generate` on the same model: the workload as one left-padded batch."""
+    import torch
+
+    rows = [p for p in prompts for _ in range(g)]
+    width = max(len(p) for p in rows)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+
+    def run():
+        with torch.inference_mode():
+            out = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                        max_new_tokens=m, min_new_tokens=m,
+                                        pad_token_id=tok.pad_token_id)
+        return int((out.shape[1] - width) * out.shape[0])
+
+    return run
+
+
+def mlx_generate(engine, prompts, g: int, m: int):
+    """`mlx_lm.generate` on the same model, one completion at a time (EOS ignored)."""
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tok = TokenizerWrapper(engine.tokenizer)
+    tok._eos_token_ids = set()  # the same fixed-length workload as the node's
+    sampler = make_sampler(temp=1.0)
+
+    def run():
+        total = 0
+        for p in prompts:
+            for _ in range(g):
+                text = generate(engine.model, tok, p, max_tokens=m, sampler=sampler)
+                total += len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return total
+
+    return run
+
+
+def throughput(args, model_dir: Path, adapter: Path, data: Path) -> dict:
+    from yeto.rollout.adapters import read_adapter
+    from yeto.rollout.torch_engine import TorchEngine
+
+    tok, prompts = _workload(model_dir, data, args.prompts)
+    spec = read_adapter(adapter, model_dir)[1]
+    backends = {"torch": lambda: TorchEngine(model_dir, spec)}
+    try:
+        from yeto.rollout.mlx_engine import MLXEngine
+
+        backends["mlx"] = lambda: MLXEngine(model_dir, spec)
+    except ImportError:
+        print("mlx-lm not installed: the MLX node is not measured", file=sys.stderr)
+    out = {}
+    for name, make in backends.items():
+        engine = make()
+        engine.load_adapter(adapter)
+        node_run, stop = node_rate(engine, prompts, args.group_size, args.max_tokens)
+        bare = (torch_generate(engine, tok, prompts, args.group_size, args.max_tokens)
+                if name == "torch" else mlx_generate(engine, prompts, args.group_size,
+                                                      args.max_tokens))
+        tokens = {"node": node_run(), "bare": bare()}  # warm up, and count
+        best = interleaved({"node": node_run, "bare": bare}, args.repeat)
+        stop()
+        out[name] = {k: tokens[k] / best[k] for k in best}
+    return out
+
+
+# ---- part 2: cadence ----------------------------------------------------------------------
+def cadence_arm(args, cadence: str, model: Path, adapter: Path, data) -> dict:
+    """One GRPO run: nodes observing a syncer and pushes every H steps, or "never"."""
+    from syncer.spawn import start_syncer
+    from yeto.rl import demo
+
+    out = args.out / f"cadence-{cadence}"
+    ns = SimpleNamespace(out=out, nodes=args.nodes, max_steps=args.steps,
+                         sync_every=args.steps if cadence == "never" else int(cadence),
+                         group_size=args.group_size, prompts_per_step=args.prompts,
+                         inner_lr=args.inner_lr, temperature=args.temperature,
+                         eval_prompts=args.eval_prompts, seed=args.seed)
+    nodes = []
+    t0 = time.monotonic()
+    try:
+        if cadence == "never":  # no syncer: the nodes keep the warm start
+            nodes = demo.start_nodes(ns, model, adapter, syncer=None)
+            summary = demo.run_grpo(ns, model, adapter, data, None, nodes)
+        else:
+            with start_syncer(["--quorum", "1"], log=out / "syncer.log") as syncer:
+                nodes = demo.start_nodes(ns, model, adapter, syncer.address)
+                summary = demo.run_grpo(ns, model, adapter, data, syncer.address, nodes)
+    finally:
+        for n in nodes:
+            demo._stop(n["proc"])
+    return dict(summary, wall=time.monotonic() - t0)
+
+
+def main() -> int:
+    args = _args()
+    from yeto.cli.fixtures import make_task, make_tiny_model
+    from yeto.rl import demo
+
+    args.out = args.out.resolve()
+    model = make_tiny_model(args.out / "model")
+    train, held_out = make_task(args.out / "data")
+    ns = SimpleNamespace(out=args.out, sft_steps=20 if args.quick else args.sft_steps,
+                         seed=args.seed)
+    adapter = demo.warm_start(ns, model, train)
+    if args.quick:
+        args.prompts, args.group_size, args.max_tokens, args.repeat = 4, 4, 16, 1
+    rates = throughput(args, model, adapter, held_out)
+    rows = [[name, f"{r['node']:.0f}", f"{r['bare']:.0f}", f"{r['node'] / r['bare']:.2f}x"]
+            for name, r in rates.items()]
+    headers = ["node", "node tok/s", "bare generate tok/s", "ratio"]
+    print(f"\nthroughput: P={args.prompts} x G={args.group_size} x M={args.max_tokens} tokens")
+    print_table(headers, rows)
+    print(markdown_table(headers, rows))
+    kv = {}
+    if not args.quick:
+        kv = cadence_table(args, model, adapter, (train, held_out))
+    t = rates["torch"]
+    m = rates.get("mlx")
+    print(result_line(t["node"] / t["bare"], torch_node_tok_s=t["node"],
+                      torch_generate_tok_s=t["bare"],
+                      mlx_ratio=m["node"] / m["bare"] if m else "n/a", **kv))
+    return 0
+
+
+def cadence_table(args, model: Path, adapter: Path, data) -> dict:
+    rows, kv = [], {}
+    for cadence in [c.strip() for c in args.cadences.split(",") if c.strip()]:
+        s = cadence_arm(args, cadence, model, adapter, data)
+        label = "never" if cadence == "never" else f"every {cadence}"
+        rows.append([label, s["steps"], f"{s['reward_before']:.3f} -> {s['reward_after']:.3f}",
+                     f"{s['reward_after'] - s['reward_before']:+.3f}",
+                     "-" if s["staleness_mean"] is None else f"{s['staleness_mean']:.2f}",
+                     f"{s['logprob_gap_mean']:.3f}" if s["logprob_gap_mean"] else "-",
+                     f"{s['wall']:.0f} s"])
+        kv[f"reward_{cadence}"] = s["reward_after"]
+        (args.out / "cadence.json").write_text(json.dumps(rows, indent=1))
+    headers = ["weights to nodes", "steps", "held-out reward", "change", "staleness",
+               "|logprob gap|", "time"]
+    print(f"\ncadence: GRPO on word reversal, {args.steps} steps, G={args.group_size} x "
+          f"{args.prompts} prompts, T={args.temperature}, nodes {args.nodes}")
+    print_table(headers, rows)
+    print(markdown_table(headers, rows))
+    return kv
+
+
+if __name__ == "__main__":
+    sys.exit(main())
