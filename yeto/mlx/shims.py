@@ -48,6 +48,7 @@ from typing import Any
 log = logging.getLogger("yeto.mlx.shims")
 
 _MISSING = object()
+_TEXT_ONLY = "yeto_text_only_checkpoint"  # set in the config of a wrapped text-only checkpoint
 _NONE = object()  # a rule's answer "None, explicitly" (where mlx-lm tests `is not None`)
 # ModelArgs fields never read from the transformers object: RoPE is translated by
 # flat_rope_overrides (transformers 5's ``rope_scaling`` attribute is an alias of
@@ -266,8 +267,9 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
         kind, wrap = remap
         text_cls = _text_args_class(module, config, own_first=True) or module.ModelArgs
         inner = {**config, **_translate(config, text_cls, hf)}
-        return {"model_type": kind, "text_config": inner} if wrap else {**inner,
-                                                                          "model_type": kind}
+        if not wrap:
+            return {**inner, "model_type": kind}
+        return {"model_type": kind, "text_config": inner, _TEXT_ONLY: True}
     out = _translate(config, module.ModelArgs, hf)
     text = config.get("text_config")
     if isinstance(text, dict):
@@ -574,7 +576,8 @@ def _text_only_weights(model):
     head = f"{outer}.lm_head" if outer else "lm_head"
 
     def translate(weights: dict, args=None) -> dict:
-        if inner == "model" or any(k.startswith(f"{inner}.") for k in weights):
+        if inner == "model" or any(k.startswith((f"{inner}.", "language_model.",
+                                                 "model.language_model.")) for k in weights):
             return weights
         out = {}
         for k, v in weights.items():
@@ -702,8 +705,7 @@ def _classes(config: dict):
 
     model_cls, args_cls = _get_classes(config)
     translate = _WEIGHTS.get(config.get("model_type"))
-    text = config.get("text_config")
-    text_only = isinstance(text, dict) and str(text.get("model_type")).endswith("_text")
+    text_only = bool(config.get(_TEXT_ONLY))
 
     def build(args):
         model = model_cls(args)
