@@ -47,11 +47,12 @@ def _args():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cadences", default="1,2,5,never", help="sync cadences to compare")
     p.add_argument("--steps", type=int, default=60, help="GRPO steps per cadence")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="GRPO prompts per step")
     p.add_argument("--sft-steps", type=int, default=80)
     p.add_argument("--nodes", default="torch,mlx", help="rollout nodes in part 2")
     p.add_argument("--inner-lr", type=float, default=1e-3)
     p.add_argument("--temperature", type=float, default=0.5)
-    p.add_argument("--eval-prompts", type=int, default=128)
+    p.add_argument("--eval-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -173,8 +174,9 @@ def cadence_arm(args, cadence: str, model: Path, adapter: Path, data) -> dict:
     out = args.out / f"cadence-{cadence}"
     ns = SimpleNamespace(out=out, nodes=args.nodes, max_steps=args.steps,
                          sync_every=args.steps if cadence == "never" else int(cadence),
-                         group_size=args.group_size, prompts_per_step=args.prompts,
+                         group_size=args.group_size, prompts_per_step=args.prompts_per_step,
                          inner_lr=args.inner_lr, temperature=args.temperature,
+                         warmup_steps=10, reward="reversal_accuracy,exact_match",
                          eval_prompts=args.eval_prompts, seed=args.seed)
     nodes = []
     t0 = time.monotonic()
@@ -238,7 +240,7 @@ def cadence_table(args, model: Path, adapter: Path, data) -> dict:
     headers = ["weights to nodes", "steps", "held-out reward", "change", "staleness",
                "|logprob gap|", "time"]
     print(f"\ncadence: GRPO on word reversal, {args.steps} steps, G={args.group_size} x "
-          f"{args.prompts} prompts, T={args.temperature}, nodes {args.nodes}")
+          f"{args.prompts_per_step} prompts, T={args.temperature}, nodes {args.nodes}")
     print_table(headers, rows)
     print(markdown_table(headers, rows))
     return kv

@@ -36,15 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "processes; prints held-out reward before and after.")
     p.add_argument("--out", type=Path, default=Path("runs/demo-rl"), help="output folder")
     p.add_argument("--arch", default="llama", help="tiny model architecture")
-    p.add_argument("--sft-steps", type=int, default=60, help="SFT warm-start steps")
-    p.add_argument("--max-steps", type=int, default=40, help="GRPO steps")
+    p.add_argument("--sft-steps", type=int, default=80, help="SFT warm-start steps")
+    p.add_argument("--max-steps", type=int, default=60, help="GRPO steps")
     p.add_argument("--sync-every", type=int, default=2, help="GRPO steps between pushes")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--inner-lr", type=float, default=2e-3, help="GRPO AdamW learning rate")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--inner-lr", type=float, default=1e-3, help="GRPO AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--temperature", type=float, default=0.5,
+                   help="sampling temperature (the tiny model's distributions are flat: at "
+                        "1.0 samples are close to random words)")
+    p.add_argument("--reward", default="reversal_accuracy,exact_match",
+                   help="training rewards (comma list, summed); the held-out metric is "
+                        "reversal_accuracy")
     p.add_argument("--nodes", default="torch,mlx", help="rollout node backends")
-    p.add_argument("--eval-prompts", type=int, default=64)
+    p.add_argument("--eval-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -82,7 +88,7 @@ def warm_start(args, model: Path, train: Path) -> Path:
     out = args.out / "sft"
     cmd = [PY, "-m", "yeto.learner", "--model", str(model), "--data", str(train),
            "--max-steps", str(args.sft_steps), "--output", str(out), "--lora-r", "8",
-           "--lora-alpha", "16", "--seq-len", "128", "--batch-size", "8", "--inner-lr", "3e-3",
+           "--lora-alpha", "32", "--seq-len", "128", "--batch-size", "8", "--inner-lr", "3e-3",
            "--seed", str(args.seed), "--threads", "1", "--no-progress", "--eval-blocks", "0"]
     proc = _start(cmd, out / "log.txt")
     if proc.wait() != 0:
@@ -125,8 +131,10 @@ def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: 
            "--max-steps", str(args.max_steps), "--group-size", str(args.group_size),
            "--prompts-per-step", str(args.prompts_per_step), "--inner-lr", str(args.inner_lr),
            "--temperature", str(args.temperature), "--eval-prompts", str(args.eval_prompts),
-           "--reward", "reversal_accuracy", "--seed", str(args.seed), "--threads", "1",
-           "--output", str(out), "--no-progress"]
+           "--warmup-steps", str(args.warmup_steps), "--eval-reward", "reversal_accuracy",
+           "--seed", str(args.seed), "--threads", "1", "--output", str(out), "--no-progress"]
+    for reward in args.reward.split(","):
+        cmd += ["--reward", reward.strip()]
     for n in nodes:
         cmd += ["--rollout-url", n["url"]]
     (out / "metrics.jsonl").unlink(missing_ok=True)
