@@ -9,6 +9,8 @@ cleanly), and writes into --out:
   islands/<id>/log.txt   each island's log
   syncer/tape.jsonl      one line per merge
   summary.json           eval_loss_before/after, rounds, bytes_up/down, seconds
+
+`yeto demo --rl` is the reinforcement-learning demo instead (`yeto.rl.demo`).
 """
 
 from __future__ import annotations
@@ -46,10 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="live: a table redrawn in place; plain: a line per round")
     p.add_argument("--no-dashboard", action="store_true",
                    help="do not serve the syncer's dashboard")
+    p.add_argument("--rl", action="store_true",
+                   help="the RL demo instead: SFT warm start, then GRPO with a syncer, a GRPO "
+                        "island and two rollout nodes (torch + MLX); its own flags: "
+                        "`yeto demo --rl --help`")
     return p
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--rl" in argv:  # its own flags and defaults (yeto.rl.demo)
+        from yeto.rl.demo import main as rl_demo
+
+        return rl_demo([a for a in argv if a != "--rl"])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(message)s")
     from yeto.cli.fixtures import make_task, make_tiny_model
