@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from yeto import codec, net
+from yeto import codec, net, wire
 from yeto.io import host_port
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
@@ -93,6 +93,13 @@ class SyncerClient:
                     for s in layout.specs])
         self._channel = open_channel(address, tls)
         self._stub = pb_grpc.SyncerStub(self._channel)
+        # the streaming calls without protobuf copies of the payload (yeto.wire)
+        self._push_call = self._channel.stream_unary(
+            "/yeto.v1.Syncer/Push", request_serializer=wire.passthrough,
+            response_deserializer=pb.PushReply.FromString)
+        self._subscribe_call = self._channel.unary_stream(
+            "/yeto.v1.Syncer/Subscribe", request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=_parse_broadcast_chunk)
         self._backoff = (backoff_s, max_backoff_s)
         self._cond = threading.Condition()
         self._latest: dict[int, Received] = {}  # newest untaken broadcast per fragment
@@ -165,7 +172,7 @@ class SyncerClient:
     def _join_and_listen(self) -> None:
         self._join()
         # every new connection asks for the current Θ (a rejoined island catches up)
-        self._stream = self._stub.Subscribe(
+        self._stream = self._subscribe_call(
             pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
             metadata=self._metadata)
         self._listen(self._stream)
@@ -206,7 +213,7 @@ class SyncerClient:
                     sink = self._sink(chunk.header)
                 if sink is None:
                     raise _BadBroadcast("broadcast stream started without a header")
-                if sink.add(chunk.data):  # each access copies: read once
+                if sink.add(chunk.data):  # a view into the received message
                     sink = None
         except BaseException as e:
             if sink is not None:
@@ -310,11 +317,11 @@ class SyncerClient:
             raise kind(f"{e.code().name}: {e.details()}") from e
 
     def _stream_push(self, header, payload) -> PushReply:
-        def chunks():
+        def chunks():  # each chunk's wire bytes in one copy of its slice of the payload
             for i, piece in enumerate(net.chunks(payload)):
-                yield pb.PushChunk(header=header if i == 0 else None, data=bytes(piece))
+                yield wire.chunk_bytes(header if i == 0 else None, piece)
 
-        reply = self._stub.Push(chunks(), metadata=self._metadata, timeout=300)
+        reply = self._push_call(chunks(), metadata=self._metadata, timeout=300)
         self.bytes_up += len(payload)
         return PushReply(reply.accepted, reply.status, reply.round, reply.staleness)
 
@@ -340,6 +347,10 @@ class SyncerClient:
         self._channel.close()
 
 
+def _parse_broadcast_chunk(raw: bytes) -> wire.Chunk:
+    return wire.parse_chunk(raw, pb.BroadcastHeader)
+
+
 class _Buffered:
     """A broadcast reassembled whole, then handed over."""
 
@@ -347,7 +358,7 @@ class _Buffered:
         self.client, self.header = client, header
         self.buf, self.n = np.empty(header.payload_bytes, np.uint8), 0
 
-    def add(self, data: bytes) -> bool:
+    def add(self, data: memoryview) -> bool:
         if self.n + len(data) > len(self.buf):
             raise _BadBroadcast("broadcast payload longer than its header announced")
         self.buf[self.n:self.n + len(data)] = np.frombuffer(data, np.uint8)
@@ -375,14 +386,14 @@ class _Streamed:
         client._hand_over(Received(header.version, header.fragment, header.final, self.stream),
                           done=False)
 
-    def add(self, data: bytes) -> bool:
+    def add(self, data: memoryview) -> bool:
         if self.n + len(data) > self.header.payload_bytes:
             raise _BadBroadcast("broadcast payload longer than its header announced")
         self.n += len(data)
-        if self.tail:
-            data = self.tail + data
+        if self.tail:  # a chunk that split a value (the syncer's are whole values)
+            data = memoryview(self.tail + bytes(data))
         cut = len(data) - len(data) % 4
-        self.tail = data[cut:]
+        self.tail = bytes(data[cut:])
         piece = np.frombuffer(data, np.float32, count=cut // 4)
         if not np.isfinite(piece).all():
             raise _BadBroadcast("f32 broadcast holds non-finite values")

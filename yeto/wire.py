@@ -1,0 +1,112 @@
+"""The island's side of the two streaming messages, without protobuf copies of the
+payload (the syncer's side is `syncer/wire.py`).
+
+`PushChunk` and `BroadcastChunk` are both `{header = 1 (a message), data = 2
+(bytes)}`. Built by the generated classes, every chunk's payload is copied three
+times (`bytes(view)`, into the message, `SerializeToString`); parsed by them, three
+times again. Here a push chunk's wire bytes are built in one copy straight from the
+payload (`chunk_bytes`), and a broadcast chunk is parsed into its header and a
+zero-copy view of its data (`parse_chunk`). The bytes on the wire are exactly what
+the generated classes produce and accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError, Message
+
+_HEADER, _DATA = 1, 2
+_LEN = 2  # wire type of length-delimited fields
+
+
+@dataclass(frozen=True)
+class Chunk:
+    header: Message | None
+    data: memoryview
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - as the generated classes say it
+        return name == "header" and self.header is not None
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise DecodeError("truncated or oversized varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _varint(buf, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 5:
+        return pos + 4
+    if wire_type == _LEN:
+        n, pos = _varint(buf, pos)
+        return pos + n
+    raise DecodeError(f"unsupported wire type {wire_type}")
+
+
+def parse_chunk(raw: bytes, header_type: type[Message]) -> Chunk:
+    """One chunk message from its wire bytes; `data` is a view into `raw` (no copy).
+    As protobuf does, a repeated header is merged and a repeated data field keeps the
+    last; unknown fields are skipped; malformed input raises DecodeError."""
+    buf = memoryview(raw)
+    header, data, pos = None, buf[0:0], 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        field, wire_type = key >> 3, key & 7
+        if field in (_HEADER, _DATA) and wire_type == _LEN:
+            n, pos = _varint(buf, pos)
+            if pos + n > len(buf):
+                raise DecodeError("field runs past the end of the message")
+            value, pos = buf[pos:pos + n], pos + n
+            if field == _DATA:
+                data = value
+            else:
+                if header is None:
+                    header = header_type()
+                header.MergeFromString(value)
+        else:
+            pos = _skip(buf, pos, wire_type)
+            if pos > len(buf):
+                raise DecodeError("field runs past the end of the message")
+    return Chunk(header, data)
+
+
+def _encode_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def chunk_bytes(header: Message | None, data) -> bytes:
+    """A chunk message's wire bytes: the header field (if any), then the data field,
+    built with one copy of `data`."""
+    data = memoryview(data).cast("B")
+    head = b""
+    if header is not None:
+        hb = header.SerializeToString()
+        head = bytes([_HEADER << 3 | _LEN]) + _encode_varint(len(hb)) + hb
+    return b"".join((head, bytes([_DATA << 3 | _LEN]) + _encode_varint(len(data)), data))
+
+
+def passthrough(message) -> bytes:
+    """A request serializer for prepared wire bytes (other messages as usual)."""
+    if isinstance(message, (bytes, bytearray)):
+        return bytes(message)
+    return message.SerializeToString()
