@@ -25,11 +25,14 @@ from yeto.loop import (
     setup_logging,
     write_metrics,
 )
+from yeto.rl.pool import NoNodes
 from yeto.rl.trainer import GRPOTrainer, RLConfig, finite
 from yeto.signals import GracefulStop, ignore_signals
 from yeto.transport import Refused
 
 log = logging.getLogger("yeto.island")
+
+EXIT_NO_ROLLOUTS = 4  # no rollout node answered for --rollout-wait seconds
 
 
 @dataclass
@@ -105,7 +108,7 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
         log.info("held-out reward before training: %.4f", before)
         write_metrics(cfg.output, dict(step=0, eval_reward=finite(before),
                                        version=island.version, time=time.time()))
-        history = train(cfg, trainer, island, stop)
+        history, failure = train(cfg, trainer, island, stop)
         if client is not None:
             island.finish()
     after = trainer.evaluate()
@@ -115,15 +118,22 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
         save(cfg, parts, summary)
     trainer.pool.close()
     ignore_signals()
+    if failure:
+        return EXIT_NO_ROLLOUTS
     return exit_code(cfg, island, client)
 
 
-def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop) -> list[dict]:
+def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop) -> tuple[list[dict], str]:
     """The inner loop: a GRPO step, then the island's turn (apply merged Θ, push when
-    due, which evaluates); one metrics line per step."""
+    due, which evaluates); one metrics line per step. Returns the metrics and, when no
+    rollout node answered (the run then ends early, its work kept), why."""
     history = []
     for step in range(1, cfg.max_steps + 1):
-        m = trainer.step(step, island.version)
+        try:
+            m = trainer.step(step, island.version)
+        except NoNodes as e:
+            log.error("%s; stopping: what was trained is saved", e)
+            return history, str(e)
         done = island.after_step(m["tokens"], train_loss=m["loss"])
         m.update(version=island.version, eval_reward=finite(trainer.eval_reward),
                  pushes=island.pushes, time=time.time())
@@ -134,7 +144,7 @@ def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop) -> list[dict]:
                  island.version)
         if done or stop.is_set():
             break
-    return history
+    return history, ""
 
 
 def summarize(cfg, rl, island, client, trainer, history, before, after, t_start) -> dict:
