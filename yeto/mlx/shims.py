@@ -4,7 +4,8 @@
 dataclass (``mlx_lm/models/<model_type>.py``) filled from ``config.json`` by field
 name. transformers 5 writes many configs differently from the checkpoints those
 files were written against, so before mlx-lm sees a config, `config_overrides`
-fills every ``ModelArgs`` field the config holds under another form:
+fills every ``ModelArgs`` field the config holds under another form, driven by the
+fields of the ``ModelArgs`` mlx-lm will build (`args_fields`):
 
 1. **The transformers config class itself** (the general mechanism). The dict is
    turned back into its transformers config object, and every ``ModelArgs`` field
@@ -13,18 +14,35 @@ fills every ``ModelArgs`` field the config holds under another form:
    exaone's ``num_layers``) and its derived attributes (properties, and values
    save_pretrained left out because they equal the class default).
 2. **RoPE** (`flat_rope_overrides`). transformers >= 5 nests ``rope_theta`` and any
-   scaling under ``"rope_parameters"``; most mlx-lm models read only the flat
-   ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` and silently fall
-   back to their own defaults when those are missing (qwen2 1e6, llama 1e4), so the
-   MLX model computes different logits than torch from the same weights.
-   ``rope_scaling`` is ``None`` for plain RoPE (exaone4 requires the field).
-3. **Defaults the modelling code applies** (``head_dim = hidden_size //
-   num_attention_heads``) and the **few per-model keys** left (`_PER_MODEL`, each
-   naming the mlx-lm file that reads it).
+   scaling under ``"rope_parameters"`` (per layer type for hybrids); most mlx-lm
+   models read only the flat ``rope_theta`` / ``rope_scaling`` /
+   ``partial_rotary_factor`` and silently fall back to their own defaults when
+   those are missing (qwen2 1e6, llama 1e4), so the MLX model computes different
+   logits than torch from the same weights. ``rope_scaling`` is ``None`` for plain
+   RoPE (exaone4 requires the field).
+3. **transformers-5 structures, by the mlx-lm field that reads them** (`_DERIVED`):
+   per-layer lists (``layer_types``, ``mlp_layer_types``) where checkpoints said
+   ``full_attn_idxs``, ``sliding_window_pattern``, ``first_k_dense_replace``,
+   ``moe_layer_freq``, ``is_moe_layer``; ``per_layer_config`` entries where they
+   said ``global_head_dim``; the defaults the modelling code applies (``head_dim``).
+4. **The few per-model keys left** (`_PER_MODEL`, `_FORCED`), each naming the
+   mlx-lm file that reads it.
 
 Composite configs (gemma3, llama4, qwen3_5: a ``text_config`` inside) get the same
-translation of their ``text_config`` against mlx-lm's text-model arguments. A
-value already in the config always wins.
+translation of their ``text_config`` against mlx-lm's text-model arguments; a
+text-only checkpoint of a composite model (``qwen3_5_text``, MoE ``llama4_text``)
+is read by mlx-lm's composite module (`text_only_remap`). A value already in the
+config wins, except where transformers reads another key than mlx-lm (`_FORCED`,
+`_FROM_LAYER_TYPES`).
+
+**The built model** (`_classes`, given to mlx-lm's loader): weights in a layout
+transformers writes but mlx-lm's ``sanitize`` does not read are translated first
+(`_WEIGHTS`: gpt2's ``transformer.`` prefix, gpt-oss experts, renamed norms, ...);
+settings mlx-lm hard-codes where the config says otherwise are set from the config
+(`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps); and a model whose
+``__init__`` skips ``nn.Module.__init__`` is completed. What cannot be translated
+(a different architecture under the same model type, a computation mlx-lm
+hard-codes) is listed with its reason by ``scripts/arch_sweep.py``.
 
 One adapter, not a patch: mlx-lm models take no attention-mask argument (they
 build a causal mask from the KV cache), so `document_cache` hands a block-diagonal
