@@ -28,8 +28,9 @@ cause; it is used only while the check fails, so a fixed upstream bug shows as o
 Then a count by status, and ``RESULT ok=N of M``.
 
 A row is ``ok`` when max |dlogit| <= 1e-4 x max |logit| (`yeto.interop.parity.REL_TOL`;
-`LOOSER` lists the architectures held to a looser bound, and why). Each architecture runs in a worker subprocess with a time limit, so
-one hang or crash does not stop the sweep (the worker is replaced).
+`LOOSER` lists the architectures held to a looser bound, and why). Each architecture
+runs in a worker subprocess with a time limit, so one hang or crash does not stop the
+sweep (the worker is replaced).
 """
 
 from __future__ import annotations
