@@ -140,9 +140,12 @@ def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: 
     (out / "metrics.jsonl").unlink(missing_ok=True)
     proc = _start(cmd, args.out / "rl.log")
     seen = 0
-    while proc.poll() is None:
-        time.sleep(0.5)
-        seen = _progress(out / "metrics.jsonl", seen, args.max_steps)
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5)
+            seen = _progress(out / "metrics.jsonl", seen, args.max_steps)
+    finally:  # Ctrl-C here: the island (in its own session) stops too, saving its work
+        _stop(proc, timeout=60)
     _progress(out / "metrics.jsonl", seen, args.max_steps)
     if proc.returncode != 0:
         raise RuntimeError(f"the GRPO island failed ({proc.returncode}); see {args.out}/rl.log")
