@@ -91,7 +91,11 @@ def warm_start(args, model: Path, train: Path) -> Path:
            "--lora-alpha", "32", "--seq-len", "128", "--batch-size", "8", "--inner-lr", "3e-3",
            "--seed", str(args.seed), "--threads", "1", "--no-progress", "--eval-blocks", "0"]
     proc = _start(cmd, out / "log.txt")
-    if proc.wait() != 0:
+    try:
+        proc.wait()
+    finally:
+        _stop(proc)
+    if proc.returncode != 0:
         raise RuntimeError(f"the SFT warm start failed; see {out / 'log.txt'}")
     return out / "adapter"
 
