@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="the island's torch threads")
     p.add_argument("--pipeline", type=int, default=1,
                    help="fragments in flight at once in the P=4 arms (the island's default 1)")
+    p.add_argument("--downlink", choices=("f32", "bf16", "q4"), default=None,
+                   help="the syncer's broadcast encoding (default: the syncer's, f32)")
     p.add_argument("--out", type=Path, default=None, help="keep the arms' outputs here")
     return p.parse_args(argv)
 
@@ -97,7 +99,8 @@ def run_arm(args, model: Path, data: Path, tuning: str, fragments: int, work: Pa
         with open(work / "syncer.log", "w") as log:
             syncer = lab.popen(a, [sys.executable, "-m", "syncer", "--host", a.addr, "--port",
                                    str(PORT), "--port-file", port_file, "--quorum", "1",
-                                   "--fragments", str(fragments), "--state-dir", work / "syncer"],
+                                   "--fragments", str(fragments), "--state-dir", work / "syncer",
+                                   *(["--downlink", args.downlink] if args.downlink else [])],
                                stdout=log, stderr=subprocess.STDOUT, env=env)
         _wait_for(port_file, syncer)
         cmd = [sys.executable, __file__, "_island", str(work / "timings.json"),
@@ -202,7 +205,8 @@ def report(results: dict, args) -> str:
                  "pushes"], rows, right=range(1, 12))
     lora, full = results[("lora", 1)], results[("full", 1)]
     lora4, full4 = results[("lora", 4)], results[("full", 4)]
-    print(f"\nlink {args.rate_mbit:g} Mbit/s each way, {args.delay_ms:g} ms one-way; goal: LoRA "
+    print(f"\nlink {args.rate_mbit:g} Mbit/s each way, {args.delay_ms:g} ms one-way, downlink "
+          f"{args.downlink or 'f32'}, P=4 pipeline {args.pipeline}; goal: LoRA "
           f"<= 1 % ({'met' if lora['wait_share'] <= 0.01 else 'missed'}); full weights with "
           f"P=4 < 5 % ({'met' if full4['wait_share'] < 0.05 else 'missed'}; P=1: "
           f"{full['wait_share']:.2%})")
