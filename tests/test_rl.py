@@ -17,7 +17,7 @@ import torch
 from conftest import wait_until
 
 from yeto.config import IslandConfig
-from yeto.rl.grpo import group_advantages, policy_loss
+from yeto.rl.grpo import Seq, group_advantages, policy_loss
 from yeto.rl.rewards import combine, exact_match, load_reward, reversal_accuracy
 from yeto.rl.trainer import RLConfig
 from yeto.rollout.engine import stop_token_ids
@@ -90,7 +90,7 @@ def test_a_killed_node_is_skipped_and_used_again_when_back(tiny_llama, tiny_task
     nodes = [_node(tiny_llama), _node(tiny_llama)]
     servers = [serve_in_thread(n) for n in nodes]
     urls = [url + "/v1" for _, url in servers]
-    cfg, rl = _configs(tiny_llama, tiny_task, urls)
+    cfg, rl = _configs(tiny_llama, tiny_task, urls, kl_coef=0.05)
     parts = prepare(cfg, rl)
     trainer = parts.trainer
     trainer.pool.retry_s = 0.2
@@ -114,6 +114,10 @@ def test_a_killed_node_is_skipped_and_used_again_when_back(tiny_llama, tiny_task
         trainer.step(4, -1)
         assert nodes[1].scheduler.requests == 2  # used again
         assert {r["url"]: r for r in trainer.pool.report()}[urls[1][:-3]]["groups"] == 4
+        seqs = [Seq(trainer.prompts[0].ids, [5, 6, 7], [-1.0] * 3, 1.0, 0),
+                Seq(trainer.prompts[0].ids, [8, 9], [-1.0] * 2, -1.0, 0)]
+        trainer._train(seqs, 5)
+        assert trainer._train(seqs, 6)["kl"] > 0  # --kl-coef: the LoRA moved off the base
     finally:
         trainer.pool.close()
         for (server, _), node in zip(servers, nodes):
