@@ -90,6 +90,11 @@ def test_truncated_copy_keeps_the_first_layers(tmp_path):
     rep = parity.check(d, r=4, alpha=8.0, numeric_layers=2)
     assert rep.numeric_layers == 2 and rep.logits_ok()
     assert any("truncated" in n for n in rep.notes)
+    # a hybrid keeps one layer of each kind: qwen3_5's first full-attention layer is 4th
+    hybrid = parity.tiny_model("qwen3_5", tmp_path / "hybrid")
+    cut = parity.truncated_copy(hybrid, 2, tmp_path / "hybrid-cut")
+    cfg = json.loads((cut / "config.json").read_text())
+    assert parity.layer_count(cfg) == 4 and cfg["layer_types"][-1] == "full_attention"
 
 
 def _script(*args):

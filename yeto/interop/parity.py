@@ -331,10 +331,19 @@ def checkpoint_bytes(model_dir: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("model*.safetensors"))
 
 
+def layer_count(config: dict) -> int | None:
+    """The number of decoder layers a config.json dict says (its text model's)."""
+    sub = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return next((sub[k] for k in _LAYER_COUNTS if isinstance(sub.get(k), int)), None)
+
+
 def truncated_copy(model_dir: str | Path, n_layers: int, dest: str | Path) -> Path:
-    """A copy of the model with only its first ``n_layers`` decoder layers: the
-    config says so (the layer count and every per-layer list cut to match) and the
-    weights are the matching subset. Returns ``dest``."""
+    """A copy of the model with only its first ``n_layers`` decoder layers (more where
+    needed to keep one layer of every type a per-layer list names: a hybrid's first
+    attention layer, its first MoE layer): the config says so (the layer count and
+    every per-layer list cut to match) and the weights are the matching subset;
+    vision and audio towers are kept whole. Returns ``dest`` (`layer_count` of its
+    config.json says how many layers it kept)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -345,6 +354,10 @@ def truncated_copy(model_dir: str | Path, n_layers: int, dest: str | Path) -> Pa
     old = next((sub[k] for k in _LAYER_COUNTS if isinstance(sub.get(k), int)), None)
     if old is None:
         raise ParityError("torch-build", "cannot truncate: the config has no layer count")
+    for v in sub.values():  # keep one layer of every kind (hybrids: attention, conv, MoE ...)
+        if isinstance(v, list) and len(v) == old and all(isinstance(t, str) for t in v):
+            n_layers = max([n_layers] + [v.index(t) + 1 for t in set(v)])
+    n_layers = min(n_layers, old)
     for k in _LAYER_COUNTS:
         if isinstance(sub.get(k), int):
             sub[k] = n_layers
@@ -357,7 +370,8 @@ def truncated_copy(model_dir: str | Path, n_layers: int, dest: str | Path) -> Pa
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():  # noqa: SIM118 - safe_open has no __iter__
                 m = _LAYER.search(k)
-                if m is None or int(m.group(1)) < n_layers:
+                tower = any(t in k for t in ("vision", "visual", "audio"))  # their own depth
+                if m is None or tower or int(m.group(1)) < n_layers:
                     tensors[k] = st.get_tensor(k)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     for f in model_dir.iterdir():
@@ -391,6 +405,7 @@ def check(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = 
         return logit_parity(model_dir, r, alpha, targets, seed, report)
     with tempfile.TemporaryDirectory(prefix="yeto-parity-") as tmp:
         truncated_copy(model_dir, numeric_layers, tmp)
+        numeric_layers = layer_count(json.loads((Path(tmp) / "config.json").read_text()))
         report.numeric_layers = numeric_layers
         report.notes.append(f"logits compared on a truncated copy: the first {numeric_layers} "
                             "decoder layers")
