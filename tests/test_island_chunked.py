@@ -190,19 +190,20 @@ def test_chunked_equals_whole_arrays(name):
 
 
 def reference(layout, init, steps=24, merge_alpha=0.0, delay=2):
-    """The documented math on whole arrays (anchor, base, residual kept apart): the
-    payloads an island must send."""
-    local, anchor, base = init.copy(), init.copy(), init.copy()
+    """The documented math on whole arrays, as the island did it before it went chunk
+    by chunk (`base`: Θ, or the weights at the push while its round is open, kept
+    beside Θ; the residual): the payloads an island must send."""
+    local, base = init.copy(), init.copy()
     residual = np.zeros(layout.numel, np.float32)
     theta, pending, payloads = init.copy(), [], []
     target = np.linspace(-1, 1, layout.numel, dtype=np.float32)
     for step in range(1, steps + 1):
         local = local - np.float32(0.05) * (local - target)
-        for due, th in [p for p in pending if p[0] <= step]:
+        for _, th in [p for p in pending if p[0] <= step]:
             merged = th + (local - base)
             if merge_alpha:
                 merged = merge_alpha * local + (1 - merge_alpha) * merged
-            local, anchor, base = merged, th.copy(), th.copy()
+            local, base = merged, th.copy()
             pending = [p for p in pending if p[0] > step]
         if step % 4 == 0:
             t = residual + (base - local)

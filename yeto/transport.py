@@ -150,6 +150,10 @@ class Transport(Protocol):
     `fatal` (a refusal that ends the island's part in the run, else None),
     `last_error` (the most recent connection error, for messages), and the counters
     `bytes_up`, `bytes_down`, `wait_s`.
+
+    Optional: `stream_broadcasts()`. A transport that has it, once the island has
+    called it, may hand large broadcasts over as `ThetaStream`s (applied as they
+    arrive) instead of whole arrays.
     """
 
     address: str
