@@ -179,6 +179,7 @@ def cadence_arm(args, cadence: str, model: Path, adapter: Path, data) -> dict:
                          warmup_steps=10, reward="reversal_accuracy,exact_match",
                          eval_prompts=args.eval_prompts, seed=args.seed)
     nodes = []
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
         if cadence == "never":  # no syncer: the nodes keep the warm start

@@ -18,6 +18,7 @@ from yeto.interop.adapters import peft_adapter_config, peft_to_mlx, save_peft_ad
 from yeto.rl.grpo import Seq, completion_logprobs
 from yeto.rollout.adapters import LoraSpec
 from yeto.rollout.engine import stop_token_ids
+from yeto.rollout.generate import Row, SamplingParams, choose, log_softmax
 from yeto.rollout.server import RolloutNode, serve_in_thread
 from yeto.rollout.torch_engine import TorchEngine
 from yeto.transport import Refused
@@ -303,3 +304,20 @@ def test_models_and_status_routes(torch_node):
     with urllib.request.urlopen(f"{url}/yeto/status", timeout=10) as r:
         status = json.loads(r.read())
     assert status["backend"] == "torch" and status["requests"] >= 0
+
+
+def test_sampling_follows_temperature_top_k_and_top_p():
+    lp = log_softmax(np.log(np.array([[0.5, 0.3, 0.15, 0.05]])))
+    rng = np.random.default_rng(0)
+
+    def freq(**kw):
+        rows = [Row((1,), SamplingParams(**kw), rng)]
+        draws = [int(choose(lp, rows)[0]) for _ in range(4000)]
+        return np.bincount(draws, minlength=4) / len(draws)
+
+    assert np.allclose(freq(temperature=1.0), [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    assert np.allclose(freq(temperature=0.0), [1, 0, 0, 0])
+    assert np.allclose(freq(temperature=1.0, top_k=2), [0.625, 0.375, 0, 0], atol=0.03)
+    assert np.allclose(freq(temperature=1.0, top_p=0.7), [0.625, 0.375, 0, 0], atol=0.03)
+    cold = freq(temperature=0.5)  # p^2, renormalised
+    assert np.allclose(cold, np.array([25, 9, 2.25, 0.25]) / 36.5, atol=0.03)

@@ -13,7 +13,8 @@ for it (the G completions of a GRPO group), so no prompt is ever padded: pad
 positions exist only as masked keys, never as queries, and the numbers of a row do
 not depend on the others in its batch.
 
-Sampling is numpy, per row, with the row's own seed: temperature, top-k, top-p.
+Sampling is numpy, batched, with each row's own seed: temperature, top-k, top-p
+(a Gumbel-max draw, see `choose`).
 The log-probability returned for each sampled token is under the model's own
 distribution at temperature 1, before temperature, top-k and top-p (what vLLM
 returns by default), computed in float64 from the float32 logits.
@@ -80,24 +81,39 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
-def sample(lp: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from log-probabilities `lp` (V,) under `p`'s settings."""
-    if p.temperature == 0 or p.top_k == 1:
-        return int(np.argmax(lp))
+def _filtered(lp: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """`lp` / temperature, with the tokens top-k and top-p leave out at -inf."""
     z = lp / p.temperature
     if 0 < p.top_k < z.size:
         cut = np.partition(z, -p.top_k)[-p.top_k]
         z = np.where(z >= cut, z, -np.inf)
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
     if p.top_p < 1.0:
+        probs = np.exp(z - z.max())
         order = np.argsort(-probs, kind="stable")
-        cum = np.cumsum(probs[order])
-        keep = order[:int(np.searchsorted(cum, p.top_p)) + 1]
-        kept = np.zeros_like(probs)
-        kept[keep] = probs[keep]
-        probs = kept / kept.sum()
-    return int(rng.choice(probs.size, p=probs))
+        cum = np.cumsum(probs[order]) / probs.sum()
+        drop = order[int(np.searchsorted(cum, p.top_p)) + 1:]
+        z = z.copy()
+        z[drop] = -np.inf
+    return z
+
+
+def choose(lp: np.ndarray, rows: list[Row]) -> np.ndarray:
+    """One token id per row of log-probabilities `lp` (B, V), under each row's
+    settings: greedy, or a draw from softmax(filtered lp / T) by the Gumbel-max trick
+    (the argmax of z + Gumbel noise), with the noise from the row's own generator."""
+    toks = np.empty(len(rows), dtype=np.int64)
+    drawn = []
+    for j, r in enumerate(rows):
+        if r.params.temperature == 0 or r.params.top_k == 1:
+            toks[j] = int(np.argmax(lp[j]))
+        else:
+            drawn.append(j)
+    if drawn:
+        z = np.stack([_filtered(lp[j], rows[j].params) for j in drawn])
+        u = np.stack([rows[j].rng.random(lp.shape[1]) for j in drawn])
+        with np.errstate(divide="ignore"):
+            toks[drawn] = np.argmax(z - np.log(-np.log(u)), axis=1)
+    return toks
 
 
 def _top(lp: np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -115,10 +131,9 @@ class _Track:
         self.stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
         self.out = Output(top=[] if p.logprobs else None)
 
-    def take(self, logits: np.ndarray) -> int:
+    def take(self, tok: int, lp: np.ndarray) -> int:
+        """Record sampled token `tok` (its row of log-probabilities is `lp`)."""
         p, out = self.row.params, self.out
-        lp = log_softmax(logits)
-        tok = sample(lp, p, self.row.rng)
         out.token_ids.append(tok)
         out.logprobs.append(float(lp[tok]))
         if out.top is not None:
@@ -161,7 +176,9 @@ def generate(engine: Engine, rows: list[Row], eos_ids: Sequence[int],
     first.clear()
     active = list(range(len(rows)))
     while True:
-        tokens = [tracks[i].take(logits[j]) for j, i in enumerate(active)]
+        lp = log_softmax(logits)
+        chosen = choose(lp, [tracks[i].row for i in active])
+        tokens = [tracks[i].take(int(chosen[j]), lp[j]) for j, i in enumerate(active)]
         keep = [j for j, i in enumerate(active) if not tracks[i].done]
         if not keep:
             break
