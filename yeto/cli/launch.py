@@ -571,8 +571,11 @@ def _loss(x: float | None) -> str:
 def run_state(run: LocalRun) -> str:
     if run.stopping and run.running():
         return "stopping: " + run.stopping
-    if run.status.get("finished") or (run.syncer and run.syncer.poll() == 0):
+    if run.status.get("finished") or (run.syncer and run.syncer.poll() == 0 and not
+                                      (run.hard_stop and not run.merges)):
         return "finished"
+    if run.stopping:
+        return "stopped: " + run.stopping
     return "training" if run.merges or run.status.get("version") else "starting"
 
 
