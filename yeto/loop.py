@@ -177,9 +177,10 @@ def prepare(cfg: IslandConfig, backend: Backend) -> Inputs:
 
     source = resolve_model(cfg.model, cfg.model_revision, cfg.trust_remote_code)
     tok = backend.load(cfg, source)
-    train_blocks = load_blocks(cfg.data, tok, cfg.seq_len, shard=cfg.shard, packing=cfg.packing,
+    packing = packing_for(cfg.packing, Path(source.path) / "config.json")
+    train_blocks = load_blocks(cfg.data, tok, cfg.seq_len, shard=cfg.shard, packing=packing,
                                revision=cfg.data_revision, split=cfg.data_split)
-    held_out = load_blocks(cfg.eval_data, tok, cfg.seq_len, packing=cfg.packing,
+    held_out = load_blocks(cfg.eval_data, tok, cfg.seq_len, packing=packing,
                            revision=cfg.eval_data_revision, split=cfg.eval_split,
                            held_out=True) if cfg.eval_data else None
     group = backend.group
@@ -192,6 +193,28 @@ def prepare(cfg: IslandConfig, backend: Backend) -> Inputs:
     if held_out is not None and cfg.eval_blocks:
         held_out = held_out[:cfg.eval_blocks]
     return Inputs(source, train_blocks, held_out, record)
+
+
+# config keys of mixers that are not attention (short convolutions, state-space scans)
+_NON_ATTENTION_KEYS = ("conv_L_cache", "conv_kernel", "d_conv", "ssm_state_size", "state_size",
+                       "mamba_d_state", "linear_conv_kernel_dim")
+
+
+def packing_for(packing: str, config_json: Path) -> str:
+    """`document` packing keeps packed documents apart with an attention mask; a model
+    with convolution or state-space layers (LFM2, Mamba, hybrids) mixes tokens outside
+    attention, where no mask reaches, so both backends fall back to `naive` for it."""
+    if packing != "document" or not config_json.is_file():
+        return packing
+    config = json.loads(config_json.read_text())
+    types = [str(t) for t in config.get("layer_types") or ()]
+    if any(k in config for k in _NON_ATTENTION_KEYS) or any(
+            "attention" not in t and "attn" not in t for t in types):
+        log.warning("--packing document needs attention-only layers; this %s model mixes "
+                    "tokens in convolution/state-space layers, so packed blocks are naive "
+                    "(pass --packing naive to silence this)", config.get("model_type", "?"))
+        return "naive"
+    return packing
 
 
 def make_client(cfg: IslandConfig, layout: Layout, backend: Backend) -> Transport | None:

@@ -160,7 +160,8 @@ def peft_to_mlx(peft_dir: str | Path, out_dir: str | Path,
     _check_peft_config(cfg, peft_dir)
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     factors = _peft_factors(tensors, r, peft_dir)
-    num_layers, keys = _block_coverage(sorted(factors), _num_blocks(base_model, cfg))
+    num_layers, keys = _block_coverage(sorted(factors), _num_blocks(base_model, cfg),
+                                       _layer_types(base_model, cfg))
     out_tensors: dict[str, np.ndarray] = {}
     for module, (a, b) in factors.items():
         out_tensors[f"{module}.lora_a"] = np.ascontiguousarray(a.T)
@@ -238,8 +239,24 @@ def _num_blocks(base_model, cfg: dict) -> int | None:
     raise AdapterConversionError(f"{path} has no num_hidden_layers: cannot count the blocks")
 
 
-def _block_coverage(modules: list[str], total: int | None) -> tuple[int, list[str]]:
-    """(num_layers, keys) for mlx-lm, or refuse."""
+def _layer_types(base_model, cfg: dict) -> list[str]:
+    """The base model's per-block kinds (`layer_types`: LFM2's conv / full_attention),
+    [] when it has none or is not local."""
+    base = base_model if base_model is not None else cfg.get("base_model_name_or_path")
+    path = Path(str(base)) / "config.json" if base else None
+    if path is None or not path.is_file():
+        return []
+    hf = json.loads(path.read_text())
+    return [str(t) for t in (hf.get("layer_types") or (hf.get("text_config") or {})
+                             .get("layer_types") or ())]
+
+
+def _block_coverage(modules: list[str], total: int | None,
+                    layer_types: list[str] = ()) -> tuple[int, list[str]]:
+    """(num_layers, keys) for mlx-lm, or refuse. Blocks of one kind must adapt the
+    same modules; on hybrid models (several `layer_types`) the key list is the union
+    of the kinds' lists: mlx-lm adapts in each block the keys that block has, and the
+    kinds' modules differ (conv.* vs self_attn.*)."""
     by_layer: dict[int, set[str]] = {}
     prefixes = set()
     for module in modules:
@@ -253,13 +270,16 @@ def _block_coverage(modules: list[str], total: int | None) -> tuple[int, list[st
     if len(prefixes) != 1:
         raise AdapterConversionError(f"LoRA spans several block lists {sorted(prefixes)}")
     layers = sorted(by_layer)
-    keys = by_layer[layers[0]]
+    kind = (lambda i: layer_types[i]) if len(set(layer_types)) > 1 else (lambda i: "")
+    first: dict[str, int] = {}
     for i in layers:
-        if by_layer[i] != keys:
-            diff = sorted(by_layer[i] ^ keys)
+        j = first.setdefault(kind(i), i)
+        if by_layer[i] != by_layer[j]:
+            diff = sorted(by_layer[i] ^ by_layer[j])
             raise AdapterConversionError(
-                f"block {i} adapts different modules than block {layers[0]} (differ: "
+                f"block {i} adapts different modules than block {j} (differ: "
                 f"{', '.join(diff)}); mlx-lm uses one key list for all adapted blocks")
+    keys = set().union(*by_layer.values())
     if total is None:
         raise AdapterConversionError(
             "cannot count the base model's blocks (mlx-lm adapts the *last* num_layers "

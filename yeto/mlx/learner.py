@@ -33,6 +33,7 @@ from yeto.data import Blocks, attention_mask, is_naive
 from yeto.interop.adapters import (
     PEFT_CONFIG,
     PEFT_WEIGHTS,
+    AdapterConversionError,
     peft_adapter_config,
     peft_to_mlx,
     save_peft_adapter,
@@ -176,7 +177,10 @@ def export_files(base_model: str, r: int, alpha: float, targets) -> tuple[str, d
 def save_outputs(out: Path, tensors: dict[str, np.ndarray], config_text: str,
                  model_dir: Path) -> None:
     save_peft_adapter(out / "adapter", tensors, config_text)
-    peft_to_mlx(out / "adapter", out / "mlx", base_model=model_dir)
+    try:
+        peft_to_mlx(out / "adapter", out / "mlx", base_model=model_dir)
+    except AdapterConversionError as e:  # the peft adapter is the island's output
+        log.warning("no mlx-lm copy of the adapter in %s: %s", out / "mlx", e)
 
 
 # ---- the backend -------------------------------------------------------------
