@@ -83,7 +83,10 @@ class SyncerClient:
     def __init__(self, address: str, learner_id: str, layout: Layout, *, token: str | None = None,
                  backend: str = "numpy", weights_file: str = "weights.safetensors",
                  export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
-                 backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+                 backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 channel: grpc.Channel | None = None):
+        """`channel`: a ready channel to use instead of opening one to `address`
+        (`yeto.sim` passes an in-process one)."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
         self._metadata = net.auth_metadata(net.token_from_env(token))
         self._join_request = pb.JoinRequest(
@@ -91,7 +94,7 @@ class SyncerClient:
             weights_file=weights_file, export_files=export_files or {},
             layout=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
                     for s in layout.specs])
-        self._channel = open_channel(address, tls)
+        self._channel = channel if channel is not None else open_channel(address, tls)
         self._stub = pb_grpc.SyncerStub(self._channel)
         # the streaming calls without protobuf copies of the payload (yeto.wire)
         self._push_call = self._channel.stream_unary(

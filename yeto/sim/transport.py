@@ -1,11 +1,13 @@
 """An in-process transport: the real gRPC client code over the real syncer service,
 without sockets.
 
-`LocalStub` stands where `yeto.client.SyncerClient`'s gRPC stub stands and calls the
-syncer's `SyncerService` methods directly, with a `LocalContext` for what a gRPC
-context does there (abort with a status code, liveness, end-of-call callbacks).
-`LocalClient` is a `SyncerClient` on such a stub. Everything above the stub — joins,
-seeding, chunked pushes, broadcasts, reconnects, typed errors — and everything below
+`LocalChannel` stands where `yeto.client.SyncerClient`'s gRPC channel stands: its
+calls serialize each message as the client does, hand it to the handlers the syncer's
+`SyncerService` registers for a real server, and parse the replies as the client
+does, with a `LocalContext` for what a gRPC context does there (abort with a status
+code, liveness, end-of-call callbacks). `LocalClient` is a `SyncerClient` on it.
+Everything above the channel — joins, seeding, chunked pushes, broadcasts,
+reconnects, typed errors — and everything below
 it — validation, merge, outer step, state, tape — is the code a real run executes.
 """
 
@@ -17,7 +19,6 @@ import grpc
 
 from syncer.service import add_to_server
 from yeto.client import SyncerClient
-from yeto.proto import yeto_pb2 as pb
 
 
 class LocalRpcError(grpc.RpcError):
@@ -72,6 +73,8 @@ class _Stream:
     def __iter__(self):
         try:
             yield from self._gen
+        except Exception as e:  # noqa: BLE001 - as a server reports it
+            raise _as_rpc_error(e) from e
         finally:
             self._context.end()
 
@@ -91,57 +94,59 @@ class _CallDetails:
         self.method, self.invocation_metadata = method, ()
 
 
-REPLIES = {"Join": pb.JoinReply, "Push": pb.PushReply, "Subscribe": pb.BroadcastChunk,
-           "Heartbeat": pb.HeartbeatReply, "Status": pb.StatusReply, "Finish": pb.FinishReply}
+def _as_rpc_error(e: Exception) -> grpc.RpcError:
+    """What a real server turns a handler's exception into."""
+    if isinstance(e, grpc.RpcError):
+        return e
+    return LocalRpcError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
 
 
-class LocalStub:
-    """`SyncerStub`'s calls on a `syncer.service.SyncerService` in this process,
-    through the handlers the service registers for a real server: every message
-    is serialized and parsed as on the wire, only the socket is missing."""
+class LocalChannel:
+    """The `grpc.Channel` calls the client makes, served by a `SyncerService` in this
+    process through the handlers it registers for a real server: every message is
+    serialized and parsed as on the wire; only the socket is missing."""
 
     def __init__(self, service):
         registry = _Registry()
         add_to_server(service, registry)
         self._handler = registry.handlers[0]
-        self._prefix = "/" + pb.DESCRIPTOR.services_by_name["Syncer"].full_name + "/"
 
-    def _call(self, name: str, request, context: LocalContext):
-        h = self._handler.service(_CallDetails(self._prefix + name))
-        parse = REPLIES[name].FromString
-        if name == "Push":  # client streaming
-            chunks = (h.request_deserializer(c.SerializeToString()) for c in request)
-            return parse(h.response_serializer(h.stream_unary(chunks, context)))
-        arg = h.request_deserializer(request.SerializeToString())
-        if name == "Subscribe":  # server streaming
-            return (parse(h.response_serializer(m)) for m in h.unary_stream(arg, context))
-        return parse(h.response_serializer(h.unary_unary(arg, context)))
+    def _method(self, path: str):
+        return self._handler.service(_CallDetails(path))
 
-    def _unary(self, name: str, request):
-        context = LocalContext()
-        try:
-            return self._call(name, request, context)
-        finally:
-            context.end()
+    def unary_unary(self, path, request_serializer=None, response_deserializer=None, **_):
+        return self._caller(path, request_serializer, response_deserializer, stream_in=False)
 
-    def Join(self, request, metadata=(), timeout=None):
-        return self._unary("Join", request)
+    def stream_unary(self, path, request_serializer=None, response_deserializer=None, **_):
+        return self._caller(path, request_serializer, response_deserializer, stream_in=True)
 
-    def Push(self, chunks, metadata=(), timeout=None):
-        return self._unary("Push", chunks)
+    def _caller(self, path, serialize, parse, stream_in: bool):
+        def call(request, metadata=(), timeout=None, **_):
+            h, context = self._method(path), LocalContext()
+            try:
+                if stream_in:
+                    arg = (h.request_deserializer(serialize(m)) for m in request)
+                    reply = h.stream_unary(arg, context)
+                else:
+                    reply = h.unary_unary(h.request_deserializer(serialize(request)), context)
+                return parse(h.response_serializer(reply))
+            except Exception as e:  # noqa: BLE001 - as a server reports it
+                raise _as_rpc_error(e) from e
+            finally:
+                context.end()
+        return call
 
-    def Finish(self, request, metadata=(), timeout=None):
-        return self._unary("Finish", request)
+    def unary_stream(self, path, request_serializer=None, response_deserializer=None, **_):
+        def call(request, metadata=(), timeout=None, **_):
+            h, context = self._method(path), LocalContext()
+            arg = h.request_deserializer(request_serializer(request))
+            replies = (response_deserializer(h.response_serializer(m))
+                       for m in h.unary_stream(arg, context))
+            return _Stream(replies, context)
+        return call
 
-    def Status(self, request, metadata=(), timeout=None):
-        return self._unary("Status", request)
-
-    def Heartbeat(self, request, metadata=(), timeout=None):
-        return self._unary("Heartbeat", request)
-
-    def Subscribe(self, request, metadata=()):
-        context = LocalContext()
-        return _Stream(self._call("Subscribe", request, context), context)
+    def close(self) -> None:
+        pass
 
 
 class LocalClient(SyncerClient):
@@ -150,5 +155,5 @@ class LocalClient(SyncerClient):
     def __init__(self, service, learner_id: str, layout, **options):
         options.setdefault("backoff_s", 0.05)
         options.setdefault("max_backoff_s", 0.5)
-        super().__init__("in-process", learner_id, layout, **options)
-        self._stub = LocalStub(service)
+        super().__init__("in-process", learner_id, layout, channel=LocalChannel(service),
+                         **options)
