@@ -7,7 +7,8 @@ times again (`bytes(view)`, into the message, `SerializeToString`). Here:
 
 - `parse_push_chunk` (the Push request deserializer) reads the protobuf wire format
   of one chunk and returns its header (parsed by the generated class) and a
-  zero-copy view of its data;
+  zero-copy view of its data (`parse_chunk` does the same for a BroadcastChunk: an
+  island's receiver could use it, from a module of yeto's own);
 - `broadcast_chunk` builds the wire bytes of one broadcast chunk straight from the
   weights (one copy), and `serialize_broadcast` (the Subscribe response serializer)
   passes them through.
@@ -30,7 +31,7 @@ _LEN = 2  # wire type of length-delimited fields
 
 @dataclass(frozen=True)
 class WireChunk:
-    header: pb.PushHeader | None
+    header: pb.PushHeader | pb.BroadcastHeader | None
     data: memoryview
 
 
@@ -61,9 +62,15 @@ def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
 
 
 def parse_push_chunk(raw: bytes) -> WireChunk:
-    """One PushChunk from its wire bytes; `data` is a view into `raw` (no copy).
-    As protobuf does, a repeated header is merged and a repeated data field keeps
-    the last; unknown fields are skipped; malformed input raises DecodeError."""
+    """One PushChunk from its wire bytes; `data` is a view into `raw` (no copy)."""
+    return parse_chunk(raw, pb.PushHeader)
+
+
+def parse_chunk(raw: bytes, header_type) -> WireChunk:
+    """A `{header = 1, data = 2}` chunk (PushChunk: `pb.PushHeader`; BroadcastChunk:
+    `pb.BroadcastHeader`) from its wire bytes; `data` is a view into `raw`. As
+    protobuf does, a repeated header is merged and a repeated data field keeps the
+    last; unknown fields are skipped; malformed input raises DecodeError."""
     buf = memoryview(raw)
     header, data, pos = None, buf[0:0], 0
     while pos < len(buf):
@@ -78,7 +85,7 @@ def parse_push_chunk(raw: bytes) -> WireChunk:
                 data = value
             else:
                 if header is None:
-                    header = pb.PushHeader()
+                    header = header_type()
                 header.MergeFromString(value)
         else:
             pos = _skip(buf, pos, wire_type)

@@ -207,8 +207,11 @@ def test_push_chunks_parse_as_protobuf_does_and_broadcast_chunks_are_valid_proto
         assert bytes(got.data) == msg.data
     bh = pb.BroadcastHeader(version=3, numel=7, payload_bytes=28)
     for header, data in ((bh, b"q" * 28), (None, b"z" * 200_000), (bh, b"")):
-        parsed = pb.BroadcastChunk.FromString(wire.broadcast_chunk(header, data))
+        raw = wire.broadcast_chunk(header, data)
+        parsed = pb.BroadcastChunk.FromString(raw)
         assert parsed.data == data and parsed.HasField("header") == (header is not None)
+        ours = wire.parse_chunk(raw, pb.BroadcastHeader)
+        assert bytes(ours.data) == data and ours.header == (header if header else None)
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
