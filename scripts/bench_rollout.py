@@ -27,6 +27,7 @@ with the MLX ratio and the reward of each cadence.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import threading
 import time
@@ -53,7 +54,10 @@ def _args():
     p.add_argument("--inner-lr", type=float, default=1e-3)
     p.add_argument("--temperature", type=float, default=0.5)
     p.add_argument("--eval-prompts", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0",
+                   help="seeds of part 2 (warm start, prompt order, sampling): each cadence "
+                        "runs once per seed, the table shows the mean and spread")
+    p.add_argument("--parts", default="throughput,cadence")
     return p.parse_args()
 
 
@@ -166,18 +170,18 @@ def throughput(args, model_dir: Path, adapter: Path, data: Path) -> dict:
 
 
 # ---- part 2: cadence ----------------------------------------------------------------------
-def cadence_arm(args, cadence: str, model: Path, adapter: Path, data) -> dict:
+def cadence_arm(args, cadence: str, seed: int, model: Path, adapter: Path, data) -> dict:
     """One GRPO run: nodes observing a syncer and pushes every H steps, or "never"."""
     from syncer.spawn import start_syncer
     from yeto.rl import demo
 
-    out = args.out / f"cadence-{cadence}"
+    out = args.out / f"seed{seed}" / f"cadence-{cadence}"
     ns = SimpleNamespace(out=out, nodes=args.nodes, max_steps=args.steps,
                          sync_every=args.steps if cadence == "never" else int(cadence),
                          group_size=args.group_size, prompts_per_step=args.prompts_per_step,
                          inner_lr=args.inner_lr, temperature=args.temperature,
                          warmup_steps=10, reward="reversal_accuracy,exact_match",
-                         eval_prompts=args.eval_prompts, seed=args.seed)
+                         eval_prompts=args.eval_prompts, seed=seed)
     nodes = []
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -198,50 +202,71 @@ def cadence_arm(args, cadence: str, model: Path, adapter: Path, data) -> dict:
 def main() -> int:
     args = _args()
     from yeto.cli.fixtures import make_task, make_tiny_model
-    from yeto.rl import demo
 
     args.out = args.out.resolve()
     model = make_tiny_model(args.out / "model")
-    train, held_out = make_task(args.out / "data")
-    ns = SimpleNamespace(out=args.out, sft_steps=20 if args.quick else args.sft_steps,
-                         seed=args.seed)
-    adapter = demo.warm_start(ns, model, train)
-    if args.quick:
-        args.prompts, args.group_size, args.max_tokens, args.repeat = 4, 4, 16, 1
-    rates = throughput(args, model, adapter, held_out)
-    rows = [[name, f"{r['node']:.0f}", f"{r['bare']:.0f}", f"{r['node'] / r['bare']:.2f}x"]
-            for name, r in rates.items()]
-    headers = ["node", "node tok/s", "bare generate tok/s", "ratio"]
-    print(f"\nthroughput: P={args.prompts} x G={args.group_size} x M={args.max_tokens} tokens")
-    print_table(headers, rows)
-    print(markdown_table(headers, rows))
-    kv = {}
-    if not args.quick:
-        kv = cadence_table(args, model, adapter, (train, held_out))
-    t = rates["torch"]
-    m = rates.get("mlx")
-    print(result_line(t["node"] / t["bare"], torch_node_tok_s=t["node"],
-                      torch_generate_tok_s=t["bare"],
-                      mlx_ratio=m["node"] / m["bare"] if m else "n/a", **kv))
+    data = make_task(args.out / "data")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    adapters = {seed: warm(args, model, data[0], seed) for seed in seeds}
+    kv: dict = {}
+    ratio = float("nan")
+    if "throughput" in args.parts:
+        if args.quick:
+            args.prompts, args.group_size, args.max_tokens, args.repeat = 4, 4, 16, 1
+        rates = throughput(args, model, adapters[seeds[0]], data[1])
+        rows = [[name, f"{r['node']:.0f}", f"{r['bare']:.0f}", f"{r['node'] / r['bare']:.2f}x"]
+                for name, r in rates.items()]
+        headers = ["node", "node tok/s", "bare generate tok/s", "ratio"]
+        print(f"\nthroughput: P={args.prompts} x G={args.group_size} x M={args.max_tokens}")
+        print_table(headers, rows)
+        print(markdown_table(headers, rows))
+        t, m = rates["torch"], rates.get("mlx")
+        ratio = t["node"] / t["bare"]
+        kv.update(torch_node_tok_s=t["node"], torch_generate_tok_s=t["bare"],
+                  mlx_ratio=m["node"] / m["bare"] if m else "n/a")
+    if "cadence" in args.parts and not args.quick:
+        kv.update(cadence_table(args, model, adapters, data, seeds))
+    print(result_line(ratio, **kv))
     return 0
 
 
-def cadence_table(args, model: Path, adapter: Path, data) -> dict:
+def warm(args, model: Path, train: Path, seed: int) -> Path:
+    from yeto.rl import demo
+
+    ns = SimpleNamespace(out=args.out / f"seed{seed}", seed=seed,
+                         sft_steps=20 if args.quick else args.sft_steps)
+    return demo.warm_start(ns, model, train)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+def _spread(xs) -> str:
+    return f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""
+
+
+def cadence_table(args, model: Path, adapters: dict, data, seeds: list[int]) -> dict:
     rows, kv = [], {}
     for cadence in [c.strip() for c in args.cadences.split(",") if c.strip()]:
-        s = cadence_arm(args, cadence, model, adapter, data)
+        runs = [cadence_arm(args, cadence, seed, model, adapters[seed], data) for seed in seeds]
+        before, after = [r["reward_before"] for r in runs], [r["reward_after"] for r in runs]
+        change = [a - b for a, b in zip(after, before)]
+        stale = [r["staleness_mean"] for r in runs if r["staleness_mean"] is not None]
+        gaps = [r["logprob_gap_mean"] for r in runs if r["logprob_gap_mean"]]
         label = "never" if cadence == "never" else f"every {cadence}"
-        rows.append([label, s["steps"], f"{s['reward_before']:.3f} -> {s['reward_after']:.3f}",
-                     f"{s['reward_after'] - s['reward_before']:+.3f}",
-                     "-" if s["staleness_mean"] is None else f"{s['staleness_mean']:.2f}",
-                     f"{s['logprob_gap_mean']:.3f}" if s["logprob_gap_mean"] else "-",
-                     f"{s['wall']:.0f} s"])
-        kv[f"reward_{cadence}"] = s["reward_after"]
+        rows.append([label, runs[0]["steps"], f"{_mean(before):.3f} -> {_mean(after):.3f}",
+                     f"{_mean(change):+.3f}{_spread(change)}",
+                     f"{_mean(stale):+.2f}" if stale else "-",
+                     f"{_mean(gaps):.3f}" if gaps else "-",
+                     f"{_mean([r['wall'] for r in runs]):.0f} s"])
+        kv[f"reward_{cadence}"] = _mean(after)
         (args.out / "cadence.json").write_text(json.dumps(rows, indent=1))
     headers = ["weights to nodes", "steps", "held-out reward", "change", "staleness",
                "|logprob gap|", "time"]
     print(f"\ncadence: GRPO on word reversal, {args.steps} steps, G={args.group_size} x "
-          f"{args.prompts_per_step} prompts, T={args.temperature}, nodes {args.nodes}")
+          f"{args.prompts_per_step} prompts, T={args.temperature}, nodes {args.nodes}, "
+          f"seeds {args.seeds} (mean; ± the spread over seeds)")
     print_table(headers, rows)
     print(markdown_table(headers, rows))
     return kv
