@@ -38,6 +38,7 @@ CHUNK = 1 << 17  # elements per chunk: a multiple of codec.Q4_BLOCK (as codec's 
 THREADS = max(1, min(8, os.cpu_count() or 1))
 _ITEM = {"f32": 4, "bf16": 2}
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def chunks(numel: int, step: int = CHUNK):
@@ -53,8 +54,9 @@ def each_chunk(numel: int, fn) -> list:
     ranges = list(chunks(numel))
     if THREADS == 1 or len(ranges) < 4:
         return [fn(lo, hi) for lo, hi in ranges]
-    if _pool is None:
-        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="syncer-chunks")
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="syncer-chunks")
     per = -(-len(ranges) // THREADS)  # contiguous runs of chunks: one task per thread
 
     def run(i: int) -> list:
