@@ -31,6 +31,7 @@ import numpy as np
 from yeto import codec, net, wire
 from yeto.io import host_port
 from yeto.layout import Layout
+from yeto.memory import trim
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 from yeto.transport import Lost, PushReply, Received, Refused, ThetaStream, Unavailable
@@ -324,7 +325,10 @@ class SyncerClient:
             for i, piece in enumerate(net.chunks(payload)):
                 yield wire.chunk_bytes(header if i == 0 else None, piece)
 
-        reply = self._push_call(chunks(), metadata=self._metadata, timeout=300)
+        try:
+            reply = self._push_call(chunks(), metadata=self._metadata, timeout=300)
+        finally:
+            trim()  # the chunks' messages, freed in gRPC's threads
         self.bytes_up += len(payload)
         return PushReply(reply.accepted, reply.status, reply.round, reply.staleness)
 
@@ -405,6 +409,7 @@ class _Streamed:
         if self.n < self.header.payload_bytes:
             return False
         self.stream.end()
+        trim()  # the chunks' messages, freed here and in the island's thread
         self.client.bytes_down += self.n
         if self.header.final:
             self.client._final_in()

@@ -60,10 +60,8 @@ So a q4 island holds about 8.6 B per parameter, an f32-wire island 8 B.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -73,6 +71,7 @@ import numpy as np
 
 from yeto.codec import Q4_BLOCK, CodecError, Encoder, ErrorFeedback
 from yeto.layout import Fragment, Layout
+from yeto.memory import trim
 from yeto.transport import Lost, Received, Refused, ThetaStream, Transport, TransportError
 
 log = logging.getLogger("yeto.island")
@@ -195,7 +194,7 @@ class Island:
             finally:
                 if self._flush is not None:
                     self._flush()
-                _trim()
+                trim()
             return
         view = _Flat(np.asarray(self._get(), dtype=np.float32))
         try:
@@ -204,7 +203,7 @@ class Island:
             if view.dirty:
                 self._set(view.flat)
             del view
-            _trim()
+            trim()
 
     # ---- start ------------------------------------------------------------
     def start(self) -> None:
@@ -482,25 +481,6 @@ class Island:
             return self.finished
         finally:
             self.client.close()
-
-
-def _trim() -> None:
-    """Give freed memory back to the OS (glibc): the chunk buffers of a pass, and the
-    gRPC messages of a transfer, freed in other threads' arenas, would otherwise stay
-    resident through the training steps that follow. A no-op elsewhere."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        _malloc_trim = False
-        if sys.platform.startswith("linux"):
-            try:
-                _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-            except (OSError, AttributeError):
-                pass
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 def _nan(x: float) -> float:
