@@ -40,7 +40,9 @@ Memory, per trainable parameter, beyond the training loop itself:
   while a round is open), and a copy of both plus the residual per push in flight;
   moving the anchor at the push makes `base` unnecessary, and carrying a refused
   push's decoded payload into the residual replaces the copies (equal to restoring
-  them up to float rounding).
+  them up to float rounding). `base` could not have been kept as a sparse or
+  compressed record: base − anchor is the pushed work itself, dense and needed in
+  full precision to keep every step exactly once.
 - error-feedback residual: 4 B with a q4 or bf16 wire; none with f32 (exact), unless
   a refused f32 push is carried into one.
 - the payload of the push in flight, kept until its round commits (the bytes the
@@ -52,7 +54,8 @@ Memory, per trainable parameter, beyond the training loop itself:
 - chunk-sized scratch: every pass (push, apply, start) reads and writes the weights
   `chunk` values at a time (4 MiB of f32 by default), straight from the backend's
   tensors when it has range access. A backend without it (`get`/`set` only, e.g.
-  the MLX LoRA view) costs one full flat copy per pass, as before.
+  the MLX LoRA view) costs one full flat copy per pass, as before. Freed buffers go
+  back to the OS after each pass (`yeto.memory.trim`).
 
 So a q4 island holds about 8.6 B per parameter, an f32-wire island 8 B.
 """
