@@ -106,6 +106,8 @@ class Regime:
     seq_len: int
     inner_lr: float
     lora_r: int = 16
+    sim: bool = False      # DiLoCo arms through python -m yeto.sim (one process)
+    eval_blocks: int = 0   # held-out blocks evaluated (0 = all); islands evaluate at syncs
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,35 @@ def full_arms(rg: Regime) -> list[Arm]:
     ]
 
 
+def long_arms(rg: Regime) -> list[Arm]:
+    """DiLoCo's own regime: S inner steps per island in every arm (>= 100 rounds at
+    H = 50), the sweeps at that fixed per-island budget (the paper's Table 3 shape),
+    dp<k> with the same total tokens. Listed most telling first: arms run in order."""
+    S, b = rg.steps, rg.batch
+    nest_dq4 = dict(downlink="q4", **NESTEROV)
+
+    def dp(k: int) -> Arm:
+        return Arm(rg.name, f"dp{k}", "dp", k=k, steps=S, batch=b * k, ref=f"dp{k}")
+
+    def d(k: int, H: int, wire: str = "q4", suffix: str = "-dq4-nest", **kw) -> Arm:
+        kw = kw or nest_dq4
+        return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=S,
+                   batch=b, H=H, wire=wire, ref=f"dp{k}", **kw)
+
+    main = [dp(4), d(4, 50), d(4, 50, suffix=""), d(4, 50, suffix="-dq4", downlink="q4"),
+            d(4, 50, "f32", suffix="-nest", **NESTEROV)]
+    if not rg.pretrain:  # from scratch: the main arms only
+        return main
+    return main + [
+        Arm(rg.name, "single", "single", steps=S, batch=b, ref="single"),
+        replace(d(1, 50), ref="single"),
+        dp(2), d(2, 50), dp(8), d(8, 50),
+        d(4, 250), d(4, 10),
+        d(4, 50, suffix="-dq4-o04", downlink="q4", outer_lr=0.4, outer_momentum=0.9),
+        d(4, 50, suffix="-dq4-m05", downlink="q4", outer_lr=0.7, outer_momentum=0.5),
+    ]
+
+
 # arms a --quick run makes by default (any other can be picked with --arms)
 QUICK_ARMS = "lora:single,lora:dp4,lora:diloco4-H50-q4,lora:diloco4-H50-f32"
 
@@ -246,6 +277,11 @@ def plan(mode: str) -> tuple[dict[str, Regime], list[Arm], list[int]]:
         arms = [Arm("lora", "single", "single", steps=24, batch=4, ref="single"),
                 replace(diloco(rg, 2, 6), ref="single")]
         return {"lora": rg}, arms, [0]
+    if mode == "long":  # full weights, stdlib source, >= 100 rounds through yeto.sim
+        warm = Regime("warm", "full", True, "stdlib", steps=5000, batch=4, seq_len=32,
+                      inner_lr=1e-3, sim=True, eval_blocks=128)
+        scratch = replace(warm, name="scratch", pretrain=False)
+        return {"warm": warm, "scratch": scratch}, long_arms(warm) + long_arms(scratch), [0, 1]
     quick = mode == "quick"
     lora = Regime("lora", "lora", True, "task", steps=800 if quick else 1600, batch=8,
                   seq_len=64, inner_lr=3e-3)
@@ -340,7 +376,10 @@ def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
 
 
 def run_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: float) -> dict:
-    """Run one (arm, seed) as real processes: a syncer (DiLoCo arms) and the islands."""
+    """Run one (arm, seed) as real processes: a syncer (DiLoCo arms) and the islands;
+    DiLoCo arms of a regime with `sim` in one `python -m yeto.sim` process."""
+    if rg.sim and arm.kind == "diloco":
+        return run_sim_arm(arm, rg, seed, paths, run_dir, timeout)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -380,29 +419,62 @@ def _start_syncer(arm: Arm, sdir: Path, env: dict):
     sdir.mkdir()
     try:
         return start_syncer(
-            ["--quorum", str(arm.k), "--state-dir", str(sdir), "--outer-lr", str(arm.outer_lr),
-             "--outer-momentum", str(arm.outer_momentum), "--merge", arm.merge,
-             "--downlink", arm.downlink, *arm.syncer_extra],
+            ["--quorum", str(arm.k), "--state-dir", str(sdir), *syncer_args(arm)],
             cwd=ROOT, env=env, log=sdir / "log.txt", timeout_s=120)
     except SyncerStartError as e:
         raise ArmFailed(f"{arm.key}: {e}") from None
 
 
+def island_args(arm: Arm, rg: Regime, seed: int, paths) -> list[str]:
+    """The flags every island of an arm takes (`python -m yeto.learner` / `yeto.sim`)."""
+    model, train, held_out = paths
+    return ["--model", str(model), "--data", str(train), "--eval-data", str(held_out),
+            "--eval-blocks", str(rg.eval_blocks), "--batch-size", str(arm.batch),
+            "--seq-len", str(rg.seq_len),
+            "--inner-lr", str(rg.inner_lr), "--tuning", rg.tuning,
+            "--lora-r", str(rg.lora_r), "--lora-alpha", str(2 * rg.lora_r),
+            # without a syncer, H only sets how often the island evaluates
+            "--sync-every", str(arm.H or EVAL_EVERY), "--wire", arm.wire,
+            "--seed", str(seed), "--threads", "1", "--no-progress", *arm.extra]
+
+
+def syncer_args(arm: Arm) -> list[str]:
+    return ["--outer-lr", str(arm.outer_lr), "--outer-momentum", str(arm.outer_momentum),
+            "--merge", arm.merge, "--downlink", arm.downlink, *arm.syncer_extra]
+
+
 def island_cmd(arm: Arm, rg: Regime, seed: int, paths, i: int, n_proc: int, address: str,
                d: Path) -> list[str]:
-    model, train, held_out = paths
-    cmd = [PY, "-m", "yeto.learner", "--model", str(model), "--data", str(train),
-           "--eval-data", str(held_out), "--eval-blocks", "0",
+    cmd = [PY, "-m", "yeto.learner", *island_args(arm, rg, seed, paths),
            "--syncer", address, "--learner-id", f"island-{i}",
            "--num-learners", str(n_proc), "--max-steps", str(arm.steps_of(i)),
-           "--batch-size", str(arm.batch), "--seq-len", str(rg.seq_len),
-           "--inner-lr", str(rg.inner_lr), "--tuning", rg.tuning,
-           "--lora-r", str(rg.lora_r), "--lora-alpha", str(2 * rg.lora_r),
-           # without a syncer, H only sets how often the island evaluates
-           "--sync-every", str(arm.H or EVAL_EVERY), "--wire", arm.wire,
-           "--seed", str(seed), "--threads", "1", "--no-progress",
-           "--output", str(d), *arm.extra]
+           "--output", str(d)]
     return cmd + list(arm.per_island[i]) if arm.per_island else cmd
+
+
+def run_sim_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: float) -> dict:
+    """A DiLoCo arm as one `python -m yeto.sim` process: the same islands, syncer and
+    outputs as real processes (tests/test_sim.py), a fraction of the overhead."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [PY, "-m", "yeto.sim", *island_args(arm, rg, seed, paths), "--islands", str(arm.k),
+           "--max-steps", str(arm.steps), "--grace-ms", "0", "--out", str(run_dir),
+           "--log-level", "INFO", *syncer_args(arm)]
+    t0 = time.monotonic()
+    with open(run_dir / "sim.log", "w") as log:
+        try:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise ArmFailed(f"{arm.key} seed {seed}: still running at the arm's timeout; "
+                            f"see {run_dir}") from None
+    if code:
+        raise ArmFailed(f"{arm.key} seed {seed}: yeto.sim exited {code}:\n"
+                        + _tail(run_dir / "sim.log"))
+    shutil.copy(run_dir / "sim.log", run_dir / "islands" / "island-0" / "log.txt")
+    return summarize(arm, rg, run_dir, time.monotonic() - t0)
 
 
 def _wait_islands(arm: Arm, seed: int, procs, run_dir: Path, deadline: float) -> None:
@@ -690,6 +762,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="reduced table: LoRA regime, half the budget, single, dp4 and "
                            "DiLoCo k=4 H=50 on q4 and f32, 2 seeds (about 10 minutes on 2 "
                            "CPU cores)")
+    mode.add_argument("--long", action="store_true",
+                      help="DiLoCo's own regime: full weights on stdlib source, warm start "
+                           "(the briefly pretrained tiny model) and from scratch, 5000 inner "
+                           "steps per island (100 rounds at H=50), DiLoCo arms through "
+                           "python -m yeto.sim; k, H and outer-optimizer sweeps at that "
+                           "per-island budget")
     mode.add_argument("--smoke", action="store_true",
                       help="2 arms, a few steps, 1 seed (< 60 s): checks the plumbing")
     p.add_argument("--out", type=Path, default=None,
@@ -710,7 +788,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode_name = ("smoke" if args.smoke else "quick" if args.quick else "long" if args.long
+                 else "full")
     out = (args.out or ROOT / "runs" / ("compare" if mode_name == "full"
                                         else f"compare-{mode_name}")).resolve()
     regimes, arms, seeds = plan(mode_name)
@@ -785,8 +864,35 @@ def report(rows: dict[str, Row], regimes: dict[str, Regime], skipped: list[str],
     for s in skipped:
         print(f"skipped: {s}")
     print()
-    for line in result_lines(rows) + goal_lines(rows):
+    for line in result_lines(rows) + goal_lines(rows) + long_goal_lines(rows):
         print(line)
+
+
+def long_goal_lines(rows: dict[str, Row]) -> list[str]:
+    """The long regime's goals (issue 15): k=4 H=50 q4/q4 <= 1.00 x dp4 at >= 400x
+    fewer bytes per token; q4 within 0.3 % of f32; loss falls with k."""
+    out = []
+    for regime in ("warm", "scratch"):
+        r = rows.get(f"{regime}:diloco4-H50-q4-dq4-nest")
+        if r is not None and r.ratios:
+            ratio, fewer = statistics.fmean(r.ratios.values()), 1 / r.mean("bytes_per_token_ratio")
+            spread = (max(r.ratios.values()) - min(r.ratios.values())) / 2
+            out.append(f"RESULT goal=long_diloco4_vs_dp4 regime={regime} "
+                       f"met={'yes' if ratio <= 1.0 and fewer >= 400 else 'no'} "
+                       f"ratio={ratio:.4f}+-{spread:.4f} fewer_bytes={fewer:.0f} "
+                       f"seeds={len(r.ratios)}")
+    q4, f32 = rows.get("warm:diloco4-H50-q4-dq4-nest"), rows.get("warm:diloco4-H50-f32-nest")
+    if q4 is not None and f32 is not None and q4.results and f32.results:
+        gap = q4.mean("eval_loss") / f32.mean("eval_loss") - 1
+        out.append(f"RESULT goal=long_q4_vs_f32 met={'yes' if abs(gap) <= 0.003 else 'no'} "
+                   f"gap={100 * gap:+.2f}%")
+    ks = [(k, rows.get(f"warm:diloco{k}-H50-q4-dq4-nest")) for k in (1, 2, 4, 8)]
+    losses = [(k, r.mean("eval_loss")) for k, r in ks if r is not None and r.results]
+    if len(losses) >= 2:
+        falls = all(b[1] < a[1] for a, b in zip(losses, losses[1:]))
+        out.append(f"RESULT goal=long_loss_falls_with_k met={'yes' if falls else 'no'} "
+                   + " ".join(f"k{k}={v:.4f}" for k, v in losses))
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())
