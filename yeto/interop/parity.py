@@ -473,6 +473,19 @@ def _init_default(config_cls, key: str) -> Any:
     return inspect.Parameter.empty if param is None else param.default
 
 
+def _tokens_inside_vocab(d: dict, out: dict) -> None:
+    """Token ids at or past the tiny vocabulary's end, moved inside it (in `out`)."""
+    vocab = out.get("vocab_size", d.get("vocab_size"))
+    if not isinstance(vocab, int):
+        return
+    for i, key in enumerate(k for k in d if k.endswith(("_token_id", "_token_index"))):
+        v = d[key]
+        if isinstance(v, int) and v >= vocab:
+            out[key] = vocab - 1 - i % 8
+        elif isinstance(v, list) and any(isinstance(x, int) and x >= vocab for x in v):
+            out[key] = [x if x < vocab else vocab - 1 - i % 8 for x in v]
+
+
 def _shrink(default, extra: dict) -> dict:
     """Constructor kwargs for a tiny version of a transformers config object: the
     `TINY` sizes it has; its per-layer lists left for the class to derive for the new
@@ -509,14 +522,7 @@ def _shrink(default, extra: dict) -> dict:
         elif (isinstance(value, dict) and value and key != "rope_parameters"
               and all(isinstance(k, str) and k.isdigit() for k in value)):
             out[key] = {k: _tiny_entry(v) for k, v in value.items() if int(k) < new_n}
-    vocab = out.get("vocab_size", d.get("vocab_size"))
-    if isinstance(vocab, int):
-        for i, key in enumerate(k for k in d if k.endswith(("_token_id", "_token_index"))):
-            v = d[key]
-            if isinstance(v, int) and v >= vocab:
-                out[key] = vocab - 1 - i % 8
-            elif isinstance(v, list) and any(isinstance(x, int) and x >= vocab for x in v):
-                out[key] = [x if x < vocab else vocab - 1 - i % 8 for x in v]
+    _tokens_inside_vocab(d, out)
     for name in sorted(set(getattr(default, "sub_configs", {}) or {}) | set(d)):
         try:
             sub = getattr(default, name, None)
