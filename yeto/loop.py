@@ -266,23 +266,26 @@ def train(cfg: IslandConfig, backend: Backend, island: Island, weights: Weights,
             seen += sum(mb[0].shape[0] * (mb[0].shape[1] - 1) for mb in micro)
             if cfg.slowdown > 1:  # a slower machine, simulated: stretch the step
                 time.sleep((cfg.slowdown - 1) * (time.perf_counter() - t_step))
-            done = island_turn(cfg, island, group, weights, step, loss, loss_tokens, t0)
+            # rank 0 decides when to stop (a signal, a non-finite loss), so every rank of
+            # a torchrun group leaves at the same step: their collectives stay matched
+            done = island_turn(cfg, island, group, weights, step, loss, loss_tokens, t0,
+                               stopping=stop.is_set() or not math.isfinite(loss))
             bar(loss, seen / (time.perf_counter() - t0), island.version)
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and group.leader:
                 log.error("training loss is %s at step %d: lower --inner-lr", loss, island.step)
-                break
-            if done or stop.is_set():
+            if done:
                 break
     return group.sum(seen) / (time.perf_counter() - t0)
 
 
 def island_turn(cfg: IslandConfig, island: Island, group, weights: Weights, step: int,
-                loss: float, loss_tokens: int, t0: float) -> bool:
+                loss: float, loss_tokens: int, t0: float, stopping: bool = False) -> bool:
     """After one step: the island applies and pushes; ranks follow; metrics at syncs.
-    Returns True when the run is over."""
+    Returns True when the run is over, or rank 0 is `stopping`."""
     loss_tokens = group.sum(loss_tokens)
     pushes, versions = island.pushes, dict(island.versions)
     done = island.after_step(loss_tokens, train_loss=loss) if group.leader else False
+    done = done or (stopping and group.leader)
     if group.active:
         done, applied = group.share(island.versions != versions, weights, done)
         if applied and cfg.output:
