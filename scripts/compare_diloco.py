@@ -248,7 +248,7 @@ def long_arms(rg: Regime) -> list[Arm]:
         return Arm(rg.name, f"dp{k}", "dp", k=k, steps=S, batch=b * k, ref=f"dp{k}")
 
     def d(k: int, H: int, wire: str = "q4", suffix: str = "-dq4-nest", **kw) -> Arm:
-        kw = kw or nest_dq4
+        kw = kw if suffix != "-dq4-nest" else nest_dq4  # other suffixes state their flags
         return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=S,
                    batch=b, H=H, wire=wire, ref=f"dp{k}", **kw)
 
