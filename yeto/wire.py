@@ -1,5 +1,5 @@
 """The island's side of the two streaming messages, without protobuf copies of the
-payload (the syncer's side is `syncer/wire.py`).
+payload; the syncer uses the same functions (`syncer/wire.py` names its side).
 
 `PushChunk` and `BroadcastChunk` are both `{header = 1 (a message), data = 2
 (bytes)}`. Built by the generated classes, every chunk's payload is copied three
@@ -94,15 +94,21 @@ def _encode_varint(n: int) -> bytes:
             return bytes(out)
 
 
-def chunk_bytes(header: Message | None, data) -> bytes:
-    """A chunk message's wire bytes: the header field (if any), then the data field,
-    built with one copy of `data`."""
-    data = memoryview(data).cast("B")
+def chunk_prefix(header: Message | None, data_len: int) -> bytes:
+    """A chunk message's wire bytes up to its data: the header field (if any) and the
+    data field's tag and length."""
     head = b""
     if header is not None:
         hb = header.SerializeToString()
         head = bytes([_HEADER << 3 | _LEN]) + _encode_varint(len(hb)) + hb
-    return b"".join((head, bytes([_DATA << 3 | _LEN]) + _encode_varint(len(data)), data))
+    return head + bytes([_DATA << 3 | _LEN]) + _encode_varint(data_len)
+
+
+def chunk_bytes(header: Message | None, data) -> bytes:
+    """A chunk message's wire bytes: the header field (if any), then the data field,
+    built with one copy of `data`."""
+    data = memoryview(data).cast("B")
+    return b"".join((chunk_prefix(header, len(data)), data))
 
 
 def passthrough(message) -> bytes:
