@@ -20,6 +20,10 @@ EXAMPLE = ("--model runs/demo/model --data runs/demo/data/train.jsonl "
            "--syncer 127.0.0.1:29400")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with defaults shown and examples kept as written."""
+
+
 class ConfigError(ValueError):
     """An island setting that cannot work; the message says which and how to fix it."""
 

@@ -13,16 +13,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from yeto.config import add_island_args, parse_island_args
+from yeto.config import HelpFormatter, add_island_args, parse_island_args
 from yeto.rl.rewards import BUILTIN
 from yeto.rl.trainer import RLConfig
 
 EPILOG = __doc__.split("Example", 1)[1]
 
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, the example kept as written."""
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from yeto import net
+from yeto.config import HelpFormatter
 from yeto.io import atomic_write
 from yeto.rollout.adapters import AdapterError, LoraSpec, read_adapter
 from yeto.signals import GracefulStop
@@ -22,10 +23,6 @@ from yeto.targets import TARGET_MODES
 
 log = logging.getLogger("yeto.rollout")
 
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, the example kept as written."""
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
