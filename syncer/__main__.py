@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-factor", type=float, default=Config.clip_factor,
                    help="clip each push's norm to this multiple of the round's median norm "
                         "(0 = off); pushes are then kept compressed until the round commits")
+    p.add_argument("--expect-islands", default="", metavar="ID,ID",
+                   help="learner ids of islands started elsewhere (yeto launch --external-"
+                        "islands): status and dashboard list them as reserved until they join")
     p.add_argument("--fragments", type=int, default=Config.fragments, metavar="P",
                    help="cut the weights into P fragments synced in turn (Streaming DiLoCo): "
                         "each round moves about 1/P of the bytes")
@@ -105,7 +108,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
                   clip_factor=args.clip_factor, downlink=args.downlink,
                   fragments=max(1, args.fragments), state_dir=args.state_dir,
-                  resume=args.resume)
+                  resume=args.resume,
+                  expect_islands=tuple(x.strip() for x in (args.expect_islands or "").split(",")
+                                       if x.strip()))
 
 
 def main(argv=None) -> int:

@@ -85,6 +85,7 @@ class Config:
     fragments: int = 1
     state_dir: Path | None = None
     resume: bool = False
+    expect_islands: tuple[str, ...] = ()  # reserved slots, listed as "reserved" until joined
 
 
 @dataclass
@@ -734,4 +735,10 @@ class Run:
                 islands=[dict(learner_id=m.learner_id, state=m.state, generation=m.generation,
                               last_contact_s=now - m.last_contact, pushes=m.pushes,
                               loss_tokens=m.loss_tokens, backend=m.backend)
-                         for m in self.islands.values()])
+                         for m in self.islands.values()] + self._reserved())
+
+    def _reserved(self) -> list[dict]:
+        """Expected islands (`--expect-islands`) that have not joined yet."""
+        return [dict(learner_id=i, state="reserved", generation=0, last_contact_s=-1.0,
+                     pushes=0, loss_tokens=0, backend="?")
+                for i in self.cfg.expect_islands if i not in self.islands]

@@ -191,3 +191,19 @@ def test_second_signal_stops_the_syncer_at_once():
     assert server.graces == [2.0, "first signal taken", 0.0]
     assert server.ticker_stop.is_set()
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+
+
+def test_expected_islands_are_listed_as_reserved_until_they_join():
+    """`--expect-islands` (yeto launch's external slots): the status lists them."""
+    from syncer.run import Config, Run
+    from yeto.layout import TensorSpec
+
+    run = Run(Config(quorum=2, expect_islands=("island-1",)))
+    rows = {r["learner_id"]: r["state"] for r in run.status()["islands"]}
+    assert rows == {"island-1": "reserved"}
+    specs = [TensorSpec("a.weight", (4,), "float32")]
+    from yeto.layout import fingerprint
+
+    run.join("island-1", specs, fingerprint(specs), "torch", "w.safetensors", {})
+    rows = {r["learner_id"]: r["state"] for r in run.status()["islands"]}
+    assert rows == {"island-1": "waiting"}

@@ -230,6 +230,12 @@ class LocalRun:
             self._tb[name] = MetricsWriter(None, self.cfg.report_to,
                                            tb_dir=self.out / "tensorboard" / name)
 
+    def _expected(self) -> list[str]:
+        """The reserved slots' ids, for the syncer's status and dashboard."""
+        first = len(self.cfg.backends)
+        ids = [f"island-{first + k}" for k in range(len(self.cfg.external))]
+        return ["--expect-islands", ",".join(ids)] if ids else []
+
     def start_syncer(self, timeout: float = 60.0) -> str:
         """Start the syncer (its own session, log in syncer/log.txt); returns its address."""
         quorum = self.cfg.quorum or self.cfg.num_islands
@@ -238,7 +244,7 @@ class LocalRun:
         try:
             self.syncer = start_syncer(
                 ["--quorum", str(quorum), "--state-dir", str(self.syncer_dir), *tls,
-                 *self.cfg.syncer_args],
+                 *self._expected(), *self.cfg.syncer_args],
                 host=self.cfg.host, port=self.cfg.port, port_file=self.syncer_dir / "port",
                 dashboard_port=self.cfg.dashboard_port, env=self.env,
                 log=self.syncer_dir / "log.txt", timeout_s=timeout, new_session=True)
@@ -396,7 +402,7 @@ class LocalRun:
         by_id = {i["learner_id"]: i for i in self.status.get("islands", [])}
         for isl in self.islands:
             s = by_id.get(isl.id)
-            if s is None:
+            if s is None or s["state"] == "reserved":  # a slot the syncer still waits for
                 continue
             if isl.external:
                 self._joined(isl, s.get("backend"))
