@@ -216,10 +216,11 @@ def test_a_syncer_that_cannot_start_is_reported_with_its_output(tmp_path, capsys
     its output (no waiting out a timeout); the launcher says so and exits 2."""
     from syncer.spawn import SyncerStartError, start_syncer
 
-    t0 = time.monotonic()
-    with pytest.raises(SyncerStartError, match="unrecognized arguments: --bogus"):
-        start_syncer(["--bogus"], timeout_s=120)
-    assert time.monotonic() - t0 < 60
+    # the exit path, not the timeout path ("did not listen within ..."): no clock needed
+    with pytest.raises(SyncerStartError,
+                       match="exited with code 2 before it listened(.|\n)*unrecognized "
+                             "arguments: --bogus"):
+        start_syncer(["--bogus"], timeout_s=3600)
     code = launch.main(["--model", "m", "--data", "d", "--out", str(tmp_path / "run"),
                         "--syncer-args=--bogus", "--display", "none"])
     err = capsys.readouterr().err

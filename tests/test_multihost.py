@@ -145,7 +145,9 @@ def test_the_lab_links_hosts_limits_bandwidth_and_tears_down(tmp_path):
         r = lab.run(b, [sys.executable, "-c", send, a.addr, "9000", str(2_500_000)], timeout=60)
         assert r.returncode == 0, r.stderr
         n, seconds = srv.stdout.readline().split()
-        assert int(n) == 2_500_001 and 0.75 < float(seconds) < 2.0  # ~1 s at 20 Mbit/s
+        # the limit holds: 2.5 MB cannot cross 20 Mbit/s in under ~1 s (a lower bound
+        # only: a loaded machine may take longer, never shorter)
+        assert int(n) == 2_500_001 and float(seconds) > 0.75
         relay, address = lab.relay(b, f"{a.addr}:9000", delay_ms=100)
         r = lab.run(b, [sys.executable, "-c", send, *address.split(":"), "10"], timeout=60)
         assert r.returncode == 0 and float(r.stdout.split()[0]) >= 0.2  # 2 x 100 ms

@@ -110,7 +110,7 @@ def test_a_killed_node_is_skipped_and_used_again_when_back(tiny_llama, tiny_task
         back = make_server(nodes[1], host, port)  # restarted on the same address
         threading.Thread(target=back.serve_forever, daemon=True).start()
         servers[1] = (back, urls[1])
-        assert wait_until(lambda: trainer.pool.nodes[1].up(time.monotonic()), 5)
+        assert wait_until(lambda: trainer.pool.nodes[1].up(time.monotonic()), 120)
         trainer.step(4, -1)
         assert nodes[1].scheduler.requests == 2  # used again
         assert {r["url"]: r for r in trainer.pool.report()}[urls[1][:-3]]["groups"] == 4
