@@ -362,6 +362,12 @@ def _pieces(text: str, size: int) -> list[str]:
 # ---------------------------------------------------------------- running
 
 
+def arm_env() -> dict:
+    """The environment of an arm's processes: one thread each, unbuffered logs."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
 class ArmFailed(RuntimeError):
     pass
 
@@ -382,8 +388,7 @@ def run_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: floa
         return run_sim_arm(arm, rg, seed, paths, run_dir, timeout)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = arm_env()
     procs: list[subprocess.Popen] = []
     syncer = None
     t0 = time.monotonic()
@@ -457,8 +462,7 @@ def run_sim_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: 
     outputs as real processes (tests/test_sim.py), a fraction of the overhead."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = arm_env()
     cmd = [PY, "-m", "yeto.sim", *island_args(arm, rg, seed, paths), "--islands", str(arm.k),
            "--max-steps", str(arm.steps), "--grace-ms", "0", "--out", str(run_dir),
            "--log-level", "INFO", *syncer_args(arm)]
