@@ -2,7 +2,7 @@
 
 What is measured, in one run:
 
-  syncer   `python -m syncer` (a subprocess, through syncer.spawn) and 1, 2 and 4
+  syncer   `python -m syncer` (a subprocess, through syncer.spawn) and 1, 2, 4 and 8
            lean in-process islands over gRPC (threads, raw stubs: they join, one
            seeds Θ, each pushes a q4 pseudo-gradient of every parameter per round
            and drains the f32 broadcast without keeping it), quorum = islands, a
@@ -56,7 +56,7 @@ from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 log = logging.getLogger("bench_memory")
-ISLANDS = (1, 2, 4)
+ISLANDS = (1, 2, 4, 8)
 MOMENTUM = {"none": ["--outer-lr", "1", "--outer-momentum", "0"],
             "0.9": ["--outer-lr", "0.7", "--outer-momentum", "0.9"]}
 
@@ -398,7 +398,8 @@ def main(argv=None) -> int:
 
 def syncer_rows(numel: int, args) -> list[dict]:
     """Every island count with the default flags, and the most islands with
-    --max-inflight-pushes 2, for each momentum setting; 2 islands with --fragments 4."""
+    --max-inflight-pushes 2 and with pushes held in memory (--spill-min-mib 1e9, the
+    behaviour before spilling), for each momentum setting; 2 islands with --fragments 4."""
     counts = [int(k) for k in args.islands.split(",")]
     extra = tuple(args.syncer_args.split())
     rows = []
@@ -406,6 +407,7 @@ def syncer_rows(numel: int, args) -> list[dict]:
         runs = [(k, extra) for k in counts]
         if max(counts) > 2 and not extra:
             runs.append((max(counts), ("--max-inflight-pushes", "2")))
+            runs.append((max(counts), ("--spill-min-mib", "1e9")))
         if 2 in counts and not extra and m == "none":
             runs.append((2, ("--fragments", "4")))
         for k, ex in runs:

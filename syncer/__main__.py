@@ -16,9 +16,9 @@ from pathlib import Path
 
 from syncer.merge import MERGE_RULES
 from syncer.run import Config, Run
-from syncer.service import is_loopback, serve
+from syncer.service import SPILL_MIN_BYTES, is_loopback, serve
 from syncer.state import StateError
-from yeto import net
+from yeto import memory, net
 from yeto.io import atomic_write, host_port
 from yeto.signals import GracefulStop, ignore_signals
 
@@ -68,10 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="encoding of broadcast updates; islands hold bit-identical weights "
                         "either way, and the final weights always go out in f32")
     p.add_argument("--max-inflight-pushes", type=int, default=4,
-                   help="pushes received at once; each holds its payload as it came (q4: "
-                        "0.5625 B per parameter) until validated whole and merged, so this "
-                        "bounds the syncer's memory beyond Θ and the round's sum (8 B per "
-                        "parameter; 12 with momentum)")
+                   help="pushes received at once; more wait (gRPC flow control holds them "
+                        "back). A push under --spill-min-mib is held in memory as it came "
+                        "until validated whole and merged; a larger one in a temporary file")
+    p.add_argument("--spill-min-mib", type=float, default=SPILL_MIN_BYTES / 2**20,
+                   help="pushes of this many MiB or more are received into an unlinked "
+                        "temporary file in --state-dir (else the system's temp folder) and "
+                        "merged from it chunk by chunk, so the syncer's memory is Θ and the "
+                        "round's sum (8 B per parameter; 12 with momentum) whatever the "
+                        "number of islands; 0 spills every push")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where state (state.safetensors, saved after every round), the tape "
                         "(tape.jsonl) and final weights (final/) are written")
@@ -121,13 +126,15 @@ def main(argv=None) -> int:
     tls = _tls_credentials(args)
     _refuse_open_listening(args, token, tls)
     cfg = config_from_args(args)
+    memory.map_large_buffers()  # chunk buffers freed to the system, not kept in arenas
     try:
         run = Run(cfg)
     except StateError as e:
         sys.exit(f"error: {e}")
     try:
         server, port = serve(run, args.host, args.port, token=token, tls=tls,
-                             max_inflight_pushes=max(1, args.max_inflight_pushes))
+                             max_inflight_pushes=max(1, args.max_inflight_pushes),
+                             spill_min_bytes=int(args.spill_min_mib * 2**20))
     except OSError as e:
         sys.exit(f"error: {e}")
     dashboard = _start_dashboard(run, args, token, server)

@@ -19,7 +19,7 @@ class DeferredPush:
     """A push kept as received (compressed) until its round commits: clipping needs
     the round's median norm, known only then."""
 
-    payload: bytes | np.ndarray  # the wire bytes (q4: 0.5625 B per parameter)
+    payload: bytes | np.ndarray | stream.SpilledPayload  # the wire bytes (q4: 0.5625 B/param)
     encoding: str
     weight: float
     norm: float
@@ -68,7 +68,8 @@ class MergeAccumulator:
         returns its rule weight. Validates first, so a bad payload raises CodecError
         and leaves the accumulator untouched."""
         w = self.weight_for(loss_tokens)
-        codec.validate(payload, encoding, self.numel)
+        if not isinstance(payload, stream.SpilledPayload):  # those are checked as written
+            codec.validate(payload, encoding, self.numel)
         if self.clip_factor > 0:  # kept as received (compressed) until the round commits
             norm = stream.norm(payload, encoding, self.numel)
             self.deferred.append(DeferredPush(payload, encoding, w, norm))

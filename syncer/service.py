@@ -22,6 +22,8 @@ from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 log = logging.getLogger("syncer")
+# a delta push this large goes to a temporary file as it arrives (see SyncerService._push)
+SPILL_MIN_BYTES = 16 << 20
 
 _CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -39,10 +41,12 @@ def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
 
 
 class SyncerService(pb_grpc.SyncerServicer):
-    def __init__(self, run: Run, max_inflight_pushes: int = 4):
+    def __init__(self, run: Run, max_inflight_pushes: int = 4,
+                 spill_min_bytes: int = SPILL_MIN_BYTES):
         self.run = run
         self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
         self.pool = stream.BufferPool(max_inflight_pushes)
+        self.spill_min_bytes = spill_min_bytes
 
     def Join(self, request, context):
         specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype)
@@ -74,16 +78,23 @@ class SyncerService(pb_grpc.SyncerServicer):
             _abort(context, e, self.run, "push", learner)
 
     def _push(self, h, first, rest) -> dict:
-        """Receive and merge one push. A delta's buffer goes back to the pool once merged,
-        unless the run keeps pushes until the round commits (clipping); the seed's
-        becomes Θ."""
-        reuse = h.kind == pb.DELTA and not self.run.cfg.clip_factor
-        buf = self.pool.get(h.payload_bytes) if reuse else None
+        """Receive and merge one push. A large delta goes to a temporary file as it
+        arrives (`stream.SpilledPayload`: a push in flight costs a chunk of memory, not
+        its size); a small one to a pooled buffer, back in the pool once merged. Either
+        is kept instead while the run holds pushes until the round commits (clipping).
+        The seed's buffer becomes Θ."""
+        keep = h.kind == pb.SEED or self.run.cfg.clip_factor > 0
+        if h.kind == pb.DELTA and h.payload_bytes >= self.spill_min_bytes:
+            buf = stream.SpilledPayload(h.payload_bytes, self.run.cfg.state_dir)
+            done = None if keep else buf.close
+        else:
+            buf = None if keep else self.pool.get(h.payload_bytes)
+            done = None if keep else (lambda: self.pool.put(buf))
         try:
             return self.run.push(h, _receive(h, first, rest, buf))
         finally:
-            if reuse:
-                self.pool.put(buf)
+            if done is not None:
+                done()
 
     def Subscribe(self, request, context):
         run = self.run
@@ -294,13 +305,13 @@ def is_loopback(host: str) -> bool:
 
 def serve(run: Run, host: str, port: int, token: str | None = None,
           tls: tuple[bytes, bytes, bytes | None] | None = None, max_workers: int = 64,
-          max_inflight_pushes: int = 4):
+          max_inflight_pushes: int = 4, spill_min_bytes: int = SPILL_MIN_BYTES):
     """Start the server; returns (server, bound port). A ticker thread commits
     rounds whose grace window or timeout has passed."""
     interceptors = [TokenAuth(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=net.GRPC_OPTIONS)
-    add_to_server(SyncerService(run, max_inflight_pushes), server)
+    add_to_server(SyncerService(run, max_inflight_pushes, spill_min_bytes), server)
     address = host_port(host, port)
     if tls:
         cert, key, ca = tls

@@ -13,6 +13,9 @@ decoded values, whatever the size of the vector.
 - `PayloadReceiver`: assembles a push from its gRPC chunks into one buffer of the
   wire size, validating as bytes arrive (q4 scales as soon as they are in, f32/bf16
   values as they come), so a bad push is refused before it is held whole.
+- `SpilledPayload`: the same bytes in an unlinked temporary file instead of memory
+  (large pushes: a push in flight then costs the syncer a chunk of memory, not its
+  wire size); every function here reads it as it reads a buffer, same bits.
 
 Chunks are independent, so large vectors are worked on by a few threads at once
 (`each_chunk`; numpy releases the GIL inside each operation): the same bits as one
@@ -27,6 +30,7 @@ These functions only compose `yeto.codec`'s encoders and decoders; `chunk_payloa
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,21 +70,23 @@ def each_chunk(numel: int, fn) -> list:
 
 
 def chunk_payload(buf, encoding: str, numel: int, lo: int, hi: int):
-    """The encoded bytes of elements [lo, hi) (lo a multiple of codec.Q4_BLOCK)."""
-    mv = memoryview(buf).cast("B")
+    """The encoded bytes of elements [lo, hi) (lo a multiple of codec.Q4_BLOCK) of a
+    buffer or a `SpilledPayload`."""
+    read = buf.read if isinstance(buf, SpilledPayload) else memoryview(buf).cast("B").__getitem__
     if encoding in _ITEM:
         k = _ITEM[encoding]
-        return mv[k * lo:k * hi]
+        return read(slice(k * lo, k * hi))
     if encoding != "q4":
         raise codec.CodecError(f"unknown encoding {encoding!r}")
     nb = -(-numel // codec.Q4_BLOCK)
     b0, b1 = lo // codec.Q4_BLOCK, -(-hi // codec.Q4_BLOCK)
     half = codec.Q4_BLOCK // 2
-    return b"".join((mv[4 * b0:4 * b1], mv[4 * nb + half * b0:4 * nb + half * b1]))
+    return b"".join((read(slice(4 * b0, 4 * b1)),
+                     read(slice(4 * nb + half * b0, 4 * nb + half * b1))))
 
 
-def _checked(payload, encoding: str, numel: int) -> memoryview:
-    mv = memoryview(payload).cast("B")
+def _checked(payload, encoding: str, numel: int):
+    mv = payload if isinstance(payload, SpilledPayload) else memoryview(payload).cast("B")
     want = codec.encoded_size(encoding, numel)
     if len(mv) != want:
         raise codec.CodecError(f"{encoding} payload for {numel} elements must be {want} "
@@ -187,49 +193,80 @@ class BufferPool:
             del self._free[:-self.limit or len(self._free)]
 
 
-class PayloadReceiver:
-    """Assembles one payload of `encoding`/`numel` from byte pieces into `into` (a
-    uint8 array of the wire size; a new one by default), validating on arrival:
-    q4 block scales once they are all in (they lead the payload), f32/bf16 values
-    up to the last whole element received. `add` raises `codec.CodecError` on the
-    first bad byte and `ValueError` on a payload longer than announced; `finish`
-    raises `ValueError` on a short one and returns the buffer."""
+class SpilledPayload:
+    """A payload's bytes in an unlinked temporary file in `directory` (the system's
+    temporary folder by default): written in order as they arrive, read back by
+    position from any thread. The file vanishes on `close()` (or when collected)."""
 
-    def __init__(self, encoding: str, numel: int, into: np.ndarray | None = None):
+    def __init__(self, size: int, directory: str | os.PathLike | None = None):
+        self.size = size
+        self.file = tempfile.TemporaryFile(dir=directory, buffering=0)  # pread sees writes
+        self.fd = self.file.fileno()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write(self, piece) -> None:
+        view = memoryview(piece).cast("B")
+        while view:  # an unbuffered write may take part of it
+            view = view[self.file.write(view):]
+
+    def read(self, part: slice) -> bytes:
+        n = part.stop - part.start
+        data = os.pread(self.fd, n, part.start)
+        while len(data) < n:  # a short read is legal; finish it
+            more = os.pread(self.fd, n - len(data), part.start + len(data))
+            if not more:
+                raise codec.CodecError(f"spilled payload ends at byte {part.start + len(data)}")
+            data += more
+        return data
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class PayloadReceiver:
+    """Assembles one payload of `encoding`/`numel` from byte pieces into `into`: a
+    uint8 array of the wire size (a new one by default) or a `SpilledPayload`.
+    Validates on arrival: q4 block scales (they lead the payload), f32/bf16 values,
+    each up to the last whole float received. `add` raises `codec.CodecError` on the
+    first bad byte and `ValueError` on a payload longer than announced; `finish`
+    raises `ValueError` on a short one and returns `into`."""
+
+    def __init__(self, encoding: str, numel: int, into=None):
         self.encoding, self.numel = encoding, numel
         self.size = codec.encoded_size(encoding, numel)
         self.buf = np.empty(self.size, np.uint8) if into is None else into
-        if self.buf.size != self.size:
-            raise ValueError(f"buffer of {self.buf.size} bytes for a {self.size}-byte payload")
+        if len(self.buf) != self.size:
+            raise ValueError(f"buffer of {len(self.buf)} bytes for a {self.size}-byte payload")
         self.n = 0           # bytes received
-        self.checked = 0     # bytes validated
-        nb = -(-numel // codec.Q4_BLOCK)
-        self._scales_end = 4 * nb if encoding == "q4" else 0
+        self._tail = b""     # received bytes of a value not yet whole (validated later)
+        # bytes that are floats to check: q4's block scales, all of f32/bf16
+        self._check_end = 4 * -(-numel // codec.Q4_BLOCK) if encoding == "q4" else self.size
 
     def add(self, piece) -> None:
         k = len(piece)
         if self.n + k > self.size:
             raise ValueError(f"payload exceeds the {self.size} bytes its header announced")
-        self.buf[self.n:self.n + k] = np.frombuffer(piece, np.uint8)
+        if self.n < self._check_end:
+            self._validate(memoryview(piece)[:self._check_end - self.n])
+        if isinstance(self.buf, SpilledPayload):
+            self.buf.write(piece)
+        else:
+            self.buf[self.n:self.n + k] = np.frombuffer(piece, np.uint8)
         self.n += k
-        self._validate()
 
-    def _validate(self) -> None:
-        if self.encoding == "q4":
-            if self.checked < self._scales_end <= self.n:
-                codec.validate(self.buf, "q4", self.numel)  # the scales only
-                self.checked = self.size
-            return
-        k = _ITEM[self.encoding]
-        upto = self.n - self.n % k
-        if upto > self.checked:
-            lo, hi = self.checked // k, upto // k
-            codec.validate(self.buf[self.checked:upto], self.encoding, hi - lo)
-            self.checked = upto
+    def _validate(self, part: memoryview) -> None:
+        item = 4 if self.encoding == "q4" else _ITEM[self.encoding]
+        data = self._tail + bytes(part) if self._tail else part
+        whole = len(data) - len(data) % item
+        if whole and self.encoding == "q4":
+            codec.validate_q4_scales(data[:whole])
+        elif whole:
+            codec.validate(data[:whole], self.encoding, whole // item)
+        self._tail = bytes(data[whole:])
 
-    def finish(self) -> np.ndarray:
+    def finish(self):
         if self.n != self.size:
             raise ValueError(f"payload ended after {self.n} of {self.size} bytes")
-        if self.encoding == "q4" and self.checked < self.size:
-            codec.validate(self.buf, "q4", self.numel)
         return self.buf

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from syncer.run import Config, Run
-from syncer.service import serve
+from syncer.service import SPILL_MIN_BYTES, serve
 from yeto.client import SyncerClient
 from yeto.layout import Layout
 
@@ -14,10 +14,10 @@ logging.basicConfig(level=logging.INFO)
 
 
 @contextlib.contextmanager
-def running_syncer(token=None, **cfg):
+def running_syncer(token=None, spill_min_bytes=SPILL_MIN_BYTES, **cfg):
     """A real gRPC syncer on a free loopback port, in this process."""
     run = Run(Config(**cfg))
-    server, port = serve(run, "127.0.0.1", 0, token=token)
+    server, port = serve(run, "127.0.0.1", 0, token=token, spill_min_bytes=spill_min_bytes)
     try:
         yield run, f"127.0.0.1:{port}"
     finally:

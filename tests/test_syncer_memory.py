@@ -51,16 +51,26 @@ def _whole_array_merge(payloads, encoding: str, tokens: list[int], rule: str) ->
     return acc
 
 
+def _spilled(payload: bytes, encoding: str, tmp_path) -> stream.SpilledPayload:
+    """A payload received as the syncer receives a large push: into a temporary file."""
+    rx = stream.PayloadReceiver(encoding, N, stream.SpilledPayload(len(payload), tmp_path))
+    for piece in net.chunks(payload, 100_003):  # pieces that split floats
+        rx.add(piece)
+    return rx.finish()
+
+
+@pytest.mark.parametrize("held", ["memory", "spilled"])
 @pytest.mark.parametrize("encoding", ENCODINGS)
 @pytest.mark.parametrize("rule", ["mean", "uniform", "rda"])
-def test_chunked_merge_equals_the_whole_array_merge(rule, encoding):
+def test_chunked_merge_equals_the_whole_array_merge(rule, encoding, held, tmp_path):
     payloads = [codec.encode(d, encoding) for d in _deltas(3)]
     tokens = [100, 300, 600]
     acc = MergeAccumulator(N, rule)
     for p, t in zip(payloads, tokens):
-        acc.add(p, encoding, t)
+        acc.add(p if held == "memory" else _spilled(p, encoding, tmp_path), encoding, t)
     got = acc.result()
     assert got.tobytes() == _whole_array_merge(payloads, encoding, tokens, rule).tobytes()
+    assert list(tmp_path.iterdir()) == []  # spilled pushes leave no file behind
 
 
 @pytest.mark.parametrize("rule", ["mean", "uniform", "rda"])
@@ -95,12 +105,14 @@ def test_decode_add_equals_codec_and_norm_matches_numpy():
         assert norm == pytest.approx(float(np.linalg.norm(whole.astype(np.float64))), rel=1e-12)
 
 
-def test_clipped_merge_keeps_pushes_compressed_and_equals_whole_arrays():
+@pytest.mark.parametrize("held", ["memory", "spilled"])
+def test_clipped_merge_keeps_pushes_compressed_and_equals_whole_arrays(held, tmp_path):
     payloads = [codec.encode(d, "q4") for d in _deltas(3)]
     acc = MergeAccumulator(N, "mean", clip_factor=1.0)
     for p in payloads:
-        acc.add(p, "q4", 10)
-    assert all(isinstance(dp.payload, bytes) for dp in acc.deferred)  # as received
+        acc.add(p if held == "memory" else _spilled(p, "q4", tmp_path), "q4", 10)
+    kind = bytes if held == "memory" else stream.SpilledPayload
+    assert all(isinstance(dp.payload, kind) for dp in acc.deferred)  # as received
     got = acc.result()
     norms = [_blocked_norm(codec.decode(p, "q4", N)) for p in payloads]
     limit = float(np.median(norms))
@@ -215,12 +227,13 @@ def test_push_chunks_parse_as_protobuf_does_and_broadcast_chunks_are_valid_proto
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
-def test_receiver_refuses_bad_bytes_as_they_arrive(encoding):
+def test_receiver_refuses_bad_bytes_as_they_arrive(encoding, tmp_path):
     good = codec.encode(_deltas(1)[0], encoding)
     rx = stream.PayloadReceiver(encoding, N)
     for piece in net.chunks(good, 100_000):
         rx.add(piece)
     assert rx.finish().tobytes() == good
+    assert _spilled(good, encoding, tmp_path).read(slice(0, len(good))) == good
     bad = bytearray(good)
     nb = -(-N // codec.Q4_BLOCK)
     at = 4 * 5 if encoding == "q4" else len(good) // 2 // 4 * 4  # a scale, or a value
@@ -243,10 +256,12 @@ def _stub_push(addr, chunks):
         return pb_grpc.SyncerStub(ch).Push(iter(chunks), timeout=30)
 
 
+@pytest.mark.parametrize("spill_min_bytes", [1 << 30, 0], ids=["in memory", "spilled"])
 @pytest.mark.parametrize("case", ["nan chunk", "truncated", "overlong", "second header"])
-def test_a_bad_chunk_mid_push_leaves_the_round_and_theta_unchanged(toy_layout, case):
+def test_a_bad_chunk_mid_push_leaves_the_round_and_theta_unchanged(toy_layout, case,
+                                                                  spill_min_bytes):
     n = toy_layout.numel
-    with running_syncer(quorum=2) as (run, addr):
+    with running_syncer(quorum=2, spill_min_bytes=spill_min_bytes) as (run, addr):
         a, b = make_client(addr, "a", toy_layout), make_client(addr, "b", toy_layout)
         a.start(np.zeros(n, np.float32))
         b.start(np.zeros(n, np.float32))

@@ -223,9 +223,15 @@ def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.
 
 def _q4_scales(buf, numel) -> np.ndarray:
     scales = np.frombuffer(buf, dtype=np.float32, count=-(-numel // Q4_BLOCK))
+    validate_q4_scales(scales)
+    return scales
+
+
+def validate_q4_scales(scales) -> None:
+    """q4 block scales (float32, any buffer) must be finite and non-negative."""
+    scales = np.frombuffer(scales, dtype=np.float32)
     if not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise CodecError("q4 payload holds negative or non-finite block scales")
-    return scales
 
 
 def q4_error_bound(x: np.ndarray) -> np.ndarray:
