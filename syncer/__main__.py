@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mean = weighted by loss tokens; uniform; rda = norm-preserving mean")
     p.add_argument("--grace-ms", type=int, default=Config.grace_ms,
                    help="after K pushes, wait this long for stragglers before committing")
+    p.add_argument("--grace", choices=("fixed", "auto"), default=Config.grace,
+                   help="auto: wait for a straggler only while its measured arrival is "
+                        "worth more tokens than the pushers lose waiting (syncer/grace.py; "
+                        "--grace-ms until each island has pushed twice)")
     p.add_argument("--round-timeout-s", type=float, default=Config.round_timeout_s,
                    help="commit with whatever arrived this long after a round's first push")
     p.add_argument("--max-staleness", type=int, default=Config.max_staleness,
@@ -110,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         sys.exit("error: --quorum must be at least 1 (example: --quorum 2 for two islands)")
     return Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
                   outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
+                  grace=args.grace,
                   round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
                   clip_factor=args.clip_factor, downlink=args.downlink,
                   fragments=max(1, args.fragments), state_dir=args.state_dir,

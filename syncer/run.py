@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from syncer import state, stream
+from syncer.grace import AutoGrace
 from syncer.merge import MergeAccumulator, NesterovOuter
 from syncer.tape import Tape
 from yeto import codec, frozen
@@ -78,6 +79,7 @@ class Config:
     outer_momentum: float = 0.0
     merge: str = "mean"
     grace_ms: int = 500
+    grace: str = "fixed"        # fixed: grace_ms; auto: syncer.grace (grace_ms until measured)
     round_timeout_s: float = 600.0
     max_staleness: int = 1
     clip_factor: float = 0.0
@@ -188,6 +190,7 @@ class Run:
         self.cond = threading.Condition()
         self.outer = NesterovOuter(config.outer_lr, config.outer_momentum)
         self.tape = Tape(config.state_dir / "tape.jsonl" if config.state_dir else None)
+        self.pace = AutoGrace(config.grace_ms / 1000)
         self.layout: Layout | None = None
         self.weights_file = "weights.safetensors"
         self.export_files: dict[str, str] = {}
@@ -426,6 +429,7 @@ class Run:
             learner=h.learner_id, tokens=int(h.loss_tokens), steps=int(h.steps),
             weight=weight, staleness=staleness, encoding=h.encoding, seq=int(h.seq),
             train_loss=finite_or_none(h.train_loss), eval_loss=finite_or_none(h.eval_loss)))
+        self.pace.observe(h.learner_id, h.fragment, now, h.loss_tokens)
         if rnd.first_push_at is None:
             rnd.first_push_at = now
         if rnd.quorum_at is None and len(rnd.learners) >= self.cfg.quorum:
@@ -496,13 +500,18 @@ class Run:
         live = {m.learner_id for m in self._live()}
         if live and live <= rnd.learners:
             return "all"  # nobody else is expected: no reason to wait for grace
-        if rnd.quorum_at is not None and now >= rnd.quorum_at + self.cfg.grace_ms / 1000:
+        if rnd.quorum_at is not None and now >= rnd.quorum_at + self._grace_s(rnd, live):
             return "quorum"
         if now >= rnd.first_push_at + self.cfg.round_timeout_s:
             return "timeout"
         if not live:
             return "finish"
         return None
+
+    def _grace_s(self, rnd: OpenRound, live: set[str]) -> float:
+        if self.cfg.grace != "auto":
+            return self.cfg.grace_ms / 1000
+        return self.pace.wait_s(rnd.fragment, rnd.quorum_at, rnd.learners, live - rnd.learners)
 
     def _commit(self, rnd: OpenRound, reason: str, now: float) -> None:
         """Merge, step, save, tape, publish: in that order, so a crash never loses a

@@ -56,7 +56,9 @@ def _add_syncer_args(g) -> None:
     g.add_argument("--merge", choices=MERGE_RULES, default=d.merge)
     g.add_argument("--downlink", choices=codec.ENCODINGS, default=d.downlink)
     g.add_argument("--fragments", type=int, default=d.fragments)
+    g.add_argument("--quorum", type=int, default=None, help="default: every island")
     g.add_argument("--grace-ms", type=int, default=d.grace_ms)
+    g.add_argument("--grace", choices=("fixed", "auto"), default=d.grace)
     g.add_argument("--round-timeout-s", type=float, default=d.round_timeout_s)
     g.add_argument("--max-staleness", type=int, default=d.max_staleness)
     g.add_argument("--clip-factor", type=float, default=d.clip_factor)
@@ -74,9 +76,12 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
     base = IslandConfig.from_args(args)
     base.num_learners = args.islands
     base.check()
-    syncer = Config(quorum=args.islands, outer_lr=args.outer_lr,
+    if not 1 <= (args.quorum or args.islands) <= args.islands:
+        raise ConfigError(f"--quorum must be between 1 and --islands ({args.islands})")
+    syncer = Config(quorum=args.quorum or args.islands, outer_lr=args.outer_lr,
                     outer_momentum=args.outer_momentum, merge=args.merge,
-                    grace_ms=args.grace_ms, round_timeout_s=args.round_timeout_s,
+                    grace_ms=args.grace_ms, grace=args.grace,
+                    round_timeout_s=args.round_timeout_s,
                     max_staleness=args.max_staleness, clip_factor=args.clip_factor,
                     downlink=args.downlink, fragments=max(1, args.fragments))
     return base, syncer, speeds
