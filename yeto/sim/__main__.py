@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(0: --max-steps decides)")
     fleet.add_argument("--speeds", default=None,
                        help="comma list, one per island: step time multipliers (1 = full "
-                            "speed, 3 = three times slower) for a mixed-speed fleet")
+                            "speed, 3 = three times slower) for a mixed-speed fleet; an "
+                            "island at speed s trains --max-steps / s steps, so all train "
+                            "for the same wall time")
     fleet.add_argument("--out", type=Path, default=Path("runs/sim"), help="output folder")
     _add_syncer_args(p.add_argument_group("the syncer (python -m syncer --help)"))
     return p

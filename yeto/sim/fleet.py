@@ -41,13 +41,17 @@ class FleetResult:
 
 
 def island_configs(base: IslandConfig, k: int, out: Path, speeds: list[float]) -> list:
-    """One config per island: its id, shard, output folder and speed."""
+    """One config per island: its id, shard, output folder and speed (an island s times
+    slower trains 1/s of the steps: the same wall time)."""
     cfgs = []
     for i in range(k):
+        speed = speeds[i] if speeds else base.slowdown
+        steps = max(1, round(base.max_steps / speed)) if speeds and base.max_steps else \
+            base.max_steps
         cfgs.append(dataclasses.replace(
             base, learner_id=f"island-{i}", learner_index=i, num_learners=k,
             output=out / "islands" / f"island-{i}", syncer="in-process", progress=False,
-            slowdown=speeds[i] if speeds else base.slowdown))
+            slowdown=speed, max_steps=steps))
     return cfgs
 
 
