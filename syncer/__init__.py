@@ -18,9 +18,10 @@ Needs numpy, grpcio, protobuf and safetensors only: no torch, transformers, peft
 Memory, per parameter: Θ (4 B) and the open round's running sum (4 B); the outer
 momentum (4 B) only when it is not 0; the islands' weights (4 B) only with a
 compressed downlink, plus its encoded update (0.625 B for q4), shared by all
-islands. Each push in flight is held as it came (q4: 0.5625 B per parameter of its
-fragment) until it is validated whole and added to the sum chunk by chunk: at most
-`--max-inflight-pushes` of them (clipping keeps a round's pushes until it commits).
-Broadcasts stream from the live weights; the state file streams from the arrays.
-Nothing else grows with the number of islands or with `--fragments`.
+islands. Each push in flight is written as it arrives to an unlinked temporary file
+(validated on the way) and added to the sum from it chunk by chunk once whole; pushes
+under `--spill-min-mib` are held in memory instead; at most `--max-inflight-pushes` at
+once (clipping keeps a round's pushes, in their files, until it commits). Broadcasts
+stream from the live weights; the state file streams from the arrays. What grows with
+the number of islands is each connection's gRPC buffers, not a per-parameter cost.
 """
