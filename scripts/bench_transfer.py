@@ -9,6 +9,9 @@ as in tests/conftest.py `running_syncer`):
            parameters); the syncer merges it, steps Θ and broadcasts Θ (f32) back.
              push       client.push() -> the syncer holds the whole payload
              broadcast  Θ published by the syncer -> Θ decoded on the client
+             streamed   the same broadcast taken as islands take a large f32 one
+                        (`stream_broadcasts`): each piece copied into the island's
+                        weights as it arrives, no whole copy (`bcast_stream_ratio`)
              merge      the rest of the push call: validate, merge, outer step,
                         publish (compute, not transfer; shown for context)
   raw      A generic gRPC server in the same process with identity serializers,
@@ -49,6 +52,7 @@ from yeto import codec, net
 from yeto.cli.display import print_table
 from yeto.client import SyncerClient
 from yeto.layout import Layout
+from yeto.transport import ThetaStream
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
@@ -117,48 +121,80 @@ class Probe:
 
 
 def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
+    """Rounds of a buffered client (f32, then q4), of a client that streams broadcasts
+    into its weights as islands do, then of the wire island."""
     layout = Layout.from_shapes({"bench.weight": (n,)})
     run = Run(Config(quorum=1, grace_ms=0, outer_lr=1.0, outer_momentum=0.0,
                      max_staleness=1))
     probe = Probe(run)
     server, port = serve(run, "127.0.0.1", 0)
-    client = SyncerClient(f"127.0.0.1:{port}", "bench", layout, backoff_s=0.05)
-    rng = np.random.default_rng(0)
+    address, rng = f"127.0.0.1:{port}", np.random.default_rng(0)
+    try:
+        rows, version = client_rounds(address, layout, probe, rng, rounds, q4_rounds,
+                                      streamed=False, warmup=warmup)
+        more, version = client_rounds(address, layout, probe, rng, rounds, 0,
+                                      streamed=True, warmup=warmup)
+        rows += more
+        rows += wire_rounds(address, layout, probe, version, rounds)
+    finally:
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+        run.tape.close()
+    return rows
+
+
+def client_rounds(address: str, layout: Layout, probe: Probe, rng, rounds: int,
+                  q4_rounds: int, streamed: bool, warmup: int = 1) -> tuple[list[dict], int]:
+    """Push a pseudo-gradient and take the broadcast, per round. Buffered: Θ arrives
+    whole, decoded; streamed (`stream_broadcasts`, what islands use for large f32
+    broadcasts): each piece is copied into the island's weights as it arrives."""
+    client = SyncerClient(address, "streamed" if streamed else "bench", layout, backoff_s=0.05)
+    if streamed:
+        client.stream_broadcasts()
+    weights = np.empty(layout.numel, np.float32)
     rows = []
     try:
-        client.start(rng.standard_normal(n, dtype=np.float32))
+        client.start(rng.standard_normal(layout.numel, dtype=np.float32))
         first = client.wait_one(timeout=300)
         if first is None:
             raise RuntimeError(f"no first broadcast from the syncer: {client.fatal}")
+        _take(first.theta, weights)
         version = first.version
         # warm-up rounds (untimed): first-touch page faults of fresh buffers, on a VM
         # also the host backing guest memory, cost more than the transfer itself
         for r in range(warmup + rounds + q4_rounds):
             enc = "f32" if r < warmup + rounds else "q4"
-            payload = codec.encode(rng.standard_normal(n, dtype=np.float32) * 1e-3, enc)
+            payload = codec.encode(rng.standard_normal(layout.numel, dtype=np.float32) * 1e-3,
+                                   enc)
             t0 = time.perf_counter()
             reply = client.push(payload, encoding=enc, base_version=version, loss_tokens=100,
                                 steps=1, seq=r).result(timeout=300)
             t_reply = time.perf_counter()
             got = client.wait_one(timeout=300)
+            if got is not None:
+                _take(got.theta, weights)
             t_got = time.perf_counter()
             if not reply.accepted or got is None or got.version != version + 1:
                 raise RuntimeError(f"round {r} went wrong: {reply}, {got}")
             version = got.version
-            if r < warmup:
-                continue
-            rows.append({"enc": enc, "bytes": len(payload), "push": probe.received - t0,
-                         "push_rpc": t_reply - t0, "bcast": t_got - probe.published,
-                         "total": t_got - t0})
+            if r >= warmup:
+                rows.append({"enc": "stream" if streamed else enc, "bytes": len(payload),
+                             "push": probe.received - t0, "push_rpc": t_reply - t0,
+                             "bcast": t_got - probe.published, "total": t_got - t0})
             del payload, got
-        client.close()
-        rows += wire_rounds(f"127.0.0.1:{port}", layout, probe, version, rounds)
     finally:
         client.close()
-        server.ticker_stop.set()
-        server.stop(grace=0).wait()
-        run.tape.close()
-    return rows
+    return rows, version
+
+
+def _take(theta, weights: np.ndarray) -> None:
+    """A streamed broadcast copied into `weights` piece by piece (as an island applies
+    it); a buffered one is already whole and decoded."""
+    if isinstance(theta, ThetaStream):
+        lo = 0
+        for piece in theta.pieces():
+            weights[lo:lo + piece.size] = piece
+            lo += piece.size
 
 
 class WireIsland:
@@ -278,6 +314,7 @@ def report(raw: list[tuple[float, float]], rows: list[dict], n: int, rounds: int
     f32 = [r for r in rows if r["enc"] == "f32"]
     q4 = [r for r in rows if r["enc"] == "q4"]
     wired = [r for r in rows if r["enc"] == "wire"]
+    streamed = [r for r in rows if r["enc"] == "stream"]
 
     def best(key, rs=f32):
         return min(r[key] for r in rs)
@@ -297,6 +334,9 @@ def report(raw: list[tuple[float, float]], rows: list[dict], n: int, rounds: int
         ["syncer push", push * 1e3, median_ms("push"), rate(total, push), raw_up / push],
         ["syncer broadcast", bcast * 1e3, median_ms("bcast"), rate(total, bcast),
          raw_down / bcast],
+        ["syncer broadcast, streamed into weights", best("bcast", streamed) * 1e3,
+         median_ms("bcast", streamed), rate(total, best("bcast", streamed)),
+         raw_down / best("bcast", streamed)],
         ["syncer push + broadcast", (push + bcast) * 1e3, "", rate(2 * total, push + bcast),
          ratio],
         ["  merge+step+publish", merge * 1e3, "", "", ""],
@@ -314,6 +354,7 @@ def report(raw: list[tuple[float, float]], rows: list[dict], n: int, rounds: int
     print_table(headers, tab, right=range(1, len(headers)))
     print(result_line(ratio, goal=">=0.7", mib=total / MIB,
                       push_ratio=raw_up / push, bcast_ratio=raw_down / bcast,
+                      bcast_stream_ratio=raw_down / best("bcast", streamed),
                       push_server_ratio=raw_up / best("push", wired),
                       bcast_server_ratio=raw_down / best("bcast", wired),
                       round_ratio=(raw_up + raw_down) / total_s,
