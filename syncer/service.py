@@ -30,6 +30,7 @@ _CODES = {
     "precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the island retries later
 }
 
 
@@ -85,16 +86,31 @@ class SyncerService(pb_grpc.SyncerServicer):
         The seed's buffer becomes Θ."""
         keep = h.kind == pb.SEED or self.run.cfg.clip_factor > 0
         if h.kind == pb.DELTA and h.payload_bytes >= self.spill_min_bytes:
-            buf = stream.SpilledPayload(h.payload_bytes, self.run.cfg.state_dir)
+            buf = self._spill_file(h)
             done = None if keep else buf.close
         else:
             buf = None if keep else self.pool.get(h.payload_bytes)
             done = None if keep else (lambda: self.pool.put(buf))
         try:
-            return self.run.push(h, _receive(h, first, rest, buf))
+            try:
+                payload = _receive(h, first, rest, buf)
+            except OSError as e:  # the spill file: a full or vanished disk
+                raise Reject("exhausted", f"the syncer could not write the push from "
+                             f"{h.learner_id} to its spill file: {e}; free disk space in "
+                             "the state dir (or raise --spill-min-mib); the island "
+                             "retries") from None
+            return self.run.push(h, payload)
         finally:
             if done is not None:
                 done()
+
+    def _spill_file(self, h) -> stream.SpilledPayload:
+        folder = self.run.cfg.state_dir
+        try:
+            return stream.SpilledPayload(h.payload_bytes, folder)
+        except OSError as e:
+            raise Reject("exhausted", f"the syncer cannot open a spill file in "
+                         f"{folder or 'the temporary folder'}: {e}; the island retries") from None
 
     def Subscribe(self, request, context):
         run = self.run

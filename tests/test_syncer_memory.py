@@ -330,3 +330,29 @@ def test_a_broadcast_in_progress_keeps_its_version_across_a_commit():
             assert nxt.header.version == 1
             chunks.cancel()
         a.close()
+
+
+def test_a_push_that_cannot_be_spilled_is_lost_retryably_and_changes_nothing(toy_layout,
+                                                                             tmp_path):
+    """The spill folder gone (a full or unmounted disk): the push is answered
+    RESOURCE_EXHAUSTED with what to do, which the client reports as `Lost` (retry
+    later, not a refusal); the state is untouched, and the same push is taken once the
+    folder is back."""
+    from yeto.transport import Lost
+
+    n, state = toy_layout.numel, tmp_path / "state"
+    with running_syncer(quorum=1, state_dir=state, spill_min_bytes=0) as (run, addr):
+        a = make_client(addr, "a", toy_layout)
+        a.start(np.zeros(n, np.float32))
+        assert a.wait_one(timeout=20).version == 0
+        payload = codec.encode(np.full(n, 0.25, np.float32), "q4")
+        push = dict(encoding="q4", base_version=0, loss_tokens=5, steps=1, seq=0)
+        digest = run.state_digest()
+        state.rename(tmp_path / "away")
+        with pytest.raises(Lost, match="RESOURCE_EXHAUSTED.*spill file"):
+            a.push(payload, **push).result(20)
+        assert run.state_digest() == digest and run.version == 0 and run.rejected == 1
+        (tmp_path / "away").rename(state)
+        assert a.push(payload, **push).result(20).accepted
+        assert a.wait_one(timeout=20).version == 1
+        a.close()
