@@ -12,10 +12,12 @@ process per arm. Arms:
   steps  auto      quorum 2, `--grace auto` (syncer/grace.py)
   time   0 / auto  every island pushes every T seconds (`--sync-every-seconds`), quorum 2
 
-Reported per arm: held-out loss at the end, rounds, wall seconds, pushes refused as
-too stale, and goodput: the share of the tokens the islands trained on that reached Θ
-through a merge (a refused push's tokens never do). Speeds are real sleeps, so wall
-times are those of this machine under its load; one seed. Last line:
+Reported per arm: held-out loss at the end, rounds, wall seconds, goodput (the share
+of the islands' time spent training rather than waiting for a round: 1 - wait / wall,
+over all islands), pushes refused (e.g. too stale), and the share of the tokens the
+islands trained on that reached Θ through a merge (a refused push's tokens never do).
+Speeds are real sleeps, so wall times are those of this machine under its load; one
+seed. Last line:
     RESULT best=<arm> eval_loss=... goodput=...
 """
 
@@ -43,7 +45,22 @@ ARMS = {  # name: (sync flags, syncer flags)
 }
 
 
-def run_arm(name: str, steps: int, paths, out: Path) -> dict:
+def run_arm(name: str, steps: int, paths, out: Path, reuse: bool) -> dict:
+    if not (reuse and (out / "summary.json").is_file()):
+        simulate(name, steps, paths, out)
+    summary = json.loads((out / "summary.json").read_text())
+    tape = read_tape(out / "syncer" / "tape.jsonl")
+    merged = sum(s["tokens"] for e in tape if e["event"] == "merge" for s in e["responders"])
+    islands = summary["islands"].values()
+    trained = sum(i["loss_tokens"] for i in islands)
+    waited = sum(i["wait_s"] for i in islands) / (len(islands) * summary["seconds"])
+    refused = sum(e["event"] == "rejected" and e.get("kind") != "duplicate" for e in tape)
+    return dict(arm=name, eval=summary["eval_loss"], rounds=summary["rounds"],
+                wall=summary["seconds"], refused=refused, goodput=1 - waited,
+                merged=merged / max(trained, 1))
+
+
+def simulate(name: str, steps: int, paths, out: Path) -> None:
     model, train, held_out = paths
     sync, syncer = ARMS[name]
     cmd = [sys.executable, "-m", "yeto.sim", "--model", str(model), "--data", str(train),
@@ -55,13 +72,6 @@ def run_arm(name: str, steps: int, paths, out: Path) -> dict:
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=arm_env())
     if r.returncode:
         raise SystemExit(f"{name}: yeto.sim exited {r.returncode}:\n{r.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    tape = read_tape(out / "syncer" / "tape.jsonl")
-    merged = sum(s["tokens"] for e in tape if e["event"] == "merge" for s in e["responders"])
-    trained = sum(i["loss_tokens"] for i in summary["islands"].values())
-    refused = sum(e["event"] == "rejected" and e.get("kind") != "duplicate" for e in tape)
-    return dict(arm=name, eval=summary["eval_loss"], rounds=summary["rounds"],
-                wall=summary["seconds"], refused=refused, goodput=merged / max(trained, 1))
 
 
 def main() -> int:
@@ -69,19 +79,22 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1000, help="steps of a full-speed island")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-grace")
     p.add_argument("--arms", default=",".join(ARMS), help="comma list of arm names")
+    p.add_argument("--reuse", action="store_true",
+                   help="report arms whose summary.json is already in --out without rerunning")
     args = p.parse_args()
     steps = 150 if args.quick else args.steps
     regimes, _, _ = plan("long")
     paths = prepare(ROOT / "runs" / "compare-long", regimes["warm"])
     rows = []
     for name in [a.strip() for a in args.arms.split(",") if a.strip()]:
-        res = run_arm(name, steps, paths, args.out / name.replace(" ", "-"))
+        res = run_arm(name, steps, paths, args.out / name.replace(" ", "-"), args.reuse)
         print(f"{name}: eval {res['eval']:.4f}, {res['rounds']} rounds, "
               f"{res['wall']:.0f} s, goodput {res['goodput']:.3f}", flush=True)
         rows.append(res)
-    print_table(["arm", "held-out loss", "rounds", "wall s", "refused", "goodput"],
+    print_table(["arm", "held-out loss", "rounds", "wall s", "goodput", "refused",
+                 "tokens merged"],
                 [[r["arm"], f"{r['eval']:.4f}", r["rounds"], f"{r['wall']:.0f}",
-                  r["refused"], f"{r['goodput']:.3f}"] for r in rows],
+                  f"{r['goodput']:.3f}", r["refused"], f"{r['merged']:.3f}"] for r in rows],
                 title=f"3 islands at speeds 1, 1, 3; H = {H} steps or T = {T} s; "
                       f"{steps} steps at full speed")
     best = min(rows, key=lambda r: r["eval"])

@@ -79,7 +79,9 @@ class Config:
     outer_momentum: float = 0.0
     merge: str = "mean"
     grace_ms: int = 500
-    grace: str = "fixed"        # fixed: grace_ms; auto: syncer.grace (grace_ms until measured)
+    # auto: syncer.grace, grace_ms until measured (BENCHMARKS.md, mixed-speed fleet:
+    # goodput 0.890 against 0.871 for a fixed 500 ms); fixed: grace_ms
+    grace: str = "auto"
     round_timeout_s: float = 600.0
     max_staleness: int = 1
     clip_factor: float = 0.0

@@ -72,6 +72,7 @@ SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
     "outer_momentum": ("--outer-momentum", float, None, "outer momentum (syncer default 0.0)"),
     "merge": ("--merge", str, None, "mean | uniform | rda (syncer default mean)"),
     "rounds": ("--rounds", int, None, "rounds to run (syncer default: until islands finish)"),
+    "grace": ("--grace", str, None, "auto | fixed (syncer default auto)"),
     "grace_ms": ("--grace-ms", int, None, "straggler grace after the quorum's pushes"),
     "round_timeout_s": ("--round-timeout-s", float, None, "commit a round after this long"),
     "downlink": ("--downlink", str, None, "encoding of broadcasts: f32 | bf16 | q4"),
