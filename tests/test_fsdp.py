@@ -10,6 +10,7 @@ FSDP2 and syncs through rank 0, one tensor at a time.
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,8 +73,9 @@ def test_sharded_weights_read_write_digest_exactly(tmp_path, free_port):
     proc = subprocess.run([str(TORCHRUN), "--nproc-per-node", "2", "--master-port",
                            str(free_port), str(script)], cwd=ROOT, capture_output=True,
                           text=True, timeout=180)
-    results = dict(sorted((int(line.split(" ", 2)[1]), json.loads(line.split(" ", 2)[2]))
-                          for line in proc.stdout.splitlines() if line.startswith("RESULT")))
+    # the two ranks print to one pipe: their lines can run into each other
+    results = {int(rank): json.loads(body)
+               for rank, body in re.findall(r"RESULT (\d+) (\{[^}]*\})", proc.stdout)}
     assert proc.returncode == 0 and len(results) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert results[0] == {"layout": True, "digest0": True, "read": True, "reread": True,
                           "digest1": True, "uneven": True}
