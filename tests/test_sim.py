@@ -74,3 +74,16 @@ def test_sim_equals_real(tiny_llama, tiny_task, tmp_path):
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT eval_loss=") and f"rounds={ROUNDS}" in last
     assert summary["rounds"] == ROUNDS and summary["bytes_up"] > 0
+
+
+def test_speeds_give_every_island_the_same_wall_time(tmp_path):
+    """--speeds 1,3: the slow island's steps take 3x as long, so it trains a third of
+    --max-steps and both islands stop at about the same time."""
+    from yeto.config import IslandConfig
+    from yeto.sim.fleet import island_configs
+
+    base = IslandConfig(model="m", max_steps=90)
+    cfgs = island_configs(base, 2, tmp_path, [1.0, 3.0])
+    assert [(c.learner_id, c.slowdown, c.max_steps) for c in cfgs] == \
+        [("island-0", 1.0, 90), ("island-1", 3.0, 30)]
+    assert [c.max_steps for c in island_configs(base, 2, tmp_path, [])] == [90, 90]
