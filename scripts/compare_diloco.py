@@ -260,7 +260,7 @@ def long_arms(rg: Regime) -> list[Arm]:
         Arm(rg.name, "single", "single", steps=S, batch=b, ref="single"),
         replace(d(1, 50), ref="single"),
         dp(2), d(2, 50), dp(8), d(8, 50),
-        d(4, 100), d(4, 250), d(4, 1000), d(4, 10),
+        d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
         d(4, 50, suffix="-dq4-o04", downlink="q4", outer_lr=0.4, outer_momentum=0.9),
         d(4, 50, suffix="-dq4-m05", downlink="q4", outer_lr=0.7, outer_momentum=0.5),
     ]
