@@ -263,6 +263,11 @@ def long_arms(rg: Regime) -> list[Arm]:
         d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
         d(4, 50, suffix="-dq4-o04", downlink="q4", outer_lr=0.4, outer_momentum=0.9),
         d(4, 50, suffix="-dq4-m05", downlink="q4", outer_lr=0.7, outer_momentum=0.5),
+        # fragments and merge rules against the plain-averaging q4/q4 arm (uniform is
+        # not run: islands of equal batch carry equal tokens, so it equals mean)
+        d(4, 50, suffix="-dq4-P2", downlink="q4", syncer_extra=("--fragments", "2")),
+        d(4, 50, suffix="-dq4-P4", downlink="q4", syncer_extra=("--fragments", "4")),
+        d(4, 50, suffix="-dq4-rda", downlink="q4", merge="rda"),
     ]
 
 
