@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from syncer.merge import MERGE_RULES
+from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
 from syncer.service import SPILL_MIN_BYTES, is_loopback, serve
 from syncer.state import StateError
@@ -42,38 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="islands that must join before round 1, and pushes that commit a round")
     p.add_argument("--rounds", type=int, default=Config.rounds, metavar="N",
                    help="rounds to run; 0 = until every island has finished")
-    p.add_argument("--outer-lr", type=float, default=Config.outer_lr,
-                   help="outer Nesterov learning rate (1 with momentum 0 = plain averaging, "
-                        "which beat DiLoCo's 0.7/0.9 in every arm of BENCHMARKS.md)")
-    p.add_argument("--outer-momentum", type=float, default=Config.outer_momentum,
-                   help="outer Nesterov momentum (lr 1, momentum 0 = plain averaging)")
-    p.add_argument("--merge", choices=MERGE_RULES, default=Config.merge,
-                   help="mean = weighted by loss tokens; uniform; rda = norm-preserving mean")
-    p.add_argument("--grace-ms", type=int, default=Config.grace_ms,
-                   help="after K pushes, wait this long for stragglers before committing "
-                        "(with --grace auto: until the islands' pace is measured)")
-    p.add_argument("--grace", choices=("fixed", "auto"), default=Config.grace,
-                   help="auto: wait for a straggler only while its measured arrival is "
-                        "worth more tokens than the pushers lose waiting (syncer/grace.py; "
-                        "--grace-ms until each island has pushed twice); fixed: always "
-                        "--grace-ms. auto is the default: goodput 0.890 vs 0.871 for a "
-                        "fixed 500 ms on a mixed-speed fleet (BENCHMARKS.md)")
-    p.add_argument("--round-timeout-s", type=float, default=Config.round_timeout_s,
-                   help="commit with whatever arrived this long after a round's first push")
-    p.add_argument("--max-staleness", type=int, default=Config.max_staleness,
-                   help="accept late pushes up to this many versions old into the open round")
-    p.add_argument("--clip-factor", type=float, default=Config.clip_factor,
-                   help="clip each push's norm to this multiple of the round's median norm "
-                        "(0 = off); pushes are then kept compressed until the round commits")
+    add_round_args(p)
     p.add_argument("--expect-islands", default="", metavar="ID,ID",
                    help="learner ids of islands started elsewhere (yeto launch --external-"
                         "islands): status and dashboard list them as reserved until they join")
-    p.add_argument("--fragments", type=int, default=Config.fragments, metavar="P",
-                   help="cut the weights into P fragments synced in turn (Streaming DiLoCo): "
-                        "each round moves about 1/P of the bytes")
-    p.add_argument("--downlink", choices=("f32", "bf16", "q4"), default=Config.downlink,
-                   help="encoding of broadcast updates; islands hold bit-identical weights "
-                        "either way, and the final weights always go out in f32")
     p.add_argument("--max-inflight-pushes", type=int, default=4,
                    help="pushes received at once; more wait (gRPC flow control holds them "
                         "back). A push under --spill-min-mib is held in memory as it came "
@@ -115,15 +87,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The run's `Config` from parsed flags (the flags' defaults are Config's)."""
     if args.quorum < 1:
         sys.exit("error: --quorum must be at least 1 (example: --quorum 2 for two islands)")
-    return Config(quorum=args.quorum, rounds=args.rounds, outer_lr=args.outer_lr,
-                  outer_momentum=args.outer_momentum, merge=args.merge, grace_ms=args.grace_ms,
-                  grace=args.grace,
-                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                  clip_factor=args.clip_factor, downlink=args.downlink,
-                  fragments=max(1, args.fragments), state_dir=args.state_dir,
-                  resume=args.resume,
-                  expect_islands=tuple(x.strip() for x in (args.expect_islands or "").split(",")
-                                       if x.strip()))
+    return round_config(args, quorum=args.quorum, rounds=args.rounds,
+                        state_dir=args.state_dir, resume=args.resume,
+                        expect_islands=tuple(x.strip() for x in
+                                             (args.expect_islands or "").split(",") if x.strip()))
 
 
 def main(argv=None) -> int:

@@ -20,9 +20,8 @@ import logging
 import sys
 from pathlib import Path
 
-from syncer.merge import MERGE_RULES
+from syncer.flags import add_round_args, round_config
 from syncer.run import Config
-from yeto import codec
 from yeto.config import ConfigError, IslandConfig, add_island_args
 
 
@@ -52,18 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_syncer_args(g) -> None:
-    d = Config()
-    g.add_argument("--outer-lr", type=float, default=d.outer_lr)
-    g.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
-    g.add_argument("--merge", choices=MERGE_RULES, default=d.merge)
-    g.add_argument("--downlink", choices=codec.ENCODINGS, default=d.downlink)
-    g.add_argument("--fragments", type=int, default=d.fragments)
     g.add_argument("--quorum", type=int, default=None, help="default: every island")
-    g.add_argument("--grace-ms", type=int, default=d.grace_ms)
-    g.add_argument("--grace", choices=("fixed", "auto"), default=d.grace)
-    g.add_argument("--round-timeout-s", type=float, default=d.round_timeout_s)
-    g.add_argument("--max-staleness", type=int, default=d.max_staleness)
-    g.add_argument("--clip-factor", type=float, default=d.clip_factor)
+    add_round_args(g)
 
 
 def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]]:
@@ -80,12 +69,7 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
     base.check()
     if not 1 <= (args.quorum or args.islands) <= args.islands:
         raise ConfigError(f"--quorum must be between 1 and --islands ({args.islands})")
-    syncer = Config(quorum=args.quorum or args.islands, outer_lr=args.outer_lr,
-                    outer_momentum=args.outer_momentum, merge=args.merge,
-                    grace_ms=args.grace_ms, grace=args.grace,
-                    round_timeout_s=args.round_timeout_s,
-                    max_staleness=args.max_staleness, clip_factor=args.clip_factor,
-                    downlink=args.downlink, fragments=max(1, args.fragments))
+    syncer = round_config(args, quorum=args.quorum or args.islands)
     return base, syncer, speeds
 
 
