@@ -246,7 +246,7 @@ class Run:
                         send_seed=self.theta is None and not observer,
                         quorum=self.cfg.quorum, joined=self._live_count(),
                         version=self.version, finished=self.finished,
-                        last_seq=member.last_seq)
+                        last_seq=member.last_seq, downlink=self.cfg.downlink)
 
     def _check_join(self, learner_id: str, specs: list[TensorSpec], fp: str) -> Layout:
         if not LEARNER_ID.match(learner_id or ""):

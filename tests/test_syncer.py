@@ -264,6 +264,28 @@ def test_final_broadcast_is_exact_f32_with_q4_downlink(toy_layout, rng):
         a.close()
 
 
+@pytest.mark.parametrize("downlink", ["q4", "f32"])
+def test_the_join_reply_says_the_downlink_so_a_streaming_island_never_rejoins(
+        toy_layout, rng, downlink):
+    """An island that keeps no copy of Θ (`stream_broadcasts`) learns from the join
+    reply that updates will come compressed, keeps Θ from the first broadcast, and
+    applies every update on its first connection."""
+    with running_syncer(quorum=1, downlink=downlink) as (run, addr):
+        a = make_client(addr, "a", toy_layout)
+        a.stream_broadcasts()
+        a.start(np.zeros(toy_layout.numel, np.float32))
+        a.wait_one(timeout=20)
+        generation = a.generation
+        for r in range(2):
+            _push(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
+                  base=r, seq=r, encoding="q4")
+            got = a.wait_one(timeout=20)
+            held = run.theta if downlink == "f32" else run.island_theta  # what islands hold
+            assert got.version == r + 1 and got.theta.tobytes() == held.tobytes()
+        assert a.generation == generation  # no rejoin to learn the downlink
+        a.close()
+
+
 def test_streaming_fragments_merge_in_turn_and_end_identical(toy_layout, tmp_state):
     """P = 4 fragments, blocking islands: each fragment is merged in turn; when an
     island applies fragment f its slice equals Θ_f bit for bit (the other slices carry

@@ -127,8 +127,9 @@ class SyncerClient:
 
     def stream_broadcasts(self) -> None:
         """Hand large f32 broadcasts over as `ThetaStream`s, and keep no copy of Θ
-        unless the syncer sends compressed updates (learned from the join reply, or
-        from the first update: then the client rejoins once for the full weights)."""
+        unless the syncer sends compressed updates (the join reply says so; a syncer
+        older than that field is found out by its first update, and the client then
+        rejoins once for the full weights)."""
         self._streams = True
         self._keep_theta = False
 
@@ -190,7 +191,7 @@ class SyncerClient:
         self.generation, self.run_id = reply.generation, reply.run_id
         self.num_fragments = max(1, reply.num_fragments)
         self.acked_seq = reply.last_seq
-        downlink = getattr(reply, "downlink", "")  # a syncer that says so: no guessing
+        downlink = reply.downlink  # empty from a syncer older than the field: learn later
         if self._streams and downlink:
             self._keep_theta = downlink != "f32"
         self.connected.set()

@@ -50,7 +50,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq")
+    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class JoinReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     generation: int
     num_fragments: int
@@ -69,7 +70,8 @@ class JoinReply(_message.Message):
     version: int
     finished: bool
     last_seq: int
-    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    downlink: str
+    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ..., downlink: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "generation", "round", "fragment", "base_version", "loss_tokens", "steps", "encoding", "numel", "payload_bytes", "kind", "seq", "train_loss", "eval_loss")
