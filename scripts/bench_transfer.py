@@ -52,9 +52,9 @@ from yeto import codec, net
 from yeto.cli.display import print_table
 from yeto.client import SyncerClient
 from yeto.layout import Layout
-from yeto.transport import ThetaStream
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
+from yeto.transport import ThetaStream
 
 RAW_SERVICE = "yetobench.Raw"
 SYNCER = "/yeto.v1.Syncer/"
