@@ -8,6 +8,7 @@ import argparse
 
 from syncer.merge import MERGE_RULES
 from syncer.run import Config
+from yeto import codec
 
 
 def add_round_args(p) -> None:
@@ -35,11 +36,12 @@ def add_round_args(p) -> None:
                    help="accept late pushes up to this many versions old into the open round")
     p.add_argument("--clip-factor", type=float, default=Config.clip_factor,
                    help="clip each push's norm to this multiple of the round's median norm "
-                        "(0 = off); pushes are then kept compressed until the round commits")
+                        "(0 = off); pushes are then kept as received (large ones in their "
+                        "spill files) until the round commits")
     p.add_argument("--fragments", type=int, default=Config.fragments, metavar="P",
                    help="cut the weights into P fragments synced in turn (Streaming DiLoCo): "
                         "each round moves about 1/P of the bytes")
-    p.add_argument("--downlink", choices=("f32", "bf16", "q4"), default=Config.downlink,
+    p.add_argument("--downlink", choices=codec.ENCODINGS, default=Config.downlink,
                    help="encoding of broadcast updates; islands hold bit-identical weights "
                         "either way, and the final weights always go out in f32")
 
