@@ -22,7 +22,8 @@ Arms
                   the rule the evidence picked, see BENCHMARKS.md), f32 downlink,
                   islands train on while a round commits (the learner's default).
                   Suffixes: -nest outer Nesterov 0.7/0.9 (the DiLoCo paper's);
-                  -m05 outer lr 0.7 momentum 0.5; -rda norm-preserving merge; -dq4
+                  -m05 outer lr 0.7 momentum 0.5; -o04 outer lr 0.4 momentum 0.9;
+                  -lr<LR>m<M> outer lr LR/10 momentum M/10; -rda norm-preserving merge; -dq4
                   q4 downlink; -frozenA LoRA A frozen (--lora-freeze-a); -blk
                   --blocking-sync; -P<p> streaming, the syncer's --fragments p.
   nomerge<k>      k islands that never merge (--syncer none); the mean of their
@@ -64,6 +65,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -254,15 +256,21 @@ def long_arms(rg: Regime) -> list[Arm]:
 
     main = [dp(4), d(4, 50), d(4, 50, suffix=""), d(4, 50, suffix="-dq4", downlink="q4"),
             d(4, 50, "f32", suffix="-nest", **NESTEROV)]
-    if not rg.pretrain:  # from scratch: the main arms only
-        return main
+    o04 = dict(downlink="q4", outer_lr=0.4, outer_momentum=0.9)
+    if not rg.pretrain:  # from scratch: the main arms and the best warm ones at H = 100
+        return main + [d(4, 100, suffix="-dq4-o04", **o04),
+                       d(4, 100, suffix="-dq4", downlink="q4")]
     return main + [
         Arm(rg.name, "single", "single", steps=S, batch=b, ref="single"),
         replace(d(1, 50), ref="single"),
         dp(2), d(2, 50), dp(8), d(8, 50),
         d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
-        d(4, 50, suffix="-dq4-o04", downlink="q4", outer_lr=0.4, outer_momentum=0.9),
+        d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
+        d(4, 100, "f32", suffix="-nest", **NESTEROV),
         d(4, 50, suffix="-dq4-m05", downlink="q4", outer_lr=0.7, outer_momentum=0.5),
+        # the rest of the outer grid lr {0.4, 0.7, 1.0} x momentum {0, 0.5, 0.9} at k = 4
+        *[d(4, 50, suffix=f"-dq4-lr{lr:02d}m{m:02d}", downlink="q4", outer_lr=lr / 10,
+            outer_momentum=m / 10) for lr, m in ((4, 0), (7, 0), (4, 5), (10, 5), (10, 9))],
         # fragments and merge rules against the plain-averaging q4/q4 arm (uniform is
         # not run: islands of equal batch carry equal tokens, so it equals mean)
         d(4, 50, suffix="-dq4-P2", downlink="q4", syncer_extra=("--fragments", "2")),
@@ -895,11 +903,13 @@ def long_goal_lines(rows: dict[str, Row]) -> list[str]:
                        f"met={'yes' if ratio <= 1.0 and fewer >= 400 else 'no'} "
                        f"ratio={ratio:.4f}+-{spread:.4f} fewer_bytes={fewer:.0f} "
                        f"seeds={len(r.ratios)}")
-    q4, f32 = rows.get("warm:diloco4-H50-q4-dq4-nest"), rows.get("warm:diloco4-H50-f32-nest")
-    if q4 is not None and f32 is not None and q4.results and f32.results:
-        gap = q4.mean("eval_loss") / f32.mean("eval_loss") - 1
-        out.append(f"RESULT goal=long_q4_vs_f32 met={'yes' if abs(gap) <= 0.003 else 'no'} "
-                   f"gap={100 * gap:+.2f}%")
+    for regime, H in itertools.product(("warm", "scratch"), (50, 100)):  # same H, Nesterov
+        q4 = rows.get(f"{regime}:diloco4-H{H}-q4-dq4-nest")
+        f32 = rows.get(f"{regime}:diloco4-H{H}-f32-nest")
+        if q4 is not None and f32 is not None and q4.results and f32.results:
+            gap = q4.mean("eval_loss") / f32.mean("eval_loss") - 1
+            out.append(f"RESULT goal=long_q4_vs_f32 arm={regime}:H{H} "
+                       f"met={'yes' if abs(gap) <= 0.003 else 'no'} gap={100 * gap:+.2f}%")
     ks = [(k, rows.get(f"warm:diloco{k}-H50-q4-dq4-nest")) for k in (1, 2, 4, 8)]
     losses = [(k, r.mean("eval_loss")) for k, r in ks if r is not None and r.results]
     if len(losses) >= 2:
