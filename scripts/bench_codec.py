@@ -13,8 +13,12 @@ row, so they compare directly. `ratio` = q4 round-trip throughput / copy
 throughput. Goal: ratio >= 0.25, i.e. a q4 round trip costs at most four copies
 of the f32 data.
 
-Also shown: `decode_add` (what the syncer runs per push: acc += w * decode(p)) and
-a copy into a preallocated array (no page faults) as a second reference point.
+Also shown: `decode_add` (what the syncer runs per push: acc += w * decode(p)), a
+copy into a preallocated array (no page faults) as a second reference point, and an
+island's push encode (anchor − local plus the error-feedback residual, q4, the anchor
+moved to local; each run first resets the anchor with one preallocated copy) on one
+thread and on the island's default threads (`yeto.island.default_threads()`):
+`push_threads_speedup` in the RESULT line.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from _bench import MIB, interleaved, parser, rate, result_line
 
 from yeto import codec
 from yeto.cli.display import print_table
+from yeto.island import Island, default_threads
+from yeto.layout import Layout
 
 
 def main(argv=None) -> int:
@@ -47,6 +53,12 @@ def main(argv=None) -> int:
         fns[f"{enc}.encode"] = lambda enc=enc: codec.encode(x, enc)
         fns[f"{enc}.decode"] = lambda enc=enc: codec.decode(payload[enc], enc, n)
         fns[f"{enc}.decode_add"] = lambda enc=enc: codec.decode_add(payload[enc], enc, n, acc, 0.5)
+    threads = default_threads()
+    anchor0 = x + np.float32(0.01)
+    islands = {k: push_island(x, k) for k in sorted({1, threads})}
+    for k, isl in islands.items():
+        fns[f"push.{k}"] = lambda isl=isl: (np.copyto(isl.anchor, anchor0),
+                                            isl._encode(isl.layout.fragments[0]))
     t = interleaved(fns, repeat)
 
     rows = [["copy (new array)", t["copy"] * 1e3, "", "", rate(nbytes, t["copy"]), 1.0],
@@ -61,6 +73,10 @@ def main(argv=None) -> int:
     for enc in codec.ENCODINGS:
         td = t[f"{enc}.decode_add"]
         rows.append([f"{enc} decode_add", td * 1e3, "", "", rate(nbytes, td), t["copy"] / td])
+    for k in islands:
+        tp = t[f"push.{k}"]
+        rows.append([f"island push encode, {k} thread(s)", tp * 1e3, "", "", rate(nbytes, tp),
+                     t["copy"] / tp])
     print(f"codec round trip of {nbytes / MIB:g} MiB f32 ({n:,} parameters), best of {repeat}; "
           "throughput in f32 MiB/s")
     headers = ["path", "ms", "encode ms", "decode ms", "MiB/s", "vs copy"]
@@ -70,8 +86,19 @@ def main(argv=None) -> int:
                       q4_mib_s=rate(nbytes, q4), copy_mib_s=rate(nbytes, t["copy"]),
                       q4_encode_ms=t["q4.encode"] * 1e3, q4_decode_ms=t["q4.decode"] * 1e3,
                       q4_decode_add_ms=t["q4.decode_add"] * 1e3, copy_ms=t["copy"] * 1e3,
-                      f32_ratio=ratios["f32"], bf16_ratio=ratios["bf16"]))
+                      f32_ratio=ratios["f32"], bf16_ratio=ratios["bf16"],
+                      push_threads=threads,
+                      push_threads_speedup=t["push.1"] / t[f"push.{threads}"]))
     return 0
+
+
+def push_island(local: np.ndarray, threads: int) -> Island:
+    """An island over `local` (range access, no syncer) ready to encode a q4 push."""
+    layout = Layout.from_shapes({"w": (local.size,)})
+    isl = Island(layout, lambda: local, lambda v: None, client=None, threads=threads,
+                 read_range=lambda lo, hi: local[lo:hi], write_range=lambda lo, hi, v: None)
+    isl.anchor = np.empty_like(local)
+    return isl
 
 
 if __name__ == "__main__":

@@ -174,8 +174,9 @@ def test_chunked_equals_whole_arrays(name):
     opts = SCENARIOS[name]
     layout = torch_weights().layout
     init = torch_weights().get()
-    whole = run(FlatWeights(layout, init), **opts)
-    for weights, extra in ((torch_weights(), {}), (RangedWeights(layout, init), {}),
+    whole = run(FlatWeights(layout, init), threads=1, **opts)
+    for weights, extra in ((torch_weights(), dict(threads=1)), (RangedWeights(layout, init), {}),
+                           (torch_weights(), dict(threads=4)),
                            (torch_weights(), dict(stream=37, chunk=128)),
                            (FlatWeights(layout, init), dict(chunk=1 << 20))):
         got = run(weights, **{**opts, **extra})
@@ -276,11 +277,12 @@ def test_encoder_pieces_equal_whole_encode():
                        for lo in range(0, n, 128))
 
 
-def test_non_finite_weights_refuse_to_push_and_lose_nothing():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_non_finite_weights_refuse_to_push_and_lose_nothing(threads):
     layout = Layout.from_shapes({"a": (256,)})
     w = RangedWeights(layout, np.zeros(256, np.float32))
     syncer = FakeSyncer(layout)
-    island = Island.for_weights(w, client=syncer, sync_every=1, chunk=64)
+    island = Island.for_weights(w, client=syncer, sync_every=1, chunk=64, threads=threads)
     island.start()
     w.v[:] = 0.5
     w.v[200] = np.nan
@@ -290,6 +292,30 @@ def test_non_finite_weights_refuse_to_push_and_lose_nothing():
     # work (up to q4 rounding), and the anchor moved past them
     assert np.allclose(island.feedback.residual[:192], -0.5, atol=0.5 / 14)
     assert (island.anchor[:192] == 0.5).all() and (island.anchor[192:] == 0).all()
+    assert not syncer.payloads
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_non_finite_piece_mid_push_loses_nothing_whatever_the_threads(threads):
+    """A NaN in the second of eight pieces: the pieces encoded meanwhile (in order, or
+    also after it on other threads) are carried back; for every value the work the
+    syncer does not hold, (anchor − local) + residual, is still the whole change."""
+    n = 512
+    layout = Layout.from_shapes({"a": (n,)})
+    w = RangedWeights(layout, np.zeros(n, np.float32))
+    syncer = FakeSyncer(layout)
+    island = Island.for_weights(w, client=syncer, sync_every=1, chunk=64, threads=threads)
+    island.start()
+    w.v[:] = np.linspace(0.1, 0.9, n, dtype=np.float32)
+    change = island.anchor - w.v
+    w.v[100] = np.nan
+    with pytest.raises(codec.CodecError):
+        island.after_step(1)
+    owed = (island.anchor - w.v) + island.feedback.residual
+    ok = np.arange(n) != 100
+    moved = island.anchor[ok] != 0
+    assert moved[:64].all() and not moved[64:127].any()  # piece 0 carried, piece 1 not
+    np.testing.assert_allclose(owed[ok], change[ok], atol=0.9 / 14)
     assert not syncer.payloads
 
 

@@ -65,9 +65,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import queue
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +82,7 @@ from yeto.transport import Lost, Received, Refused, ThetaStream, Transport, Tran
 log = logging.getLogger("yeto.island")
 
 CHUNK = 1 << 20  # values per piece of a pass over the weights (4 MiB of f32)
+ENCODE_THREADS = 4  # at most, for a push's encode (scripts/bench_codec.py measures it)
 
 
 @dataclass(eq=False)
@@ -127,7 +130,8 @@ class Island:
                  finish_timeout_s: float = 1800.0, offline_give_up_s: float = 60.0,
                  read_range: Callable[[int, int], np.ndarray] | None = None,
                  write_range: Callable[[int, int, np.ndarray], None] | None = None,
-                 flush: Callable[[], None] | None = None, chunk: int = CHUNK):
+                 flush: Callable[[], None] | None = None, chunk: int = CHUNK,
+                 threads: int | None = None):
         if sync_every < 1:
             raise ValueError("sync_every must be >= 1")
         if not 0.0 <= merge_alpha < 1.0:
@@ -140,6 +144,8 @@ class Island:
         if (read_range is None) != (write_range is None):
             raise ValueError("give both read_range and write_range, or neither")
         self.chunk = int(chunk)
+        # threads that encode a push (training waits for it): the island's cores
+        self.threads = max(1, threads if threads is not None else default_threads())
         self.sync_every, self.wire, self.blocking = sync_every, wire, blocking
         # sync by wall time instead of steps: islands of mixed speed push at the same
         # rate, and token weighting lets the faster one count for more
@@ -334,30 +340,49 @@ class Island:
 
     def _encode(self, frag: Fragment) -> Encoder:
         """anchor − local plus the residual, encoded chunk by chunk straight from the
-        weights; the anchor moves to local. On a CodecError (non-finite weights) the
-        chunks already encoded are carried back, so nothing is lost, and it re-raises."""
+        weights; the anchor moves to local. The weights are read in order (a sharded
+        backend gathers them in turn); the pieces are encoded by `threads` threads
+        (numpy lets go of the GIL), each on its own slice of the payload, residual and
+        anchor, so the bytes are those of one thread. On a CodecError (non-finite
+        weights) the pieces already encoded are carried back, so nothing is lost, and
+        it re-raises."""
         enc = Encoder(self.wire, frag.numel)
-        scratch = np.empty(min(self.chunk, frag.numel), dtype=np.float32)
-        done = frag.start
-        with self._pass() as w:
+        done: list[tuple[int, int]] = []
+        n = min(self.threads, -(-frag.numel // self.chunk))
+        scratch: queue.SimpleQueue = queue.SimpleQueue()  # one buffer per piece in flight
+        for _ in range(n + 1 if n > 1 else 1):
+            scratch.put(np.empty(min(self.chunk, frag.numel), dtype=np.float32))
+        with self._pass() as w, _Workers(n) as workers:
             try:
                 for lo, hi in _ranges(frag.start, frag.stop, self.chunk):
                     local = w.read(lo, hi)
-                    x = np.subtract(self.anchor[lo:hi], local, out=scratch[:hi - lo])
-                    self.feedback.encode_piece(x, enc, lo - frag.start, lo)
-                    self.anchor[lo:hi] = local
-                    done = hi
+                    workers.submit(self._encode_piece, enc, frag.start, lo, hi, local, scratch)
+                    done += workers.finished()
+                done += workers.drain()
             except CodecError:
-                self._carry(enc, frag.start, done)
+                done += workers.drain(errors=False)
+                for lo, hi in done:
+                    self._carry(enc, frag.start, lo, hi)
                 raise
         self.feedback.done()
         return enc
 
-    def _carry(self, enc: Encoder, start: int, stop: int) -> None:
-        """Values [start, stop) of a payload whose first value is `start` (its fragment's
+    def _encode_piece(self, enc: Encoder, start: int, lo: int, hi: int, local: np.ndarray,
+                      scratch: queue.SimpleQueue) -> tuple[int, int]:
+        buf = scratch.get()
+        try:
+            x = np.subtract(self.anchor[lo:hi], local, out=buf[:hi - lo])
+            self.feedback.encode_piece(x, enc, lo - start, lo)
+        finally:
+            scratch.put(buf)
+        self.anchor[lo:hi] = local
+        return lo, hi
+
+    def _carry(self, enc: Encoder, start: int, lo: int, hi: int) -> None:
+        """Values [lo, hi) of a payload whose first value is `start` (its fragment's
         start), decoded back into the residual: work the syncer does not hold."""
-        for lo, hi in _ranges(start, stop, self.chunk):
-            self.feedback.carry(lo, enc.decoded(lo - start, hi - start))
+        for a, b in _ranges(lo, hi, self.chunk):
+            self.feedback.carry(a, enc.decoded(a - start, b - start))
 
     def _in_flight(self, f: int | None = None) -> list[_Push]:
         return [p for p in self.pushed if p.accepted is not False and f in (None, p.fragment)]
@@ -432,7 +457,7 @@ class Island:
             log.warning("push %d not held by the syncer; its work goes into the next push",
                         undone[0].seq)
             for p in undone:  # the anchor moved past them: their work goes to the residual
-                self._carry(p.encoded, frag.start, frag.start + p.encoded.numel)
+                self._carry(p.encoded, frag.start, frag.start, frag.start + p.encoded.numel)
             self.tokens[f] = self.tokens.get(f, 0) + sum(p.tokens for p in undone)
             self.steps[f] = self.steps.get(f, 0) + sum(p.steps for p in undone)
             self.pushed = [p for p in self.pushed if all(p is not u for u in undone)]
@@ -488,6 +513,68 @@ class Island:
 
 def _nan(x: float) -> float:
     return x if x is not None and math.isfinite(x) else float("nan")
+
+
+def default_threads() -> int:
+    """Threads for a push's encode: the cores this process may use, at most
+    ENCODE_THREADS (each thread holds one `chunk` piece in flight)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(ENCODE_THREADS, cores))
+
+
+class _Workers:
+    """Run calls on up to `n` threads, at most n + 1 at a time (each holds a piece);
+    with n = 1, in the caller's thread. `finished()` and `drain()` return the results
+    of the calls that completed, in order of completion, and raise the first error."""
+
+    def __init__(self, n: int):
+        self.n = max(1, int(n))
+        self.pool = ThreadPoolExecutor(self.n, "yeto-encode") if self.n > 1 else None
+        self.running: list[Future] = []
+        self.results: list = []
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def submit(self, fn, *args) -> None:
+        if self.pool is None:
+            self.results.append(fn(*args))
+            return
+        if len(self.running) > self.n:
+            wait(self.running, return_when=FIRST_COMPLETED)
+            self._collect(errors=True)
+        self.running.append(self.pool.submit(fn, *args))
+
+    def finished(self) -> list:
+        self._collect(errors=True)
+        out, self.results = self.results, []
+        return out
+
+    def drain(self, errors: bool = True) -> list:
+        """Wait for every call; the results of those that succeeded (raises the first
+        error unless `errors` is False)."""
+        wait(self.running)
+        self._collect(errors)
+        out, self.results = self.results, []
+        return out
+
+    def _collect(self, errors: bool) -> None:
+        first = None
+        for f in [f for f in self.running if f.done()]:
+            self.running.remove(f)
+            if f.exception() is None:
+                self.results.append(f.result())
+            elif first is None:
+                first = f.exception()
+        if first is not None and errors:
+            raise first
 
 
 def _ranges(start: int, stop: int, chunk: int) -> Iterator[tuple[int, int]]:
