@@ -258,7 +258,7 @@ def long_arms(rg: Regime) -> list[Arm]:
             d(4, 50, "f32", suffix="-nest", **NESTEROV)]
     o04 = dict(downlink="q4", outer_lr=0.4, outer_momentum=0.9)
     if not rg.pretrain:  # from scratch: the main arms and the best warm ones at H = 100
-        return main + [d(4, 100, suffix="-dq4-o04", **o04),
+        return main + [d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
                        d(4, 100, suffix="-dq4", downlink="q4")]
     return main + [
         Arm(rg.name, "single", "single", steps=S, batch=b, ref="single"),
