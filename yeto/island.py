@@ -53,7 +53,9 @@ Memory, per trainable parameter, beyond the training loop itself:
   compressed downlink the client also keeps Θ (4 B) to add the syncer's updates to.
 - chunk-sized scratch: every pass (push, apply, start) reads and writes the weights
   `chunk` values at a time (4 MiB of f32 by default), straight from the backend's
-  tensors when it has range access. A backend without it (`get`/`set` only, e.g.
+  tensors when it has range access; a push's encode holds up to threads + 1 pieces
+  (two chunks each: the weights read and anchor − local), threads ≤ ENCODE_THREADS
+  (4): 40 MiB at most. A backend without range access (`get`/`set` only, e.g.
   the MLX LoRA view) costs one full flat copy per pass, as before. Freed buffers go
   back to the OS after each pass (`yeto.memory.trim`).
 
