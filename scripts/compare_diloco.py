@@ -255,7 +255,8 @@ def long_arms(rg: Regime) -> list[Arm]:
                    batch=b, H=H, wire=wire, ref=f"dp{k}", **kw)
 
     main = [dp(4), d(4, 50), d(4, 50, suffix=""), d(4, 50, suffix="-dq4", downlink="q4"),
-            d(4, 50, "f32", suffix="-nest", **NESTEROV)]
+            d(4, 50, "f32", suffix="-nest", **NESTEROV),
+            d(4, 50, "bf16", suffix="-nest", **NESTEROV)]
     o04 = dict(downlink="q4", outer_lr=0.4, outer_momentum=0.9)
     if not rg.pretrain:  # from scratch: the main arms and the best warm ones at H = 100
         return main + [d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
