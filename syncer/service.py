@@ -326,7 +326,7 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     rounds whose grace window or timeout has passed."""
     interceptors = [TokenAuth(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=interceptors, options=net.GRPC_OPTIONS)
+                         interceptors=interceptors, options=net.SERVER_OPTIONS)
     add_to_server(SyncerService(run, max_inflight_pushes, spill_min_bytes), server)
     address = host_port(host, port)
     if tls:

@@ -69,13 +69,15 @@ REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
-def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+def open_channel(address: str, tls: TLSConfig | None = None,
+                 keepalive_s: float = net.KEEPALIVE_S) -> grpc.Channel:
     target = host_port(*net.parse_address(address))
+    options = net.client_options(keepalive_s)
     if tls is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
                                              certificate_chain=tls.cert)
-        return grpc.secure_channel(target, creds, options=net.GRPC_OPTIONS)
-    return grpc.insecure_channel(target, options=net.GRPC_OPTIONS)
+        return grpc.secure_channel(target, creds, options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
 class SyncerClient:
@@ -85,9 +87,9 @@ class SyncerClient:
                  backend: str = "numpy", weights_file: str = "weights.safetensors",
                  export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 channel: grpc.Channel | None = None):
-        """`channel`: a ready channel to use instead of opening one to `address`
-        (`yeto.sim` passes an in-process one)."""
+                 keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None):
+        """`keepalive_s`: see `yeto.net.KEEPALIVE_S`. `channel`: a ready channel to use
+        instead of opening one to `address` (`yeto.sim` passes an in-process one)."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
         self._metadata = net.auth_metadata(net.token_from_env(token))
         self._join_request = pb.JoinRequest(
@@ -95,7 +97,8 @@ class SyncerClient:
             weights_file=weights_file, export_files=export_files or {},
             layout=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
                     for s in layout.specs])
-        self._channel = channel if channel is not None else open_channel(address, tls)
+        self._channel = channel if channel is not None else open_channel(address, tls,
+                                                                          keepalive_s)
         self._stub = pb_grpc.SyncerStub(self._channel)
         # the streaming calls without protobuf copies of the payload (yeto.wire)
         self._push_call = self._channel.stream_unary(

@@ -72,6 +72,7 @@ class IslandConfig:
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    keepalive_s: float = net.KEEPALIVE_S
     progress: bool = True
     log_level: str = "INFO"
     device: str = "auto"               # torch: auto | cpu | cuda | cuda:N
@@ -118,6 +119,8 @@ class IslandConfig:
                               "--num-learners")
         if not 0.0 <= self.merge_alpha < 1.0:
             raise ConfigError("--merge-alpha must be in [0, 1)")
+        if self.keepalive_s < 1:
+            raise ConfigError("--keepalive-s must be at least 1 (seconds)")
         return self
 
 
@@ -214,6 +217,10 @@ def _add_security_and_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", type=Path, default=None, help="CA of the syncer's certificate")
     p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", type=Path, default=None, help="client key (mutual TLS)")
+    p.add_argument("--keepalive-s", type=float, default=IslandConfig.keepalive_s, metavar="S",
+                   help="ping the syncer after S idle seconds; no answer within S more and "
+                        "the link counts as down: the island trains on offline and reconnects "
+                        "(a link that dies without closing its connections)")
     p.add_argument("--output", type=Path, default=None, help="where the final adapter is saved")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--log-level", default="INFO")

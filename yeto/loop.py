@@ -226,7 +226,8 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend) -> Transpor
     weights_file, files = backend.export_files(cfg)
     return connect(cfg.syncer, cfg.learner_id, layout, token=cfg.token, backend=backend.name,
                    weights_file=weights_file, export_files=files,
-                   tls=TLSConfig.from_files(cfg.tls_ca, cfg.tls_cert, cfg.tls_key))
+                   tls=TLSConfig.from_files(cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
+                   keepalive_s=cfg.keepalive_s)
 
 
 def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,

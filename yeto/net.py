@@ -14,6 +14,26 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# An island pings the syncer after this many seconds without traffic and declares the
+# link down when as many more pass without an answer: a link that dies silently (a NAT
+# that forgets the connection, a cable pulled mid-round, a laptop lid) is noticed, the
+# island trains on offline and reconnects, instead of waiting on a dead connection.
+KEEPALIVE_S = 20.0
+# The syncer accepts such pings as often as once a second, for as long as they come
+# (gRPC's default answers pings more frequent than 5 minutes with GOAWAY).
+SERVER_OPTIONS = GRPC_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def client_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:
+    """Channel options of an island's (or observer's) connection to the syncer."""
+    ms = max(1000, int(keepalive_s * 1000))
+    return GRPC_OPTIONS + [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+                           ("grpc.keepalive_permit_without_calls", 1),
+                           ("grpc.http2.max_pings_without_data", 0)]
 
 
 def chunks(payload: bytes | memoryview, size: int = CHUNK_BYTES):
