@@ -169,6 +169,7 @@ def lora_arms(rg: Regime) -> list[Arm]:
         replace(base, name=base.name + "-rda", merge="rda"),
         replace(base, name=base.name + "-rda-nest", merge="rda", **NESTEROV),
         replace(base, name=base.name + "-m05", outer_lr=0.7, outer_momentum=0.5),
+        replace(base, name=base.name + "-o04", outer_lr=0.4, outer_momentum=0.9),
         # downlink, longer H
         replace(base, name=base.name + "-dq4", downlink="q4"),
         h100, replace(h100, name=h100.name + "-dq4", downlink="q4"),
