@@ -26,7 +26,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 
 SMOKE = r'''
-import hashlib, json, sys
+import gc, hashlib, json, sys
 import numpy as np, torch, torch.distributed as dist
 from yeto.torch.fsdp import FSDPGroup, ShardedWeights, shard_model
 from yeto.torch.weights import TorchWeights
@@ -62,6 +62,9 @@ out["uneven"] = any(s * group.world != p.shape[0] for s, p in zip(
     [p.to_local().shape[0] for p in weights._ordered], weights._ordered))
 with open(f"{sys.argv[1]}/rank{dist.get_rank()}.json", "w") as f:  # one file per rank
     json.dump(out, f)
+del model, weights  # the sharded tensors hold the process group: free them first
+gc.collect()
+dist.barrier()  # as TorchGroup.close: no rank tears down while another still works
 dist.destroy_process_group()
 '''
 
