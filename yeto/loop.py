@@ -29,6 +29,7 @@ rank, and runs the island's evaluation through `group.collective`.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -102,6 +103,8 @@ class Backend(Protocol):
 
     def describe(self) -> str: ...
 
+    # optional: `release()` drops the model once the run is saved (before the group goes)
+
 
 @dataclass
 class Inputs:
@@ -153,9 +156,15 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
     summary = summarize(island, client, group, before, after, tokens_per_s)
     if cfg.output and (group.leader or _group(group).sharded):
         save_outputs(cfg, backend, inputs, summary, group)
+    code = exit_code(cfg, island, client)
+    # the model goes before the process group it holds (FSDP): a group destroyed while
+    # sharded tensors still use it made gloo abort the process at exit under load
+    del island, weights, on_sync
+    getattr(backend, "release", lambda: None)()
+    gc.collect()
     group.close()
     ignore_signals()  # outputs are saved: a late signal must not make this exit an error
-    return exit_code(cfg, island, client)
+    return code
 
 
 def _stopping(name: str) -> None:

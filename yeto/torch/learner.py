@@ -49,6 +49,10 @@ class TorchBackend:
         self.model, self.tokenizer = load_base(source)
         return self.tokenizer
 
+    def release(self) -> None:
+        """Drop the model and its optimizer (the run is over and saved)."""
+        self.model = self.opt = self.stepper = None
+
     def attach(self, cfg: IslandConfig):
         if cfg.tuning == "lora":
             self.model = attach_lora(self.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets,
