@@ -103,7 +103,9 @@ class Backend(Protocol):
 
     def describe(self) -> str: ...
 
-    # optional: `release()` drops the model once the run is saved (before the group goes)
+    def release(self) -> None:
+        """Drop the model and optimizer: the run is over and saved (called before the
+        group goes, which a sharded model holds)."""
 
 
 @dataclass
@@ -160,7 +162,7 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
     # the model goes before the process group it holds (FSDP): a group destroyed while
     # sharded tensors still use it made gloo abort the process at exit under load
     del island, weights, on_sync
-    getattr(backend, "release", lambda: None)()
+    backend.release()
     gc.collect()
     group.close()
     ignore_signals()  # outputs are saved: a late signal must not make this exit an error

@@ -229,6 +229,10 @@ class MLXBackend:
         save_outputs(out, self.weights.tensors(), files[PEFT_CONFIG], self.model_dir)
         return out / "adapter"
 
+    def release(self) -> None:
+        """Drop the model and its optimizer (the run is over and saved)."""
+        self.model = self.opt = self.loss_and_grad = None
+
     def describe(self) -> str:
         import mlx.core as mx
 

@@ -85,9 +85,10 @@ class TorchGroup:
             f.write(json.dumps(dict(step=step, weights_sha256=digest)) + "\n")
 
     def close(self) -> None:
-        """Tear the group down once every rank got here: a rank that left while another
-        was still in its last collective made gloo abort that one under load
-        ("terminate called without an active exception", SIGABRT; tests/test_fsdp.py)."""
+        """Tear the group down once every rank got here. Call it after the model is
+        released (`Backend.release`): a group destroyed while sharded tensors still held
+        it made gloo abort the process at exit under load ("terminate called without an
+        active exception", SIGABRT; tests/test_fsdp.py)."""
         if self.active and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
