@@ -255,30 +255,39 @@ def long_arms(rg: Regime) -> list[Arm]:
         return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=S,
                    batch=b, H=H, wire=wire, ref=f"dp{k}", **kw)
 
+    def grid(k: int) -> list[Arm]:  # outer lr {0.4, 0.7, 1.0} x momentum {0, 0.5, 0.9}
+        cells = {(4, 9): "-dq4-o04", (7, 5): "-dq4-m05", (10, 0): "-dq4"}  # named before
+        return [d(k, 50, suffix=cells.get((lr, m), f"-dq4-lr{lr:02d}m{m:02d}"), downlink="q4",
+                  outer_lr=lr / 10, outer_momentum=m / 10)
+                for lr, m in itertools.product((4, 7, 10), (0, 5, 9)) if (lr, m) != (7, 9)]
+
     main = [dp(4), d(4, 50), d(4, 50, suffix=""), d(4, 50, suffix="-dq4", downlink="q4"),
             d(4, 50, "f32", suffix="-nest", **NESTEROV),
             d(4, 50, "bf16", suffix="-nest", **NESTEROV)]
     o04 = dict(downlink="q4", outer_lr=0.4, outer_momentum=0.9)
-    if not rg.pretrain:  # from scratch: the main arms and the best warm ones at H = 100
-        return main + [d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
-                       d(4, 100, suffix="-dq4", downlink="q4")]
-    return main + [
-        Arm(rg.name, "single", "single", steps=S, batch=b, ref="single"),
-        replace(d(1, 50), ref="single"),
+    single = Arm(rg.name, "single", "single", steps=S, batch=b, ref="single")
+    if not rg.pretrain:  # from scratch: the main arms, the best warm ones at H = 100, and
+        plain = dict(suffix="-dq4", downlink="q4")  # the k and H sweeps with the best rule
+        return main + [
+            d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
+            d(4, 100, **plain), single, replace(d(1, 50, **plain), ref="single"),
+            dp(2), d(2, 50, **plain), dp(8), d(8, 50, **plain),
+            d(4, 10, **plain), d(4, 250, **plain), d(4, 1000, **plain)]
+    arms = main + [
+        single, replace(d(1, 50), ref="single"),
         dp(2), d(2, 50), dp(8), d(8, 50),
         d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
         d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
         d(4, 100, "f32", suffix="-nest", **NESTEROV),
-        d(4, 50, suffix="-dq4-m05", downlink="q4", outer_lr=0.7, outer_momentum=0.5),
-        # the rest of the outer grid lr {0.4, 0.7, 1.0} x momentum {0, 0.5, 0.9} at k = 4
-        *[d(4, 50, suffix=f"-dq4-lr{lr:02d}m{m:02d}", downlink="q4", outer_lr=lr / 10,
-            outer_momentum=m / 10) for lr, m in ((4, 0), (7, 0), (4, 5), (10, 5), (10, 9))],
+        *grid(4),
         # fragments and merge rules against the plain-averaging q4/q4 arm (uniform is
         # not run: islands of equal batch carry equal tokens, so it equals mean)
         d(4, 50, suffix="-dq4-P2", downlink="q4", syncer_extra=("--fragments", "2")),
         d(4, 50, suffix="-dq4-P4", downlink="q4", syncer_extra=("--fragments", "4")),
         d(4, 50, suffix="-dq4-rda", downlink="q4", merge="rda"),
+        *grid(2), *grid(8),  # the outer grid per k (k = 4 above)
     ]
+    return list({a.name: a for a in arms}.values())  # each once, where it first appears
 
 
 # arms a --quick run makes by default (any other can be picked with --arms)

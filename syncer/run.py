@@ -29,6 +29,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,8 +187,10 @@ class OpenRound:
 
 
 class Run:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic):
         self.cfg = config
+        self.clock = clock  # seconds for grace windows and timeouts (yeto.sim: simulated)
+        self.on_publish: Callable[[int, int], None] = lambda fragment, version: None
         self.run_id = uuid.uuid4().hex[:12]
         self.cond = threading.Condition()
         self.outer = NesterovOuter(config.outer_lr, config.outer_momentum)
@@ -285,7 +288,7 @@ class Run:
         gen = self.next_generation
         self.next_generation += 1
         state = "observer" if observer else "training" if self.started else "waiting"
-        member = Member(learner_id, gen, backend or "?", time.monotonic(), state=state)
+        member = Member(learner_id, gen, backend or "?", self.clock(), state=state)
         old = self.islands.get(learner_id)
         if old is not None:
             member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
@@ -320,7 +323,7 @@ class Run:
         if member.generation != generation:
             raise Reject("precondition", f"{learner_id}: connection generation {generation} is "
                          f"stale (current {member.generation}); the island must rejoin")
-        member.last_contact = time.monotonic()
+        member.last_contact = self.clock()
         return member
 
     def heartbeat(self, learner_id: str, generation: int) -> dict:
@@ -398,7 +401,7 @@ class Run:
                 weight = rnd.acc.add(payload, h.encoding, h.loss_tokens)
             except codec.CodecError as e:
                 raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
-            now = time.monotonic()
+            now = self.clock()
             self._record_push(member, rnd, h, len(payload), weight, staleness, now)
             self._maybe_commit(now)
             return dict(accepted=True, status="accepted", round=self.version + 1,
@@ -485,11 +488,12 @@ class Run:
                              round=self.version + 1, time=time.time()))
 
     # ---- commit -----------------------------------------------------------
-    def tick(self) -> None:
-        """Called periodically: commits rounds whose grace or timeout has passed."""
+    def tick(self, now: float | None = None) -> None:
+        """Called periodically: commits rounds whose grace or timeout has passed by
+        `now` (default: the run's clock)."""
         with self.cond:
             if self.started and not self.finished:
-                self._maybe_commit(time.monotonic())
+                self._maybe_commit(self.clock() if now is None else now)
 
     def _maybe_commit(self, now: float) -> None:
         for rnd in list(self.open.values()):
@@ -536,8 +540,7 @@ class Run:
         broadcast = self._next_broadcast(f, final=done)
         self._save()  # before anyone sees the new version: a crash never loses it
         self._tape_merge(rnd, reason, now, merge_s, broadcast)
-        self.broadcasts[f] = broadcast
-        self.cond.notify_all()
+        self._announce(broadcast)
         log.info("round %d (fragment %d) committed (%s): %d pushes from %s", self.version, f,
                  reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
         if done:
@@ -581,8 +584,14 @@ class Run:
 
     # ---- broadcast --------------------------------------------------------
     def _publish(self, f: int, final: bool) -> None:
-        self.broadcasts[f] = self._next_broadcast(f, final)
+        self._announce(self._next_broadcast(f, final))
+
+    def _announce(self, broadcast: Broadcast) -> None:
+        """Make `broadcast` its fragment's newest: the streams send it on, and
+        `on_publish(fragment, version)` hears of it (`yeto.sim` holds its clock)."""
+        self.broadcasts[broadcast.fragment] = broadcast
         self.cond.notify_all()
+        self.on_publish(broadcast.fragment, broadcast.version)
 
     def _next_broadcast(self, f: int, final: bool) -> Broadcast:
         """Fragment f of Θ for the islands (updates `island_theta`); the caller publishes
@@ -646,7 +655,7 @@ class Run:
             return  # everyone vanished: keep Θ and wait for islands to come back
         for rnd in list(self.open.values()):
             if rnd.responders and not self.finished:
-                self._commit(rnd, "finish", time.monotonic())
+                self._commit(rnd, "finish", self.clock())
         if not self.finished:
             self._final_broadcasts()
             self._finish_run()
@@ -728,7 +737,7 @@ class Run:
         self.weights_file, self.export_files = meta["weights_file"], meta["export_files"]
         self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]
         for lid, row in meta["islands"].items():
-            self.islands[lid] = Member(lid, 0, row["backend"], time.monotonic(), state="gone",
+            self.islands[lid] = Member(lid, 0, row["backend"], self.clock(), state="gone",
                                        pushes=row["pushes"], loss_tokens=row["loss_tokens"],
                                        last_seq=row["last_seq"])
         log.info("resumed run %s at version %d (%d islands in the ledger)", self.run_id,
@@ -737,7 +746,7 @@ class Run:
     # ---- status -----------------------------------------------------------
     def status(self) -> dict:
         with self.cond:
-            now = time.monotonic()
+            now = self.clock()
             return dict(
                 run_id=self.run_id, round=self.version + 1,
                 version=self.version, quorum=self.cfg.quorum, finished=self.finished,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +88,97 @@ def test_speeds_give_every_island_the_same_wall_time(tmp_path):
     assert [(c.learner_id, c.slowdown, c.max_steps) for c in cfgs] == \
         [("island-0", 1.0, 90), ("island-1", 3.0, 30)]
     assert [c.max_steps for c in island_configs(base, 2, tmp_path, [])] == [90, 90]
+
+
+# ---- simulated time (--step-seconds) ---------------------------------------------
+def _islands_on(clock, bodies: dict) -> None:
+    clock.expect(list(bodies))
+    threads = [threading.Thread(target=fn, name=name) for name, fn in bodies.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+
+
+def test_virtual_clock_runs_steps_in_order_of_simulated_time():
+    """Islands of step cost 1 and 3: whatever the threads' real speed, each step runs
+    when no other island's step ends before it (ties: by name), so the events the
+    islands emit come in the order of simulated time."""
+    from yeto.sim.clock import VirtualClock
+
+    clock, events = VirtualClock(quantum=1.0), []
+
+    def island(cost: float, steps: int):
+        def body():
+            for _ in range(steps):
+                clock.step(cost)
+                events.append((clock.now(), threading.current_thread().name))
+            clock.leave()
+        return body
+
+    _islands_on(clock, {"a": island(1.0, 9), "b": island(3.0, 3)})
+    assert events == sorted(events)  # by time, then name
+    assert [t for t, n in events if n == "b"] == [3.0, 6.0, 9.0]
+    assert clock.goodput() == {"a": 1.0, "b": 1.0}
+
+
+def test_virtual_clock_counts_a_wait_for_the_syncer_as_waiting():
+    """Island a waits for a broadcast that island b's commit at time 5 sends: a steps
+    aside meanwhile (b is not held back by it), resumes at 5, and the 4 simulated
+    seconds it waited count against its goodput, not the time it trained."""
+    from yeto.sim.clock import VirtualClock
+
+    clock, arrived, resumed = VirtualClock(quantum=1.0), threading.Event(), []
+
+    def a():
+        clock.step(1.0)
+        with clock.waiting():
+            assert arrived.wait(30)
+        resumed.append(clock.now())
+        clock.step(1.0)
+        clock.leave()
+
+    def b():
+        for _ in range(5):
+            clock.step(1.0)
+        clock.committed(0, 1)  # the syncer publishes version 1 at b's time, 5
+        for name in ("b", "a"):
+            clock.delivered(name, 0, 1)
+        arrived.set()
+        clock.leave()
+
+    _islands_on(clock, {"a": a, "b": b})
+    assert resumed == [5.0]
+    assert clock.waited == {"a": 4.0, "b": 0.0}
+    assert clock.goodput() == {"a": 2.0 / 6.0, "b": 1.0}
+
+
+def _simulated(model: Path, task, out: Path) -> tuple[dict, list[dict]]:
+    """Two islands at speeds 1 and 2 syncing every 1.25 simulated seconds (a step at
+    speed 1 costs 0.125 s: sums exact in binary), through `python -m yeto.sim`."""
+    args = [a for a in _island_args(model, task) if a != "--blocking-sync"]
+    r = subprocess.run([sys.executable, "-m", "yeto.sim", *args, "--islands", "2",
+                        "--speeds", "1,2", "--step-seconds", "0.125",
+                        "--sync-every-seconds", "1.25",
+                        "--max-steps", "40", "--grace-ms", "0", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "goodput" in r.stdout
+    return load_file(str(out / "syncer/final/adapter_model.safetensors")), _merges(out)
+
+
+def test_simulated_time_syncs_by_simulated_seconds_and_repeats_exactly(tiny_llama, tiny_task,
+                                                                    tmp_path):
+    """On simulated time an island twice as slow pushes every 5 steps where the fast one
+    pushes every 10 (1.25 simulated seconds each), and a second run ends with the same
+    weights, bit for bit: the order of events no longer depends on the machine."""
+    first, merges = _simulated(tiny_llama, tiny_task, tmp_path / "one")
+    second, again = _simulated(tiny_llama, tiny_task, tmp_path / "two")
+    steps = {(s["learner"], s["steps"]) for m in merges for s in m["responders"]}
+    assert steps == {("island-0", 10), ("island-1", 5)}
+    assert len(merges) == 4 and [m["responders"] for m in merges] == \
+        [m["responders"] for m in again]
+    assert first.keys() == second.keys()
+    for k in first:
+        np.testing.assert_array_equal(first[k], second[k], err_msg=k)

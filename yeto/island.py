@@ -133,7 +133,7 @@ class Island:
                  read_range: Callable[[int, int], np.ndarray] | None = None,
                  write_range: Callable[[int, int, np.ndarray], None] | None = None,
                  flush: Callable[[], None] | None = None, chunk: int = CHUNK,
-                 threads: int | None = None):
+                 threads: int | None = None, clock: Callable[[], float] = time.monotonic):
         if sync_every < 1:
             raise ValueError("sync_every must be >= 1")
         if not 0.0 <= merge_alpha < 1.0:
@@ -152,6 +152,7 @@ class Island:
         # sync by wall time instead of steps: islands of mixed speed push at the same
         # rate, and token weighting lets the faster one count for more
         self.sync_every_seconds = float(sync_every_seconds)
+        self.clock = clock  # of --sync-every-seconds (yeto.sim: simulated time)
         self.merge_alpha, self.pipeline = float(merge_alpha), max(1, pipeline)
         self.on_sync, self.on_apply = on_sync, on_apply
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
@@ -171,7 +172,7 @@ class Island:
         self.train_loss = float("nan")
         self.eval_loss = float("nan")
         self.pushes = 0
-        self._t0 = time.monotonic()
+        self._t0 = clock()
         self._next_due: dict[int, float] = {}
 
     @classmethod
@@ -244,7 +245,7 @@ class Island:
             if time.monotonic() - last_log >= 10:
                 log.info("waiting for the syncer to start round 1 (quorum) ...")
                 last_log = time.monotonic()
-        self._t0 = time.monotonic()
+        self._t0 = self.clock()
 
     def _read_all(self) -> np.ndarray:
         """The weights as a new flat array (the anchor), chunk by chunk."""
@@ -281,7 +282,7 @@ class Island:
     def _due(self) -> list[int]:
         p = len(self.fragments)
         if self.sync_every_seconds > 0:
-            now, period = time.monotonic(), self.sync_every_seconds
+            now, period = self.clock(), self.sync_every_seconds
             due = []
             for f in range(p):
                 nxt = self._next_due.setdefault(f, self._t0 + period * (f + 1) / p)

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -119,10 +120,11 @@ class Inputs:
 
 
 # ---- the run ---------------------------------------------------------------------
-def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
+def run_island(cfg: IslandConfig, backend: Backend, connect=None,
+               clock: Callable[[], float] = time.monotonic) -> int:
     """Run one island to the end; returns the process exit code. `connect(cfg, layout,
     backend) -> Transport | None` opens the transport (default `make_client`: gRPC to
-    `cfg.syncer`; `yeto.sim` passes an in-process one)."""
+    `cfg.syncer`; `yeto.sim` passes an in-process one, and its simulated `clock`)."""
     group = backend.group
     setup_logging(cfg, group)
     try:
@@ -133,7 +135,7 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None) -> int:
         return EXIT_BAD_INPUT
     client = (connect or make_client)(cfg, weights.layout, backend) if group.leader else None
     on_sync = _group(group).collective(lambda: evaluate(backend, cfg, inputs))
-    island = make_island(cfg, _group(group).island_weights(weights), client, on_sync)
+    island = make_island(cfg, _group(group).island_weights(weights), client, on_sync, clock)
     log.info("%d trainable tensors, %d parameters (%s, %s); %d training blocks, "
              "%d loss tokens%s", len(weights.layout.specs), weights.layout.numel, cfg.tuning,
              backend.describe(), len(inputs.train), inputs.train.loss_tokens,
@@ -242,11 +244,12 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend) -> Transpor
 
 
 def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,
-                on_sync) -> Island:
+                on_sync, clock: Callable[[], float] = time.monotonic) -> Island:
     return Island.for_weights(weights, client=client, sync_every=cfg.sync_every,
                               sync_every_seconds=cfg.sync_every_seconds,
                               merge_alpha=cfg.merge_alpha, pipeline=cfg.pipeline,
-                              wire=cfg.wire, blocking=cfg.blocking_sync, on_sync=on_sync)
+                              wire=cfg.wire, blocking=cfg.blocking_sync, on_sync=on_sync,
+                              clock=clock)
 
 
 def _group(group):

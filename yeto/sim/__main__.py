@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "speed, 3 = three times slower) for a mixed-speed fleet; an "
                             "island at speed s trains --max-steps / s steps, so all train "
                             "for the same wall time")
+    fleet.add_argument("--step-seconds", type=float, default=0.0, metavar="S",
+                       help="run on simulated time: a step at speed s costs s x S simulated "
+                            "seconds, nobody sleeps, and --speeds, --sync-every-seconds and "
+                            "the syncer's grace window and timeouts count simulated seconds "
+                            "(islands take turns: the one whose step ends first goes next). "
+                            "0: real time (a slow island sleeps)")
     fleet.add_argument("--out", type=Path, default=Path("runs/sim"), help="output folder")
     _add_syncer_args(p.add_argument_group("the syncer (python -m syncer --help)"))
     return p
@@ -62,6 +68,8 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
     if args.rounds:
         args.max_steps = args.rounds * args.sync_every
     speeds = [float(x) for x in args.speeds.split(",")] if args.speeds else []
+    if args.step_seconds < 0:
+        raise ConfigError("--step-seconds must be >= 0 (0: real time)")
     if speeds and len(speeds) != args.islands:
         raise ConfigError(f"--speeds has {len(speeds)} values for {args.islands} islands")
     base = IslandConfig.from_args(args)
@@ -84,9 +92,13 @@ def main(argv=None) -> int:
                         "%(message)s", datefmt="%H:%M:%S")
     from yeto.sim.fleet import run_fleet
 
-    r = run_fleet(base, syncer, args.islands, args.out, speeds)
-    print(f"{args.islands} islands, {r.rounds} rounds in {r.seconds:.0f} s: held-out loss "
-          f"{r.eval_loss_before:.4f} -> {r.eval_loss:.4f}; outputs in {args.out}")
+    r = run_fleet(base, syncer, args.islands, args.out, speeds, args.step_seconds)
+    simulated = f" ({r.simulated_s:.1f} simulated)" if args.step_seconds else ""
+    print(f"{args.islands} islands, {r.rounds} rounds in {r.seconds:.0f} s{simulated}: held-out "
+          f"loss {r.eval_loss_before:.4f} -> {r.eval_loss:.4f}; outputs in {args.out}")
+    if r.goodput:
+        print("goodput (share of simulated time spent training): " +
+              ", ".join(f"{i} {g:.3f}" for i, g in r.goodput.items()))
     print(f"RESULT eval_loss={r.eval_loss:.6f} bytes_up={r.bytes_up} bytes_down={r.bytes_down} "
           f"rounds={r.rounds}")
     return 0

@@ -24,6 +24,7 @@ from syncer.service import SyncerService
 from yeto.config import IslandConfig
 from yeto.io import atomic_write
 from yeto.loop import run_island
+from yeto.sim.clock import VirtualClock
 from yeto.sim.transport import LocalClient
 
 log = logging.getLogger("yeto.sim")
@@ -38,11 +39,15 @@ class FleetResult:
     rounds: int
     seconds: float
     islands: dict
+    simulated_s: float = 0.0  # on simulated time: the fleet's time at the end, and per
+    goodput: dict | None = None  # island the share of its time spent training
 
 
-def island_configs(base: IslandConfig, k: int, out: Path, speeds: list[float]) -> list:
+def island_configs(base: IslandConfig, k: int, out: Path, speeds: list[float],
+                   simulated: bool = False) -> list:
     """One config per island: its id, shard, output folder and speed (an island s times
-    slower trains 1/s of the steps: the same wall time)."""
+    slower trains 1/s of the steps: the same wall time). On real time a slow island
+    sleeps (`slowdown`); on simulated time its steps cost more simulated seconds."""
     cfgs = []
     for i in range(k):
         speed = speeds[i] if speeds else base.slowdown
@@ -51,7 +56,7 @@ def island_configs(base: IslandConfig, k: int, out: Path, speeds: list[float]) -
         cfgs.append(dataclasses.replace(
             base, learner_id=f"island-{i}", learner_index=i, num_learners=k,
             output=out / "islands" / f"island-{i}", syncer="in-process", progress=False,
-            slowdown=speed, max_steps=steps))
+            slowdown=1.0 if simulated else speed, max_steps=steps))
     return cfgs
 
 
@@ -68,53 +73,95 @@ def _import_lazy_modules() -> None:
     )
 
 
-def _ticker(run: Run, stop: threading.Event) -> None:
-    while not stop.wait(0.01):  # commits rounds whose grace window or timeout passed
-        run.tick()
+def _ticker(run: Run, clock: VirtualClock | None, stop: threading.Event) -> None:
+    """Commits rounds whose grace window or timeout passed. On simulated time the
+    islands' steps move the clock and tick the run; this passes the simulated time in
+    which every island waits."""
+    while not stop.wait(0.01 if clock is None else 0.001):
+        if clock is None:
+            run.tick()
+        elif clock.idle():
+            clock.pass_idle_time()
 
 
 def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
-              speeds: list[float] | None = None) -> FleetResult:
-    """Run k islands and a syncer in this process; returns the fleet's figures."""
-    from yeto.torch.learner import TorchBackend
-
+              speeds: list[float] | None = None, step_seconds: float = 0.0) -> FleetResult:
+    """Run k islands and a syncer in this process; returns the fleet's figures. With
+    `step_seconds` > 0 the fleet runs on simulated time (`yeto.sim.clock`): a step at
+    speed s costs s × step_seconds, and nobody sleeps."""
     _import_lazy_modules()
     out.mkdir(parents=True, exist_ok=True)
-    run = Run(dataclasses.replace(syncer_cfg, state_dir=out / "syncer"))
-    service = SyncerService(run)
+    clock = VirtualClock(step_seconds) if step_seconds > 0 else None
+    run = Run(dataclasses.replace(syncer_cfg, state_dir=out / "syncer"),
+              clock=clock.now if clock else time.monotonic)
+    cfgs = island_configs(base, k, out, speeds or [], simulated=clock is not None)
+    if clock is not None:
+        clock.on_advance, run.on_publish = run.tick, clock.committed
+        clock.expect([cfg.learner_id for cfg in cfgs])
+    codes = _islands(SyncerService(run), cfgs, clock, speeds or [1.0] * k, step_seconds)
+    stop, t0 = threading.Event(), time.perf_counter()
+    threading.Thread(target=_ticker, args=(run, clock, stop), daemon=True).start()
+    threads = [threading.Thread(target=fn, name=name) for name, fn in codes.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    failed = {i: fn.code for i, fn in codes.items() if fn.code != 0}
+    if failed:
+        raise RuntimeError(f"islands failed: {failed}; see the log")
+    return _collect(out, run, time.perf_counter() - t0, clock)
+
+
+class _Island:
+    """One island's thread body; `code` is its exit code once it ran (None: it did not
+    finish)."""
+
+    def __init__(self, fn):
+        self.fn, self.code = fn, None
+
+    def __call__(self) -> None:
+        self.code = self.fn()
+
+
+def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClock | None,
+             speeds: list[float], step_seconds: float) -> dict[str, _Island]:
+    """The islands' thread bodies: the real island loop on a torch backend, through a
+    `LocalClient`; on simulated time each step first takes its turn on the clock."""
+    from yeto.torch.learner import TorchBackend
+
+    setup = threading.Lock()
 
     def connect(cfg: IslandConfig, layout, backend):
         weights_file, files = backend.export_files(cfg)
-        return LocalClient(service, cfg.learner_id, layout, backend=backend.name,
+        return LocalClient(service, cfg.learner_id, layout, clock=clock, backend=backend.name,
                            weights_file=weights_file, export_files=files)
-
-    codes: dict[str, int] = {}
-    setup = threading.Lock()
 
     class SimBackend(TorchBackend):
         def attach(self, cfg: IslandConfig):
             with setup:  # LoRA init draws from torch's global RNG: one island at a time
                 return super().attach(cfg)
 
-    def island(cfg: IslandConfig) -> None:
-        codes[cfg.learner_id] = run_island(cfg, SimBackend(cfg), connect=connect)
+        def train_step(self, micro):
+            if clock is not None:
+                clock.step(self.cost)
+            return super().train_step(micro)
 
-    stop, t0 = threading.Event(), time.perf_counter()
-    threading.Thread(target=_ticker, args=(run, stop), daemon=True).start()
-    threads = [threading.Thread(target=island, args=(cfg,), name=cfg.learner_id)
-               for cfg in island_configs(base, k, out, speeds or [])]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stop.set()
-    failed = {i: c for i, c in codes.items() if c != 0}
-    if failed or len(codes) != k:
-        raise RuntimeError(f"islands failed: {failed or 'some did not finish'}; see the log")
-    return _collect(out, run, time.perf_counter() - t0)
+    def body(cfg: IslandConfig, speed: float):
+        backend = SimBackend(cfg)
+        backend.cost = speed * step_seconds
+        try:
+            return run_island(cfg, backend, connect=connect,
+                              clock=clock.now if clock else time.monotonic)
+        finally:
+            if clock is not None:
+                clock.leave()
+
+    return {cfg.learner_id: _Island(lambda c=cfg, s=s: body(c, s))
+            for cfg, s in zip(cfgs, speeds)}
 
 
-def _collect(out: Path, run: Run, seconds: float) -> FleetResult:
+def _collect(out: Path, run: Run, seconds: float, clock: VirtualClock | None) -> FleetResult:
     summaries = {p.parent.name: json.loads(p.read_text())
                  for p in sorted((out / "islands").glob("*/summary.json"))}
     first = next(iter(summaries.values()))
@@ -122,5 +169,8 @@ def _collect(out: Path, run: Run, seconds: float) -> FleetResult:
                          bytes_up=sum(s["bytes_up"] for s in summaries.values()),
                          bytes_down=sum(s["bytes_down"] for s in summaries.values()),
                          rounds=run.version, seconds=seconds, islands=summaries)
+    if clock is not None:
+        result.simulated_s = clock.fleet_now()
+        result.goodput = clock.goodput()
     atomic_write(out / "summary.json", json.dumps(dataclasses.asdict(result), indent=2))
     return result

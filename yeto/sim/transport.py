@@ -14,6 +14,7 @@ it — validation, merge, outer step, state, tape — is the code a real run exe
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import grpc
 
@@ -149,11 +150,42 @@ class LocalChannel:
         pass
 
 
-class LocalClient(SyncerClient):
-    """A `SyncerClient` whose calls go to an in-process syncer service."""
+class _Inline:
+    """An executor that runs each call in the caller's thread, at once."""
 
-    def __init__(self, service, learner_id: str, layout, **options):
+    def submit(self, fn, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the future carries it, as an executor's
+            f.set_exception(e)
+        return f
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+class LocalClient(SyncerClient):
+    """A `SyncerClient` whose calls go to an in-process syncer service. On simulated
+    time (a `yeto.sim.clock.VirtualClock`) its island steps aside while it waits."""
+
+    def __init__(self, service, learner_id: str, layout, clock=None, **options):
         options.setdefault("backoff_s", 0.05)
         options.setdefault("max_backoff_s", 0.5)
         super().__init__("in-process", learner_id, layout, channel=LocalChannel(service),
                          **options)
+        self.clock = clock
+        if clock is not None:  # a push lands at once, at the island's simulated time
+            self._sender.shutdown()
+            self._sender = _Inline()
+
+    def wait(self, timeout: float | None, need_connection: bool = False):
+        if self.clock is None:
+            return super().wait(timeout, need_connection)
+        with self.clock.waiting():
+            return super().wait(timeout, need_connection)
+
+    def _hand_over(self, got, done=None) -> None:
+        super()._hand_over(got, done)
+        if self.clock is not None:
+            self.clock.delivered(self.learner_id, got.fragment, got.version)
