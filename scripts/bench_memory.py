@@ -177,7 +177,7 @@ class LeanIsland:
                           numel=self.layout.fragments[fragment].numel,
                           payload_bytes=len(payload), kind=pb.DELTA, seq=self.seq)
         self.seq += 1
-        return self._push(h, (bytes(p) for p in net.chunks(payload)))
+        return self._push(h, (bytes(p) for p in net.chunks(payload, net.PUSH_CHUNK_BYTES)))
 
     def wait_newer(self, fragment: int, than: int, timeout: float = 600) -> bool:
         """Wait until fragment's newest version is above `than` (True), or the final

@@ -17,6 +17,8 @@ as in tests/conftest.py `running_syncer`):
   raw      A generic gRPC server in the same process with identity serializers,
            streaming the same total as 4 MiB `bytes` chunks: one client-streaming
            call up, one server-streaming call down (receivers only count bytes).
+           Pushes through the syncer go in 1 MiB messages (`net.PUSH_CHUNK_BYTES`,
+           for the syncer's memory at many islands), broadcasts in 4 MiB ones.
 
   wire     The same syncer, with the island's side replaced by raw gRPC (identity
            serializers: pushes sent as prepared wire bytes, broadcasts counted, not
@@ -242,7 +244,7 @@ class WireIsland:
                           base_version=version, loss_tokens=100, steps=1, encoding="f32",
                           numel=self.numel, payload_bytes=len(payload), kind=pb.DELTA, seq=seq)
         return [pb.PushChunk(header=h if i == 0 else None, data=bytes(piece)).SerializeToString()
-                for i, piece in enumerate(net.chunks(payload))]
+                for i, piece in enumerate(net.chunks(payload, net.PUSH_CHUNK_BYTES))]
 
     def push(self, chunks: list[bytes]) -> pb.PushReply:
         return self._push(iter(chunks), timeout=300)

@@ -326,7 +326,7 @@ class SyncerClient:
 
     def _stream_push(self, header, payload) -> PushReply:
         def chunks():  # each chunk's wire bytes in one copy of its slice of the payload
-            for i, piece in enumerate(net.chunks(payload)):
+            for i, piece in enumerate(net.chunks(payload, net.PUSH_CHUNK_BYTES)):
                 yield wire.chunk_bytes(header if i == 0 else None, piece)
 
         try:
