@@ -98,16 +98,17 @@ def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
     if clock is not None:
         clock.on_advance, run.on_publish = run.tick, clock.committed
         clock.expect([cfg.learner_id for cfg in cfgs])
-    codes = _islands(SyncerService(run), cfgs, clock, speeds or [1.0] * k, step_seconds)
+    bodies = _islands(SyncerService(run), cfgs, clock, speeds or [base.slowdown] * k,
+                      step_seconds)
     stop, t0 = threading.Event(), time.perf_counter()
     threading.Thread(target=_ticker, args=(run, clock, stop), daemon=True).start()
-    threads = [threading.Thread(target=fn, name=name) for name, fn in codes.items()]
+    threads = [threading.Thread(target=fn, name=name) for name, fn in bodies.items()]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     stop.set()
-    failed = {i: fn.code for i, fn in codes.items() if fn.code != 0}
+    failed = {i: fn.code for i, fn in bodies.items() if fn.code != 0}
     if failed:
         raise RuntimeError(f"islands failed: {failed}; see the log")
     return _collect(out, run, time.perf_counter() - t0, clock)
@@ -138,6 +139,8 @@ def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClo
                            weights_file=weights_file, export_files=files)
 
     class SimBackend(TorchBackend):
+        cost = 0.0  # simulated seconds per step
+
         def attach(self, cfg: IslandConfig):
             with setup:  # LoRA init draws from torch's global RNG: one island at a time
                 return super().attach(cfg)
