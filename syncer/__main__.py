@@ -113,12 +113,14 @@ def main(argv=None) -> int:
     except OSError as e:
         sys.exit(f"error: {e}")
     dashboard = _start_dashboard(run, args, token, server)
-    if args.port_file:
-        atomic_write(args.port_file, str(port))
-    log.info("listening on %s (quorum %d, rounds %s, merge %s, outer lr %g momentum %g)",
-             host_port(args.host, port), cfg.quorum, cfg.rounds or "until islands finish",
-             cfg.merge, cfg.outer_lr, cfg.outer_momentum)
-    return _serve_until_done(run, server, dashboard)
+
+    def announce() -> None:  # once a signal stops it cleanly: whoever reads the port may
+        if args.port_file:   # send one at once
+            atomic_write(args.port_file, str(port))
+        log.info("listening on %s (quorum %d, rounds %s, merge %s, outer lr %g momentum %g)",
+                 host_port(args.host, port), cfg.quorum, cfg.rounds or "until islands finish",
+                 cfg.merge, cfg.outer_lr, cfg.outer_momentum)
+    return _serve_until_done(run, server, dashboard, announce)
 
 
 def _tls_credentials(args) -> tuple[bytes, bytes, bytes | None] | None:
@@ -157,15 +159,17 @@ def _start_dashboard(run: Run, args, token: str | None, server):
     return dashboard
 
 
-def _serve_until_done(run: Run, server, dashboard) -> int:
+def _serve_until_done(run: Run, server, dashboard, announce) -> int:
     """Serve until the run finishes (and islands have its final weights) or a signal
     comes. First SIGINT/SIGTERM: stop cleanly (the state on disk is the last committed
-    round's, saved as it committed); second: stop at once."""
+    round's, saved as it committed); second: stop at once. `announce()` says where it
+    listens, once the signals are handled."""
     def first(name: str) -> None:
         log.warning("%s: stopping cleanly at version %d (send it again to stop at once)",
                     name, run.version)
 
     with GracefulStop(on_first=first) as stop:
+        announce()
         try:
             _wait_for_finish(run, stop.event)
             _shutdown(run, server, dashboard, grace_s=2.0)
