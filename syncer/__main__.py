@@ -159,7 +159,7 @@ def _start_dashboard(run: Run, args, token: str | None, server):
     return dashboard
 
 
-def _serve_until_done(run: Run, server, dashboard, announce) -> int:
+def _serve_until_done(run: Run, server, dashboard, announce=lambda: None) -> int:
     """Serve until the run finishes (and islands have its final weights) or a signal
     comes. First SIGINT/SIGTERM: stop cleanly (the state on disk is the last committed
     round's, saved as it committed); second: stop at once. `announce()` says where it
