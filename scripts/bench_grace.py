@@ -7,8 +7,9 @@ the briefly pretrained tiny model on standard-library source (the `compare_diloc
 --long` regime), one process per arm and seed. Arms:
 
   steps  all       sync every H steps, quorum 3: every round waits for the slow island
-  steps  grace 0   quorum 2, no grace: rounds commit with the two fast islands
-  steps  500 ms    quorum 2, the default fixed grace
+  steps  grace 0   quorum 2, `--grace fixed --grace-ms 0`: rounds commit with the two
+                   fast islands
+  steps  500 ms    quorum 2, `--grace fixed --grace-ms 500`
   steps  auto      quorum 2, `--grace auto` (syncer/grace.py)
   time   0 / auto  every island pushes every T simulated seconds (`--sync-every-seconds`),
                    quorum 2
@@ -42,10 +43,11 @@ H, T = 50, 2.0
 S = T / H  # simulated seconds per step at full speed
 ARMS = {  # name: (sync flags, syncer flags)
     "steps all": ([], ["--quorum", "3"]),
-    "steps grace 0": ([], ["--quorum", "2", "--grace-ms", "0"]),
-    "steps 500 ms": ([], ["--quorum", "2", "--grace-ms", "500"]),
+    "steps grace 0": ([], ["--quorum", "2", "--grace", "fixed", "--grace-ms", "0"]),
+    "steps 500 ms": ([], ["--quorum", "2", "--grace", "fixed", "--grace-ms", "500"]),
     "steps auto": ([], ["--quorum", "2", "--grace", "auto"]),
-    "time grace 0": (["--sync-every-seconds", str(T)], ["--quorum", "2", "--grace-ms", "0"]),
+    "time grace 0": (["--sync-every-seconds", str(T)],
+                     ["--quorum", "2", "--grace", "fixed", "--grace-ms", "0"]),
     "time auto": (["--sync-every-seconds", str(T)], ["--quorum", "2", "--grace", "auto"]),
 }
 
