@@ -502,6 +502,19 @@ class Run:
                 if reason:
                     self._commit(rnd, reason, now)
 
+    def next_deadline(self) -> float | None:
+        """When the first open round commits by its grace window or its timeout if no
+        push comes meanwhile (None: no round waits on time). `yeto.sim` jumps there."""
+        with self.cond:
+            if not self.started or self.finished:
+                return None
+            live = {m.learner_id for m in self._live()}
+            times = [rnd.first_push_at + self.cfg.round_timeout_s
+                     for rnd in self.open.values() if rnd.responders]
+            times += [rnd.quorum_at + self._grace_s(rnd, live)
+                      for rnd in self.open.values() if rnd.responders and rnd.quorum_at]
+            return min(times, default=None)
+
     def _commit_reason(self, rnd: OpenRound, now: float) -> str | None:
         live = {m.learner_id for m in self._live()}
         if live and live <= rnd.learners:

@@ -107,7 +107,7 @@ def test_virtual_clock_runs_steps_in_order_of_simulated_time():
     islands emit come in the order of simulated time."""
     from yeto.sim.clock import VirtualClock
 
-    clock, events = VirtualClock(quantum=1.0), []
+    clock, events = VirtualClock(), []
 
     def island(cost: float, steps: int):
         def body():
@@ -129,7 +129,7 @@ def test_virtual_clock_counts_a_wait_for_the_syncer_as_waiting():
     seconds it waited count against its goodput, not the time it trained."""
     from yeto.sim.clock import VirtualClock
 
-    clock, arrived, resumed = VirtualClock(quantum=1.0), threading.Event(), []
+    clock, arrived, resumed = VirtualClock(), threading.Event(), []
 
     def a():
         clock.step(1.0)

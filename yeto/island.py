@@ -499,7 +499,10 @@ class Island:
                     todo = [f for f in range(len(self.fragments))
                             if self.steps.get(f, 0) > 0 and not self._in_flight(f)]
                     if todo and len(self._in_flight()) < self.pipeline:
+                        pushes = self.pushes
                         self.sync(todo[0])  # the last work (again, if a restart lost it)
+                        if self.blocking and self.pushes > pushes and not self._in_flight():
+                            continue  # its round committed already: say Finish at once
                     elif not todo and not self._in_flight() and \
                             finish_sent != self.client.generation:
                         finish_sent = self.client.generation

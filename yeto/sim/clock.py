@@ -12,8 +12,8 @@ An island that waits for the syncer (a round to commit, the next weights) steps 
 A commit holds every step until each island still in the fleet has been handed the new
 weights, so a broadcast takes no simulated time, and an island it wakes resumes at the
 fleet's time; the gap counts as waiting, not training (goodput). When every island
-waits, `pass_idle_time` moves the fleet's time on by `quantum` (the fleet calls it
-until the syncer commits what they wait for: a grace window that passes).
+waits, `pass_idle_time` moves the fleet's time on to the syncer's next deadline (a
+grace window or a round timeout that ends).
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ HOLD_WARN_S = 60.0  # real seconds a commit may hold the fleet before it says so
 
 
 class VirtualClock:
-    def __init__(self, quantum: float):
-        if quantum <= 0:
-            raise ValueError("quantum must be > 0")
-        self.quantum = quantum
+    def __init__(self):
         self.on_advance: Callable[[float], None] = lambda now: None  # e.g. the syncer's tick
         self._cond = threading.Condition()
         self._time: dict[str, float] = {}   # island -> the end of its current step
@@ -95,13 +92,13 @@ class VirtualClock:
                 self._catch_up(name)
             self._cond.notify_all()
 
-    def pass_idle_time(self) -> None:
-        """Every island waits: move the fleet's time on by one quantum."""
+    def pass_idle_time(self, until: float | None) -> None:
+        """Every island waits: move the fleet's time on to `until` (the syncer's next
+        deadline; None: nothing is due, so time stands still)."""
         with self._cond:
-            if self._stepping or self._owed:
+            if self._stepping or self._owed or until is None or until <= self._fleet:
                 return
-            self._fleet += self.quantum
-            now = self._told = self._fleet
+            now = self._fleet = self._told = until
         self.on_advance(now)
 
     # ---- an island's side -------------------------------------------------

@@ -75,13 +75,13 @@ def _import_lazy_modules() -> None:
 
 def _ticker(run: Run, clock: VirtualClock | None, stop: threading.Event) -> None:
     """Commits rounds whose grace window or timeout passed. On simulated time the
-    islands' steps move the clock and tick the run; this passes the simulated time in
-    which every island waits."""
+    islands' steps move the clock and tick the run; when every island waits, this moves
+    it on to the run's next deadline."""
     while not stop.wait(0.01 if clock is None else 0.001):
         if clock is None:
             run.tick()
         elif clock.idle():
-            clock.pass_idle_time()
+            clock.pass_idle_time(run.next_deadline())
 
 
 def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
@@ -91,7 +91,7 @@ def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
     speed s costs s × step_seconds, and nobody sleeps."""
     _import_lazy_modules()
     out.mkdir(parents=True, exist_ok=True)
-    clock = VirtualClock(step_seconds) if step_seconds > 0 else None
+    clock = VirtualClock() if step_seconds > 0 else None
     run = Run(dataclasses.replace(syncer_cfg, state_dir=out / "syncer"),
               clock=clock.now if clock else time.monotonic)
     cfgs = island_configs(base, k, out, speeds or [], simulated=clock is not None)
