@@ -182,3 +182,22 @@ def test_simulated_time_syncs_by_simulated_seconds_and_repeats_exactly(tiny_llam
     assert first.keys() == second.keys()
     for k in first:
         np.testing.assert_array_equal(first[k], second[k], err_msg=k)
+
+
+def test_simulated_time_counts_the_waits_for_slower_islands(tiny_llama, tiny_task, tmp_path):
+    """Speeds 1, 2, 4 (steps of 0.125, 0.25, 0.5 simulated s), blocking sync every 10
+    steps, every island in every round: the fast islands wait at each round for the
+    slowest, whose 15 steps end at 7.5 s. Island 0: rounds commit at 5, 7.5, 10, then
+    alone at 11.25, 12.5, 13.75, so its 7.5 s of steps end at 13.75 (goodput 7.5 /
+    13.75); island 1's 30 steps end at 10 (0.75); island 2 never waits."""
+    out = tmp_path / "sim"
+    args = _island_args(tiny_llama, tiny_task)
+    r = subprocess.run([sys.executable, "-m", "yeto.sim", *args, "--islands", "3",
+                        "--speeds", "1,2,4", "--step-seconds", "0.125", "--sync-every", "10",
+                        "--max-steps", "60", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["simulated_s"] == 13.75
+    assert summary["goodput"] == {"island-0": 7.5 / 13.75, "island-1": 0.75, "island-2": 1.0}
+    assert [len(m["responders"]) for m in _merges(out)] == [3, 3, 2, 1, 1, 1]
