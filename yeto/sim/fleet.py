@@ -75,12 +75,14 @@ def _import_lazy_modules() -> None:
 
 def _ticker(run: Run, clock: VirtualClock | None, stop: threading.Event) -> None:
     """Commits rounds whose grace window or timeout passed. On simulated time the
-    islands' steps move the clock and tick the run; when every island waits, this moves
-    it on to the run's next deadline."""
+    islands' steps move the clock and tick the run; when every island waits, this
+    commits what is due at the fleet's time (an island's Finish can make a round
+    complete) and else moves the clock on to the run's next deadline."""
     while not stop.wait(0.01 if clock is None else 0.001):
         if clock is None:
             run.tick()
         elif clock.idle():
+            run.tick(clock.fleet_now())
             clock.pass_idle_time(run.next_deadline())
 
 
