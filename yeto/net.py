@@ -8,7 +8,8 @@ CHUNK_BYTES = 4 << 20  # 4 MiB: near raw gRPC throughput, far below message limi
 # A push goes in 1 MiB messages: the syncer receives every island's push at once, and
 # each stream holds a few messages in flight (gRPC's buffers, the parsed message, its
 # copy to the spill file): at 8 islands of 1e8 parameters 4 MiB pieces cost the syncer
-# 10.2-10.8 B/param, 1 MiB pieces 9.7, at the same push speed (BENCHMARKS.md, Memory).
+# 10.2-10.8 B/param, 1 MiB pieces 9.5-9.7 (2 MiB: 9.7), for ~7 % of push speed on
+# loopback, where copying is the bottleneck (BENCHMARKS.md, Memory).
 PUSH_CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)  # a chunk plus its header
 AUTH_KEY = "authorization"
