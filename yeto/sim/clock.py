@@ -116,11 +116,12 @@ class VirtualClock:
 
     @contextlib.contextmanager
     def waiting(self):
-        """Around a wait for the syncer: the calling island steps aside meanwhile."""
+        """Around a wait for the syncer: the calling island steps aside meanwhile (not
+        before its first step: the fleet starts together)."""
         name = threading.current_thread().name
         with self._cond:
-            joined = name in self._started and name in self._stepping  # not before its
-            if joined:                                                  # first step
+            joined = name in self._started and name in self._stepping
+            if joined:
                 self._stepping.discard(name)
             self._settle()
         try:
