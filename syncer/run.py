@@ -512,7 +512,8 @@ class Run:
             times = [rnd.first_push_at + self.cfg.round_timeout_s
                      for rnd in self.open.values() if rnd.responders]
             times += [rnd.quorum_at + self._grace_s(rnd, live)
-                      for rnd in self.open.values() if rnd.responders and rnd.quorum_at]
+                      for rnd in self.open.values()
+                      if rnd.responders and rnd.quorum_at is not None]
             return min(times, default=None)
 
     def _commit_reason(self, rnd: OpenRound, now: float) -> str | None:
