@@ -509,21 +509,24 @@ class Run:
             if not self.started or self.finished:
                 return None
             live = {m.learner_id for m in self._live()}
-            times = [rnd.first_push_at + self.cfg.round_timeout_s
-                     for rnd in self.open.values() if rnd.responders]
-            times += [rnd.quorum_at + self._grace_s(rnd, live)
-                      for rnd in self.open.values()
-                      if rnd.responders and rnd.quorum_at is not None]
-            return min(times, default=None)
+            return min((t for rnd in self.open.values() if rnd.responders
+                        for t, _ in self._deadlines(rnd, live)), default=None)
+
+    def _deadlines(self, rnd: OpenRound, live: set[str]) -> list[tuple[float, str]]:
+        """When a round with pushes commits by time alone, and why: at its quorum plus
+        the grace window, or `round_timeout_s` after its first push."""
+        out = [(rnd.first_push_at + self.cfg.round_timeout_s, "timeout")]
+        if rnd.quorum_at is not None:
+            out.insert(0, (rnd.quorum_at + self._grace_s(rnd, live), "quorum"))
+        return out
 
     def _commit_reason(self, rnd: OpenRound, now: float) -> str | None:
         live = {m.learner_id for m in self._live()}
         if live and live <= rnd.learners:
             return "all"  # nobody else is expected: no reason to wait for grace
-        if rnd.quorum_at is not None and now >= rnd.quorum_at + self._grace_s(rnd, live):
-            return "quorum"
-        if now >= rnd.first_push_at + self.cfg.round_timeout_s:
-            return "timeout"
+        for due, reason in self._deadlines(rnd, live):
+            if now >= due:
+                return reason
         if not live:
             return "finish"
         return None
