@@ -257,8 +257,9 @@ def long_arms(rg: Regime) -> list[Arm]:
 
     def grid(k: int) -> list[Arm]:  # outer lr {0.4, 0.7, 1.0} x momentum {0, 0.5, 0.9}
         cells = {(4, 9): "-dq4-o04", (7, 5): "-dq4-m05", (10, 0): "-dq4"}  # named before
-        return [d(k, 50, suffix=cells.get((lr, m), f"-dq4-lr{lr:02d}m{m:02d}"), downlink="q4",
-                  outer_lr=lr / 10, outer_momentum=m / 10)
+        return [replace(d(k, 50, suffix=cells.get((lr, m), f"-dq4-lr{lr:02d}m{m:02d}"),
+                          downlink="q4", outer_lr=lr / 10, outer_momentum=m / 10),
+                        ref="single" if k == 1 else f"dp{k}")
                 for lr, m in itertools.product((4, 7, 10), (0, 5, 9)) if (lr, m) != (7, 9)]
 
     main = [dp(4), d(4, 50), d(4, 50, suffix=""), d(4, 50, suffix="-dq4", downlink="q4"),
@@ -266,26 +267,29 @@ def long_arms(rg: Regime) -> list[Arm]:
             d(4, 50, "bf16", suffix="-nest", **NESTEROV)]
     o04 = dict(downlink="q4", outer_lr=0.4, outer_momentum=0.9)
     single = Arm(rg.name, "single", "single", steps=S, batch=b, ref="single")
+    # fragments and merge rules against the plain-averaging q4/q4 arm (uniform is not
+    # run: islands of equal batch carry equal tokens, so it equals mean)
+    fragments_and_merge = [
+        d(4, 50, suffix="-dq4-P2", downlink="q4", syncer_extra=("--fragments", "2")),
+        d(4, 50, suffix="-dq4-P4", downlink="q4", syncer_extra=("--fragments", "4")),
+        d(4, 50, suffix="-dq4-rda", downlink="q4", merge="rda")]
     if not rg.pretrain:  # from scratch: the main arms, the best warm ones at H = 100, and
         plain = dict(suffix="-dq4", downlink="q4")  # the k and H sweeps with the best rule
-        return main + [
+        arms = main + [
             d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
             d(4, 100, **plain), single, replace(d(1, 50, **plain), ref="single"),
             dp(2), d(2, 50, **plain), dp(8), d(8, 50, **plain),
-            d(4, 10, **plain), d(4, 250, **plain), d(4, 1000, **plain)]
+            d(4, 10, **plain), d(4, 250, **plain), d(4, 1000, **plain),
+            *fragments_and_merge, *grid(4)]
+        return list({a.name: a for a in arms}.values())
     arms = main + [
         single, replace(d(1, 50), ref="single"),
         dp(2), d(2, 50), dp(8), d(8, 50),
         d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
         d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
         d(4, 100, "f32", suffix="-nest", **NESTEROV),
-        *grid(4),
-        # fragments and merge rules against the plain-averaging q4/q4 arm (uniform is
-        # not run: islands of equal batch carry equal tokens, so it equals mean)
-        d(4, 50, suffix="-dq4-P2", downlink="q4", syncer_extra=("--fragments", "2")),
-        d(4, 50, suffix="-dq4-P4", downlink="q4", syncer_extra=("--fragments", "4")),
-        d(4, 50, suffix="-dq4-rda", downlink="q4", merge="rda"),
-        *grid(2), *grid(8),  # the outer grid per k (k = 4 above)
+        *grid(4), *fragments_and_merge,
+        *grid(2), *grid(8), *grid(1),  # the outer grid per k (k = 4 above; k = 1 to single)
     ]
     return list({a.name: a for a in arms}.values())  # each once, where it first appears
 
@@ -677,7 +681,8 @@ def print_grids(rows: dict[str, Row], md: bool = False) -> None:
             continue
         body = [[f"{lr:g}", *[_grid_cell(cells.get((lr, m))) for m in moms]] for lr in lrs]
         headers = ["outer lr \\ momentum", *[f"{m:g}" for m in moms]]
-        print(f"\n== outer grid, {regime}, k = {k}, H = 50, q4/q4: ratio to dp{k} ± half "
+        ref = "single" if k == 1 else f"dp{k}"
+        print(f"\n== outer grid, {regime}, k = {k}, H = 50, q4/q4: ratio to {ref} ± half "
               "the range (seeds)")
         print(markdown_table(headers, body) if md else table_text(headers, body))
 
