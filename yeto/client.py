@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,9 +87,12 @@ class SyncerClient:
                  backend: str = "numpy", weights_file: str = "weights.safetensors",
                  export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None):
+                 keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None,
+                 sender: Executor | None = None):
         """`keepalive_s`: see `yeto.net.KEEPALIVE_S`. `channel`: a ready channel to use
-        instead of opening one to `address` (`yeto.sim` passes an in-process one)."""
+        instead of opening one to `address` (`yeto.sim` passes an in-process one).
+        `sender`: the executor pushes run on (default: one background thread, so a push
+        overlaps training; `yeto.sim` on simulated time runs them inline)."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
         self._metadata = net.auth_metadata(net.token_from_env(token))
         self._join_request = pb.JoinRequest(
@@ -116,7 +119,7 @@ class SyncerClient:
         self.stream_min_bytes = STREAM_MIN_BYTES
         self.num_fragments = 1
         self._closed = False
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yeto-push")
+        self._sender = sender or ThreadPoolExecutor(1, thread_name_prefix="yeto-push")
         self.generation = 0
         self.connected = threading.Event()
         self.acked_seq = -1           # newest push seq the syncer confirmed (from join)

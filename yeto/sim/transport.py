@@ -14,7 +14,7 @@ it — validation, merge, outer step, state, tape — is the code a real run exe
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 
 import grpc
 
@@ -150,7 +150,7 @@ class LocalChannel:
         pass
 
 
-class _Inline:
+class _Inline(Executor):
     """An executor that runs each call in the caller's thread, at once."""
 
     def submit(self, fn, *args, **kwargs) -> Future:
@@ -161,9 +161,6 @@ class _Inline:
             f.set_exception(e)
         return f
 
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        pass
-
 
 class LocalClient(SyncerClient):
     """A `SyncerClient` whose calls go to an in-process syncer service. On simulated
@@ -172,12 +169,10 @@ class LocalClient(SyncerClient):
     def __init__(self, service, learner_id: str, layout, clock=None, **options):
         options.setdefault("backoff_s", 0.05)
         options.setdefault("max_backoff_s", 0.5)
+        # on simulated time a push lands at once, at the island's simulated time
         super().__init__("in-process", learner_id, layout, channel=LocalChannel(service),
-                         **options)
+                         sender=_Inline() if clock is not None else None, **options)
         self.clock = clock
-        if clock is not None:  # a push lands at once, at the island's simulated time
-            self._sender.shutdown()
-            self._sender = _Inline()
 
     def wait(self, timeout: float | None, need_connection: bool = False):
         if self.clock is None:
