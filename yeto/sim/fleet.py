@@ -49,8 +49,7 @@ def island_configs(base: IslandConfig, k: int, out: Path, speeds: list[float],
     slower trains 1/s of the steps: the same wall time). On real time a slow island
     sleeps (`slowdown`); on simulated time its steps cost more simulated seconds."""
     cfgs = []
-    for i in range(k):
-        speed = speeds[i] if speeds else base.slowdown
+    for i, speed in enumerate(island_speeds(base, k, speeds)):
         steps = max(1, round(base.max_steps / speed)) if speeds and base.max_steps else \
             base.max_steps
         cfgs.append(dataclasses.replace(
@@ -58,6 +57,11 @@ def island_configs(base: IslandConfig, k: int, out: Path, speeds: list[float],
             output=out / "islands" / f"island-{i}", syncer="in-process", progress=False,
             slowdown=1.0 if simulated else speed, max_steps=steps))
     return cfgs
+
+
+def island_speeds(base: IslandConfig, k: int, speeds: list[float]) -> list[float]:
+    """Each island's step time multiplier: `--speeds`, else everyone at `--slowdown`."""
+    return list(speeds) or [base.slowdown] * k
 
 
 def _import_lazy_modules() -> None:
@@ -100,7 +104,7 @@ def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
     if clock is not None:
         clock.on_advance, run.on_publish = run.tick, clock.committed
         clock.expect([cfg.learner_id for cfg in cfgs])
-    bodies = _islands(SyncerService(run), cfgs, clock, speeds or [base.slowdown] * k,
+    bodies = _islands(SyncerService(run), cfgs, clock, island_speeds(base, k, speeds or []),
                       step_seconds)
     stop, t0 = threading.Event(), time.perf_counter()
     threading.Thread(target=_ticker, args=(run, clock, stop), daemon=True).start()
