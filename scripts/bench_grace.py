@@ -52,22 +52,24 @@ ARMS = {  # name: (sync flags, syncer flags)
 }
 
 
-def run_arm(name: str, steps: int, seed: int, paths, out: Path, reuse: bool) -> dict:
+def run_arm(name: str, steps: int, seed: int, paths, out: Path, reuse: bool,
+            jitter: float = 0.0) -> dict:
     """One arm and seed (rerun unless --reuse finds its summary)."""
     if not (reuse and (out / "summary.json").is_file()):
-        simulate(name, steps, seed, paths, out)
+        simulate(name, steps, seed, paths, out, jitter)
     summary = json.loads((out / "summary.json").read_text())
     tape = read_tape(out / "syncer" / "tape.jsonl")
     merged = sum(s["tokens"] for e in tape if e["event"] == "merge" for s in e["responders"])
     trained = sum(i["loss_tokens"] for i in summary["islands"].values())
     refused = sum(e["event"] == "rejected" and e.get("kind") != "duplicate" for e in tape)
     goodput = summary["goodput"]
-    return dict(eval=summary["eval_loss"], rounds=summary["rounds"],
+    full = sum(e["event"] == "merge" and len(e["responders"]) == 3 for e in tape)
+    return dict(eval=summary["eval_loss"], rounds=summary["rounds"], full=full,
                 simulated=summary["simulated_s"], refused=refused,
                 goodput=sum(goodput.values()) / len(goodput), merged=merged / max(trained, 1))
 
 
-def simulate(name: str, steps: int, seed: int, paths, out: Path) -> None:
+def simulate(name: str, steps: int, seed: int, paths, out: Path, jitter: float) -> None:
     model, train, held_out = paths
     sync, syncer = ARMS[name]
     if out.exists():
@@ -76,8 +78,8 @@ def simulate(name: str, steps: int, seed: int, paths, out: Path) -> None:
            "--eval-data", str(held_out), "--eval-blocks", "64", "--tuning", "full",
            "--batch-size", "4", "--seq-len", "32", "--inner-lr", "1e-3", "--wire", "q4",
            "--sync-every", str(H), *sync, "--islands", "3", "--speeds", "1,1,3",
-           "--step-seconds", str(S), "--max-steps", str(steps), "--threads", "1",
-           "--seed", str(seed), "--no-progress", "--out", str(out), *syncer]
+           "--step-seconds", str(S), "--step-jitter", str(jitter), "--max-steps", str(steps),
+           "--threads", "1", "--seed", str(seed), "--no-progress", "--out", str(out), *syncer]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=arm_env())
     if r.returncode:
         raise SystemExit(f"{name}: yeto.sim exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -95,6 +97,10 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1", help="comma list of seeds")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-grace")
     p.add_argument("--arms", default=",".join(ARMS), help="comma list of arm names")
+    p.add_argument("--step-jitter", type=float, default=0.0, metavar="J",
+                   help="each step costs S x speed x a factor in [1 - J, 1 + J] (python -m "
+                        "yeto.sim --step-jitter): islands of equal speed no longer push at "
+                        "the same instant")
     p.add_argument("--reuse", action="store_true",
                    help="report arms whose summary.json is already in --out without rerunning")
     args = p.parse_args()
@@ -105,26 +111,28 @@ def main() -> int:
     rows = []
     for name in [a.strip() for a in args.arms.split(",") if a.strip()]:
         runs = [run_arm(name, steps, seed, paths,
-                        args.out / name.replace(" ", "-") / f"seed{seed}", args.reuse)
+                        args.out / name.replace(" ", "-") / f"seed{seed}", args.reuse,
+                        args.step_jitter)
                 for seed in seeds]
         row = dict(arm=name, runs=runs, **{k: spread(runs, k) for k in runs[0]})
         print(f"{name}: eval {row['eval'][0]:.4f} +- {row['eval'][1]:.4f}, goodput "
               f"{row['goodput'][0]:.3f}", flush=True)
         rows.append(row)
-    report(rows, steps, seeds)
+    report(rows, steps, seeds, args.step_jitter)
     return 0
 
 
-def report(rows: list[dict], steps: int, seeds: list[int]) -> None:
+def report(rows: list[dict], steps: int, seeds: list[int], jitter: float) -> None:
     def pm(v: tuple[float, float], fmt: str) -> str:
         return f"{v[0]:{fmt}} +- {v[1]:{fmt}}"
 
-    print_table(["arm", "held-out loss", "rounds", "simulated s", "goodput", "refused",
-                 "tokens merged"],
-                [[r["arm"], pm(r["eval"], ".4f"), f"{r['rounds'][0]:.0f}",
+    print_table(["arm", "held-out loss", "rounds", "3-push rounds", "simulated s", "goodput",
+                 "refused", "tokens merged"],
+                [[r["arm"], pm(r["eval"], ".4f"), f"{r['rounds'][0]:.0f}", f"{r['full'][0]:.1f}",
                   f"{r['simulated'][0]:.1f}", pm(r["goodput"], ".3f"), f"{r['refused'][0]:.0f}",
                   f"{r['merged'][0]:.3f}"] for r in rows],
-                title=f"3 islands at speeds 1, 1, 3 on simulated time ({S:g} s a step); "
+                title=f"3 islands at speeds 1, 1, 3 on simulated time ({S:g} s a step, "
+                      f"jitter {jitter:g}); "
                       f"H = {H} steps or T = {T:g} s; {steps} steps at full speed; seeds "
                       f"{','.join(map(str, seeds))}")
     best = min(rows, key=lambda r: r["eval"][0])

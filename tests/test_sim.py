@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -201,3 +202,54 @@ def test_simulated_time_counts_the_waits_for_slower_islands(tiny_llama, tiny_tas
     assert summary["simulated_s"] == 13.75
     assert summary["goodput"] == {"island-0": 7.5 / 13.75, "island-1": 0.75, "island-2": 1.0}
     assert [len(m["responders"]) for m in _merges(out)] == [3, 3, 2, 1, 1, 1]
+
+
+def test_step_costs_vary_within_the_jitter_and_repeat_per_seed():
+    from itertools import islice
+
+    from yeto.sim.fleet import step_costs
+
+    assert list(islice(step_costs(0.125, 0.0, "3/island-0"), 4)) == [0.125] * 4
+    one = list(islice(step_costs(0.1, 0.5, "3/island-0"), 2000))
+    assert one == list(islice(step_costs(0.1, 0.5, "3/island-0"), 2000))
+    assert one != list(islice(step_costs(0.1, 0.5, "3/island-1"), 2000))
+    assert 0.05 <= min(one) < 0.055 and 0.145 < max(one) <= 0.15
+    assert abs(np.mean(one) - 0.1) < 0.005  # mean step cost stays S x speed
+
+
+def test_step_jitter_makes_equal_islands_wait_and_still_repeats(tiny_llama, tiny_task, tmp_path):
+    """Two islands of equal speed, blocking sync, --step-jitter 0.5: without jitter they
+    end each round at the same instant and nobody waits (goodput 1); with it one waits
+    for the other at every round, and a second run repeats the first exactly."""
+    def run(out: Path, *extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "yeto.sim", *_island_args(tiny_llama, tiny_task),
+                            "--islands", "2", "--step-seconds", "0.125", *extra,
+                            "--out", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text())
+
+    plain = run(tmp_path / "plain")
+    assert plain["goodput"] == {"island-0": 1.0, "island-1": 1.0}
+    first = run(tmp_path / "one", "--step-jitter", "0.5")
+    second = run(tmp_path / "two", "--step-jitter", "0.5")
+    assert min(first["goodput"].values()) < 1.0
+    assert first["simulated_s"] != plain["simulated_s"]
+    assert (first["simulated_s"], first["goodput"], first["eval_loss"]) == \
+        (second["simulated_s"], second["goodput"], second["eval_loss"])
+
+
+def test_bad_fleet_flags_are_refused_with_the_fix():
+    import pytest
+
+    from yeto.config import ConfigError
+    from yeto.sim.__main__ import build_parser, configs
+
+    base = ["--model", "m", "--data", "d.jsonl"]
+    for extra, says in [(["--islands", "0"], "--islands must be at least 1"),
+                        (["--speeds", "1,2,3"], "--speeds has 3 values for 2 islands"),
+                        (["--step-seconds", "-1"], "--step-seconds must be >= 0"),
+                        (["--step-seconds", "0.1", "--step-jitter", "1"], "in [0, 1)"),
+                        (["--step-jitter", "0.1"], "needs --step-seconds")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            configs(build_parser().parse_args(base + extra))

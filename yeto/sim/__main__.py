@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "the syncer's grace window and timeouts count simulated seconds "
                             "(islands take turns: the one whose step ends first goes next). "
                             "0: real time (a slow island sleeps)")
+    fleet.add_argument("--step-jitter", type=float, default=0.0, metavar="J",
+                       help="on simulated time: each step costs its S x s times a factor "
+                            "drawn uniformly from [1 - J, 1 + J] (seeded per island, so a "
+                            "run repeats exactly), as real steps vary; without it islands "
+                            "of equal speed push at the same instant")
     fleet.add_argument("--out", type=Path, default=Path("runs/sim"), help="output folder")
     _add_syncer_args(p.add_argument_group("the syncer (python -m syncer --help)"))
     return p
@@ -70,6 +75,11 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
     speeds = [float(x) for x in args.speeds.split(",")] if args.speeds else []
     if args.step_seconds < 0:
         raise ConfigError("--step-seconds must be >= 0 (0: real time)")
+    if not 0 <= args.step_jitter < 1:
+        raise ConfigError("--step-jitter must be in [0, 1): a step's cost varies by that "
+                          "share either way")
+    if args.step_jitter and not args.step_seconds:
+        raise ConfigError("--step-jitter needs --step-seconds (simulated time)")
     if speeds and len(speeds) != args.islands:
         raise ConfigError(f"--speeds has {len(speeds)} values for {args.islands} islands")
     base = IslandConfig.from_args(args)
@@ -92,7 +102,8 @@ def main(argv=None) -> int:
                         "%(message)s", datefmt="%H:%M:%S")
     from yeto.sim.fleet import run_fleet
 
-    r = run_fleet(base, syncer, args.islands, args.out, speeds, args.step_seconds)
+    r = run_fleet(base, syncer, args.islands, args.out, speeds, args.step_seconds,
+                  args.step_jitter)
     simulated = f" ({r.simulated_s:.1f} simulated)" if args.step_seconds else ""
     print(f"{args.islands} islands, {r.rounds} rounds in {r.seconds:.0f} s{simulated}: held-out "
           f"loss {r.eval_loss_before:.4f} -> {r.eval_loss:.4f}; outputs in {args.out}")

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,11 +92,22 @@ def _ticker(run: Run, clock: VirtualClock | None, stop: threading.Event) -> None
             clock.pass_idle_time(run.next_deadline())
 
 
+def step_costs(seconds: float, jitter: float, seed: str) -> Iterator[float]:
+    """The simulated seconds of an island's successive steps: `seconds` each, times a
+    factor drawn uniformly from [1 - jitter, 1 + jitter] when `jitter` > 0 (seeded per
+    island, so a run still repeats exactly)."""
+    rng = random.Random(seed)
+    while True:
+        yield seconds * (1.0 + jitter * (2.0 * rng.random() - 1.0)) if jitter else seconds
+
+
 def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
-              speeds: list[float] | None = None, step_seconds: float = 0.0) -> FleetResult:
+              speeds: list[float] | None = None, step_seconds: float = 0.0,
+              step_jitter: float = 0.0) -> FleetResult:
     """Run k islands and a syncer in this process; returns the fleet's figures. With
     `step_seconds` > 0 the fleet runs on simulated time (`yeto.sim.clock`): a step at
-    speed s costs s × step_seconds, and nobody sleeps."""
+    speed s costs s × step_seconds (± `step_jitter` of it, see `step_costs`), and
+    nobody sleeps."""
     _import_lazy_modules()
     out.mkdir(parents=True, exist_ok=True)
     clock = VirtualClock() if step_seconds > 0 else None
@@ -104,8 +117,9 @@ def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
     if clock is not None:
         clock.on_advance, run.on_publish = run.tick, clock.committed
         clock.expect([cfg.learner_id for cfg in cfgs])
-    bodies = _islands(SyncerService(run), cfgs, clock, island_speeds(base, k, speeds or []),
-                      step_seconds)
+    costs = [step_costs(speed * step_seconds, step_jitter, f"{cfg.seed}/{cfg.learner_id}")
+             for cfg, speed in zip(cfgs, island_speeds(base, k, speeds or []))]
+    bodies = _islands(SyncerService(run), cfgs, clock, costs)
     stop, t0 = threading.Event(), time.perf_counter()
     threading.Thread(target=_ticker, args=(run, clock, stop), daemon=True).start()
     threads = [threading.Thread(target=fn, name=name) for name, fn in bodies.items()]
@@ -132,7 +146,7 @@ class _Island:
 
 
 def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClock | None,
-             speeds: list[float], step_seconds: float) -> dict[str, _Island]:
+             costs: list[Iterator[float]]) -> dict[str, _Island]:
     """The islands' thread bodies: the real island loop on a torch backend, through a
     `LocalClient`; on simulated time each step first takes its turn on the clock."""
     from yeto.torch.learner import TorchBackend
@@ -145,7 +159,7 @@ def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClo
                            weights_file=weights_file, export_files=files)
 
     class SimBackend(TorchBackend):
-        cost = 0.0  # simulated seconds per step
+        costs: Iterator[float]  # simulated seconds of each step
 
         def attach(self, cfg: IslandConfig):
             with setup:  # LoRA init draws from torch's global RNG: one island at a time
@@ -153,12 +167,12 @@ def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClo
 
         def train_step(self, micro):
             if clock is not None:
-                clock.step(self.cost)
+                clock.step(next(self.costs))
             return super().train_step(micro)
 
-    def body(cfg: IslandConfig, speed: float):
+    def body(cfg: IslandConfig, costs: Iterator[float]):
         backend = SimBackend(cfg)
-        backend.cost = speed * step_seconds
+        backend.costs = costs
         try:
             return run_island(cfg, backend, connect=connect,
                               clock=clock.now if clock else time.monotonic)
@@ -167,7 +181,7 @@ def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClo
                 clock.leave()
 
     return {cfg.learner_id: _Island(lambda c=cfg, s=s: body(c, s))
-            for cfg, s in zip(cfgs, speeds)}
+            for cfg, s in zip(cfgs, costs)}
 
 
 def _collect(out: Path, run: Run, seconds: float, clock: VirtualClock | None) -> FleetResult:
