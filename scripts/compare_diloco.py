@@ -288,6 +288,8 @@ def long_arms(rg: Regime) -> list[Arm]:
         d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
         d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
         d(4, 100, "f32", suffix="-nest", **NESTEROV),
+        # the wire cross under Nesterov: uplink f32/bf16/q4 x downlink f32/q4
+        d(4, 50, suffix="-nest", **NESTEROV), d(4, 50, "f32"), d(4, 50, "bf16"),
         *grid(4), *fragments_and_merge,
         *grid(2), *grid(8), *grid(1),  # the outer grid per k (k = 4 above; k = 1 to single)
     ]
@@ -679,12 +681,30 @@ def print_grids(rows: dict[str, Row], md: bool = False) -> None:
                  and r.arm.merge == "mean" and not r.arm.syncer_extra and r.ratios}
         if len(cells) < 4:
             continue
-        body = [[f"{lr:g}", *[_grid_cell(cells.get((lr, m))) for m in moms]] for lr in lrs]
-        headers = ["outer lr \\ momentum", *[f"{m:g}" for m in moms]]
         ref = "single" if k == 1 else f"dp{k}"
-        print(f"\n== outer grid, {regime}, k = {k}, H = 50, q4/q4: ratio to {ref} ± half "
-              "the range (seeds)")
-        print(markdown_table(headers, body) if md else table_text(headers, body))
+        _print_cross(f"outer grid, {regime}, k = {k}, H = 50, q4/q4: ratio to {ref}",
+                     "outer lr \\ momentum", lrs, moms, cells, md)
+
+
+def print_wires(rows: dict[str, Row], md: bool = False) -> None:
+    """The wire cross (k = 4, H = 50, outer Nesterov 0.7/0.9) per regime: uplink by
+    downlink, the ratio to dp4 ± half its range over seeds."""
+    for regime in ("warm", "scratch"):
+        cells = {(r.arm.wire, r.arm.downlink): r for r in rows.values()
+                 if r.arm.regime == regime and r.arm.kind == "diloco" and r.arm.k == 4
+                 and r.arm.H == 50 and (r.arm.outer_lr, r.arm.outer_momentum) == (0.7, 0.9)
+                 and r.arm.merge == "mean" and not r.arm.syncer_extra and r.ratios}
+        if len(cells) >= 4:
+            _print_cross(f"wire, {regime}, k = 4, H = 50, outer 0.7/0.9: ratio to dp4",
+                         "up \\ down", ("f32", "bf16", "q4"), ("f32", "q4"), cells, md)
+
+
+def _print_cross(title: str, corner: str, row_keys, col_keys, cells: dict, md: bool) -> None:
+    body = [[f"{r:g}" if isinstance(r, float) else r,
+             *[_grid_cell(cells.get((r, c))) for c in col_keys]] for r in row_keys]
+    headers = [corner, *[f"{c:g}" if isinstance(c, float) else c for c in col_keys]]
+    print(f"\n== {title} ± half the range (seeds)")
+    print(markdown_table(headers, body) if md else table_text(headers, body))
 
 
 def _grid_cell(r: Row | None) -> str:
@@ -912,6 +932,7 @@ def report(rows: dict[str, Row], regimes: dict[str, Regime], skipped: list[str],
     attach_ratios(rows)
     print_tables(rows, regimes, md)
     print_grids(rows, md)
+    print_wires(rows, md)
     for r in rows.values():
         if r.arm.kind != "mixed":
             continue
