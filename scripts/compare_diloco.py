@@ -966,12 +966,13 @@ def long_goal_lines(rows: dict[str, Row]) -> list[str]:
                        f"met={'yes' if ratio <= 1.0 and fewer >= 400 else 'no'} "
                        f"ratio={ratio:.4f}+-{spread:.4f} fewer_bytes={fewer:.0f} "
                        f"seeds={len(r.ratios)}")
-    for regime, H in itertools.product(("warm", "scratch"), (50, 100)):  # same H, Nesterov
-        q4 = rows.get(f"{regime}:diloco4-H{H}-q4-dq4-nest")
+    # q4 both ways, and q4 up with f32 down (the default wire), against f32 both ways
+    for regime, H, wire in itertools.product(("warm", "scratch"), (50, 100), ("q4/q4", "q4/f32")):
+        q4 = rows.get(f"{regime}:diloco4-H{H}-{'q4-dq4' if wire == 'q4/q4' else 'q4'}-nest")
         f32 = rows.get(f"{regime}:diloco4-H{H}-f32-nest")
         if q4 is not None and f32 is not None and q4.results and f32.results:
             gap = q4.mean("eval_loss") / f32.mean("eval_loss") - 1
-            out.append(f"RESULT goal=long_q4_vs_f32 arm={regime}:H{H} "
+            out.append(f"RESULT goal=long_q4_vs_f32 arm={regime}:H{H} wire={wire} "
                        f"met={'yes' if abs(gap) <= 0.003 else 'no'} gap={100 * gap:+.2f}%")
     # at a fixed budget per island; warm with Nesterov 0.7/0.9, from scratch with plain
     # averaging (each regime's sweep runs its better rule)
