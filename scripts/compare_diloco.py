@@ -675,10 +675,8 @@ def print_grids(rows: dict[str, Row], md: bool = False) -> None:
     the ratio to dp<k> ± half its range over seeds, outer lr by momentum."""
     lrs, moms = (0.4, 0.7, 1.0), (0.0, 0.5, 0.9)
     for regime, k in itertools.product(("warm", "scratch"), (1, 2, 4, 8)):
-        cells = {(r.arm.outer_lr, r.arm.outer_momentum): r for r in rows.values()
-                 if r.arm.regime == regime and r.arm.kind == "diloco" and r.arm.k == k
-                 and r.arm.H == 50 and r.arm.wire == r.arm.downlink == "q4"
-                 and r.arm.merge == "mean" and not r.arm.syncer_extra and r.ratios}
+        cells = {(r.arm.outer_lr, r.arm.outer_momentum): r
+                 for r in _h50_arms(rows, regime, k) if r.arm.wire == r.arm.downlink == "q4"}
         if len(cells) < 4:
             continue
         ref = "single" if k == 1 else f"dp{k}"
@@ -690,13 +688,20 @@ def print_wires(rows: dict[str, Row], md: bool = False) -> None:
     """The wire cross (k = 4, H = 50, outer Nesterov 0.7/0.9) per regime: uplink by
     downlink, the ratio to dp4 ± half its range over seeds."""
     for regime in ("warm", "scratch"):
-        cells = {(r.arm.wire, r.arm.downlink): r for r in rows.values()
-                 if r.arm.regime == regime and r.arm.kind == "diloco" and r.arm.k == 4
-                 and r.arm.H == 50 and (r.arm.outer_lr, r.arm.outer_momentum) == (0.7, 0.9)
-                 and r.arm.merge == "mean" and not r.arm.syncer_extra and r.ratios}
+        cells = {(r.arm.wire, r.arm.downlink): r for r in _h50_arms(rows, regime, 4)
+                 if (r.arm.outer_lr, r.arm.outer_momentum) == (0.7, 0.9)}
         if len(cells) >= 4:
             _print_cross(f"wire, {regime}, k = 4, H = 50, outer 0.7/0.9: ratio to dp4",
                          "up \\ down", ("f32", "bf16", "q4"), ("f32", "q4"), cells, md)
+
+
+def _h50_arms(rows: dict[str, Row], regime: str, k: int) -> list[Row]:
+    """The measured DiLoCo arms of a regime at k islands, H = 50, mean merge, no extra
+    syncer flags: the arms the cross tables compare."""
+    return [r for r in rows.values()
+            if r.arm.regime == regime and r.arm.kind == "diloco" and r.arm.k == k
+            and r.arm.H == 50 and r.arm.merge == "mean" and not r.arm.syncer_extra
+            and r.ratios]
 
 
 def _print_cross(title: str, corner: str, row_keys, col_keys, cells: dict, md: bool) -> None:

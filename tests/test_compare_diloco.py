@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 ARM_LINE = re.compile(
     r"^RESULT arm=(?P<arm>\S+) seed=(?P<seed>\S+) eval_loss=(?P<loss>\S+) ratio=(?P<ratio>\S+) "
     r"bytes_up=(?P<up>\d+) bytes_down=(?P<down>\d+) bytes_per_token_ratio=(?P<bpt>\S+)$")
@@ -70,7 +71,6 @@ def test_compare_diloco_smoke(tmp_path):
 def test_cross_tables_place_each_arm_by_its_flags(capsys):
     """The outer grid and the wire cross put each arm's ratio to its reference (the mean
     over seeds, ± half the range) in the cell its flags name, and nowhere else."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import compare_diloco as cd
 
     _, arms, _ = cd.plan("long")
@@ -95,3 +95,19 @@ def test_cross_tables_place_each_arm_by_its_flags(capsys):
     assert "| bf16 | - | 0.9250 ± 0.0250 (2) |" in wire
     assert "| q4 | 1.0000 ± 0.0000 (2) | 1.1000 ± 0.1000 (2) |" in wire
     assert "k = 2" not in out and "scratch" not in out  # too few cells: no table
+
+
+def test_q4_vs_f32_goal_compares_the_seeds_both_arms_ran():
+    """The q4-vs-f32 gap is the ratio of mean losses over the seeds both arms ran, for
+    q4 both ways and for q4 up with f32 down."""
+    import compare_diloco as cd
+
+    _, arms, _ = cd.plan("long")
+    rows = {a.key: cd.Row(a) for a in arms if a.regime == "warm"}
+    rows["warm:diloco4-H50-f32-nest"].results = {0: {"eval_loss": 2.0}}
+    rows["warm:diloco4-H50-q4-nest"].results = {0: {"eval_loss": 2.004}, 1: {"eval_loss": 9.0}}
+    rows["warm:diloco4-H50-q4-dq4-nest"].results = {0: {"eval_loss": 2.1}, 1: {"eval_loss": 2.0}}
+    lines = [x for x in cd.long_goal_lines(rows) if "goal=long_q4_vs_f32" in x]
+    assert lines == [
+        "RESULT goal=long_q4_vs_f32 arm=warm:H50 wire=q4/q4 met=no gap=+5.00% seeds=1",
+        "RESULT goal=long_q4_vs_f32 arm=warm:H50 wire=q4/f32 met=yes gap=+0.20% seeds=1"]
