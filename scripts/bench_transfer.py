@@ -24,6 +24,11 @@ as in tests/conftest.py `running_syncer`):
            serializers: pushes sent as prepared wire bytes, broadcasts counted, not
            parsed): what the syncer's own side costs, apart from the client's.
 
+Raw and syncer rounds alternate: before each timed syncer round, one raw round (up,
+then down) runs on the same warm raw server, so both see the same machine (it is
+shared, and its speed drifts over seconds). Each path is compared with the best raw
+round among its own rounds; the best of each is the figure, the median is shown.
+
 `ratio` = raw (up + down) time / syncer (push + broadcast) time: what moving the
 payload through the syncer's protocol costs against raw gRPC bytes (the design
 says a transfer should cost about what raw bytes cost). Goal: ratio >= 0.7.
@@ -122,9 +127,10 @@ class Probe:
         run.push, run._next_broadcast = timed_push, timed_prepare
 
 
-def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
+def syncer_rounds(n: int, rounds: int, q4_rounds: int, raw, warmup: int = 1):
     """Rounds of a buffered client (f32, then q4), of a client that streams broadcasts
-    into its weights as islands do, then of the wire island."""
+    into its weights as islands do, then of the wire island; `raw()` (one raw round:
+    up and down seconds) runs before each timed f32 round."""
     layout = Layout.from_shapes({"bench.weight": (n,)})
     run = Run(Config(quorum=1, grace_ms=0, outer_lr=1.0, outer_momentum=0.0,
                      max_staleness=1))
@@ -132,12 +138,12 @@ def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
     server, port = serve(run, "127.0.0.1", 0)
     address, rng = f"127.0.0.1:{port}", np.random.default_rng(0)
     try:
-        rows, version = client_rounds(address, layout, probe, rng, rounds, q4_rounds,
+        rows, version = client_rounds(address, layout, probe, rng, rounds, q4_rounds, raw,
                                       streamed=False, warmup=warmup)
-        more, version = client_rounds(address, layout, probe, rng, rounds, 0,
+        more, version = client_rounds(address, layout, probe, rng, rounds, 0, raw,
                                       streamed=True, warmup=warmup)
         rows += more
-        rows += wire_rounds(address, layout, probe, version, rounds)
+        rows += wire_rounds(address, layout, probe, version, rounds, raw)
     finally:
         server.ticker_stop.set()
         server.stop(grace=0).wait()
@@ -146,7 +152,8 @@ def syncer_rounds(n: int, rounds: int, q4_rounds: int, warmup: int = 1):
 
 
 def client_rounds(address: str, layout: Layout, probe: Probe, rng, rounds: int,
-                  q4_rounds: int, streamed: bool, warmup: int = 1) -> tuple[list[dict], int]:
+                  q4_rounds: int, raw, streamed: bool,
+                  warmup: int = 1) -> tuple[list[dict], int]:
     """Push a pseudo-gradient and take the broadcast, per round. Buffered: Θ arrives
     whole, decoded; streamed (`stream_broadcasts`, what islands use for large f32
     broadcasts): each piece is copied into the island's weights as it arrives."""
@@ -168,6 +175,7 @@ def client_rounds(address: str, layout: Layout, probe: Probe, rng, rounds: int,
             enc = "f32" if r < warmup + rounds else "q4"
             payload = codec.encode(rng.standard_normal(layout.numel, dtype=np.float32) * 1e-3,
                                    enc)
+            base = raw() if r >= warmup and enc == "f32" else (None, None)
             t0 = time.perf_counter()
             reply = client.push(payload, encoding=enc, base_version=version, loss_tokens=100,
                                 steps=1, seq=r).result(timeout=300)
@@ -182,7 +190,8 @@ def client_rounds(address: str, layout: Layout, probe: Probe, rng, rounds: int,
             if r >= warmup:
                 rows.append({"enc": "stream" if streamed else enc, "bytes": len(payload),
                              "push": probe.received - t0, "push_rpc": t_reply - t0,
-                             "bcast": t_got - probe.published, "total": t_got - t0})
+                             "bcast": t_got - probe.published, "total": t_got - t0,
+                             "raw_up": base[0], "raw_down": base[1]})
             del payload, got
     finally:
         client.close()
@@ -260,7 +269,7 @@ class WireIsland:
 
 
 def wire_rounds(address: str, layout: Layout, probe: Probe, version: int, rounds: int,
-                warmup: int = 1) -> list[dict]:
+                raw, warmup: int = 1) -> list[dict]:
     """Rounds of the wire island alone (the client island has left)."""
     isl = WireIsland(address, layout)
     rng = np.random.default_rng(1)
@@ -270,6 +279,7 @@ def wire_rounds(address: str, layout: Layout, probe: Probe, version: int, rounds
         for r in range(warmup + rounds):
             chunks = isl.prepare(codec.encode(rng.standard_normal(layout.numel, dtype=np.float32)
                                               * 1e-3, "f32"), version, seq=r)
+            base = raw() if r >= warmup else (None, None)
             t0 = time.perf_counter()
             if not isl.push(chunks).accepted:
                 raise RuntimeError(f"wire round {r}: push refused")
@@ -277,7 +287,8 @@ def wire_rounds(address: str, layout: Layout, probe: Probe, version: int, rounds
             version += 1
             if r >= warmup:
                 rows.append({"enc": "wire", "push": probe.received - t0,
-                             "bcast": got - probe.published})
+                             "bcast": got - probe.published, "raw_up": base[0],
+                             "raw_down": base[1]})
     finally:
         isl.close()
     return rows
@@ -295,76 +306,69 @@ def main(argv=None) -> int:
     total = 4 * n
 
     server, port, pieces = raw_server(total)
-    raw = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=net.GRPC_OPTIONS) as ch:
             raw_round(ch, pieces, total)  # warm-up (untimed): connection, first allocations
-            raw = [raw_round(ch, pieces, total) for _ in range(rounds)]
+            rows = syncer_rounds(n, rounds, 1 if args.quick else 2,
+                                 raw=lambda: raw_round(ch, pieces, total))
     finally:
         server.stop(grace=0).wait()
-        del pieces
-    rows = syncer_rounds(n, rounds, q4_rounds=1 if args.quick else 2)
-    report(raw, rows, n, rounds)
+    report(rows, n, rounds)
     return 0
 
 
-def report(raw: list[tuple[float, float]], rows: list[dict], n: int, rounds: int) -> None:
-    """The table and the RESULT line."""
+def report(rows: list[dict], n: int, rounds: int) -> None:
+    """The table and the RESULT line: each path against the raw rounds run among its
+    own rounds (a q4 push against the f32 rounds')."""
     total = 4 * n
-    raw_up = min(u for u, _ in raw)
-    raw_down = min(d for _, d in raw)
-    f32 = [r for r in rows if r["enc"] == "f32"]
-    q4 = [r for r in rows if r["enc"] == "q4"]
-    wired = [r for r in rows if r["enc"] == "wire"]
-    streamed = [r for r in rows if r["enc"] == "stream"]
+    by = {k: [r for r in rows if r["enc"] == k] for k in ("f32", "q4", "wire", "stream")}
+    timed = [r for r in rows if r["raw_up"] is not None]  # every raw round
 
-    def best(key, rs=f32):
+    def best(key, rs):
         return min(r[key] for r in rs)
 
-    def median_ms(key, rs=f32):
+    def median_ms(key, rs):
         return f"({statistics.median(r[key] for r in rs) * 1e3:.0f})"
 
-    push, bcast, total_s = best("push"), best("bcast"), best("total")
+    def row(name, key, kind, raw_key=None):
+        rs, base = by[kind], by["f32" if kind == "q4" else kind]
+        t = best(key, rs)
+        raw_t = best(raw_key or f"raw_{'up' if key == 'push' else 'down'}", base)
+        return [name, t * 1e3, median_ms(key, rs), rate(total, t), raw_t / t]
+
+    f32 = by["f32"]
+    up, down = best("raw_up", f32), best("raw_down", f32)
+    push, bcast, total_s = best("push", f32), best("bcast", f32), best("total", f32)
     merge = min(r["push_rpc"] - r["push"] for r in f32)
-    ratio = (raw_up + raw_down) / (push + bcast)
+    ratio = (up + down) / (push + bcast)
     print(f"{total / MIB:g} MiB f32 fragment ({n:,} parameters) over loopback gRPC, best of "
-          f"{rounds} rounds (median); MiB/s of payload")
-    raw_med = [f"({statistics.median(x) * 1e3:.0f})" for x in zip(*raw)]
-    tab = [
-        ["raw gRPC up", raw_up * 1e3, raw_med[0], rate(total, raw_up), ""],
-        ["raw gRPC down", raw_down * 1e3, raw_med[1], rate(total, raw_down), ""],
-        ["syncer push", push * 1e3, median_ms("push"), rate(total, push), raw_up / push],
-        ["syncer broadcast", bcast * 1e3, median_ms("bcast"), rate(total, bcast),
-         raw_down / bcast],
-        ["syncer broadcast, streamed into weights", best("bcast", streamed) * 1e3,
-         median_ms("bcast", streamed), rate(total, best("bcast", streamed)),
-         raw_down / best("bcast", streamed)],
+          f"{rounds} rounds (median), each after a raw round; MiB/s of payload")
+    tab = [[f"raw gRPC {d}", best(k, timed) * 1e3, median_ms(k, timed),
+            rate(total, best(k, timed)), ""] for d, k in (("up", "raw_up"), ("down", "raw_down"))]
+    tab += [
+        row("syncer push", "push", "f32"),
+        row("syncer broadcast", "bcast", "f32"),
+        row("syncer broadcast, streamed into weights", "bcast", "stream"),
         ["syncer push + broadcast", (push + bcast) * 1e3, "", rate(2 * total, push + bcast),
          ratio],
         ["  merge+step+publish", merge * 1e3, "", "", ""],
-        ["  whole round", total_s * 1e3, median_ms("total"), rate(2 * total, total_s),
-         (raw_up + raw_down) / total_s],
-        ["q4 push (f32-equivalent)", best("push", q4) * 1e3, median_ms("push", q4),
-         rate(total, best("push", q4)), raw_up / best("push", q4)],
-        ["wire: syncer push (raw writer)", best("push", wired) * 1e3, median_ms("push", wired),
-         rate(total, best("push", wired)), raw_up / best("push", wired)],
-        ["wire: syncer broadcast (raw reader)", best("bcast", wired) * 1e3,
-         median_ms("bcast", wired), rate(total, best("bcast", wired)),
-         raw_down / best("bcast", wired)],
+        ["  whole round", total_s * 1e3, median_ms("total", f32), rate(2 * total, total_s),
+         (up + down) / total_s],
+        row("q4 push (f32-equivalent)", "push", "q4"),
+        row("wire: syncer push (raw writer)", "push", "wire"),
+        row("wire: syncer broadcast (raw reader)", "bcast", "wire"),
     ]
     headers = ["path", "ms", "median", "MiB/s", "raw/this"]
     print_table(headers, tab, right=range(1, len(headers)))
+    q4_push = best("push", by["q4"])
     print(result_line(ratio, goal=">=0.7", mib=total / MIB,
-                      push_ratio=raw_up / push, bcast_ratio=raw_down / bcast,
-                      bcast_stream_ratio=raw_down / best("bcast", streamed),
-                      push_server_ratio=raw_up / best("push", wired),
-                      bcast_server_ratio=raw_down / best("bcast", wired),
-                      round_ratio=(raw_up + raw_down) / total_s,
-                      raw_up_mib_s=rate(total, raw_up), raw_down_mib_s=rate(total, raw_down),
+                      push_ratio=tab[2][4], bcast_ratio=tab[3][4], bcast_stream_ratio=tab[4][4],
+                      push_server_ratio=tab[9][4], bcast_server_ratio=tab[10][4],
+                      round_ratio=(up + down) / total_s,
+                      raw_up_mib_s=rate(total, up), raw_down_mib_s=rate(total, down),
                       push_mib_s=rate(total, push), bcast_mib_s=rate(total, bcast),
-                      merge_ms=merge * 1e3,
-                      q4_push_mparams_s=n / 1e6 / best("push", q4),
-                      q4_payload_mib=q4[0]["bytes"] / MIB))
+                      merge_ms=merge * 1e3, q4_push_mparams_s=n / 1e6 / q4_push,
+                      q4_payload_mib=by["q4"][0]["bytes"] / MIB))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     tls = _tls_credentials(args)
     _refuse_open_listening(args, token, tls)
     cfg = config_from_args(args)
-    memory.map_large_buffers()  # chunk buffers freed to the system, not kept in arenas
+    memory.limit_arenas()  # freed chunk buffers reused from two arenas, not kept in 16
     try:
         run = Run(cfg)
     except StateError as e:

@@ -423,6 +423,7 @@ class Island:
         # α mixes merges; the run's first Θ is adopted as is (every island starts on it)
         alpha = self.merge_alpha if got.fragment in self.versions else 0.0
         self._partial.add(got.fragment)
+        scratch = np.empty(min(self.chunk, frag.numel), np.float32)  # reused by every piece
         try:
             for lo, theta in _pieces(got.theta, frag, self.chunk):
                 hi = lo + theta.size
@@ -430,7 +431,8 @@ class Island:
                     w.write(lo, hi, theta)
                 else:
                     local = w.read(lo, hi)
-                    merged = theta + (local - self.anchor[lo:hi])
+                    merged = np.subtract(local, self.anchor[lo:hi], out=scratch[:hi - lo])
+                    merged += theta  # Θ + (local − anchor): the island's own steps kept
                     if alpha:
                         merged = alpha * local + (1 - alpha) * merged
                     w.write(lo, hi, merged)
