@@ -46,7 +46,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                  spill_min_bytes: int = SPILL_MIN_BYTES):
         self.run = run
         self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
-        self.pool = stream.BufferPool(max_inflight_pushes)
+        self.pool = stream.buffer_pool(max_inflight_pushes)
+        self.spills = stream.spill_pool(max_inflight_pushes, run.cfg.state_dir)
         self.spill_min_bytes = spill_min_bytes
 
     def Join(self, request, context):
@@ -81,13 +82,14 @@ class SyncerService(pb_grpc.SyncerServicer):
     def _push(self, h, first, rest) -> dict:
         """Receive and merge one push. A large delta goes to a temporary file as it
         arrives (`stream.SpilledPayload`: a push in flight costs a chunk of memory, not
-        its size); a small one to a pooled buffer, back in the pool once merged. Either
-        is kept instead while the run holds pushes until the round commits (clipping).
+        its size); a small one to a buffer. Both are pooled: back in their pool once
+        merged, for the next push. Either is kept instead while the run holds pushes
+        until the round commits (clipping).
         The seed's buffer becomes Θ."""
         keep = h.kind == pb.SEED or self.run.cfg.clip_factor > 0
         if h.kind == pb.DELTA and h.payload_bytes >= self.spill_min_bytes:
             buf = self._spill_file(h)
-            done = None if keep else buf.close
+            done = None if keep else (lambda: self.spills.put(buf))
         else:
             buf = None if keep else self.pool.get(h.payload_bytes)
             done = None if keep else (lambda: self.pool.put(buf))
@@ -107,7 +109,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     def _spill_file(self, h) -> stream.SpilledPayload:
         folder = self.run.cfg.state_dir
         try:
-            return stream.SpilledPayload(h.payload_bytes, folder)
+            return self.spills.get(h.payload_bytes)
         except OSError as e:
             raise Reject("exhausted", f"the syncer cannot open a spill file in "
                          f"{folder or 'the temporary folder'}: {e}; the island retries") from None

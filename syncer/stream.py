@@ -169,28 +169,49 @@ def _place(out: np.ndarray, encoding: str, numel: int, lo: int, hi: int, piece: 
     out[4 * nb + half * b0:4 * nb + half * b1] = src[4 * (b1 - b0):]
 
 
-class BufferPool:
-    """Receive buffers kept for the next push of the same size: a fresh buffer costs a
-    page fault per 4 KiB on first touch (on a VM, more than receiving the bytes), a
-    reused one nothing. Holds at most `limit` buffers (one per push in flight), so
-    it adds nothing to the peak the in-flight bound already allows."""
+class Pool:
+    """What one push in flight needs, kept for the next push instead of made anew: a
+    fresh receive buffer costs a page fault per 4 KiB on first touch (on a VM, more
+    than receiving the bytes), a fresh spill file twice the time of rewriting an old
+    one (its page cache has to be found first). Holds at most `limit` (one per push
+    in flight), so it adds nothing to the peak the in-flight bound already allows.
 
-    def __init__(self, limit: int):
-        self.limit = max(0, limit)
-        self._free: list[np.ndarray] = []
+    `make(size)` builds a new one; `reuse(thing, size)` readies a kept one for `size`
+    bytes, or returns None when it cannot serve that size."""
+
+    def __init__(self, limit: int, make, reuse):
+        self.limit, self.make, self.reuse = max(0, limit), make, reuse
+        self._free: list = []
         self._lock = threading.Lock()
 
-    def get(self, size: int) -> np.ndarray:
+    def get(self, size: int):
         with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.size == size:
-                    return self._free.pop(i)
-        return np.empty(size, np.uint8)
+            for i, thing in enumerate(self._free):
+                ready = self.reuse(thing, size)
+                if ready is not None:
+                    del self._free[i]
+                    return ready
+        return self.make(size)
 
-    def put(self, buf: np.ndarray) -> None:
+    def put(self, thing) -> None:
         with self._lock:
-            self._free.append(buf)
-            del self._free[:-self.limit or len(self._free)]
+            self._free.append(thing)
+            keep = max(0, len(self._free) - self.limit)
+            dropped, self._free = self._free[:keep], self._free[keep:]
+        for extra in dropped:
+            getattr(extra, "close", lambda: None)()
+
+
+def buffer_pool(limit: int) -> Pool:
+    """Receive buffers (uint8 arrays), each reused for a push of its own size."""
+    return Pool(limit, lambda size: np.empty(size, np.uint8),
+                lambda buf, size: buf if buf.size == size else None)
+
+
+def spill_pool(limit: int, directory: str | os.PathLike | None = None) -> Pool:
+    """Spill files (`SpilledPayload`), each rewritten from its start by the next push."""
+    return Pool(limit, lambda size: SpilledPayload(size, directory),
+                lambda spilled, size: spilled.reset(size))
 
 
 class SpilledPayload:
@@ -199,9 +220,16 @@ class SpilledPayload:
     position from any thread. The file vanishes on `close()` (or when collected)."""
 
     def __init__(self, size: int, directory: str | os.PathLike | None = None):
-        self.size = size
         self.file = tempfile.TemporaryFile(dir=directory, buffering=0)  # pread sees writes
         self.fd = self.file.fileno()
+        self.reset(size)
+
+    def reset(self, size: int) -> SpilledPayload:
+        """Hold a new payload of `size` bytes, written from the start over the old
+        bytes (a file longer than `size` keeps its tail, never read)."""
+        self.size = size
+        self.file.seek(0)
+        return self
 
     def __len__(self) -> int:
         return self.size

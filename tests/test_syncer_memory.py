@@ -73,6 +73,36 @@ def test_chunked_merge_equals_the_whole_array_merge(rule, encoding, held, tmp_pa
     assert list(tmp_path.iterdir()) == []  # spilled pushes leave no file behind
 
 
+def test_a_pooled_spill_file_rewritten_by_a_shorter_push_reads_only_the_new_push(tmp_path):
+    pool = stream.spill_pool(limit=1, directory=tmp_path)
+    long_push = codec.encode(_deltas(1, N + 4096, seed=1)[0], "f32")
+    first = pool.get(len(long_push))
+    first.write(long_push)
+    pool.put(first)
+    short = codec.encode(_deltas(1, seed=2)[0], "q4")
+    rx = stream.PayloadReceiver("q4", N, pool.get(len(short)))
+    for piece in net.chunks(short, 100_003):
+        rx.add(piece)
+    again = rx.finish()
+    assert again is first  # the same file, rewritten from its start
+    acc = MergeAccumulator(N, "mean")
+    acc.add(again, "q4", 10)
+    assert acc.result().tobytes() == _whole_array_merge([short], "q4", [10], "mean").tobytes()
+    extra = pool.get(16)  # the pool's file is in use: a new one
+    assert extra is not again
+    pool.put(again)
+    pool.put(extra)  # over the limit of one: the oldest is closed
+    assert again.file.closed and not extra.file.closed
+
+
+def test_a_buffer_pool_serves_each_size_from_its_own_buffers():
+    pool = stream.buffer_pool(limit=2)
+    a, b = pool.get(8), pool.get(16)
+    pool.put(a)
+    pool.put(b)
+    assert pool.get(16) is b and pool.get(8) is a and pool.get(8) is not a
+
+
 @pytest.mark.parametrize("rule", ["mean", "uniform", "rda"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_fused_chunked_commit_equals_result_then_whole_step(rule, momentum):
