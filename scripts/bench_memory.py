@@ -492,6 +492,7 @@ def half_billion_run(numel: int, rounds: int, tmp: Path) -> dict:
     """The syncer and two synthetic islands (subprocesses), blocking sync every step."""
     island = ROOT / "scripts" / "synthetic_island.py"
     records = [tmp / f"half-{i}.jsonl" for i in range(2)]
+    children_cpu, t0 = _children_cpu_s(), time.perf_counter()
     with start_syncer(["--quorum", "2", "--grace-ms", "0"], cwd=ROOT,
                       log=tmp / "syncer.log") as syncer:
         watch = PeakWatch(syncer.pid)
@@ -507,12 +508,22 @@ def half_billion_run(numel: int, rounds: int, tmp: Path) -> dict:
                 raise RuntimeError(f"island {i} failed:\n{log_text[-3000:]}")
         syncer.wait(timeout=300)
         syncer_peak = watch.stop()
+    children_cpu = _children_cpu_s() - children_cpu  # the syncer and both islands
+    wall = time.perf_counter() - t0
     recs = [[json.loads(line) for line in r.read_text().splitlines()] for r in records]
     done = [[e for e in r if e["event"] == "done"][-1] for r in recs]
     if not all(d["final"] for d in done) or done[0]["weights_sha256"] != done[1]["weights_sha256"]:
         raise RuntimeError("the islands did not end with the same final weights")
+    islands_cpu = [d["cpu_s"] for d in done]
     return dict(syncer_peak_kib=syncer_peak, island_peak_kib=[d["peak_rss_kib"] for d in done],
-                round_s=_round_seconds(recs, rounds))
+                round_s=_round_seconds(recs, rounds),
+                cpu_s=[children_cpu - sum(islands_cpu), *islands_cpu], wall_s=wall)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's children that have been waited for."""
+    t = os.times()
+    return t.children_user + t.children_system
 
 
 def _round_seconds(recs: list[list[dict]], rounds: int) -> list[dict]:
@@ -551,10 +562,13 @@ def half_billion_main(args) -> int:
     total_gib = sum(peaks) / (1 << 20)
     raw = raw_up + raw_down
     round_s = statistics.median(r["total"] for r in run["round_s"])
-    print_table(["process", "peak RSS GiB", "B/param"],
-                [[name, k / (1 << 20), k * 1024 / numel] for name, k in
-                 zip(["syncer", "island 0", "island 1"], peaks)] +
-                [["sum", total_gib, sum(peaks) * 1024 / numel]], right=[1, 2])
+    print_table(["process", "peak RSS GiB", "B/param", "CPU s (whole run)"],
+                [[name, k / (1 << 20), k * 1024 / numel, cpu] for name, k, cpu in
+                 zip(["syncer", "island 0", "island 1"], peaks, run["cpu_s"])] +
+                [["sum", total_gib, sum(peaks) * 1024 / numel, sum(run["cpu_s"])]],
+                right=[1, 2, 3])
+    print(f"CPU seconds of the three ÷ the run's {run['wall_s']:.1f} wall seconds: "
+          f"{sum(run['cpu_s']) / run['wall_s']:.2f} of the machine's {os.cpu_count()} cores busy")
     print_table(["path", "seconds", "GiB moved"],
                 [["raw gRPC: 2 q4 pushes at once", raw_up, 2 * up / (1 << 30)],
                  ["raw gRPC: 2 f32 broadcasts at once", raw_down, 8 * numel / (1 << 30)],

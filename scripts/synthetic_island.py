@@ -10,7 +10,7 @@ It is lean at any --dim (scripts/bench_memory.py runs it at 5e8 parameters): it 
 its weights w (4 B per parameter) and hands the island range access to them (no
 copies); the target is one chunk of random values repeated (its first --dim values
 when --dim fits one chunk), and each step runs chunk by chunk. The "done" record
-carries the process's peak RSS (VmHWM).
+carries the process's peak RSS (VmHWM) and CPU seconds (user + system).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
             break
     island.finish()
     record("done", version=island.version, final=island.finished, step=island.step,
-           weights_sha256=hashlib.sha256(model.w).hexdigest(), peak_rss_kib=peak_rss_kib())
+           weights_sha256=hashlib.sha256(model.w).hexdigest(), peak_rss_kib=peak_rss_kib(),
+           cpu_s=sum(os.times()[:2]))
     return 0
 
 
