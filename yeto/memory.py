@@ -8,16 +8,11 @@ follow. `trim()` returns it (glibc's malloc_trim); elsewhere it does nothing.
 `limit_arenas()` keeps it from piling up between trims in a process with many threads
 (the syncer: gRPC's handler threads receive pushes and send broadcasts at once):
 glibc gives up to 8 malloc arenas per core, each keeping the chunk buffers freed in
-it resident; with two, every thread reuses the same few freed buffers. It costs
-nothing in speed: a freed 4 MiB buffer is reused from its arena without a page fault (on a VM, a
-fresh 4 MiB costs ~4 ms of faults, 8x the copy into it). Measured on the syncer with 8
-islands at 1e8 parameters and a 2e8 round (BENCHMARKS.md, Memory):
-
-| malloc setting | 8 islands B/param | with momentum | 2e8 round s |
-|---|---|---|---|
-| glibc's default | 10.2 | 14.7 | 7.71 |
-| a fixed 1 MiB mmap threshold (each chunk its own mapping) | 9.44 | 13.4 | 10.4 |
-| two arenas | 9.49 | 13.4 | 6.39 |
+it resident; with two, every thread reuses the same few freed buffers. A freed 4 MiB
+buffer is then reused without a page fault (on a VM a fresh 4 MiB costs ~4 ms of
+faults, 8x the copy into it). Measured on the syncer (BENCHMARKS.md, "Malloc
+arenas"): 8 islands at 1e8 parameters 9.49 B/param, as with a fixed 1 MiB mmap
+threshold (9.44), and a 2e8 round in 6.4 s, against 10.4 s with that threshold.
 """
 
 from __future__ import annotations
