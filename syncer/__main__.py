@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "until validated whole and merged; a larger one in a temporary file")
     p.add_argument("--spill-min-mib", type=float, default=SPILL_MIN_BYTES / 2**20,
                    help="pushes of this many MiB or more are received into an unlinked "
-                        "temporary file in --state-dir (else the system's temp folder) and "
-                        "merged from it chunk by chunk, so the syncer's memory is Θ and the "
+                        "temporary file in --state-dir (else the system's temp folder; at "
+                        "most --max-inflight-pushes files, each rewritten by later pushes) "
+                        "and merged from it chunk by chunk, so the syncer's memory is Θ and the "
                         "round's sum (8 B per parameter; 12 with momentum) whatever the "
                         "number of islands; 0 spills every push")
     p.add_argument("--state-dir", type=Path, default=None,
