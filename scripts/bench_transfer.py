@@ -330,10 +330,10 @@ def report(rows: list[dict], n: int, rounds: int) -> None:
     def median_ms(key, rs):
         return f"({statistics.median(r[key] for r in rs) * 1e3:.0f})"
 
-    def row(name, key, kind, raw_key=None):
+    def row(name, key, kind):
         rs, base = by[kind], by["f32" if kind == "q4" else kind]
         t = best(key, rs)
-        raw_t = best(raw_key or f"raw_{'up' if key == 'push' else 'down'}", base)
+        raw_t = best("raw_up" if key == "push" else "raw_down", base)
         return [name, t * 1e3, median_ms(key, rs), rate(total, t), raw_t / t]
 
     f32 = by["f32"]
