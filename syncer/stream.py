@@ -173,14 +173,15 @@ class Pool:
     """What one push in flight needs, kept for the next push instead of made anew: a
     fresh receive buffer costs a page fault per 4 KiB on first touch (on a VM, more
     than receiving the bytes), a fresh spill file twice the time of rewriting an old
-    one (its page cache has to be found first). Holds at most `limit` (one per push
-    in flight), so it adds nothing to the peak the in-flight bound already allows.
+    one (its page cache is allocated anew). Holds at most `limit` (one per push in
+    flight), so it adds nothing to the peak the in-flight bound already allows.
 
     `make(size)` builds a new one; `reuse(thing, size)` readies a kept one for `size`
-    bytes, or returns None when it cannot serve that size."""
+    bytes, or returns None when it cannot serve that size; `drop(thing)` releases one
+    the pool has no room for (default: nothing to release)."""
 
-    def __init__(self, limit: int, make, reuse):
-        self.limit, self.make, self.reuse = max(0, limit), make, reuse
+    def __init__(self, limit: int, make, reuse, drop=lambda thing: None):
+        self.limit, self.make, self.reuse, self.drop = max(0, limit), make, reuse, drop
         self._free: list = []
         self._lock = threading.Lock()
 
@@ -199,7 +200,7 @@ class Pool:
             keep = max(0, len(self._free) - self.limit)
             dropped, self._free = self._free[:keep], self._free[keep:]
         for extra in dropped:
-            getattr(extra, "close", lambda: None)()
+            self.drop(extra)
 
 
 def buffer_pool(limit: int) -> Pool:
@@ -211,7 +212,7 @@ def buffer_pool(limit: int) -> Pool:
 def spill_pool(limit: int, directory: str | os.PathLike | None = None) -> Pool:
     """Spill files (`SpilledPayload`), each rewritten from its start by the next push."""
     return Pool(limit, lambda size: SpilledPayload(size, directory),
-                lambda spilled, size: spilled.reset(size))
+                lambda spilled, size: spilled.reset(size), SpilledPayload.close)
 
 
 class SpilledPayload:
