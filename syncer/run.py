@@ -22,6 +22,7 @@ Rules worth knowing:
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import re
@@ -113,7 +114,10 @@ class Source:
     downlink), not a copy. Before a commit changes those weights it calls `detach`:
     the part that streams still in progress have not sent yet is copied, so they
     finish with the version they started (nothing is copied when none is in
-    progress, the usual case); a source with no reader is retired."""
+    progress, the usual case); a source with no reader is retired. The last chunks
+    built are kept for readers streaming in step (one copy per chunk, not per island)."""
+
+    SHARED = 2  # chunks kept for readers a little behind (a chunk is net.CHUNK_BYTES)
 
     def __init__(self, array: np.ndarray):
         self._array: np.ndarray | None = array.view(np.uint8).reshape(-1)
@@ -122,6 +126,7 @@ class Source:
         self._live = True
         self._readers: dict[int, int] = {}  # reader -> the next byte it reads
         self._next = 0
+        self._built: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def open(self) -> int:
@@ -133,11 +138,17 @@ class Source:
             return self._next
 
     def read(self, reader: int, lo: int, hi: int, prefix: bytes = b"") -> bytes:
-        """`prefix` + bytes [lo, hi) of the payload, as one new bytes object."""
+        """`prefix` + bytes [lo, hi) of the payload as one bytes object: built anew, or
+        the one just built for another reader (islands streaming in step share it)."""
         with self._lock:
             self._readers[reader] = hi
-            a = self._array[lo - self._offset:hi - self._offset]
-            return b"".join((prefix, memoryview(a)))
+            key = (lo, hi, prefix)
+            if key not in self._built:
+                a = self._array[lo - self._offset:hi - self._offset]
+                self._built[key] = b"".join((prefix, memoryview(a)))
+                while len(self._built) > self.SHARED:
+                    self._built.popitem(last=False)
+            return self._built[key]
 
     def close(self, reader: int) -> None:
         with self._lock:
@@ -151,6 +162,7 @@ class Source:
             self._live = False
             if not self._readers:
                 self._array = None
+                self._built.clear()
                 return 0
             lo = min(self._readers.values())
             self._array = self._array[lo - self._offset:].copy()

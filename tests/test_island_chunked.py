@@ -48,6 +48,18 @@ class RangedWeights(FlatWeights):
         self.flushes += 1
 
 
+class ViewWeights(FlatWeights):
+    """Range access whose reads are views of the weights (as scripts/synthetic_island.py
+    gives): the island computes in them, and a write of that same view copies nothing."""
+
+    def read_range(self, lo, hi):
+        return self.v[lo:hi]
+
+    def write_range(self, lo, hi, values):
+        if not np.shares_memory(values, self.v[lo:hi]):
+            self.v[lo:hi] = values
+
+
 def small_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(13, 29), torch.nn.Linear(29, 7),
@@ -177,6 +189,7 @@ def test_chunked_equals_whole_arrays(name):
     whole = run(FlatWeights(layout, init), threads=1, **opts)
     for weights, extra in ((torch_weights(), dict(threads=1)), (RangedWeights(layout, init), {}),
                            (torch_weights(), dict(threads=4)),
+                           (ViewWeights(layout, init), dict(threads=2)),
                            (torch_weights(), dict(stream=37, chunk=128)),
                            (FlatWeights(layout, init), dict(chunk=1 << 20))):
         got = run(weights, **{**opts, **extra})
@@ -316,6 +329,31 @@ def test_non_finite_piece_mid_push_loses_nothing_whatever_the_threads(threads):
     moved = island.anchor[ok] != 0
     assert moved[:64].all() and not moved[64:127].any()  # piece 0 carried, piece 1 not
     np.testing.assert_allclose(owed[ok], change[ok], atol=0.9 / 14)
+    assert not syncer.payloads
+
+
+def test_non_finite_value_inside_a_piece_carries_back_its_encoded_part():
+    """A piece longer than one q4 chunk is encoded a chunk at a time: a NaN in its
+    second chunk carries the first back (anchor moved, work in the residual) and
+    leaves the rest as it was; nothing of the change is lost."""
+    n = 5 * codec.CHUNK // 2
+    layout = Layout.from_shapes({"a": (n,)})
+    w = RangedWeights(layout, np.zeros(n, np.float32))
+    syncer = FakeSyncer(layout)
+    island = Island.for_weights(w, client=syncer, sync_every=1, threads=1)
+    island.start()
+    w.v[:] = np.linspace(-1, 1, n, dtype=np.float32)
+    change = island.anchor - w.v
+    bad = 3 * codec.CHUNK // 2
+    w.v[bad] = np.nan
+    with pytest.raises(codec.CodecError):
+        island.after_step(1)
+    moved = island.anchor != 0
+    assert moved[:codec.CHUNK].all() and not moved[codec.CHUNK:].any()
+    assert not island.feedback.residual[codec.CHUNK:].any()
+    ok = np.arange(n) != bad
+    owed = (island.anchor - w.v) + island.feedback.residual
+    np.testing.assert_allclose(owed[ok], change[ok], atol=1 / 14)
     assert not syncer.payloads
 
 

@@ -202,6 +202,22 @@ def test_broadcast_source_keeps_its_version_for_streams_in_progress():
     assert later.read(later.open(), 0, 4000) == live.tobytes()  # a live source is a view
 
 
+def test_broadcast_source_builds_a_chunk_once_for_readers_in_step():
+    live = np.arange(1000, dtype=np.float32)
+    src = Source(live)
+    a, b = src.open(), src.open()
+    first = src.read(a, 0, 400, prefix=b"h")
+    assert src.read(b, 0, 400, prefix=b"h") is first  # the same object: no second copy
+    assert src.read(b, 0, 400, prefix=b"x") == b"x" + live.tobytes()[:400]  # its own header
+    for lo in range(400, 400 * (Source.SHARED + 2), 400):  # a's chunks push the first out
+        src.read(a, lo, lo + 400)
+    again = src.read(b, 0, 400, prefix=b"h")
+    assert again is not first and again == first  # rebuilt, the same bytes
+    assert src.detach() > 0
+    live += 1  # the commit changes the weights: b still streams its version
+    assert src.read(b, 400, 800) == np.arange(1000, dtype=np.float32).tobytes()[400:800]
+
+
 def test_state_streams_to_a_safetensors_file_that_safe_open_loads(tmp_path):
     from safetensors import safe_open
     from safetensors.numpy import load_file

@@ -28,7 +28,7 @@ _Q4_LEVELS = 7
 # chunk (512 KiB of f32 per scratch buffer) are much faster than the same passes
 # over a 64 MiB array, and the chunk is large enough that numpy's per-call
 # overhead stays small (scripts/bench_codec.py measures it).
-_CHUNK = 1 << 17  # elements, a multiple of Q4_BLOCK
+CHUNK = 1 << 17  # elements, a multiple of Q4_BLOCK
 # x + 1.5 * 2**23 is rounded to an integer by float addition itself (half to even);
 # the extra 8 makes the low mantissa byte the 4-bit code
 _Q4_MAGIC = np.float32(1.5 * 2**23 + 8)
@@ -83,8 +83,8 @@ def validate(payload, encoding: str, numel: int) -> None:
     if encoding == "q4":
         _q4_scales(buf, numel)
         return
-    for lo in range(0, numel, _CHUNK):
-        if not np.isfinite(_plain_chunk(buf, encoding, lo, min(lo + _CHUNK, numel))).all():
+    for lo in range(0, numel, CHUNK):
+        if not np.isfinite(_plain_chunk(buf, encoding, lo, min(lo + CHUNK, numel))).all():
             raise CodecError(f"{encoding} payload holds non-finite values")
 
 
@@ -110,9 +110,9 @@ def _decode_into(payload, encoding, numel, out, weight):
         _q4_decode(buf, numel, out, weight)
         return
     w32 = None if weight is None else np.float32(weight)
-    tmp = None if weight is None else np.empty(min(_CHUNK, numel), dtype=np.float32)
-    for lo in range(0, numel, _CHUNK):
-        hi = min(lo + _CHUNK, numel)
+    tmp = None if weight is None else np.empty(min(CHUNK, numel), dtype=np.float32)
+    for lo in range(0, numel, CHUNK):
+        hi = min(lo + CHUNK, numel)
         chunk = _plain_chunk(buf, encoding, lo, hi)
         if not np.isfinite(chunk).all():
             raise CodecError(f"{encoding} payload holds non-finite values")
@@ -136,50 +136,70 @@ def _q4_encode(x: np.ndarray) -> bytes:
     return out.tobytes()
 
 
-def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+class Scratch:
+    """The buffers of one q4 chunk (`CHUNK` values), made once and reused by every
+    chunk a thread encodes or decodes: a fresh buffer costs page faults, and a reused
+    one stays in the CPU cache."""
+
+    def __init__(self, chunk: int = CHUNK):
+        self.chunk = chunk = -(-chunk // Q4_BLOCK) * Q4_BLOCK  # whole blocks
+        self.work = np.empty(chunk, dtype=np.float32)   # |x|, x / scale + magic; values
+        self.wide = np.empty(chunk, dtype=np.float32)   # a block's scale (or 1 / scale) per value
+        self.nib = np.empty(chunk, dtype=np.uint8)      # one code per value
+        self.pair = np.empty(chunk // 2, dtype="<u2")   # the codes of two values
+        self.tmp = np.empty(chunk // 2, dtype="<u2")
+        self.starts = np.arange(0, chunk, Q4_BLOCK)
+
+
+def _scratch_for(numel: int, scratch: Scratch | None) -> Scratch:
+    return scratch or Scratch(max(1, min(CHUNK, numel)))
+
+
+def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray,
+                    scratch: Scratch | None = None) -> None:
     """Encode x into its blocks' `scales` (float32) and `codes` (uint8, 32 per block):
     views into a payload, so a vector encoded piece by piece (pieces starting on block
     boundaries) gives the same bytes as encoded whole."""
     n = x.size
     nb = -(-n // Q4_BLOCK)
-    chunk = max(Q4_BLOCK, min(_CHUNK, nb * Q4_BLOCK))
-    work = np.empty(chunk, dtype=np.float32)   # |x|, then x / scale + magic
-    wide = np.empty(chunk, dtype=np.float32)   # 1 / scale, per element
-    nib = np.empty(chunk, dtype=np.uint8)      # one code per element
-    pair = np.empty(chunk // 2, dtype="<u2")
-    starts = np.arange(0, chunk, Q4_BLOCK)
+    s = _scratch_for(n, scratch)
     # non-finite input is detected once, from the block maxima, after the loop
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for lo in range(0, nb * Q4_BLOCK, chunk):
-            hi = min(lo + chunk, nb * Q4_BLOCK)
-            m, b0, b1 = hi - lo, lo // Q4_BLOCK, hi // Q4_BLOCK
+        for lo in range(0, nb * Q4_BLOCK, s.chunk):
+            hi = min(lo + s.chunk, nb * Q4_BLOCK)
             src = x[lo:hi]
             if hi > n:  # zero padding of the last block
-                src = np.zeros(m, dtype=np.float32)
+                src = np.zeros(hi - lo, dtype=np.float32)
                 src[:n - lo] = x[lo:]
-            w = work[:m]
-            np.abs(src, out=w)
-            # max |x| per block: a non-negative float orders like its bits as int32,
-            # and an integer reduceat is much faster than a float max along rows
-            s = scales[b0:b1]
-            np.maximum.reduceat(w.view(np.int32), starts[:b1 - b0], out=s.view(np.int32))
-            s /= _Q4_LEVELS
-            inv = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)
-            wide[:m].reshape(-1, Q4_BLOCK)[...] = inv[:, None]
-            np.multiply(src, wide[:m], out=w)
-            # + 1.5 * 2**23 rounds half to even to an integer (exactly as rint does)
-            # and leaves code = round(x / scale) + 8 in the low byte of the float
-            w += _Q4_MAGIC
-            c = nib[:m]
-            np.copyto(c, w.view(np.uint32), casting="unsafe")  # keeps the low byte
-            # codes of elements 2j, 2j+1 as one little-endian uint16 -> one byte
-            cp = c.view("<u2")
-            p = pair[:m // 2]
-            np.right_shift(cp, 4, out=p)
-            p |= cp
-            np.copyto(codes[lo // 2:hi // 2], p, casting="unsafe")
+            b0, b1 = lo // Q4_BLOCK, hi // Q4_BLOCK
+            _q4_encode_chunk(src, scales[b0:b1], codes[lo // 2:hi // 2], s)
     if not np.isfinite(scales[:nb]).all():  # a NaN/inf in a block shows in its max
         _check_finite(x)
+
+
+def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scratch) -> None:
+    """One chunk of whole blocks into its scales `s` and `codes`."""
+    m = src.size
+    w = k.work[:m]
+    np.abs(src, out=w)
+    # max |x| per block: a non-negative float orders like its bits as int32,
+    # and an integer reduceat is much faster than a float max along rows
+    np.maximum.reduceat(w.view(np.int32), k.starts[:m // Q4_BLOCK], out=s.view(np.int32))
+    s /= _Q4_LEVELS
+    inv = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)
+    k.wide[:m].reshape(-1, Q4_BLOCK)[...] = inv[:, None]
+    np.multiply(src, k.wide[:m], out=w)
+    # + 1.5 * 2**23 rounds half to even to an integer (exactly as rint does)
+    # and leaves code = round(x / scale) + 8 in the low byte of the float
+    w += _Q4_MAGIC
+    c = k.nib[:m]
+    np.copyto(c, w.view(np.uint32), casting="unsafe")  # keeps the low byte
+    # codes of elements 2j, 2j+1 as one little-endian uint16 -> one byte
+    cp = c.view("<u2")
+    p = k.pair[:m // 2]
+    np.right_shift(cp, 4, out=p)
+    p |= cp
+    np.copyto(codes, p, casting="unsafe")
 
 
 def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight) -> None:
@@ -189,36 +209,43 @@ def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight) -> None:
 
 
 def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
-                     weight) -> None:
+                     weight, scratch: Scratch | None = None) -> None:
     """Decode `numel` values from their blocks' scales and codes into `out` (or add
     weight * them)."""
     nb = -(-numel // Q4_BLOCK)
-    chunk = max(Q4_BLOCK, min(_CHUNK, nb * Q4_BLOCK))
-    spread = np.empty(chunk // 2, dtype="<u2")
-    tmp = np.empty(chunk // 2, dtype="<u2")
-    vals = np.empty(chunk, dtype=np.float32)
-    wide = np.empty(chunk, dtype=np.float32)
+    k = _scratch_for(numel, scratch)
     w32 = None if weight is None else np.float32(weight)
-    for lo in range(0, nb * Q4_BLOCK, chunk):
-        hi = min(lo + chunk, nb * Q4_BLOCK)
-        m = hi - lo
-        # byte b -> little-endian uint16 (b & 15, b >> 4): codes of elements 2j, 2j+1
-        sp = spread[:m // 2]
-        np.copyto(sp, codes[lo // 2:hi // 2], casting="unsafe")
-        t = tmp[:m // 2]
-        np.left_shift(sp, 4, out=t)
-        sp |= t
-        sp &= 0x0F0F
-        v = vals[:m]
-        np.subtract(sp.view(np.uint8), 8, out=v, dtype=np.float32)  # code - 8, exact
-        wide[:m].reshape(-1, Q4_BLOCK)[...] = scales[lo // Q4_BLOCK:hi // Q4_BLOCK, None]
+    for lo in range(0, nb * Q4_BLOCK, k.chunk):
+        hi = min(lo + k.chunk, nb * Q4_BLOCK)
+        part = scales[lo // Q4_BLOCK:hi // Q4_BLOCK], codes[lo // 2:hi // 2], k
         valid = min(hi, numel) - lo
+        if weight is None and valid == hi - lo:
+            _q4_decode_chunk(*part, out=out[lo:hi])
+            continue
+        v = _q4_decode_chunk(*part)
         if weight is None:
-            np.multiply(v[:valid], wide[:valid], out=out[lo:lo + valid])
+            out[lo:lo + valid] = v[:valid]
         else:
-            v *= wide[:m]
             v *= w32
             out[lo:lo + valid] += v[:valid]
+
+
+def _q4_decode_chunk(scales: np.ndarray, codes: np.ndarray, k: Scratch,
+                     out: np.ndarray | None = None) -> np.ndarray:
+    """The values of one chunk of whole blocks, in `out` or else in `k.work` (valid
+    until its next use)."""
+    m = 2 * codes.size
+    # byte b -> little-endian uint16 (b & 15, b >> 4): codes of elements 2j, 2j+1
+    sp = k.pair[:m // 2]
+    np.copyto(sp, codes, casting="unsafe")
+    t = k.tmp[:m // 2]
+    np.left_shift(sp, 4, out=t)
+    sp |= t
+    sp &= 0x0F0F
+    v = k.work[:m]
+    np.subtract(sp.view(np.uint8), 8, out=v, dtype=np.float32)  # code - 8, exact
+    k.wide[:m].reshape(-1, Q4_BLOCK)[...] = scales[:, None]
+    return np.multiply(v, k.wide[:m], out=v if out is None else out)
 
 
 def _q4_scales(buf, numel) -> np.ndarray:
@@ -261,8 +288,9 @@ class Encoder:
     def payload(self) -> memoryview:
         return memoryview(self.buffer)
 
-    def put(self, lo: int, x: np.ndarray) -> None:
-        """Encode x as values [lo, lo + len(x)); refuses non-finite input (CodecError)."""
+    def put(self, lo: int, x: np.ndarray, scratch: Scratch | None = None) -> None:
+        """Encode x as values [lo, lo + len(x)); refuses non-finite input (CodecError).
+        `scratch`: the calling thread's q4 buffers, reused across calls."""
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         hi = lo + x.size
         if lo % Q4_BLOCK or hi > self.numel or (hi % Q4_BLOCK and hi != self.numel):
@@ -271,7 +299,7 @@ class Encoder:
             b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
             scales = self.buffer[:4 * self._nb].view(np.float32)[b0:b1]
             codes = self.buffer[4 * self._nb:][b0 * Q4_BLOCK // 2:b1 * Q4_BLOCK // 2]
-            _q4_encode_into(x, scales, codes)
+            _q4_encode_into(x, scales, codes, scratch)
         elif self.encoding == "f32":
             _check_finite(x)
             self.buffer.view(np.float32)[lo:hi] = x
@@ -281,8 +309,10 @@ class Encoder:
         else:
             raise CodecError(f"unknown encoding {self.encoding!r}")
 
-    def decoded(self, lo: int, hi: int) -> np.ndarray:
-        """The decoded values [lo, hi) of what has been put (lo on a block bound)."""
+    def decoded(self, lo: int, hi: int, scratch: Scratch | None = None) -> np.ndarray:
+        """The decoded values [lo, hi) of what has been put (lo on a block bound). With
+        `scratch` and at most one q4 chunk, they are in the scratch (valid until its next
+        use), else in a new array."""
         if self.encoding == "f32":
             return self.buffer.view(np.float32)[lo:hi]
         if self.encoding == "bf16":
@@ -291,8 +321,10 @@ class Encoder:
         b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
         scales = self.buffer[:4 * self._nb].view(np.float32)[b0:b1]
         codes = self.buffer[4 * self._nb:][b0 * Q4_BLOCK // 2:b1 * Q4_BLOCK // 2]
+        if scratch is not None and b1 * Q4_BLOCK - lo <= scratch.chunk:
+            return _q4_decode_chunk(scales, codes, scratch)[:hi - lo]
         out = np.empty(hi - lo, dtype=np.float32)
-        _q4_decode_parts(scales, codes, hi - lo, out, None)
+        _q4_decode_parts(scales, codes, hi - lo, out, None, scratch)
         return out
 
 
@@ -318,20 +350,23 @@ class ErrorFeedback:
         self.done()
         return enc.buffer.tobytes()
 
-    def encode_piece(self, x: np.ndarray, enc: Encoder, at: int, offset: int) -> None:
+    def encode_piece(self, x: np.ndarray, enc: Encoder, at: int, offset: int,
+                     scratch: Scratch | None = None) -> None:
         """Put x + residual (values [offset, offset + len(x)) of the vector) into `enc`
         at `at`, keeping what the encoding lost as the new residual there. `x` is
-        overwritten (it becomes the target); on a CodecError nothing is changed."""
+        overwritten (it becomes the target); on a CodecError nothing is changed.
+        `scratch`: the calling thread's q4 buffers (a piece of at most one q4 chunk
+        then stays in the CPU cache from its add to its residual)."""
         r = None if self.residual is None else self.residual[offset:offset + x.size]
         if r is not None:
             np.add(r, x, out=x)
-        enc.put(at, x)
+        enc.put(at, x, scratch)
         if r is None:
             return
         if self.encoding == "f32":
             r[...] = 0.0
         else:
-            np.subtract(x, enc.decoded(at, at + x.size), out=r)
+            np.subtract(x, enc.decoded(at, at + x.size, scratch), out=r)
 
     def done(self) -> None:
         """After a push: an f32 residual (only there after a carry) is freed once every

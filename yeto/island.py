@@ -4,9 +4,11 @@ An island sees its trainable weights as one flat float32 vector in canonical ord
 through the backend's callbacks: `get_weights() -> np.ndarray` and
 `set_weights(np.ndarray)`, and, when the backend has them, range access
 `read_range(lo, hi) -> np.ndarray` / `write_range(lo, hi, values)` (plus an optional
-`flush()` after a batch of range accesses: see `yeto.loop.Weights`). Everything else
-is here. The flat vector is cut into the syncer's P fragments (P = 1 unless the
-syncer runs `--fragments P`); each fragment follows the same rules on its own slice:
+`flush()` after a batch of range accesses: see `yeto.loop.Weights`; an apply computes
+in the array `read_range` returned and hands that array to `write_range`, which may
+be a view of the weights themselves). Everything else is here. The flat vector is
+cut into the syncer's P fragments (P = 1 unless the syncer runs `--fragments P`);
+each fragment follows the same rules on its own slice:
 
 - anchor: the exact Θ bytes last received, moved to the pushed weights by each
   push (anchor ← local): it is the point up to which the syncer holds this island's
@@ -76,6 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from yeto import codec
 from yeto.codec import Q4_BLOCK, CodecError, Encoder, ErrorFeedback
 from yeto.layout import Fragment, Layout
 from yeto.memory import trim
@@ -352,9 +355,9 @@ class Island:
         enc = Encoder(self.wire, frag.numel)
         done: list[tuple[int, int]] = []
         n = min(self.threads, -(-frag.numel // self.chunk))
-        scratch: queue.SimpleQueue = queue.SimpleQueue()  # one buffer per piece in flight
+        scratch: queue.SimpleQueue = queue.SimpleQueue()  # one per piece in flight
         for _ in range(n + 1 if n > 1 else 1):
-            scratch.put(np.empty(min(self.chunk, frag.numel), dtype=np.float32))
+            scratch.put(_Scratch(min(self.chunk, frag.numel)))
         with self._pass() as w, _Workers(n) as workers:
             try:
                 for lo, hi in _ranges(frag.start, frag.stop, self.chunk):
@@ -372,13 +375,22 @@ class Island:
 
     def _encode_piece(self, enc: Encoder, start: int, lo: int, hi: int, local: np.ndarray,
                       scratch: queue.SimpleQueue) -> tuple[int, int]:
-        buf = scratch.get()
+        """One piece, a q4 chunk at a time: its values stay in the CPU cache from the
+        difference to the residual and the anchor's move. A CodecError carries the
+        chunks already encoded back (as for whole pieces) and leaves the rest as it was."""
+        s = scratch.get()
         try:
-            x = np.subtract(self.anchor[lo:hi], local, out=buf[:hi - lo])
-            self.feedback.encode_piece(x, enc, lo - start, lo)
+            for a, b in _ranges(lo, hi, s.codec.chunk):
+                mine = local[a - lo:b - lo]
+                x = np.subtract(self.anchor[a:b], mine, out=s.x[:b - a])
+                try:
+                    self.feedback.encode_piece(x, enc, a - start, a, s.codec)
+                except CodecError:
+                    self._carry(enc, start, lo, a)
+                    raise
+                self.anchor[a:b] = mine
         finally:
-            scratch.put(buf)
-        self.anchor[lo:hi] = local
+            scratch.put(s)
         return lo, hi
 
     def _carry(self, enc: Encoder, start: int, lo: int, hi: int) -> None:
@@ -429,14 +441,9 @@ class Island:
                 hi = lo + theta.size
                 if got.final:
                     w.write(lo, hi, theta)
+                    self.anchor[lo:hi] = theta
                 else:
-                    local = w.read(lo, hi)
-                    merged = np.subtract(local, self.anchor[lo:hi], out=scratch[:hi - lo])
-                    merged += theta  # Θ + (local − anchor): the island's own steps kept
-                    if alpha:
-                        merged = alpha * local + (1 - alpha) * merged
-                    w.write(lo, hi, merged)
-                self.anchor[lo:hi] = theta
+                    w.write(lo, hi, self._merge(w.read(lo, hi), lo, theta, alpha, scratch))
         except TransportError as e:
             log.warning("broadcast of fragment %d (version %d) broke off: %s; its next "
                         "broadcast is applied whatever its version", got.fragment,
@@ -444,6 +451,22 @@ class Island:
             return False
         self._partial.discard(got.fragment)
         return True
+
+    def _merge(self, local: np.ndarray, lo: int, theta: np.ndarray, alpha: float,
+               scratch: np.ndarray) -> np.ndarray:
+        """Θ + (local − anchor) (the island's own steps kept) for values [lo, lo + len(Θ)),
+        and the anchor moved to Θ, a q4 chunk at a time (in the CPU cache). The sum goes
+        into `local` itself when it can (what `read_range` returns is the island's to
+        change), so a backend whose read is a view of its weights copies nothing."""
+        in_place = not alpha and local.flags.writeable
+        out = local if in_place else scratch[:theta.size]
+        for a, b in _ranges(0, theta.size, codec.CHUNK):
+            m = np.subtract(local[a:b], self.anchor[lo + a:lo + b], out=out[a:b])
+            m += theta[a:b]
+            if alpha:
+                m[...] = alpha * local[a:b] + (1 - alpha) * m
+            self.anchor[lo + a:lo + b] = theta[a:b]
+        return out
 
     def _settle(self, wait: bool = False) -> None:
         """Learn the fate of pushes in flight; carry forward those the syncer does not hold."""
@@ -531,6 +554,15 @@ def default_threads() -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, min(ENCODE_THREADS, cores))
+
+
+class _Scratch:
+    """What one piece of a push's encode works in: its difference and the codec's
+    buffers (a thread holds one while it encodes a piece)."""
+
+    def __init__(self, n: int):
+        self.x = np.empty(min(n, codec.CHUNK), dtype=np.float32)
+        self.codec = codec.Scratch(self.x.size)
 
 
 class _Workers:

@@ -19,7 +19,9 @@ metrics, summary and provenance, save. A backend (`yeto.torch.learner.TorchBacke
 canonical names: `.layout`, `.get() -> np.ndarray`, `.set(np.ndarray)`, and
 optionally range access, which lets the island work chunk by chunk without a flat
 copy of the model: `.read_range(lo, hi) -> np.ndarray`, `.write_range(lo, hi,
-values)` and `.flush()` (called after each pass of range accesses).
+values)` and `.flush()` (called after each pass of range accesses). The island may
+change the array `read_range` returns and pass it back to `write_range`: a read may
+be a view of the weights (then a write of that same view has nothing to copy).
 
 A group whose ranks each hold a shard of the model (FSDP, `sharded`) runs the
 island on rank 0 through `group.island_weights(weights)` (range accesses that the
