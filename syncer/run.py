@@ -114,10 +114,11 @@ class Source:
     downlink), not a copy. Before a commit changes those weights it calls `detach`:
     the part that streams still in progress have not sent yet is copied, so they
     finish with the version they started (nothing is copied when none is in
-    progress, the usual case); a source with no reader is retired. The last chunks
-    built are kept for readers streaming in step (one copy per chunk, not per island)."""
+    progress, the usual case); a source with no reader is retired. A chunk built for
+    one reader is kept for the others until they have all passed it (at most
+    `SHARED` chunks): islands streaming in step share one copy per chunk."""
 
-    SHARED = 2  # chunks kept for readers a little behind (a chunk is net.CHUNK_BYTES)
+    SHARED = 2  # chunks kept for readers behind (each net.CHUNK_BYTES at most)
 
     def __init__(self, array: np.ndarray):
         self._array: np.ndarray | None = array.view(np.uint8).reshape(-1)
@@ -143,16 +144,25 @@ class Source:
         with self._lock:
             self._readers[reader] = hi
             key = (lo, hi, prefix)
-            if key not in self._built:
+            data = self._built.get(key)
+            if data is None:
                 a = self._array[lo - self._offset:hi - self._offset]
-                self._built[key] = b"".join((prefix, memoryview(a)))
-                while len(self._built) > self.SHARED:
-                    self._built.popitem(last=False)
-            return self._built[key]
+                data = self._built[key] = b"".join((prefix, memoryview(a)))
+            self._forget_passed()
+            while len(self._built) > self.SHARED:
+                self._built.popitem(last=False)
+            return data
 
     def close(self, reader: int) -> None:
         with self._lock:
             self._readers.pop(reader, None)
+            self._forget_passed()
+
+    def _forget_passed(self) -> None:
+        """Drop the built chunks every open reader has passed (all, with no reader)."""
+        slowest = min(self._readers.values(), default=None)
+        for key in [k for k in self._built if slowest is None or k[1] <= slowest]:
+            del self._built[key]
 
     def detach(self) -> int:
         """Stop viewing the live weights; returns the bytes copied for readers."""
@@ -162,7 +172,6 @@ class Source:
             self._live = False
             if not self._readers:
                 self._array = None
-                self._built.clear()
                 return 0
             lo = min(self._readers.values())
             self._array = self._array[lo - self._offset:].copy()

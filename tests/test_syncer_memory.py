@@ -209,13 +209,21 @@ def test_broadcast_source_builds_a_chunk_once_for_readers_in_step():
     first = src.read(a, 0, 400, prefix=b"h")
     assert src.read(b, 0, 400, prefix=b"h") is first  # the same object: no second copy
     assert src.read(b, 0, 400, prefix=b"x") == b"x" + live.tobytes()[:400]  # its own header
-    for lo in range(400, 400 * (Source.SHARED + 2), 400):  # a's chunks push the first out
-        src.read(a, lo, lo + 400)
+    # both readers passed the chunk: the next read of it builds it anew
     again = src.read(b, 0, 400, prefix=b"h")
-    assert again is not first and again == first  # rebuilt, the same bytes
+    assert again is not first and again == first
+    got = [src.read(a, lo, lo + 400) for lo in (400, 800, 1200)]  # b behind: SHARED kept
+    assert Source.SHARED == 2
+    behind = src.read(b, 400, 800)
+    assert behind is not got[0] and behind == got[0]  # the oldest went: rebuilt
+    assert src.read(b, 800, 1200) is got[1]  # the next is still there
     assert src.detach() > 0
     live += 1  # the commit changes the weights: b still streams its version
-    assert src.read(b, 400, 800) == np.arange(1000, dtype=np.float32).tobytes()[400:800]
+    assert src.read(b, 1200, 1600) == np.arange(1000, dtype=np.float32).tobytes()[1200:1600]
+    solo = Source(live)
+    r = solo.open()
+    chunk = solo.read(r, 0, 400)
+    assert solo.read(r, 0, 400) is not chunk  # one reader: nothing is kept
 
 
 def test_state_streams_to_a_safetensors_file_that_safe_open_loads(tmp_path):
