@@ -174,7 +174,8 @@ class NesterovOuter:
         """In place on theta and m; g is used as scratch (no full-size temporaries).
         With momentum 0, m is not needed (None): Θ ← Θ − lr·g."""
         if m is None or self.momentum == 0:
-            g *= np.float32(self.lr)
+            if self.lr != 1.0:  # × 1 changes no bit: a pass over g saved (the default)
+                g *= np.float32(self.lr)
             theta -= g
             return
         m *= np.float32(self.momentum)
