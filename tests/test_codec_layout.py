@@ -109,3 +109,23 @@ def test_without_feedback_the_error_accumulates():
     without = sum(codec.decode(codec.encode(x, "q4"), "q4", 5000).astype(np.float64) for x in xs)
     truth = sum(x.astype(np.float64) for x in xs)
     assert np.abs(without - truth).mean() > 3 * np.abs(with_fb - truth).mean()
+
+
+def test_q4_coding_on_many_threads_at_once_equals_one_at_a_time():
+    """Threads coding at once each take their own spare scratch: the bytes and sums
+    are those of the same calls made one after another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(3 * codec.CHUNK + 70).astype(np.float32) for _ in range(6)]
+
+    def work(x):
+        payload = codec.encode(x, "q4")
+        acc = np.ones_like(x)
+        codec.decode_add(payload, "q4", x.size, acc, 0.5)
+        return payload, acc.tobytes()
+
+    want = [work(x) for x in xs]
+    with ThreadPoolExecutor(6) as pool:
+        for _ in range(3):
+            assert list(pool.map(work, xs)) == want
