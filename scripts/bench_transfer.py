@@ -1,7 +1,12 @@
 """Transfer cost of the syncer path against raw gRPC bytes on loopback.
 
-What is measured, in one process (server threads and client threads share it,
-as in tests/conftest.py `running_syncer`):
+What is measured, in two processes as in a deployment: a server process holds the
+syncer and the raw gRPC server (and, as `python -m syncer` does, two malloc arenas);
+this process holds the clients. Apart, each has its own interpreter lock and its own
+heap: in one process the client's lock and its trims of freed memory (`yeto.memory`)
+slowed the syncer's side too, and raw sender and receiver shared one lock. The syncer
+stamps when a push is in and when a broadcast is ready into shared memory
+(`time.perf_counter` reads one system-wide clock on Linux and macOS).
 
   syncer   A real `syncer.run.Run` served by `syncer.service.serve`, one
            `yeto.client.SyncerClient` (quorum 1, so every push commits a round).
@@ -14,7 +19,7 @@ as in tests/conftest.py `running_syncer`):
                         weights as it arrives, no whole copy (`bcast_stream_ratio`)
              merge      the rest of the push call: validate, merge, outer step,
                         publish (compute, not transfer; shown for context)
-  raw      A generic gRPC server in the same process with identity serializers,
+  raw      A generic gRPC server beside the syncer, with identity serializers,
            streaming the same total as 4 MiB `bytes` chunks: one client-streaming
            call up, one server-streaming call down (receivers only count bytes).
            Pushes through the syncer go in 1 MiB messages (`net.PUSH_CHUNK_BYTES`,
@@ -41,6 +46,7 @@ context, as parameters per second and the f32 bytes it stands for.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import statistics
 import threading
 import time
@@ -55,7 +61,7 @@ from _bench import MIB, parser, rate, result_line
 from syncer import wire
 from syncer.run import Config, Run
 from syncer.service import serve
-from yeto import codec, net
+from yeto import codec, memory, net
 from yeto.cli.display import print_table
 from yeto.client import SyncerClient
 from yeto.layout import Layout
@@ -68,10 +74,14 @@ SYNCER = "/yeto.v1.Syncer/"
 
 
 # ---- raw gRPC baseline ---------------------------------------------------------
-def raw_server(total: int):
+def raw_pieces(total: int) -> list[bytes]:
+    """`total` bytes as 4 MiB messages (the last one shorter)."""
     piece = np.random.default_rng(1).bytes(net.CHUNK_BYTES)
-    sizes = [min(net.CHUNK_BYTES, total - lo) for lo in range(0, total, net.CHUNK_BYTES)]
-    pieces = [piece[:k] for k in sizes]
+    return [piece[:min(net.CHUNK_BYTES, total - lo)] for lo in range(0, total, net.CHUNK_BYTES)]
+
+
+def raw_server(total: int):
+    pieces = raw_pieces(total)
 
     def up(request_iterator, context):
         n = 0
@@ -90,7 +100,7 @@ def raw_server(total: int):
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    return server, port, pieces
+    return server, port
 
 
 def raw_round(channel, pieces, total) -> tuple[float, float]:
@@ -109,49 +119,60 @@ def raw_round(channel, pieces, total) -> tuple[float, float]:
 
 # ---- the syncer path -----------------------------------------------------------
 class Probe:
-    """Timestamps from inside the syncer (same process, same clock)."""
+    """Timestamps from inside the syncer's process, in shared memory (`stamps`:
+    received, published). `time.perf_counter` is CLOCK_MONOTONIC on Linux, one
+    clock for every process."""
 
-    def __init__(self, run: Run):
-        self.received = self.published = 0.0
+    def __init__(self, run: Run, stamps):
         push, prepare = run.push, run._next_broadcast
 
         def timed_push(h, payload):
-            self.received = time.perf_counter()
+            stamps[0] = time.perf_counter()
             return push(h, payload)
 
         def timed_prepare(fragment, final):  # the broadcast is ready to stream
             broadcast = prepare(fragment, final)
-            self.published = time.perf_counter()
+            stamps[1] = time.perf_counter()
             return broadcast
 
         run.push, run._next_broadcast = timed_push, timed_prepare
 
 
-def syncer_rounds(n: int, rounds: int, q4_rounds: int, raw, warmup: int = 1):
+def servers(total: int, conn, stamps) -> None:
+    """The server process: the raw gRPC server and a syncer (quorum 1), as
+    `python -m syncer` runs it (two malloc arenas); serves until `conn` says stop."""
+    memory.limit_arenas()
+    logging.basicConfig(level=logging.ERROR)
+    raw, raw_port = raw_server(total)
+    run = Run(Config(quorum=1, grace_ms=0, outer_lr=1.0, outer_momentum=0.0,
+                     max_staleness=1))
+    Probe(run, stamps)
+    server, port = serve(run, "127.0.0.1", 0)
+    try:
+        conn.send((raw_port, port))
+        conn.recv()
+    finally:
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+        raw.stop(grace=0).wait()
+        run.tape.close()
+
+
+def syncer_rounds(address: str, n: int, stamps, rounds: int, q4_rounds: int, raw,
+                  warmup: int = 1):
     """Rounds of a buffered client (f32, then q4), of a client that streams broadcasts
     into its weights as islands do, then of the wire island; `raw()` (one raw round:
     up and down seconds) runs before each timed f32 round."""
     layout = Layout.from_shapes({"bench.weight": (n,)})
-    run = Run(Config(quorum=1, grace_ms=0, outer_lr=1.0, outer_momentum=0.0,
-                     max_staleness=1))
-    probe = Probe(run)
-    server, port = serve(run, "127.0.0.1", 0)
-    address, rng = f"127.0.0.1:{port}", np.random.default_rng(0)
-    try:
-        rows, version = client_rounds(address, layout, probe, rng, rounds, q4_rounds, raw,
-                                      streamed=False, warmup=warmup)
-        more, version = client_rounds(address, layout, probe, rng, rounds, 0, raw,
-                                      streamed=True, warmup=warmup)
-        rows += more
-        rows += wire_rounds(address, layout, probe, version, rounds, raw)
-    finally:
-        server.ticker_stop.set()
-        server.stop(grace=0).wait()
-        run.tape.close()
-    return rows
+    rng = np.random.default_rng(0)
+    rows, version = client_rounds(address, layout, stamps, rng, rounds, q4_rounds, raw,
+                                  streamed=False, warmup=warmup)
+    more, version = client_rounds(address, layout, stamps, rng, rounds, 0, raw,
+                                  streamed=True, warmup=warmup)
+    return rows + more + wire_rounds(address, layout, stamps, version, rounds, raw)
 
 
-def client_rounds(address: str, layout: Layout, probe: Probe, rng, rounds: int,
+def client_rounds(address: str, layout: Layout, stamps, rng, rounds: int,
                   q4_rounds: int, raw, streamed: bool,
                   warmup: int = 1) -> tuple[list[dict], int]:
     """Push a pseudo-gradient and take the broadcast, per round. Buffered: Θ arrives
@@ -189,8 +210,8 @@ def client_rounds(address: str, layout: Layout, probe: Probe, rng, rounds: int,
             version = got.version
             if r >= warmup:
                 rows.append({"enc": "stream" if streamed else enc, "bytes": len(payload),
-                             "push": probe.received - t0, "push_rpc": t_reply - t0,
-                             "bcast": t_got - probe.published, "total": t_got - t0,
+                             "push": stamps[0] - t0, "push_rpc": t_reply - t0,
+                             "bcast": t_got - stamps[1], "total": t_got - t0,
                              "raw_up": base[0], "raw_down": base[1]})
             del payload, got
     finally:
@@ -268,7 +289,7 @@ class WireIsland:
         self.channel.close()
 
 
-def wire_rounds(address: str, layout: Layout, probe: Probe, version: int, rounds: int,
+def wire_rounds(address: str, layout: Layout, stamps, version: int, rounds: int,
                 raw, warmup: int = 1) -> list[dict]:
     """Rounds of the wire island alone (the client island has left)."""
     isl = WireIsland(address, layout)
@@ -286,8 +307,8 @@ def wire_rounds(address: str, layout: Layout, probe: Probe, version: int, rounds
             got = isl.wait(version + 1)
             version += 1
             if r >= warmup:
-                rows.append({"enc": "wire", "push": probe.received - t0,
-                             "bcast": got - probe.published, "raw_up": base[0],
+                rows.append({"enc": "wire", "push": stamps[0] - t0,
+                             "bcast": got - stamps[1], "raw_up": base[0],
                              "raw_down": base[1]})
     finally:
         isl.close()
@@ -305,14 +326,21 @@ def main(argv=None) -> int:
     n = int(args.mib * MIB) // 4
     total = 4 * n
 
-    server, port, pieces = raw_server(total)
+    spawn = mp.get_context("spawn")  # gRPC does not survive fork
+    stamps, (conn, child_conn) = spawn.Array("d", 2, lock=False), spawn.Pipe()
+    child = spawn.Process(target=servers, args=(total, child_conn, stamps), daemon=True)
+    child.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=net.GRPC_OPTIONS) as ch:
+        raw_port, port = conn.recv()
+        pieces = raw_pieces(total)
+        with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=net.GRPC_OPTIONS) as ch:
             raw_round(ch, pieces, total)  # warm-up (untimed): connection, first allocations
-            rows = syncer_rounds(n, rounds, 1 if args.quick else 2,
+            rows = syncer_rounds(f"127.0.0.1:{port}", n, stamps, rounds,
+                                 1 if args.quick else 2,
                                  raw=lambda: raw_round(ch, pieces, total))
     finally:
-        server.stop(grace=0).wait()
+        conn.send("stop")
+        child.join(timeout=60)
     report(rows, n, rounds)
     return 0
 
