@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -397,6 +398,51 @@ def test_bad_input_is_refused_with_state_unchanged(toy_layout, tmp_path):
     tape = read_tape(tmp_path / "s" / "tape.jsonl")
     rejected = [r for r in tape if r["event"] == "rejected"]
     assert len(rejected) >= len(cases)  # every refusal is counted in the tape
+
+
+class _NanFirstSyncer(pb_grpc.SyncerServicer):
+    """The syncer's protocol over a real gRPC server, with a fault: the first broadcast
+    holds a NaN in its second chunk; every later subscription gets good weights (as
+    a syncer would resend on a rejoin)."""
+
+    def __init__(self, good: np.ndarray):
+        self.good, self.subscribed, self.stop = good, 0, threading.Event()
+
+    def Join(self, request, context):  # noqa: N802 - the generated servicer's names
+        return pb.JoinReply(run_id="nan", generation=1, num_fragments=1, quorum=1, joined=1,
+                            version=1, downlink="f32")
+
+    def Subscribe(self, request, context):  # noqa: N802
+        self.subscribed += 1
+        theta = self.good.copy()
+        if self.subscribed == 1:
+            theta[-1] = np.nan
+        payload, half = theta.tobytes(), theta.size // 2 * 4
+        yield pb.BroadcastChunk(header=pb.BroadcastHeader(
+            version=1, encoding="f32", numel=theta.size, payload_bytes=len(payload)),
+            data=payload[:half])
+        yield pb.BroadcastChunk(data=payload[half:])
+        self.stop.wait(60)  # the stream stays open, as a syncer's does
+
+
+def test_client_drops_a_non_finite_broadcast_and_reconnects(toy_layout, rng):
+    good = rng.standard_normal(toy_layout.numel).astype(np.float32)
+    fake = _NanFirstSyncer(good)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_SyncerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = make_client(f"127.0.0.1:{port}", "a", toy_layout)
+    try:
+        client.start(np.zeros(toy_layout.numel, np.float32))
+        got = client.wait_one(timeout=60)
+        assert got is not None, client.last_error  # the client lived on past the NaN
+        np.testing.assert_array_equal(got.theta, good)
+        assert fake.subscribed == 2 and "non-finite" in client.last_error
+    finally:
+        client.close()
+        fake.stop.set()
+        server.stop(grace=0).wait()
 
 
 # ---- robust merge -------------------------------------------------------------------------

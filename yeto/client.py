@@ -226,6 +226,10 @@ class SyncerClient:
                     raise _BadBroadcast("broadcast stream started without a header")
                 if sink.add(chunk.data):  # a view into the received message
                     sink = None
+        except codec.CodecError as e:  # nothing of it handed over: reconnect, as for any
+            if sink is not None:       # broken broadcast, instead of ending this thread
+                sink.fail(str(e))
+            raise _BadBroadcast(f"bad broadcast: {e}") from e
         except BaseException as e:
             if sink is not None:
                 sink.fail(str(e) or type(e).__name__)
@@ -249,8 +253,7 @@ class SyncerClient:
                                     f"but this island holds {current and current[0]}")
             theta = current[1].copy()
             codec.decode_add(buf, header.encoding, header.numel, theta, 1.0)
-        elif header.encoding == "f32":  # validated, then used in place: no copy
-            codec.validate(buf, "f32", header.numel)
+        elif header.encoding == "f32":  # validated as it arrived (_Buffered), used in place
             theta = buf.view(np.float32)
         else:
             theta = codec.decode(buf, header.encoding, header.numel)
@@ -366,17 +369,26 @@ def _parse_broadcast_chunk(raw: bytes) -> wire.Chunk:
 
 
 class _Buffered:
-    """A broadcast reassembled whole, then handed over."""
+    """A broadcast reassembled whole, then handed over. Whole Θ in f32 is checked
+    finite chunk by chunk as it arrives (each chunk while it is still in the cache),
+    so nothing is left to check once the last byte is in."""
 
     def __init__(self, client: SyncerClient, header):
         self.client, self.header = client, header
-        self.buf, self.n = np.empty(header.payload_bytes, np.uint8), 0
+        self.plain = not header.delta and header.encoding == "f32"
+        if self.plain:
+            _check_plain_size(header)
+        self.buf, self.n, self.checked = np.empty(header.payload_bytes, np.uint8), 0, 0
 
     def add(self, data: memoryview) -> bool:
         if self.n + len(data) > len(self.buf):
             raise _BadBroadcast("broadcast payload longer than its header announced")
         self.buf[self.n:self.n + len(data)] = np.frombuffer(data, np.uint8)
         self.n += len(data)
+        if self.plain:  # the values now whole, from where the last check stopped
+            end = self.n - self.n % 4
+            codec.validate(self.buf[self.checked:end], "f32", (end - self.checked) // 4)
+            self.checked = end
         if self.n < len(self.buf):
             return False
         self.client._deliver(self.header, self.buf)
@@ -386,15 +398,19 @@ class _Buffered:
         pass
 
 
+def _check_plain_size(header) -> None:
+    if header.payload_bytes != 4 * header.numel:
+        raise _BadBroadcast(f"f32 broadcast of {header.numel} values must be "
+                            f"{4 * header.numel} bytes, header says {header.payload_bytes}")
+
+
 class _Streamed:
     """A large f32 broadcast handed over at once as a `ThetaStream`; its chunks are
     checked (finite, sizes) and passed on as they arrive."""
 
     def __init__(self, client: SyncerClient, header):
         self.client, self.header = client, header
-        if header.payload_bytes != 4 * header.numel:
-            raise _BadBroadcast(f"f32 broadcast of {header.numel} values must be "
-                                f"{4 * header.numel} bytes, header says {header.payload_bytes}")
+        _check_plain_size(header)
         self.stream = ThetaStream(header.numel)
         self.n, self.tail, self.dropped = 0, b"", False
         client._hand_over(Received(header.version, header.fragment, header.final, self.stream),
