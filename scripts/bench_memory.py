@@ -426,7 +426,7 @@ def raw_server_main(total: int, port_file: Path) -> int:
 
     from yeto.io import atomic_write
 
-    server, port, _ = raw_server(total)
+    server, port = raw_server(total)
     atomic_write(port_file, str(port))
     server.wait_for_termination()
     return 0
