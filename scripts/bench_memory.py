@@ -353,7 +353,7 @@ def main(argv=None) -> int:
                    help="parameters (default 1e8, 5e8 with --half-billion; --quick: 5e6)")
     p.add_argument("--rounds", type=int, default=2, help="rounds per syncer run")
     p.add_argument("--islands", default=",".join(map(str, ISLANDS)),
-                   help="island counts for the syncer runs")
+                   help="island counts for the syncer runs, comma-separated (e.g. 1,2,4)")
     p.add_argument("--momentum", default="none,0.9", help="none and/or 0.9")
     p.add_argument("--syncer-args", default="", help="more syncer flags, space-separated")
     p.add_argument("--skip-island", action="store_true", help="measure the syncer only")

@@ -33,3 +33,17 @@ def test_benchmarks_explain_themselves():
                              cwd=ROOT, capture_output=True, text=True, timeout=60,
                              check=False)
         assert out.returncode == 0 and "ratio" in out.stdout and "Goal" in out.stdout
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--quick", "--islands", "1", "--momentum", "none"], "syncer_bytes_per_param"),
+    (["--half-billion", "--params", "2e6", "--rounds", "2"], "round_over_raw"),
+])
+def test_memory_benchmark_runs_and_reports(args, key):
+    """bench_memory's two jobs (small): the last line is a RESULT line with numbers."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_memory.py"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    fields = dict(kv.split("=", 1) for kv in last.split()[1:])
+    assert last.startswith("RESULT ") and float(fields[key]) > 0, last
