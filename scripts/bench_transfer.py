@@ -330,8 +330,12 @@ def main(argv=None) -> int:
     stamps, (conn, child_conn) = spawn.Array("d", 2, lock=False), spawn.Pipe()
     child = spawn.Process(target=servers, args=(total, child_conn, stamps), daemon=True)
     child.start()
+    child_conn.close()  # the child's end: if it dies, recv() ends instead of waiting
     try:
-        raw_port, port = conn.recv()
+        try:
+            raw_port, port = conn.recv()
+        except EOFError:
+            raise SystemExit("the server process died before it listened (see above)") from None
         pieces = raw_pieces(total)
         with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=net.GRPC_OPTIONS) as ch:
             raw_round(ch, pieces, total)  # warm-up (untimed): connection, first allocations
@@ -339,7 +343,8 @@ def main(argv=None) -> int:
                                  1 if args.quick else 2,
                                  raw=lambda: raw_round(ch, pieces, total))
     finally:
-        conn.send("stop")
+        if child.is_alive():
+            conn.send("stop")
         child.join(timeout=60)
     report(rows, n, rounds)
     return 0
