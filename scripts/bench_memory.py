@@ -362,6 +362,10 @@ def main(argv=None) -> int:
     p.add_argument("--sync-every", type=int, default=3, help="island steps per push")
     p.add_argument("--half-billion", action="store_true",
                    help="only the 5e8-parameter round: syncer + two synthetic islands")
+    p.add_argument("--pin-islands", action="store_true",
+                   help="with --half-billion: island i runs on core i only (Linux), as if "
+                        "each island had a machine of its own; each then encodes on one "
+                        "thread instead of oversubscribing the shared cores")
     p.add_argument("--island-worker", choices=("bare", "diloco"), help=argparse.SUPPRESS)
     p.add_argument("--syncer-address", help=argparse.SUPPRESS)
     p.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
@@ -490,8 +494,19 @@ def mem_available_gib() -> float:
     return float("nan")
 
 
-def half_billion_run(numel: int, rounds: int, tmp: Path) -> dict:
-    """The syncer and two synthetic islands (subprocesses), blocking sync every step."""
+def _on_core(i: int | None):
+    """A subprocess's preexec_fn that keeps it on core i (None: anywhere)."""
+    if i is None:
+        return None
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--pin-islands needs Linux and at least 2 cores")
+    core = sorted(os.sched_getaffinity(0))[i]
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> dict:
+    """The syncer and two synthetic islands (subprocesses), blocking sync every step;
+    `pin`: each island on a core of its own (the syncer anywhere)."""
     island = ROOT / "scripts" / "synthetic_island.py"
     records = [tmp / f"half-{i}.jsonl" for i in range(2)]
     children_cpu, t0 = _children_cpu_s(), time.perf_counter()
@@ -502,6 +517,7 @@ def half_billion_run(numel: int, rounds: int, tmp: Path) -> dict:
             [sys.executable, str(island), "--syncer", syncer.address, "--learner-id",
              f"half-{i}", "--dim", str(numel), "--steps", str(rounds), "--sync-every", "1",
              "--blocking-sync", "--seed", str(i), "--record", str(rec)], cwd=ROOT,
+            preexec_fn=_on_core(i if pin else None),
             stdout=subprocess.DEVNULL, stderr=open(tmp / f"half-{i}.log", "w"))
             for i, rec in enumerate(records)]
         for i, proc in enumerate(procs):
@@ -554,12 +570,14 @@ def half_billion_main(args) -> int:
     numel = int(args.params or 5e8)
     rounds = max(3, args.rounds)  # the first touches every buffer: the median is of the rest
     avail = mem_available_gib()
-    print(f"{numel:,} f32 parameters, 2 synthetic islands, q4 up, f32 down, quorum 2, no state "
-          f"dir, blocking sync every step; {avail:.1f} GiB available before the run")
+    print(f"{numel:,} f32 parameters, 2 synthetic islands"
+          f"{' (each on a core of its own)' if args.pin_islands else ''}, q4 up, f32 down, "
+          f"quorum 2, no state dir, blocking sync every step; {avail:.1f} GiB available "
+          "before the run")
     up = codec.encoded_size("q4", numel)
     before = raw_grpc(up, 4 * numel, streams=2)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
-        run = half_billion_run(numel, rounds, Path(tmp))
+        run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands)
     after = raw_grpc(up, 4 * numel, streams=2)  # the machine's speed drifts: the best of both
     raw_up, raw_down = min(before[0], after[0]), min(before[1], after[1])
     peaks = [run["syncer_peak_kib"], *run["island_peak_kib"]]
