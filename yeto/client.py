@@ -226,13 +226,11 @@ class SyncerClient:
                     raise _BadBroadcast("broadcast stream started without a header")
                 if sink.add(chunk.data):  # a view into the received message
                     sink = None
-        except codec.CodecError as e:  # nothing of it handed over: reconnect, as for any
-            if sink is not None:       # broken broadcast, instead of ending this thread
-                sink.fail(str(e))
-            raise _BadBroadcast(f"bad broadcast: {e}") from e
         except BaseException as e:
             if sink is not None:
                 sink.fail(str(e) or type(e).__name__)
+            if isinstance(e, codec.CodecError):  # reconnect, as for any broken broadcast,
+                raise _BadBroadcast(f"bad broadcast: {e}") from e  # not end this thread
             raise
 
     def _sink(self, header):
