@@ -45,6 +45,7 @@ class MergeAccumulator:
             raise ValueError(f"unknown merge rule {rule!r}; use one of {', '.join(MERGE_RULES)}")
         self.numel, self.rule, self.clip_factor = numel, rule, float(clip_factor)
         self.sum: np.ndarray | None = None
+        self.fresh = True  # nothing summed yet, whatever sum's bytes: the next push writes
         self.total_weight = 0.0  # Σ wᵢ under the rule (0 while no push carried tokens)
         self.norm_sum = 0.0
         self.count = 0
@@ -84,16 +85,19 @@ class MergeAccumulator:
         if scale == 0:
             return
         if self.rule == "rda":  # needs the push's own norm: computed in the same pass
-            norm = stream.decode_add_norm(payload, encoding, self.numel, self._buffer(), scale)
+            norm = stream.decode_add_norm(payload, encoding, self.numel, self._buffer(), scale,
+                                          assign=self.fresh)
             self.norm_sum += scale * norm
         else:
-            stream.decode_add(payload, encoding, self.numel, self._buffer(), scale)
+            stream.decode_add(payload, encoding, self.numel, self._buffer(), scale,
+                              assign=self.fresh)
+        self.fresh = False
 
     def _buffer_weight(self, w: float) -> float:
         """The weight a validated push is summed with now (see the class docstring)."""
         if w > 0:
             if self.uniform_fallback:  # the first push with tokens: drop the 0-token ones
-                self._buffer().fill(0.0)
+                self.fresh = True
                 self.norm_sum = 0.0
             self.total_weight += w
             return w
@@ -101,8 +105,18 @@ class MergeAccumulator:
 
     def _buffer(self) -> np.ndarray:
         if self.sum is None:
-            self.sum = np.zeros(self.numel, dtype=np.float32)
+            self.sum = np.empty(self.numel, dtype=np.float32)
+            self.fresh = True
         return self.sum
+
+    def reuse(self, buf: np.ndarray) -> None:
+        """Sum into `buf` (a last round's scratch): no new fragment-sized allocation, and
+        no pass to zero it (the first push writes instead of adding)."""
+        self.sum, self.fresh = buf, True
+
+    def summed(self) -> np.ndarray | None:
+        """The running sum Σ wᵢΔᵢ, None while no push has been summed."""
+        return None if self.fresh else self.sum
 
     def result(self) -> np.ndarray:
         """The merged pseudo-gradient g (reuses the accumulator's buffer)."""
@@ -118,7 +132,7 @@ class MergeAccumulator:
                    m: np.ndarray | None) -> np.ndarray:
         """`outer.step(theta, m, self.result())` with the same bits, in one pass per
         chunk over the buffers (two with RDA, whose scale needs g's norm first), on a
-        few threads. Returns g's buffer (scratch afterwards)."""
+        few threads. Returns the sum's buffer (scratch afterwards: `reuse` it)."""
         divisor, g = self._prepare(), self._buffer()
         divide, factor = True, None
         if self.rule == "rda":
@@ -130,11 +144,13 @@ class MergeAccumulator:
             divide, factor = False, (self.norm_sum / divisor) / norm if norm > 0 else None
 
         def one(lo: int, hi: int) -> None:
-            if divide:
-                g[lo:hi] /= divisor
-            if factor is not None:
-                g[lo:hi] *= factor
-            outer.step(theta[lo:hi], None if m is None else m[lo:hi], g[lo:hi])
+            with codec.spare_scratch() as k:  # g / divisor in the cache, not written back
+                t = g[lo:hi]
+                if divide:
+                    t = np.divide(t, divisor, out=k.work[:hi - lo])
+                if factor is not None:
+                    t = np.multiply(t, factor, out=k.work[:hi - lo])
+                outer.step(theta[lo:hi], None if m is None else m[lo:hi], t)
 
         stream.each_chunk(g.size, one)
         return g
@@ -145,19 +161,22 @@ class MergeAccumulator:
             raise RuntimeError("no pushes to merge")
         if self.deferred:
             self._merge_deferred()
+        if self.fresh:  # counted pushes, none summed: the sum of nothing
+            self._buffer().fill(0.0)
+            self.fresh = False
         return self.count if self.uniform_fallback else self.total_weight
 
     def _merge_deferred(self) -> None:
         """Scale each deferred push to norm ≤ clip_factor × the round's median norm."""
         limit = self.clip_factor * float(np.median([p.norm for p in self.deferred]))
         buf = self._buffer()
-        buf.fill(0.0)
-        for p in self.deferred:
+        for i, p in enumerate(self.deferred):
             scale = min(1.0, limit / p.norm) if p.norm > 0 else 1.0
             w = self.merged_weight(p.weight) * scale
             self.clip_scales.append(scale)
-            stream.decode_add(p.payload, p.encoding, self.numel, buf, w)
+            stream.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=i == 0)
             self.norm_sum += w * p.norm
+        self.fresh = False
         self.deferred.clear()
 
 

@@ -490,7 +490,8 @@ class Run:
             for a in (self.theta, self._momentum):
                 h.update(b"-" if a is None else memoryview(a).cast("B"))
             for f, rnd in sorted(self.open.items()):
-                h.update(b"-" if rnd.acc.sum is None else memoryview(rnd.acc.sum).cast("B"))
+                summed = rnd.acc.summed()
+                h.update(b"-" if summed is None else memoryview(summed).cast("B"))
                 h.update(repr((f, len(rnd.responders), rnd.acc.total_weight,
                                rnd.acc.count)).encode())
             for m in sorted(self.islands.values(), key=lambda m: m.learner_id):
@@ -615,9 +616,8 @@ class Run:
     def _accumulator(self, f: int, reuse: np.ndarray | None = None) -> MergeAccumulator:
         acc = MergeAccumulator(self.layout.fragments[f].numel, self.cfg.merge,
                                self.cfg.clip_factor)
-        if reuse is not None:  # the last round's scratch: no new fragment-sized allocation
-            reuse.fill(0.0)
-            acc.sum = reuse
+        if reuse is not None:  # the last round's scratch
+            acc.reuse(reuse)
         return acc
 
     # ---- broadcast --------------------------------------------------------

@@ -94,21 +94,22 @@ def _checked(payload, encoding: str, numel: int):
     return mv
 
 
-def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: float) -> None:
-    """acc += weight * decode(payload), chunk by chunk: the bits of `codec.decode_add`.
-    Validate first (`codec.validate`): a bad chunk found midway would leave acc
-    half-added."""
+def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: float,
+               assign: bool = False) -> None:
+    """acc += weight * decode(payload) (`assign`: acc = ...), chunk by chunk: the bits
+    of `codec.decode_add`. Validate first (`codec.validate`): a bad chunk found midway
+    would leave acc half-added."""
     mv = _checked(payload, encoding, numel)
 
     def one(lo: int, hi: int) -> None:
         codec.decode_add(chunk_payload(mv, encoding, numel, lo, hi), encoding, hi - lo,
-                         acc[lo:hi], weight)
+                         acc[lo:hi], weight, assign)
 
     each_chunk(numel, one)
 
 
 def decode_add_norm(payload, encoding: str, numel: int, acc: np.ndarray | None,
-                    weight: float) -> float:
+                    weight: float, assign: bool = False) -> float:
     """`decode_add` (when acc is not None) and the L2 norm of decode(payload), in one
     pass. Validate first."""
     mv = _checked(payload, encoding, numel)
@@ -119,7 +120,7 @@ def decode_add_norm(payload, encoding: str, numel: int, acc: np.ndarray | None,
         v64 = v.astype(np.float64)
         if acc is not None:
             v *= w32
-            acc[lo:hi] += v
+            codec.add_to(acc[lo:hi], v, assign)
         return float(np.dot(v64, v64))
 
     return float(np.sqrt(sum(each_chunk(numel, one))))

@@ -121,6 +121,43 @@ def test_fused_chunked_commit_equals_result_then_whole_step(rule, momentum):
     assert t1.tobytes() == t2.tobytes() and m1.tobytes() == m2.tobytes()
 
 
+@pytest.mark.parametrize("rule", ["mean", "uniform", "rda"])
+@pytest.mark.parametrize("clip_factor", [0.0, 1.0])
+@pytest.mark.parametrize("tokens", [[5, 0, 9], [0, 7, 0], [0, 0, 0]])
+def test_a_reused_sum_buffer_is_never_read_and_gives_the_bits_of_zeros(rule, clip_factor,
+                                                                       tokens):
+    """A round's accumulator reuses the last round's buffer unzeroed (the first push
+    writes instead of adding): with NaN in it the commit is still the bits of a sum
+    started from zeros, whatever the rule, clipping and zero-token order."""
+    payloads = [codec.encode(d, "q4") for d in _deltas(3)]
+    theta = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    outer, results = NesterovOuter(0.7, 0.0), []
+    for reused in (False, True):
+        acc = MergeAccumulator(N, rule, clip_factor)
+        if reused:
+            acc.reuse(np.full(N, np.nan, np.float32))
+        for p, t in zip(payloads, tokens):
+            acc.add(p, "q4", t)
+        t1 = theta.copy()
+        acc.step_outer(outer, t1, None)
+        results.append(t1.tobytes())
+    assert np.isfinite(np.frombuffer(results[1], np.float32)).all()
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_decode_assign_is_adding_into_zeros_even_for_negative_zero(encoding):
+    d = _deltas(1)[0]
+    d[:8] = -0.0  # 0 + -0 is +0: assigning must give the same
+    p = codec.encode(d, encoding)
+    added, assigned = np.zeros(N, np.float32), np.full(N, np.nan, np.float32)
+    codec.decode_add(p, encoding, N, added, 0.3)
+    stream.decode_add(p, encoding, N, assigned, 0.3, assign=True)
+    assert added.tobytes() == assigned.tobytes()
+    if encoding != "q4":  # q4 keeps no sign of zero to test
+        assert np.signbit(codec.decode(p, encoding, N)[:8]).all()
+
+
 def test_decode_add_equals_codec_and_norm_matches_numpy():
     for encoding in ENCODINGS:
         d = _deltas(1)[0]

@@ -75,9 +75,12 @@ def decode(payload, encoding: str, numel: int) -> np.ndarray:
     return out
 
 
-def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: float) -> None:
-    """acc += weight * decode(payload), chunk by chunk: no full-size temporary."""
-    _decode_into(payload, encoding, numel, acc, weight=float(weight))
+def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: float,
+               assign: bool = False) -> None:
+    """acc += weight * decode(payload), chunk by chunk: no full-size temporary.
+    `assign`: acc = weight * decode(payload), the bits of adding into zeros, without
+    reading acc (a reused buffer starting a new sum need not be zeroed first)."""
+    _decode_into(payload, encoding, numel, acc, weight=float(weight), assign=assign)
 
 
 def validate(payload, encoding: str, numel: int) -> None:
@@ -107,10 +110,10 @@ def _plain_chunk(buf, encoding, lo, hi) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
-def _decode_into(payload, encoding, numel, out, weight):
+def _decode_into(payload, encoding, numel, out, weight, assign=False):
     buf = _sized(payload, encoding, numel)
     if encoding == "q4":
-        _q4_decode(buf, numel, out, weight)
+        _q4_decode(buf, numel, out, weight, assign)
         return
     w32 = None if weight is None else np.float32(weight)
     with _scratch_for(None) as k:
@@ -122,8 +125,7 @@ def _decode_into(payload, encoding, numel, out, weight):
             if weight is None:
                 out[lo:hi] = chunk
             else:  # out += weight * chunk, the product rounded to f32 first as before
-                t = np.multiply(chunk, w32, out=k.work[:hi - lo])
-                out[lo:hi] += t
+                add_to(out[lo:hi], np.multiply(chunk, w32, out=k.work[:hi - lo]), assign)
 
 
 def _check_finite(x: np.ndarray) -> None:
@@ -177,6 +179,12 @@ def _scratch_for(scratch: Scratch | None) -> Iterator[Scratch]:
             _SPARE.append(k)
 
 
+def spare_scratch():
+    """A chunk's buffers for the caller's own arithmetic, taken from the spares (and
+    given back) for the length of a `with`."""
+    return _scratch_for(None)
+
+
 def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray,
                     scratch: Scratch | None = None) -> None:
     """Encode x into its blocks' `scales` (float32) and `codes` (uint8, 32 per block):
@@ -224,16 +232,16 @@ def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scrat
     np.copyto(codes, p, casting="unsafe")
 
 
-def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight) -> None:
+def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight, assign=False) -> None:
     nb = -(-numel // Q4_BLOCK)
     _q4_decode_parts(_q4_scales(buf, numel), np.frombuffer(buf, dtype=np.uint8, offset=4 * nb),
-                     numel, out, weight)
+                     numel, out, weight, assign=assign)
 
 
 def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
-                     weight, scratch: Scratch | None = None) -> None:
+                     weight, scratch: Scratch | None = None, assign: bool = False) -> None:
     """Decode `numel` values from their blocks' scales and codes into `out` (or add
-    weight * them)."""
+    weight * them: `add_to`)."""
     nb = -(-numel // Q4_BLOCK)
     w32 = None if weight is None else np.float32(weight)
     with _scratch_for(scratch) as k:
@@ -249,7 +257,19 @@ def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.
                 out[lo:lo + valid] = v[:valid]
             else:
                 v *= w32
-                out[lo:lo + valid] += v[:valid]
+                add_to(out[lo:lo + valid], v[:valid], assign)
+
+
+_ZERO = np.float32(0.0)
+
+
+def add_to(out: np.ndarray, v: np.ndarray, assign: bool) -> None:
+    """out += v; `assign`: out = 0 + v (the same bits, -0 made +0 as the add makes it)
+    without reading out."""
+    if assign:
+        np.add(v, _ZERO, out=out)
+    else:
+        out += v
 
 
 def _q4_decode_chunk(scales: np.ndarray, codes: np.ndarray, k: Scratch,
