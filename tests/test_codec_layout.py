@@ -129,3 +129,25 @@ def test_q4_coding_on_many_threads_at_once_equals_one_at_a_time():
     with ThreadPoolExecutor(6) as pool:
         for _ in range(3):
             assert list(pool.map(work, xs)) == want
+
+
+def test_error_feedback_takes_the_encodes_own_decoded_values_bit_for_bit():
+    """With a scratch, the residual comes from the encode's own arithmetic, not from
+    decoding the codes again: the same payload and residual bits as without one,
+    also for blocks of zeros, blocks whose 1 / scale overflows, and a padded tail."""
+    n = codec.CHUNK - 40
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[:64] = 0.0
+    x[64:128] = 1e-39  # a subnormal scale: 1 / scale is inf
+    x[128:192] = rng.standard_normal(64).astype(np.float32) * 1e-37
+    start = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    start[:192] = 0.0  # the residual keeps those blocks as they are
+    got = []
+    for scratch in (None, codec.Scratch(n)):
+        fb, enc = codec.ErrorFeedback(n, "q4"), codec.Encoder("q4", n)
+        fb.residual[...] = start
+        fb.encode_piece(x.copy(), enc, 0, 0, scratch)
+        got.append((enc.buffer.tobytes(), fb.residual.tobytes()))
+    assert got[0] == got[1]
+    assert np.abs(np.frombuffer(got[1][1], np.float32)).max() > 0  # a residual was kept

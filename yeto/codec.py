@@ -186,10 +186,13 @@ def spare_scratch():
 
 
 def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray,
-                    scratch: Scratch | None = None) -> None:
+                    scratch: Scratch | None = None, decoded: bool = False) -> np.ndarray | None:
     """Encode x into its blocks' `scales` (float32) and `codes` (uint8, 32 per block):
     views into a payload, so a vector encoded piece by piece (pieces starting on block
-    boundaries) gives the same bytes as encoded whole."""
+    boundaries) gives the same bytes as encoded whole. `decoded` (with `scratch`, x of
+    at most one chunk): returns decode(codes) too, in the scratch, for the cost of
+    two passes (the encode's own arithmetic holds the codes as floats)."""
+    out = None
     n = x.size
     nb = -(-n // Q4_BLOCK)
     # non-finite input is detected once, from the block maxima, after the loop
@@ -202,13 +205,17 @@ def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray,
                 src = np.zeros(hi - lo, dtype=np.float32)
                 src[:n - lo] = x[lo:]
             b0, b1 = lo // Q4_BLOCK, hi // Q4_BLOCK
-            _q4_encode_chunk(src, scales[b0:b1], codes[lo // 2:hi // 2], s)
+            out = _q4_encode_chunk(src, scales[b0:b1], codes[lo // 2:hi // 2], s,
+                                   decoded and scratch is not None and hi - lo == nb * Q4_BLOCK)
     if not np.isfinite(scales[:nb]).all():  # a NaN/inf in a block shows in its max
         _check_finite(x)
+    return out
 
 
-def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scratch) -> None:
-    """One chunk of whole blocks into its scales `s` and `codes`."""
+def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scratch,
+                     decoded: bool = False) -> np.ndarray | None:
+    """One chunk of whole blocks into its scales `s` and `codes`; `decoded`: returns
+    their decoded values too (in `k.work`, the bits of `_q4_decode_chunk`)."""
     m = src.size
     w = k.work[:m]
     np.abs(src, out=w)
@@ -230,6 +237,11 @@ def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scrat
     np.right_shift(cp, 4, out=p)
     p |= cp
     np.copyto(codes, p, casting="unsafe")
+    if not decoded or not np.isfinite(inv).all():  # 1 / a tiny scale overflows: decode
+        return None
+    w -= _Q4_MAGIC  # exactly round(x / scale), the float of code - 8 that decoding makes
+    k.wide[:m].reshape(-1, Q4_BLOCK)[...] = s[:, None]
+    return np.multiply(w, k.wide[:m], out=w)
 
 
 def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight, assign=False) -> None:
@@ -330,9 +342,12 @@ class Encoder:
     def payload(self) -> memoryview:
         return memoryview(self.buffer)
 
-    def put(self, lo: int, x: np.ndarray, scratch: Scratch | None = None) -> None:
+    def put(self, lo: int, x: np.ndarray, scratch: Scratch | None = None,
+            decoded: bool = False) -> np.ndarray | None:
         """Encode x as values [lo, lo + len(x)); refuses non-finite input (CodecError).
-        `scratch`: the calling thread's q4 buffers, reused across calls."""
+        `scratch`: the calling thread's q4 buffers, reused across calls. `decoded`:
+        return the decoded values if they come almost free (q4, with a scratch, x of
+        at most one chunk; valid until the scratch's next use), else None."""
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         hi = lo + x.size
         if lo % Q4_BLOCK or hi > self.numel or (hi % Q4_BLOCK and hi != self.numel):
@@ -341,8 +356,9 @@ class Encoder:
             b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
             scales = self.buffer[:4 * self._nb].view(np.float32)[b0:b1]
             codes = self.buffer[4 * self._nb:][b0 * Q4_BLOCK // 2:b1 * Q4_BLOCK // 2]
-            _q4_encode_into(x, scales, codes, scratch)
-        elif self.encoding == "f32":
+            got = _q4_encode_into(x, scales, codes, scratch, decoded)
+            return None if got is None else got[:x.size]
+        if self.encoding == "f32":
             _check_finite(x)
             self.buffer.view(np.float32)[lo:hi] = x
         elif self.encoding == "bf16":
@@ -350,6 +366,7 @@ class Encoder:
             self.buffer.view(np.uint16)[lo:hi] = np.frombuffer(encode(x, "bf16"), np.uint16)
         else:
             raise CodecError(f"unknown encoding {self.encoding!r}")
+        return None
 
     def decoded(self, lo: int, hi: int, scratch: Scratch | None = None) -> np.ndarray:
         """The decoded values [lo, hi) of what has been put (lo on a block bound). With
@@ -402,13 +419,15 @@ class ErrorFeedback:
         r = None if self.residual is None else self.residual[offset:offset + x.size]
         if r is not None:
             np.add(r, x, out=x)
-        enc.put(at, x, scratch)
+        dec = enc.put(at, x, scratch, decoded=r is not None)
         if r is None:
             return
         if self.encoding == "f32":
             r[...] = 0.0
         else:
-            np.subtract(x, enc.decoded(at, at + x.size, scratch), out=r)
+            if dec is None:
+                dec = enc.decoded(at, at + x.size, scratch)
+            np.subtract(x, dec, out=r)
 
     def done(self) -> None:
         """After a push: an f32 residual (only there after a carry) is freed once every
