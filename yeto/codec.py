@@ -190,8 +190,9 @@ def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray,
     """Encode x into its blocks' `scales` (float32) and `codes` (uint8, 32 per block):
     views into a payload, so a vector encoded piece by piece (pieces starting on block
     boundaries) gives the same bytes as encoded whole. `decoded` (with `scratch`, x of
-    at most one chunk): returns decode(codes) too, in the scratch, for the cost of
-    two passes (the encode's own arithmetic holds the codes as floats)."""
+    at most one chunk): returns decode(codes) too, in the scratch, for three cheap
+    passes instead of a decode's eight (the encode's arithmetic holds code - 8 as a
+    float already)."""
     out = None
     n = x.size
     nb = -(-n // Q4_BLOCK)
