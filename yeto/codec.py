@@ -191,7 +191,7 @@ def _q4_encode_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray,
     views into a payload, so a vector encoded piece by piece (pieces starting on block
     boundaries) gives the same bytes as encoded whole. `decoded` (with `scratch`, x of
     at most one chunk): returns decode(codes) too, in the scratch, for three cheap
-    passes instead of a decode's eight (the encode's arithmetic holds code - 8 as a
+    passes instead of a decode's seven (the encode's arithmetic holds code - 8 as a
     float already)."""
     out = None
     n = x.size
