@@ -450,7 +450,7 @@ def _together(fns) -> float:
 def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> tuple[float, float]:
     """Best seconds for `streams` concurrent raw uploads of `up_bytes` each, then as many
     concurrent raw downloads of `down_bytes` each (4 MiB messages, another process)."""
-    from bench_transfer import RAW_SERVICE
+    from bench_transfer import RAW_SERVICE, raw_pieces
 
     with tempfile.TemporaryDirectory(prefix="bench-raw-") as tmp:
         port_file = Path(tmp) / "port"
@@ -464,12 +464,10 @@ def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> t
             addr = f"127.0.0.1:{port_file.read_text()}"
             opts = net.GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
             chans = [grpc.insecure_channel(addr, options=opts) for _ in range(streams)]
-            piece = np.random.default_rng(1).bytes(net.CHUNK_BYTES)
-            sizes = [min(net.CHUNK_BYTES, up_bytes - lo)
-                     for lo in range(0, up_bytes, net.CHUNK_BYTES)]
+            pieces = raw_pieces(up_bytes)
 
             def up(ch):
-                ch.stream_unary(f"/{RAW_SERVICE}/Up")(iter(piece[:k] for k in sizes), timeout=600)
+                ch.stream_unary(f"/{RAW_SERVICE}/Up")(iter(pieces), timeout=600)
 
             def down(ch):
                 for _ in ch.unary_stream(f"/{RAW_SERVICE}/Down")(b"", timeout=600):

@@ -161,9 +161,6 @@ class MergeAccumulator:
             raise RuntimeError("no pushes to merge")
         if self.deferred:
             self._merge_deferred()
-        if self.fresh:  # counted pushes, none summed: the sum of nothing
-            self._buffer().fill(0.0)
-            self.fresh = False
         return self.count if self.uniform_fallback else self.total_weight
 
     def _merge_deferred(self) -> None:
