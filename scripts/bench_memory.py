@@ -179,7 +179,7 @@ class LeanIsland:
                           numel=self.layout.fragments[fragment].numel,
                           payload_bytes=len(payload), kind=pb.DELTA, seq=self.seq)
         self.seq += 1
-        return self._push(h, (bytes(p) for p in net.chunks(payload, net.PUSH_CHUNK_BYTES)))
+        return self._push(h, (bytes(p) for p in net.chunks(payload, net.CHUNK_BYTES)))
 
     def wait_newer(self, fragment: int, than: int, timeout: float = 600) -> bool:
         """Wait until fragment's newest version is above `than` (True), or the final
@@ -449,8 +449,9 @@ def _together(fns) -> float:
 
 def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> tuple[float, float]:
     """Best seconds for `streams` concurrent raw uploads of `up_bytes` each, then as many
-    concurrent raw downloads of `down_bytes` each (4 MiB messages, another process)."""
-    from bench_transfer import RAW_SERVICE, raw_pieces
+    concurrent raw downloads of `down_bytes` each (another process), at each of
+    bench_transfer's raw message sizes: the fastest of each direction."""
+    from bench_transfer import RAW_MESSAGE_BYTES, raw_down, raw_pieces, raw_up
 
     with tempfile.TemporaryDirectory(prefix="bench-raw-") as tmp:
         port_file = Path(tmp) / "port"
@@ -464,18 +465,15 @@ def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> t
             addr = f"127.0.0.1:{port_file.read_text()}"
             opts = net.GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
             chans = [grpc.insecure_channel(addr, options=opts) for _ in range(streams)]
-            pieces = raw_pieces(up_bytes)
-
-            def up(ch):
-                ch.stream_unary(f"/{RAW_SERVICE}/Up")(iter(pieces), timeout=600)
-
-            def down(ch):
-                for _ in ch.unary_stream(f"/{RAW_SERVICE}/Down")(b"", timeout=600):
-                    pass
-
-            best_up = min(_together([lambda c=c: up(c) for c in chans]) for _ in range(repeat))
-            best_down = min(_together([lambda c=c: down(c) for c in chans])
-                            for _ in range(repeat))
+            best_up = best_down = float("inf")
+            for size in RAW_MESSAGE_BYTES:
+                pieces = raw_pieces(up_bytes, size)
+                for _ in range(repeat):
+                    best_up = min(best_up, _together([lambda c=c, p=pieces: raw_up(c, p)
+                                                      for c in chans]))
+                for _ in range(repeat):
+                    best_down = min(best_down, _together([lambda c=c, s=size: raw_down(c, s)
+                                                          for c in chans]))
             for ch in chans:
                 ch.close()
         finally:

@@ -22,7 +22,7 @@ stamps when a push is in and when a broadcast is ready into shared memory
   raw      A generic gRPC server beside the syncer, with identity serializers,
            streaming the same total as 4 MiB `bytes` chunks: one client-streaming
            call up, one server-streaming call down (receivers only count bytes).
-           Pushes through the syncer go in 1 MiB messages (`net.PUSH_CHUNK_BYTES`,
+           Pushes through the syncer go in 1 MiB messages (`net.CHUNK_BYTES`,
            for the syncer's memory at many islands), broadcasts in 4 MiB ones.
 
   wire     The same syncer, with the island's side replaced by raw gRPC (identity
@@ -74,14 +74,21 @@ SYNCER = "/yeto.v1.Syncer/"
 
 
 # ---- raw gRPC baseline ---------------------------------------------------------
-def raw_pieces(total: int) -> list[bytes]:
-    """`total` bytes as 4 MiB messages (the last one shorter)."""
-    piece = np.random.default_rng(1).bytes(net.CHUNK_BYTES)
-    return [piece[:min(net.CHUNK_BYTES, total - lo)] for lo in range(0, total, net.CHUNK_BYTES)]
+# raw gRPC moves the bytes in messages of each of these sizes; the baseline of each
+# direction is the faster one (the syncer's messages are 1 MiB: `net.CHUNK_BYTES`)
+RAW_MESSAGE_BYTES = (1 << 20, 4 << 20)
+
+
+def raw_pieces(total: int, size: int = 4 << 20) -> list[bytes]:
+    """`total` bytes as `size`-byte messages (the last one shorter)."""
+    piece = np.random.default_rng(1).bytes(size)
+    return [piece[:min(size, total - lo)] for lo in range(0, total, size)]
 
 
 def raw_server(total: int):
-    pieces = raw_pieces(total)
+    """Up counts what it receives; Down sends `total` bytes in messages of the size its
+    request names (8 bytes, little-endian)."""
+    pieces = {size: raw_pieces(total, size) for size in RAW_MESSAGE_BYTES}
 
     def up(request_iterator, context):
         n = 0
@@ -90,7 +97,7 @@ def raw_server(total: int):
         return n.to_bytes(8, "little")
 
     def down(request, context):
-        yield from pieces
+        yield from pieces[int.from_bytes(request, "little")]
 
     handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
         "Up": grpc.stream_unary_rpc_method_handler(up),
@@ -103,18 +110,34 @@ def raw_server(total: int):
     return server, port
 
 
-def raw_round(channel, pieces, total) -> tuple[float, float]:
-    up = channel.stream_unary(f"/{RAW_SERVICE}/Up")
-    down = channel.unary_stream(f"/{RAW_SERVICE}/Down")
-    t0 = time.perf_counter()
-    got = int.from_bytes(up(iter(pieces), timeout=300), "little")
-    t1 = time.perf_counter()
+def raw_up(channel, pieces: list[bytes]) -> int:
+    return int.from_bytes(channel.stream_unary(f"/{RAW_SERVICE}/Up")(iter(pieces), timeout=600),
+                          "little")
+
+
+def raw_down(channel, size: int) -> int:
     n = 0
-    for chunk in down(b"", timeout=300):
+    for chunk in channel.unary_stream(f"/{RAW_SERVICE}/Down")(size.to_bytes(8, "little"),
+                                                               timeout=600):
         n += len(chunk)
-    t2 = time.perf_counter()
-    assert got == total and n == total, (got, n, total)
-    return t1 - t0, t2 - t1
+    return n
+
+
+def raw_round(channel, total) -> tuple[float, float]:
+    """Seconds up and down for `total` bytes: at each of RAW_MESSAGE_BYTES, up then
+    down, the fastest of each direction."""
+    ups, downs = [], []
+    for size in RAW_MESSAGE_BYTES:
+        pieces = raw_pieces(total, size)
+        t0 = time.perf_counter()
+        got = raw_up(channel, pieces)
+        t1 = time.perf_counter()
+        n = raw_down(channel, size)
+        t2 = time.perf_counter()
+        assert got == total and n == total, (size, got, n, total)
+        ups.append(t1 - t0)
+        downs.append(t2 - t1)
+    return min(ups), min(downs)
 
 
 # ---- the syncer path -----------------------------------------------------------
@@ -274,7 +297,7 @@ class WireIsland:
                           base_version=version, loss_tokens=100, steps=1, encoding="f32",
                           numel=self.numel, payload_bytes=len(payload), kind=pb.DELTA, seq=seq)
         return [pb.PushChunk(header=h if i == 0 else None, data=bytes(piece)).SerializeToString()
-                for i, piece in enumerate(net.chunks(payload, net.PUSH_CHUNK_BYTES))]
+                for i, piece in enumerate(net.chunks(payload, net.CHUNK_BYTES))]
 
     def push(self, chunks: list[bytes]) -> pb.PushReply:
         return self._push(iter(chunks), timeout=300)
@@ -336,12 +359,10 @@ def main(argv=None) -> int:
             raw_port, port = conn.recv()
         except EOFError:
             raise SystemExit("the server process died before it listened (see above)") from None
-        pieces = raw_pieces(total)
         with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=net.GRPC_OPTIONS) as ch:
-            raw_round(ch, pieces, total)  # warm-up (untimed): connection, first allocations
+            raw_round(ch, total)  # warm-up (untimed): connection, first allocations
             rows = syncer_rounds(f"127.0.0.1:{port}", n, stamps, rounds,
-                                 1 if args.quick else 2,
-                                 raw=lambda: raw_round(ch, pieces, total))
+                                 1 if args.quick else 2, raw=lambda: raw_round(ch, total))
     finally:
         if child.is_alive():
             conn.send("stop")

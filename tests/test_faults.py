@@ -147,12 +147,12 @@ def test_syncer_killed_mid_push_merges_nothing_partial(tmp_path):
 
     The push is held open after its first chunks, and the kill waits for proof that its
     bytes reached the syncer: the syncer has read and checked the push's first chunk
-    (header and 4 MiB of payload) once its Status shows the pushing island's contact
+    (header and 1 MiB of payload) once its Status shows the pushing island's contact
     after the push began (that island joined without a subscription, so nothing else
     touches its contact time), while its bytes-in still lack the push (not complete)."""
     from yeto.layout import Layout
 
-    big = Layout.from_shapes({"w.layers.0.a": (2048, 2048)})  # 16 MiB in f32: 4 chunks
+    big = Layout.from_shapes({"w.layers.0.a": (2048, 2048)})  # 16 MiB in f32: 16 chunks
     sd = tmp_path / "state"
     syncer = start_syncer(sd, "--quorum", "1")
     c = make_client(syncer.address, "a", big)

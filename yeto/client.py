@@ -62,7 +62,7 @@ def connect(syncer: str | None, learner_id: str, layout: Layout, **options) -> S
 
 
 # broadcasts above this size are streamed to a caller that asked for streams
-STREAM_MIN_BYTES = 2 * net.CHUNK_BYTES
+STREAM_MIN_BYTES = 8 << 20
 
 # status codes after which the same call would be refused again
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -330,7 +330,7 @@ class SyncerClient:
 
     def _stream_push(self, header, payload) -> PushReply:
         def chunks():  # each chunk's wire bytes in one copy of its slice of the payload
-            for i, piece in enumerate(net.chunks(payload, net.PUSH_CHUNK_BYTES)):
+            for i, piece in enumerate(net.chunks(payload, net.CHUNK_BYTES)):
                 yield wire.chunk_bytes(header if i == 0 else None, piece)
 
         try:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import os
 
-CHUNK_BYTES = 4 << 20  # 4 MiB: near raw gRPC throughput, far below message limits
-# A push goes in 1 MiB messages: the syncer receives every island's push at once, and
-# each stream holds a few messages in flight (gRPC's buffers, the parsed message, its
-# copy to the spill file): at 8 islands of 1e8 parameters 4 MiB pieces cost the syncer
-# 10.2-10.8 B/param, 1 MiB pieces 9.5-9.7 (2 MiB: 9.7), for ~7 % of push speed on
-# loopback, where copying is the bottleneck (BENCHMARKS.md, Memory).
-PUSH_CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)  # a chunk plus its header
+# Pushes and broadcasts go in 1 MiB messages. A push: the syncer receives every
+# island's push at once, and each stream holds a few messages in flight (gRPC's
+# buffers, the parsed message, its copy to the spill file): at 8 islands of 1e8
+# parameters 4 MiB pieces cost the syncer 10.2-10.8 B/param, 1 MiB pieces 9.5-9.7
+# (2 MiB: 9.7). A broadcast: each message is built from Θ, sent, checked and applied
+# while it is still in the cache, and the sender and the receiver overlap more finely:
+# a 64 MiB broadcast streamed into an island's weights ran at 0.51-0.73 of raw gRPC
+# in 4 MiB messages and 0.66-0.83 in 1 MiB ones, raw gRPC at its faster message size
+# (BENCHMARKS.md, bench_transfer).
+CHUNK_BYTES = 1 << 20
+# A message may hold up to 4 MiB of payload plus its header: what peers of earlier
+# releases send (their broadcasts went in 4 MiB messages).
+MAX_MESSAGE_BYTES = (4 << 20) + (1 << 20)
 AUTH_KEY = "authorization"
 DEFAULT_PORT = 29400
 TOKEN_ENV = "YETO_TOKEN"
