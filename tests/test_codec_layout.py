@@ -1,5 +1,7 @@
 """Layout, fingerprint, codec round trips and error feedback."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -67,6 +69,30 @@ def test_q4_bit_format_is_as_documented():
     assert p[4] == 15 | (1 << 4)
     assert p[5] == (3 + 8) | (8 << 4)  # 3.4 rounds to 3; zero is code 8
     assert len(p) == 4 + 32
+
+
+@pytest.mark.parametrize("enc", ["f32", "bf16"])
+def test_received_plain_payloads_are_checked_finite_value_by_value(enc):
+    """`validate` and `decode` refuse NaN and ±inf wherever they sit (the first, a middle
+    and the last value of a chunk and of the payload), among huge finite values or
+    zeros, and accept the huge finite values themselves."""
+    n = 2 * codec.CHUNK + 77
+    huge = np.full(n, 3e38, np.float32)
+    huge[1::2] = -3e38
+    for ok in (huge, np.zeros(n, np.float32)):
+        payload = codec.encode(ok, enc)
+        codec.validate(payload, enc, n)
+        assert np.isfinite(codec.decode(payload, enc, n)).all()
+    width = 4 if enc == "f32" else 2  # bf16 keeps the top half of each float32
+    for base, bad, at in itertools.product((huge, np.zeros(n, np.float32)),
+                                           (np.nan, np.inf, -np.inf),
+                                           (0, codec.CHUNK - 1, codec.CHUNK + 5, n - 1)):
+        raw = bytearray(codec.encode(base, enc))
+        one = np.array([bad], np.float32).view(np.uint32) >> (0 if enc == "f32" else 16)
+        raw[at * width:(at + 1) * width] = one.astype(f"<u{width}").tobytes()
+        for check in (codec.validate, codec.decode):
+            with pytest.raises(codec.CodecError, match="non-finite"):
+                check(bytes(raw), enc, n)
 
 
 def test_zero_block_and_nonfinite_refused():
