@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_client, running_syncer
 
-from yeto import codec
+from yeto import codec, net
 from yeto.island import Island
 from yeto.layout import Layout
 from yeto.torch.weights import TorchWeights
@@ -386,3 +386,28 @@ def test_streamed_broadcasts_over_grpc_end_bit_identical(toy_layout, tmp_state):
         theta = run_.theta.copy()
     assert any(streamed) and not all(streamed)
     assert finals[0].tobytes() == finals[1].tobytes() == theta.tobytes()
+
+
+@pytest.mark.parametrize("message_bytes", [1 << 20, 4 << 20])
+def test_pushes_and_broadcasts_pass_in_this_and_the_last_releases_messages(
+        message_bytes, monkeypatch, tmp_state):
+    """A 12 MiB fragment through a real syncer in 1 MiB messages (this release) and in
+    4 MiB ones (the last release's broadcasts; both ends accept them): the seed pushed
+    up, Θ back whole to one client and streamed to another, every byte the same."""
+    monkeypatch.setattr(net, "CHUNK_BYTES", message_bytes)
+    layout = Layout.from_shapes({"w": (3 << 20,)})
+    seed = np.random.default_rng(0).standard_normal(layout.numel, dtype=np.float32)
+    with running_syncer(quorum=1, state_dir=tmp_state) as (_, addr):
+        clients = [make_client(addr, name, layout) for name in ("whole", "streamed")]
+        clients[1].stream_broadcasts()
+        try:
+            got = []
+            for c in clients:
+                c.start(seed)
+                got.append(c.wait_one(timeout=60))
+            assert isinstance(got[1].theta, ThetaStream)
+            streamed = np.concatenate(list(got[1].theta.pieces()))
+            assert got[0].theta.tobytes() == streamed.tobytes() == seed.tobytes()
+        finally:
+            for c in clients:
+                c.close()
