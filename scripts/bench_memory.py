@@ -451,7 +451,7 @@ def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> t
     """Best seconds for `streams` concurrent raw uploads of `up_bytes` each, then as many
     concurrent raw downloads of `down_bytes` each (another process), at each of
     bench_transfer's raw message sizes: the fastest of each direction."""
-    from bench_transfer import RAW_MESSAGE_BYTES, raw_down, raw_pieces, raw_up
+    from bench_transfer import raw_down, raw_messages, raw_up
 
     with tempfile.TemporaryDirectory(prefix="bench-raw-") as tmp:
         port_file = Path(tmp) / "port"
@@ -466,8 +466,7 @@ def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> t
             opts = net.GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
             chans = [grpc.insecure_channel(addr, options=opts) for _ in range(streams)]
             best_up = best_down = float("inf")
-            for size in RAW_MESSAGE_BYTES:
-                pieces = raw_pieces(up_bytes, size)
+            for size, pieces in raw_messages(up_bytes).items():
                 for _ in range(repeat):
                     best_up = min(best_up, _together([lambda c=c, p=pieces: raw_up(c, p)
                                                       for c in chans]))

@@ -86,10 +86,15 @@ def raw_pieces(total: int, size: int) -> list[bytes]:
     return [piece[:min(size, total - lo)] for lo in range(0, total, size)]
 
 
+def raw_messages(total: int) -> dict[int, list[bytes]]:
+    """`total` bytes at each of RAW_MESSAGE_BYTES: message size -> messages."""
+    return {size: raw_pieces(total, size) for size in RAW_MESSAGE_BYTES}
+
+
 def raw_server(total: int):
     """Up counts what it receives; Down sends `total` bytes in messages of the size its
     request names (8 bytes, little-endian)."""
-    pieces = {size: raw_pieces(total, size) for size in RAW_MESSAGE_BYTES}
+    pieces = raw_messages(total)
 
     def up(request_iterator, context):
         n = 0
@@ -124,12 +129,11 @@ def raw_down(channel, size: int) -> int:
     return n
 
 
-def raw_round(channel, total) -> tuple[float, float]:
-    """Seconds up and down for `total` bytes: at each of RAW_MESSAGE_BYTES, up then
-    down, the fastest of each direction."""
+def raw_round(channel, messages: dict[int, list[bytes]], total) -> tuple[float, float]:
+    """Seconds up and down for `total` bytes (`raw_messages`): at each message size,
+    up then down, the fastest of each direction."""
     ups, downs = [], []
-    for size in RAW_MESSAGE_BYTES:
-        pieces = raw_pieces(total, size)
+    for size, pieces in messages.items():
         t0 = time.perf_counter()
         got = raw_up(channel, pieces)
         t1 = time.perf_counter()
@@ -360,10 +364,12 @@ def main(argv=None) -> int:
             raw_port, port = conn.recv()
         except EOFError:
             raise SystemExit("the server process died before it listened (see above)") from None
+        messages = raw_messages(total)
         with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=net.GRPC_OPTIONS) as ch:
-            raw_round(ch, total)  # warm-up (untimed): connection, first allocations
+            raw_round(ch, messages, total)  # warm-up (untimed): connection, allocations
             rows = syncer_rounds(f"127.0.0.1:{port}", n, stamps, rounds,
-                                 1 if args.quick else 2, raw=lambda: raw_round(ch, total))
+                                 1 if args.quick else 2,
+                                 raw=lambda: raw_round(ch, messages, total))
     finally:
         if child.is_alive():
             conn.send("stop")

@@ -241,8 +241,7 @@ def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scrat
     if not decoded or not np.isfinite(inv).all():  # 1 / a tiny scale overflows: decode
         return None
     w -= _Q4_MAGIC  # exactly round(x / scale), the float of code - 8 that decoding makes
-    k.wide[:m].reshape(-1, Q4_BLOCK)[...] = s[:, None]
-    return np.multiply(w, k.wide[:m], out=w)
+    return _times_scales(w, s, k, w)
 
 
 def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight, assign=False) -> None:
@@ -299,8 +298,14 @@ def _q4_decode_chunk(scales: np.ndarray, codes: np.ndarray, k: Scratch,
     sp &= 0x0F0F
     v = k.work[:m]
     np.subtract(sp.view(np.uint8), 8, out=v, dtype=np.float32)  # code - 8, exact
+    return _times_scales(v, scales, k, v if out is None else out)
+
+
+def _times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch, out: np.ndarray) -> np.ndarray:
+    """Each block's code − 8 values in `v` times its scale, into `out`: q4's decoded values."""
+    m = v.size
     k.wide[:m].reshape(-1, Q4_BLOCK)[...] = scales[:, None]
-    return np.multiply(v, k.wide[:m], out=v if out is None else out)
+    return np.multiply(v, k.wide[:m], out=out)
 
 
 def _q4_scales(buf, numel) -> np.ndarray:
