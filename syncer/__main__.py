@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -96,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _check_state_dir(args.state_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s syncer %(message)s",
                         datefmt="%H:%M:%S")
     token = net.token_from_env(args.token)
@@ -130,8 +132,31 @@ def _tls_credentials(args) -> tuple[bytes, bytes, bytes | None] | None:
     if not (args.tls_cert and args.tls_key):
         sys.exit("error: --tls-cert and --tls-key go together (example: --tls-cert "
                  "server.pem --tls-key server.key)")
-    return (args.tls_cert.read_bytes(), args.tls_key.read_bytes(),
-            args.tls_ca.read_bytes() if args.tls_ca else None)
+    try:  # checked here: gRPC would read them only at the first handshake
+        return (net.read_pem(args.tls_cert, "--tls-cert"),
+                net.read_pem(args.tls_key, "--tls-key"),
+                net.read_pem(args.tls_ca, "--tls-ca") if args.tls_ca else None)
+    except net.TLSFileError as e:
+        sys.exit(f"error: {e}")
+
+
+def _check_state_dir(state_dir: Path | None) -> None:
+    """Refuse, in one line, a --state-dir the syncer cannot write (read-only, under a
+    file, not a dir), before anything starts; create a missing one private (0700: it
+    holds the run's weights)."""
+    if state_dir is None:
+        return
+    probe = state_dir / f".yeto-write-probe-{os.getpid()}"
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        what = {FileExistsError: "is a file, not a directory",
+                NotADirectoryError: "is under a file (part of its path is not a directory)",
+                }.get(type(e), f"cannot be written ({e.strerror})")
+        sys.exit(f"error: --state-dir {state_dir} {what}: pass a directory this user can "
+                 "create and write, e.g. --state-dir runs/syncer")
 
 
 def _refuse_open_listening(args, token: str | None, tls) -> None:

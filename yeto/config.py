@@ -121,6 +121,10 @@ class IslandConfig:
             raise ConfigError("--merge-alpha must be in [0, 1)")
         if self.keepalive_s < 1:
             raise ConfigError("--keepalive-s must be at least 1 (seconds)")
+        try:  # checked before the model loads: gRPC would fail only at the first handshake
+            net.client_tls_files(self.tls_ca, self.tls_cert, self.tls_key)
+        except net.TLSFileError as e:
+            raise ConfigError(str(e)) from None
         return self
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 # Pushes and broadcasts go in 1 MiB messages. A push: the syncer receives every
 # island's push at once, and each stream holds a few messages in flight (gRPC's
@@ -82,3 +84,63 @@ def parse_address(address: str) -> tuple[str, int]:
     except ValueError:
         raise ValueError(f"syncer address {address!r} has a bad port; example: "
                          f"--syncer 127.0.0.1:{DEFAULT_PORT}") from None
+
+
+# ---- TLS files ---------------------------------------------------------------------------
+# A self-signed certificate for a syncer that islands reach as 127.0.0.1 (put the
+# address islands dial in subjectAltName); islands pass the .pem as --tls-ca.
+SELF_SIGNED = ("openssl req -x509 -newkey rsa:2048 -nodes -keyout server.key -out server.pem "
+               "-days 365 -subj /CN=localhost -addext subjectAltName=IP:127.0.0.1")
+_PEM_BEGIN = re.compile(rb"^-----BEGIN ([A-Z0-9 ]+)-----", re.MULTILINE)
+
+
+class TLSFileError(ValueError):
+    """A TLS file that is missing, unreadable or not PEM; the message names the file
+    and what to do."""
+
+
+def read_pem(path: str | Path, flag: str) -> bytes:
+    """The bytes of the PEM file passed as `flag` (--tls-cert, --tls-key, --tls-ca),
+    checked up front: gRPC reads them only at the first handshake, and fails there far
+    from the flag. --tls-key must hold a private key, the others a certificate."""
+    path = Path(path)
+    want = "PRIVATE KEY" if flag.endswith("key") else "CERTIFICATE"
+    what = "private key" if want == "PRIVATE KEY" else "certificate"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TLSFileError(f"{flag} {path}: no such file: pass the PEM {what}'s path (a "
+                           f"self-signed pair for a test: {SELF_SIGNED})") from None
+    except OSError as e:
+        raise TLSFileError(f"{flag} {path}: cannot read it ({e.strerror}): pass a readable "
+                           f"PEM {what}") from None
+    labels = [m.decode() for m in _PEM_BEGIN.findall(data)]
+    if not labels:
+        der = "pkey" if what == "private key" else "x509"
+        pem = path.with_suffix(".pem") if path.suffix != ".pem" else path.with_suffix(".new.pem")
+        raise TLSFileError(f"{flag} {path} is not a PEM file (no '-----BEGIN' line): pass the "
+                           f"PEM {what}; a DER one converts with: openssl {der} -inform der "
+                           f"-in {path} -out {pem}")
+    if not any(want in label for label in labels):
+        fix = ("pass the CA's certificate" if flag == "--tls-ca"
+               else "are --tls-cert and --tls-key swapped?")
+        raise TLSFileError(f"{flag} {path} holds {labels[0]}, not a {what}: {fix}")
+    if want == "PRIVATE KEY" and all("ENCRYPTED" in label for label in labels
+                                     if want in label):
+        raise TLSFileError(f"{flag} {path} is encrypted and gRPC takes no passphrase: "
+                           f"decrypt it with: openssl pkey -in {path} -out "
+                           f"{path.with_suffix('.plain.key')}")
+    return data
+
+
+def client_tls_files(ca=None, cert=None, key=None) -> tuple[bytes | None, ...] | None:
+    """(ca, cert, key) PEM bytes of an island's or observer's --tls-* flags, each
+    checked (`read_pem`), or None when none is given; `TLSFileError` otherwise."""
+    if bool(cert) != bool(key):
+        raise TLSFileError("--tls-cert and --tls-key go together (mutual TLS: the client's "
+                           "certificate and its key), e.g. --tls-cert island.pem --tls-key "
+                           "island.key")
+    if not (ca or cert):
+        return None
+    return tuple(read_pem(f, flag) if f else None
+                 for f, flag in ((ca, "--tls-ca"), (cert, "--tls-cert"), (key, "--tls-key")))

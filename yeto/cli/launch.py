@@ -880,6 +880,13 @@ def _backends(p: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together, e.g. --tls-cert server.pem "
                 "--tls-key server.key")
+    try:  # checked before anything starts: gRPC would fail only at the first handshake
+        for f, flag in ((args.tls_cert, "--tls-cert"), (args.tls_key, "--tls-key"),
+                        (args.tls_ca, "--tls-ca")):
+            if f is not None:
+                net.read_pem(f, flag)
+    except net.TLSFileError as e:
+        p.error(str(e))
     return backends, external
 
 

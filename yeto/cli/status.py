@@ -85,13 +85,14 @@ def render(s: dict, address: str = "") -> str:
 
 
 def _tls(args):
+    from yeto import net
     from yeto.client import TLSConfig
 
-    if not (args.tls_ca or args.tls_cert):
-        return None
-    return TLSConfig(ca=args.tls_ca.read_bytes() if args.tls_ca else None,
-                     cert=args.tls_cert.read_bytes() if args.tls_cert else None,
-                     key=args.tls_key.read_bytes() if args.tls_key else None)
+    try:
+        files = net.client_tls_files(args.tls_ca, args.tls_cert, args.tls_key)
+    except net.TLSFileError as e:
+        sys.exit(f"error: {e}")
+    return TLSConfig(*files) if files else None
 
 
 def _fetch_or_say(args, tls) -> dict | int:

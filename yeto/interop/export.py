@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from yeto.interop.adapters import (
+    _MLX_KEY,
+    _PEFT_KEY,
     MLX_CONFIG,
     MLX_WEIGHTS,
     PEFT_CONFIG,
     PEFT_WEIGHTS,
-    AdapterConversionError,
     mlx_to_peft,
     peft_to_mlx,
     run_adapter_tensors,
@@ -62,6 +64,147 @@ def adapter_format(path: Path) -> str:
                       f"(peft) or {MLX_WEIGHTS} + {MLX_CONFIG} (mlx-lm)")
 
 
+# ---- what an adapter holds ------------------------------------------------------------
+_DAMAGED = ("; a damaged or partial copy? Copy the adapter again, or export it again from its "
+            "run: yeto export --state-dir runs/demo/syncer --out DIR")
+
+
+def check_adapter(path: Path, fix: str = _DAMAGED) -> str:
+    """The format ("peft" | "mlx") of an adapter dir after checking what it holds: the
+    config is a JSON object, the weights parse as safetensors (the library's own
+    reader), every value is finite, and the LoRA factors come in pairs of one rank
+    (peft: the config's r and target_modules; mlx-lm: lora_parameters' rank and keys).
+    `ExportError` naming the file, the problem and ``fix`` (what to do) otherwise."""
+    path = Path(path)
+    kind = adapter_format(path)
+    weights = path / (PEFT_WEIGHTS if kind == "peft" else MLX_WEIGHTS)
+    cfg = _read_config(path / PEFT_CONFIG, fix)
+    shapes = _finite_tensor_shapes(weights, fix)
+    problem = (_peft_problem if kind == "peft" else _mlx_problem)(shapes, cfg)
+    if problem:
+        raise ExportError(f"{weights}: {problem}{fix}")
+    return kind
+
+
+def _read_config(path: Path, fix: str) -> dict:
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{path} is not a readable JSON file ({e}){fix}") from None
+    if not isinstance(cfg, dict):
+        raise ExportError(f"{path} holds a JSON {type(cfg).__name__}, not an adapter config "
+                          f"object{fix}")
+    return cfg
+
+
+def _finite_tensor_shapes(path: Path, fix: str) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a safetensors file whose every value is finite."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        with safe_open(str(path), framework="numpy") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+                bad = _non_finite(st, path, name)
+                if bad:
+                    raise ExportError(f"{path}: tensor {name} holds {bad} NaN or infinite "
+                                      f"values (a diverged run or a damaged file){fix}")
+    except (SafetensorError, OSError) as e:
+        raise ExportError(f"{path} is not a readable safetensors file ({e}){fix}") from None
+    if not shapes:
+        raise ExportError(f"{path} holds no tensors{fix}")
+    return shapes
+
+
+def _non_finite(st, path: Path, name: str) -> int:
+    """How many NaN / inf values tensor `name` holds (bfloat16 and fp8, which numpy
+    cannot hold, through torch when it is installed, else unchecked)."""
+    import numpy as np
+
+    try:
+        a = st.get_tensor(name)
+    except TypeError:  # a dtype numpy lacks
+        try:
+            import torch
+            from safetensors import safe_open
+        except ImportError:
+            return 0
+        with safe_open(str(path), framework="pt") as pt:
+            t = pt.get_tensor(name).float()
+        return int(t.numel() - torch.isfinite(t).sum())
+    if not np.issubdtype(a.dtype, np.inexact):
+        return 0
+    return int(a.size - np.count_nonzero(np.isfinite(a)))
+
+
+def _factors(shapes: dict, key: re.Pattern) -> dict[str, dict[str, tuple]]:
+    """{module: {"A" | "B" (peft) or "a" | "b" (mlx-lm): shape}} of the LoRA factors."""
+    parts: dict[str, dict[str, tuple]] = {}
+    for name, shape in shapes.items():
+        m = key.match(name)
+        if m is not None:
+            parts.setdefault(m["module"], {})[m["which"]] = shape
+    return parts
+
+
+def _pairs_problem(parts: dict, a: str, b: str, ranks) -> str | None:
+    """What is wrong with the LoRA factor pairs (None when nothing): every module has
+    both factors, of one rank (`ranks(shape_a, shape_b)`: the rank each one says)."""
+    if not parts:
+        return "holds no LoRA factors"
+    for module, p in sorted(parts.items()):
+        if set(p) != {a, b}:
+            have = next(iter(p))
+            return f"{module} has lora_{have} but no lora_{a if have == b else b}"
+        if len(p[a]) < 2 or len(p[b]) < 2 or len(set(ranks(p[a], p[b]))) != 1:
+            return (f"{module}: lora_{a} {list(p[a])} and lora_{b} {list(p[b])} do not share "
+                    "one rank")
+    return None
+
+
+def _peft_problem(shapes: dict, cfg: dict) -> str | None:
+    parts = _factors(shapes, _PEFT_KEY)
+    problem = _pairs_problem(parts, "A", "B", lambda sa, sb: (sa[0], sb[1]))
+    if problem:
+        return problem
+    r, targets = cfg.get("r"), cfg.get("target_modules")
+    for module, p in sorted(parts.items()):
+        if isinstance(r, int) and not cfg.get("rank_pattern") and p["A"][0] != r:
+            return f"{module} has rank {p['A'][0]} but adapter_config.json says r={r}"
+        if not _targeted(module, targets):
+            return (f"{module} has LoRA factors but is not among adapter_config.json's "
+                    f"target_modules {targets!r}")
+    return None
+
+
+def _mlx_problem(shapes: dict, cfg: dict) -> str | None:
+    parts = _factors(shapes, _MLX_KEY)
+    problem = _pairs_problem(parts, "a", "b", lambda sa, sb: (sa[-1], sb[-2]))
+    if problem:
+        return problem
+    lp = cfg.get("lora_parameters") if isinstance(cfg.get("lora_parameters"), dict) else {}
+    rank, keys = lp.get("rank"), lp.get("keys")
+    for module, p in sorted(parts.items()):
+        if isinstance(rank, int) and p["a"][-1] != rank:
+            return (f"{module} has rank {p['a'][-1]} but adapter_config.json says "
+                    f"lora_parameters.rank={rank}")
+        if isinstance(keys, list) and not _targeted(module, keys):
+            return (f"{module} has LoRA factors but is not among adapter_config.json's "
+                    f"lora_parameters.keys {keys!r}")
+    return None
+
+
+def _targeted(module: str, targets) -> bool:
+    """Whether peft's target_modules (a list of name suffixes or one regex) or mlx-lm's
+    keys name `module`; True when there is nothing cheap to compare with."""
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, module) is not None
+    if isinstance(targets, list) and targets:
+        return any(module == t or module.endswith("." + str(t)) for t in targets)
+    return True
+
+
 def base_model_of(adapter_dir: Path) -> str | None:
     """The base model an adapter dir names (peft's base_model_name_or_path, mlx-lm's
     model, or the peft config kept inside an mlx-lm config)."""
@@ -79,13 +222,17 @@ def base_model_of(adapter_dir: Path) -> str | None:
 
 # ---- export -----------------------------------------------------------------------------
 def export(state_dir: Path, out: Path, fmt: str, base_model: str | None = None,
-           allow_unfinished: bool = True) -> tuple[Path, str]:
-    """Write the run's adapter in ``fmt``; returns (out, a line saying what was exported)."""
-    state_dir = Path(state_dir)
+           allow_unfinished: bool = True, force: bool = False) -> tuple[Path, str]:
+    """Write the run's adapter in ``fmt``; returns (out, a line saying what was exported).
+    The adapter is checked first (`check_adapter`); ``out`` must be new or empty unless
+    ``force``."""
+    state_dir, out = Path(state_dir), Path(out)
     final = state_dir / "final"
+    check_out_dir(out, force, "--out", inputs=(state_dir, final))
     if final.is_dir() and any(final.iterdir()):
+        check_adapter(final, _final_fix(state_dir))
         what = f"the final adapter of {state_dir}"
-        return _write(final, Path(out), fmt, base_model), what
+        return _write(final, out, fmt, base_model), what
     if not (state_dir / "state.safetensors").is_file():
         raise ExportError(f"{state_dir} holds neither final/ nor state.safetensors: pass the "
                           "syncer's --state-dir (e.g. runs/demo/syncer)")
@@ -95,10 +242,38 @@ def export(state_dir: Path, out: Path, fmt: str, base_model: str | None = None,
         version = _adapter_from_state(state_dir, Path(tmp))
         what = (f"the last merged weights of {state_dir} (version {version}; the run has not "
                 "finished, so there is no final/ yet)")
-        return _write(Path(tmp), Path(out), fmt, base_model), what
+        return _write(Path(tmp), out, fmt, base_model), what
+
+
+def _final_fix(state_dir: Path) -> str:
+    final = state_dir / "final"
+    if not (state_dir / "state.safetensors").is_file():
+        return f"; {final} is damaged and {state_dir} holds no state.safetensors to export instead"
+    return (f"; the run's last merged weights are in {state_dir}/state.safetensors: move the "
+            f"damaged final/ aside (mv {final} {final}.bad) and run yeto export again")
+
+
+def check_out_dir(out: Path, force: bool, name: str, inputs: tuple = ()) -> None:
+    """Refuse to write into ``out`` (the flag or argument `name`) when it is a file, one
+    of the `inputs`, or a non-empty dir without ``force``."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{name} {out} is a file, not a directory: choose another dir")
+    if any(out.resolve() == Path(p).resolve() for p in inputs):
+        raise ExportError(f"{name} {out} is the run's own dir: write the adapter somewhere else")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"{name} {out} already exists and is not empty: pass --force to write "
+                          "the adapter over what it holds, or choose a new dir")
+
+
+def _drop_other_format(out: Path, fmt: str) -> None:
+    """Under --force: remove the other format's weights from ``out``, which would
+    otherwise sit beside the new adapter config and make the dir ambiguous."""
+    (out / (PEFT_WEIGHTS if fmt == "mlx" else MLX_WEIGHTS)).unlink(missing_ok=True)
 
 
 def _adapter_from_state(state_dir: Path, out: Path) -> int:
+    import numpy as np
+
     from syncer.state import StateError, load
     from yeto.layout import Layout, TensorSpec
 
@@ -110,6 +285,10 @@ def _adapter_from_state(state_dir: Path, out: Path) -> int:
                                                                                 {}):
         raise ExportError(f"{state_dir}: the run's weights are {meta.get('weights_file')!r} "
                           "without a peft adapter config: only LoRA runs export as adapters")
+    bad = int(theta.size - np.count_nonzero(np.isfinite(theta)))
+    if bad:
+        raise ExportError(f"{state_dir}/state.safetensors: the run's merged weights hold {bad} "
+                          "NaN or infinite values: the run diverged or the file is damaged")
     layout = Layout([TensorSpec(n, tuple(s), d) for n, s, d in meta["layout"]])
     # the same tensors the syncer's final/ gets (frozen-A runs: lora_A rebuilt from the seed)
     tensors = run_adapter_tensors(layout.unflatten(theta), meta["export_files"])
@@ -123,6 +302,7 @@ def _write(src: Path, out: Path, fmt: str, base_model: str | None) -> Path:
     kind = adapter_format(src)
     if kind == "mlx":
         raise ExportError(f"{src} is an mlx-lm adapter; `yeto convert` converts it")
+    _drop_other_format(out, fmt)
     if fmt == "mlx":
         return peft_to_mlx(src, out, base_model=base_model)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +315,10 @@ def _write(src: Path, out: Path, fmt: str, base_model: str | None) -> Path:
 
 
 # ---- convert ----------------------------------------------------------------------------
-def convert(src: Path, dest: Path, to: str, base_model: str | None = None) -> Path:
+def convert(src: Path, dest: Path, to: str, base_model: str | None = None,
+            force: bool = False) -> Path:
+    """Convert the adapter dir ``src`` to ``to`` in ``dest``, after checking it
+    (`check_adapter`); ``dest`` must be new or empty unless ``force``."""
     src, dest = Path(src), Path(dest)
     if to not in FORMATS:
         raise ExportError(f"--to {to!r}: choose peft or mlx")
@@ -144,12 +327,15 @@ def convert(src: Path, dest: Path, to: str, base_model: str | None = None) -> Pa
         raise ExportError("SRC and DEST are the same dir: write the conversion somewhere else")
     if kind == to:
         raise ExportError(f"{src} is already a {to} adapter (nothing to convert)")
-    if to == "mlx":
-        return peft_to_mlx(src, dest, base_model=base_model)
-    base = base_model or base_model_of(src)
-    if not base:
+    base = base_model or (base_model_of(src) if to == "peft" else None)
+    if to == "peft" and not base:
         raise ExportError(f"{src} does not name its base model: pass --base-model PATH (the "
                           "Hugging Face model dir the adapter was trained on)")
+    check_out_dir(dest, force, "DEST")
+    check_adapter(src)
+    _drop_other_format(dest, to)
+    if to == "mlx":
+        return peft_to_mlx(src, dest, base_model=base_model)
     return mlx_to_peft(src, dest, base_model=base)
 
 
@@ -194,6 +380,8 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", default=None,
                    help="the local base model dir (default: the one the adapter names); mlx-lm "
                         "needs its block count")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it is not empty (its adapter is replaced)")
     p.add_argument("--final-only", action="store_true",
                    help="refuse a run that has not finished instead of exporting its last "
                         "merged weights")
@@ -215,6 +403,8 @@ def build_convert_parser() -> argparse.ArgumentParser:
     p.add_argument("src", type=Path, help="an adapter dir (peft or mlx-lm; detected)")
     p.add_argument("dest", type=Path, help="the dir to write")
     p.add_argument("--to", choices=FORMATS, required=True, help="the format to write")
+    p.add_argument("--force", action="store_true",
+                   help="write into DEST even when it is not empty (its adapter is replaced)")
     p.add_argument("--base-model", default=None,
                    help="the local base model dir (default: the one the adapter names)")
     p.add_argument("--verify", action="store_true",
@@ -239,8 +429,8 @@ def main_export(argv=None) -> int:
     args = build_export_parser().parse_args(argv)
     try:
         out, what = export(args.state_dir, args.out, args.format, args.base_model,
-                           allow_unfinished=not args.final_only)
-    except (ExportError, AdapterConversionError, FileNotFoundError) as e:
+                           allow_unfinished=not args.final_only, force=args.force)
+    except (ExportError, ValueError, OSError) as e:  # ValueError: AdapterConversionError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {what} to {out} ({args.format})")
@@ -260,8 +450,8 @@ def main_export(argv=None) -> int:
 def main_convert(argv=None) -> int:
     args = build_convert_parser().parse_args(argv)
     try:
-        out = convert(args.src, args.dest, args.to, args.base_model)
-    except (ExportError, AdapterConversionError, FileNotFoundError) as e:
+        out = convert(args.src, args.dest, args.to, args.base_model, force=args.force)
+    except (ExportError, ValueError, OSError) as e:  # ValueError: AdapterConversionError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"converted {args.src} to {out} ({args.to})")

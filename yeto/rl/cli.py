@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def rl_config(args: argparse.Namespace) -> RLConfig:
+    if args.adapter is not None:  # checked before the model loads
+        from yeto.interop.export import ExportError, check_adapter
+
+        try:
+            check_adapter(args.adapter)
+        except ExportError as e:
+            raise SystemExit(f"error: --adapter: {e}") from None
     for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
