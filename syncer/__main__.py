@@ -15,13 +15,15 @@ import threading
 import time
 from pathlib import Path
 
+from syncer.admission import Streams
+from syncer.bounds import Bounds
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
 from syncer.service import SPILL_MIN_BYTES, is_loopback, serve
 from syncer.state import StateError
 from yeto import memory, net
 from yeto.io import atomic_write, host_port
-from yeto.signals import GracefulStop, ignore_signals
+from yeto.signals import GracefulStop, die_with_threads, ignore_signals
 
 log = logging.getLogger("syncer")
 FINAL_DRAIN_S = 30.0  # how long a finished run waits for islands to take the final weights
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and merged from it chunk by chunk, so the syncer's memory is Θ and the "
                         "round's sum (8 B per parameter; 12 with momentum) whatever the "
                         "number of islands; 0 spills every push")
+    add_trust_args(p)
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where state (state.safetensors, saved after every round), the tape "
                         "(tape.jsonl) and final weights (final/) are written")
@@ -85,11 +88,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_trust_args(p: argparse.ArgumentParser) -> None:
+    """What one island may do, and how long a silent peer may hold on (syncer.bounds,
+    syncer.admission); README, Faults."""
+    b, g = Bounds(), p.add_argument_group("trust bounds (README, Faults)")
+    g.add_argument("--max-delta", type=float, default=b.max_delta,
+                   help="every pushed value must decode to at most this magnitude (a q4 block "
+                        "scale to 1/7 of it): the round's sum can then never overflow")
+    g.add_argument("--norm-factor", type=float, default=b.norm_factor,
+                   help="a push longer than this multiple of the median norm of its "
+                        "fragment's last 32 accepted pushes is scaled down to it before it "
+                        "is summed (from the 5th push on; 0 = off)")
+    g.add_argument("--max-tokens-per-step", type=int, default=b.max_tokens_per_step,
+                   help="the most loss tokens per step a push may claim, whatever the "
+                        "island declared when it joined (its batch x sequence length)")
+    g.add_argument("--max-steps-per-push", type=int, default=b.max_steps_per_push,
+                   help="the most optimizer steps one push may claim")
+    g.add_argument("--max-params", type=int, default=b.max_params,
+                   help="the most values the first island's layout may hold")
+    g.add_argument("--max-streams", type=int, default=128,
+                   help="streaming calls (pushes, broadcast streams) served at once; 4 at "
+                        "most per island; more are refused and retried")
+    g.add_argument("--stream-idle-s", type=float, default=60.0,
+                   help="a push that sends nothing for this long is cancelled")
+    g.add_argument("--save-timeout-s", type=float, default=Config.save_timeout_s,
+                   help="a round whose state cannot be saved (full or failing disk) waits "
+                        "and retries this long, then the syncer exits non-zero; the disk "
+                        "keeps the last committed round for --resume")
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """The run's `Config` from parsed flags (the flags' defaults are Config's)."""
     if args.quorum < 1:
         sys.exit("error: --quorum must be at least 1 (example: --quorum 2 for two islands)")
-    return round_config(args, quorum=args.quorum, rounds=args.rounds,
+    bounds = Bounds(max_delta=args.max_delta, norm_factor=args.norm_factor,
+                    max_tokens_per_step=args.max_tokens_per_step,
+                    max_steps_per_push=args.max_steps_per_push, max_params=args.max_params)
+    return round_config(args, quorum=args.quorum, rounds=args.rounds, bounds=bounds,
+                        save_timeout_s=args.save_timeout_s,
                         state_dir=args.state_dir, resume=args.resume,
                         expect_islands=tuple(x.strip() for x in
                                              (args.expect_islands or "").split(",") if x.strip()))
@@ -107,12 +143,15 @@ def main(argv=None) -> int:
     memory.limit_arenas()  # freed chunk buffers reused from two arenas, not kept in 16
     try:
         run = Run(cfg)
-    except StateError as e:
+    except (StateError, ValueError) as e:
         sys.exit(f"error: {e}")
+    die_with_threads()
     try:
         server, port = serve(run, args.host, args.port, token=token, tls=tls,
                              max_inflight_pushes=max(1, args.max_inflight_pushes),
-                             spill_min_bytes=int(args.spill_min_mib * 2**20))
+                             spill_min_bytes=int(args.spill_min_mib * 2**20),
+                             streams=Streams(max(1, args.max_streams),
+                                             idle_s=max(0.1, args.stream_idle_s)))
     except OSError as e:
         sys.exit(f"error: {e}")
     dashboard = _start_dashboard(run, args, token, server)
@@ -198,19 +237,22 @@ def _serve_until_done(run: Run, server, dashboard, announce=lambda: None) -> int
         announce()
         try:
             _wait_for_finish(run, stop.event)
-            _shutdown(run, server, dashboard, grace_s=2.0)
+            _shutdown(run, server, dashboard, grace_s=0.0 if run.fatal else 2.0)
         except KeyboardInterrupt:
             log.warning("stopping at once")
             _shutdown(run, server, dashboard, grace_s=0.0)
             return 130
     ignore_signals()
+    if run.fatal:
+        print(f"error: {run.fatal}", file=sys.stderr)
+        return 1
     log.info("stopped at version %d", run.version)
     return 0
 
 
 def _wait_for_finish(run: Run, stop: threading.Event) -> None:
     while not run.finished:
-        if stop.wait(0.2):
+        if stop.wait(0.2) or run.fatal:
             return
     # let islands receive the final broadcast before the server goes away
     drain_until = time.monotonic() + FINAL_DRAIN_S

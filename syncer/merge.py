@@ -5,6 +5,7 @@ number of islands."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,6 +24,19 @@ class DeferredPush:
     encoding: str
     weight: float
     norm: float
+    bound_scale: float = 1.0  # the norm bound's scale (syncer.bounds), before clipping
+
+
+class Added(NamedTuple):
+    """One push as `MergeAccumulator.add` summed it."""
+
+    weight: float  # its rule weight
+    norm: float    # its norm as received
+    scale: float   # the norm bound's scale (1: within the bound)
+
+
+class NonFinite(ArithmeticError):
+    """The outer step produced a non-finite value (the bounds on pushes exclude it)."""
 
 
 class MergeAccumulator:
@@ -40,10 +54,12 @@ class MergeAccumulator:
     with weight 1, and the first push with tokens clears them.
     """
 
-    def __init__(self, numel: int, rule: str = "mean", clip_factor: float = 0.0):
+    def __init__(self, numel: int, rule: str = "mean", clip_factor: float = 0.0,
+                 max_abs: float | None = None):
         if rule not in MERGE_RULES:
             raise ValueError(f"unknown merge rule {rule!r}; use one of {', '.join(MERGE_RULES)}")
         self.numel, self.rule, self.clip_factor = numel, rule, float(clip_factor)
+        self.max_abs = max_abs  # the value bound every push meets (syncer.bounds)
         self.sum: np.ndarray | None = None
         self.fresh = True  # nothing summed yet, whatever sum's bytes: the next push writes
         self.total_weight = 0.0  # Σ wᵢ under the rule (0 while no push carried tokens)
@@ -64,34 +80,40 @@ class MergeAccumulator:
         """The weight a push with rule weight `weight` really gets in the merge."""
         return 1.0 if self.uniform_fallback else weight
 
-    def add(self, payload, encoding: str, loss_tokens: int) -> float:
-        """Decode and add one push, one chunk at a time (no decoded copy of the push);
-        returns its rule weight. Validates first, so a bad payload raises CodecError
-        and leaves the accumulator untouched."""
+    def add(self, payload, encoding: str, loss_tokens: int,
+            norm_limit: float | None = None) -> Added:
+        """Decode and add one push, one chunk at a time (no decoded copy of the push),
+        scaled down to norm `norm_limit` when it is longer (the norm bound); returns
+        (rule weight, its norm as received, the scale it was summed with). Validates
+        first, so a bad payload raises CodecError and leaves the accumulator untouched."""
         w = self.weight_for(loss_tokens)
         if not isinstance(payload, stream.SpilledPayload):  # those are checked as written
-            codec.validate(payload, encoding, self.numel)
+            codec.validate(payload, encoding, self.numel, self.max_abs)
         if self.clip_factor > 0:  # kept as received (compressed) until the round commits
             norm = stream.norm(payload, encoding, self.numel)
-            self.deferred.append(DeferredPush(payload, encoding, w, norm))
+            scale = _bound_scale(norm, norm_limit)
+            self.deferred.append(DeferredPush(payload, encoding, w, norm, scale))
             self.total_weight += w
         else:
-            self._accumulate(payload, encoding, w)
+            norm, scale = self._accumulate(payload, encoding, w, norm_limit)
         self.count += 1
-        return w
+        return Added(w, norm, scale)
 
-    def _accumulate(self, payload, encoding: str, w: float) -> None:
-        scale = self._buffer_weight(w)
-        if scale == 0:
-            return
-        if self.rule == "rda":  # needs the push's own norm: computed in the same pass
-            norm = stream.decode_add_norm(payload, encoding, self.numel, self._buffer(), scale,
-                                          assign=self.fresh)
-            self.norm_sum += scale * norm
-        else:
-            stream.decode_add(payload, encoding, self.numel, self._buffer(), scale,
-                              assign=self.fresh)
-        self.fresh = False
+    def _accumulate(self, payload, encoding: str, w: float,
+                    norm_limit: float | None) -> tuple[float, float]:
+        """Sum one push (its norm computed in the same pass); a push over `norm_limit`
+        is then topped up with (scale − 1) × itself: one more pass, for it alone."""
+        weight = self._buffer_weight(w)
+        buf = self._buffer() if weight else None
+        norm = stream.decode_add_norm(payload, encoding, self.numel, buf, weight,
+                                      assign=self.fresh)
+        scale = _bound_scale(norm, norm_limit)
+        if buf is not None:
+            if scale < 1.0:
+                stream.decode_add(payload, encoding, self.numel, buf, weight * (scale - 1.0))
+            self.norm_sum += weight * scale * norm
+            self.fresh = False
+        return norm, scale
 
     def _buffer_weight(self, w: float) -> float:
         """The weight a validated push is summed with now (see the class docstring)."""
@@ -143,7 +165,7 @@ class MergeAccumulator:
             norm = stream.vector_norm(g)
             divide, factor = False, (self.norm_sum / divisor) / norm if norm > 0 else None
 
-        def one(lo: int, hi: int) -> None:
+        def one(lo: int, hi: int) -> bool:
             with codec.spare_scratch() as k:  # g / divisor in the cache, not written back
                 t = g[lo:hi]
                 if divide:
@@ -151,8 +173,12 @@ class MergeAccumulator:
                 if factor is not None:
                     t = np.multiply(t, factor, out=k.work[:hi - lo])
                 outer.step(theta[lo:hi], None if m is None else m[lo:hi], t)
+                # while the chunk is in the cache: the guard behind syncer.bounds
+                return bool(np.isfinite(theta[lo:hi]).all() and
+                            (m is None or np.isfinite(m[lo:hi]).all()))
 
-        stream.each_chunk(g.size, one)
+        if not all(stream.each_chunk(g.size, one)):
+            raise NonFinite("the outer step made Θ or the momentum non-finite")
         return g
 
     def _prepare(self) -> float:
@@ -169,12 +195,17 @@ class MergeAccumulator:
         buf = self._buffer()
         for i, p in enumerate(self.deferred):
             scale = min(1.0, limit / p.norm) if p.norm > 0 else 1.0
-            w = self.merged_weight(p.weight) * scale
+            w = self.merged_weight(p.weight) * scale * p.bound_scale
             self.clip_scales.append(scale)
             stream.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=i == 0)
             self.norm_sum += w * p.norm
         self.fresh = False
         self.deferred.clear()
+
+
+def _bound_scale(norm: float, limit: float | None) -> float:
+    """The factor that brings a push of `norm` within `limit` (1: within already)."""
+    return limit / norm if limit is not None and norm > limit else 1.0
 
 
 class NesterovOuter:

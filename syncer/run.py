@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from syncer import state, stream
+from syncer.bounds import SEED_MAX_ABS, BoundError, Bounds, NormHistory
 from syncer.grace import AutoGrace
-from syncer.merge import MergeAccumulator, NesterovOuter
+from syncer.merge import MergeAccumulator, NesterovOuter, NonFinite
 from syncer.tape import Tape
 from yeto import codec, frozen
 from yeto.interop.adapters import run_adapter_tensors
@@ -52,12 +53,12 @@ LEARNER_ID = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
 LIVE = ("waiting", "training")
 
 
-def _f32_owned(payload, numel: int) -> np.ndarray:
-    """An f32 payload as a writable float32 array: the received buffer itself when
-    the caller hands over a uint8 array it owns, else a decoded copy."""
+def _f32_owned(payload, numel: int, max_abs: float) -> np.ndarray:
+    """An f32 payload within `max_abs` as a writable float32 array: the received
+    buffer itself when the caller hands over a uint8 array it owns, else a copy."""
+    codec.validate(payload, "f32", numel, max_abs)
     if isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and \
             payload.flags.writeable and payload.flags.c_contiguous:
-        codec.validate(payload, "f32", numel)
         return payload.view(np.float32)
     return codec.decode(payload, "f32", numel)
 
@@ -92,6 +93,17 @@ class Config:
     state_dir: Path | None = None
     resume: bool = False
     expect_islands: tuple[str, ...] = ()  # reserved slots, listed as "reserved" until joined
+    bounds: Bounds = field(default_factory=Bounds)  # what one island can do (syncer.bounds)
+    # a commit whose state cannot be saved is retried this long; then the syncer stops
+    save_timeout_s: float = 120.0
+
+    def check(self) -> None:
+        """Refuse settings that would make the outer step non-finite or meaningless."""
+        if not (np.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"--outer-lr must be a positive number, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        self.bounds.check()
 
 
 @dataclass
@@ -106,6 +118,7 @@ class Member:
     pushes: int = 0
     loss_tokens: int = 0
     last_seq: int = -1
+    tokens_per_step: int = 0  # declared at its first join (0: none; the run's cap binds)
 
 
 class Source:
@@ -196,6 +209,23 @@ class Broadcast:
 
 
 @dataclass
+class PendingCommit:
+    """A round merged into Θ in memory whose state is not on disk yet: what publishing
+    it needs once the save succeeds."""
+
+    rnd: OpenRound
+    reason: str
+    now: float
+    merge_s: float
+    g: np.ndarray  # the round's sum buffer, scratch for the next round
+    done: bool
+    broadcast: Broadcast
+    first_try: float
+    next_try: float = 0.0
+    tries: int = 0
+
+
+@dataclass
 class OpenRound:
     fragment: int
     acc: MergeAccumulator
@@ -209,6 +239,7 @@ class OpenRound:
 
 class Run:
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic):
+        config.check()
         self.cfg = config
         self.clock = clock  # seconds for grace windows and timeouts (yeto.sim: simulated)
         self.on_publish: Callable[[int, int], None] = lambda fragment, version: None
@@ -241,6 +272,10 @@ class Run:
         self.bytes_in = self.bytes_out = self.rejected = 0
         self.last_commit_at: float | None = None
         self.final_delivered: set[str] = set()
+        self.norms: dict[int, NormHistory] = {}  # accepted push norms per fragment
+        self.pending: PendingCommit | None = None  # a commit whose state is not on disk yet
+        self.problem = ""  # what keeps the run from committing, for status ("" if nothing)
+        self.fatal: str | None = None  # why the run cannot go on: the syncer exits non-zero
         if config.state_dir is not None:
             self._restore_or_refuse(config.state_dir, config.resume)
         elif config.resume:
@@ -248,16 +283,20 @@ class Run:
 
     # ---- join -------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
-             weights_file: str, export_files: dict[str, str], observer: bool = False) -> dict:
+             weights_file: str, export_files: dict[str, str], observer: bool = False,
+             tokens_per_step: int = 0) -> dict:
         """An island joins; an `observer` (a rollout node) receives every Θ but never
-        pushes, never seeds and never counts toward the quorum."""
+        pushes, never seeds and never counts toward the quorum. `tokens_per_step`: the
+        most loss tokens one of its steps holds (bounds its pushes' claims)."""
         layout = self._check_join(learner_id, specs, fp)
         with self.cond:
             if self.finished:
                 raise Reject("precondition", "this run has finished; start a new syncer")
             self._adopt_or_check_layout(learner_id, layout, weights_file, export_files,
                                         observer)
+            declared = self._declared_tokens(learner_id, tokens_per_step)
             member = self._enroll(learner_id, backend, observer)
+            member.tokens_per_step = declared
             log.info("%s joined (generation %d, %s%s): %d/%d islands", learner_id,
                      member.generation, backend, ", observer" if observer else "",
                      self._live_count(), self.cfg.quorum)
@@ -277,6 +316,7 @@ class Run:
             raise Reject("invalid", f"learner id {learner_id!r} must be 1-128 characters of "
                          "letters, digits and _.@:- (example: --learner-id island-0)")
         try:
+            self.cfg.bounds.layout(specs)
             layout = Layout(specs, self.cfg.fragments)
         except (LayoutMismatch, ValueError) as e:
             raise Reject("invalid", f"bad layout from {learner_id}: {e}") from None
@@ -303,6 +343,23 @@ class Run:
                          "must train the same model with the same --lora-r/--lora-targets/"
                          "--tuning; check with scripts/check_name_parity.py") from None
 
+    def _declared_tokens(self, learner_id: str, tokens_per_step: int) -> int:
+        """The tokens per step an island may claim: its first declaration, kept for the
+        run (a rejoin may not raise it)."""
+        try:
+            declared = self.cfg.bounds.declaration(tokens_per_step)
+        except BoundError as e:
+            raise Reject("invalid", f"{learner_id} {e}") from None
+        old = self.islands.get(learner_id)
+        if old is None or not old.tokens_per_step:
+            return declared
+        if declared > old.tokens_per_step:
+            raise Reject("precondition", f"{learner_id} declared {old.tokens_per_step} "
+                         f"tokens per step when it first joined and now {declared}:"
+                         " an island cannot raise its declaration mid-run (keep its batch "
+                         "size and sequence length, or join under a new --learner-id)")
+        return old.tokens_per_step
+
     def _enroll(self, learner_id: str, backend: str, observer: bool = False) -> Member:
         """A new ledger row with a fresh generation; a rejoin keeps its counts, so
         seqs are never counted twice. Observers are in state "observer" (never live)."""
@@ -314,6 +371,9 @@ class Run:
         if old is not None:
             member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
             member.last_seq = old.last_seq
+            if old.state in (*LIVE, "observer"):
+                log.warning("%s joined again: generation %d replaces %d, whose calls are "
+                            "refused from now on", learner_id, gen, old.generation)
         self.islands[learner_id] = member
         return member
 
@@ -361,9 +421,11 @@ class Run:
     def check_push_header(self, h) -> int:
         """Validate a push header before any payload is read; returns the payload size."""
         with self.cond:
-            if self.check_island(h.learner_id, h.generation).state == "observer":
+            member = self.check_island(h.learner_id, h.generation)
+            if member.state == "observer":
                 raise Reject("precondition", f"{h.learner_id} joined as an observer: "
                              "observers receive Θ and never push")
+            self._check_saved()
             if self.layout is None:
                 raise Reject("precondition", "no layout yet")
             if h.encoding not in codec.ENCODINGS:
@@ -382,8 +444,24 @@ class Run:
                     raise Reject("invalid", "the seed must be sent in f32")
             else:
                 self._check_round_open(h)
+                try:
+                    self.cfg.bounds.claims(h.loss_tokens, h.steps, member.tokens_per_step)
+                except BoundError as e:
+                    raise Reject("invalid", f"{h.learner_id}: {e}") from None
             # a repeated seq passes here: push() answers it "duplicate" and merges nothing
             return want
+
+    def max_abs(self, h) -> float:
+        """The value bound of a push's elements (syncer.bounds): the seed's or a delta's."""
+        return SEED_MAX_ABS if h.kind == pb.SEED else self.cfg.bounds.max_delta
+
+    def _check_saved(self) -> None:
+        """Refuse pushes while a commit waits for its state to reach the disk."""
+        if self.fatal:
+            raise Reject("precondition", f"the syncer is stopping: {self.fatal}")
+        if self.pending is not None:
+            raise Reject("exhausted", f"the syncer is waiting to save round "
+                         f"{self.version + 1}: {self.problem}; the island retries")
 
     def _expected_numel(self, h) -> int:
         if h.kind == pb.SEED:
@@ -411,6 +489,7 @@ class Run:
                 return self._seed(member, payload)
             if self.finished:
                 raise Reject("precondition", "the run has finished")
+            self._check_saved()
             if h.round != h.base_version + 1:
                 raise Reject("invalid", f"push for round {h.round} against base version "
                              f"{h.base_version}: a push joins round base_version + 1")
@@ -418,12 +497,19 @@ class Run:
             if h.seq <= member.last_seq:
                 return self._duplicate(rnd, h)
             staleness = self._staleness(h)
+            norms = self.norms.setdefault(h.fragment, NormHistory())
             try:
-                weight = rnd.acc.add(payload, h.encoding, h.loss_tokens)
+                weight, norm, scale = rnd.acc.add(payload, h.encoding, h.loss_tokens,
+                                                  norms.limit(self.cfg.bounds.norm_factor))
             except codec.CodecError as e:
                 raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
+            norms.observe(norm * scale)
+            if scale < 1.0:
+                log.warning("push from %s: norm %.4g over the bound, scaled by %.4g",
+                            h.learner_id, norm, scale)
             now = self.clock()
             self._record_push(member, rnd, h, len(payload), weight, staleness, now)
+            rnd.responders[-1].update(norm=norm, bound_scale=scale)
             self._maybe_commit(now)
             return dict(accepted=True, status="accepted", round=self.version + 1,
                         staleness=staleness)
@@ -465,7 +551,7 @@ class Run:
         if self.theta is not None:
             return dict(accepted=False, status="duplicate", round=0, staleness=0)
         try:
-            theta = _f32_owned(payload, self.layout.numel)
+            theta = _f32_owned(payload, self.layout.numel, SEED_MAX_ABS)
         except codec.CodecError as e:
             raise Reject("invalid", f"seed from {member.learner_id} rejected: {e}") from None
         self.theta = theta
@@ -496,7 +582,7 @@ class Run:
                                rnd.acc.count)).encode())
             for m in sorted(self.islands.values(), key=lambda m: m.learner_id):
                 h.update(repr((m.learner_id, m.generation, m.pushes, m.loss_tokens,
-                               m.last_seq)).encode())
+                               m.last_seq, m.tokens_per_step)).encode())
             return h.hexdigest()
 
     def note_rejected(self, call: str, learner: str, reject: Reject) -> None:
@@ -514,12 +600,16 @@ class Run:
         """Called periodically: commits rounds whose grace or timeout has passed by
         `now` (default: the run's clock)."""
         with self.cond:
-            if self.started and not self.finished:
-                self._maybe_commit(self.clock() if now is None else now)
+            now = self.clock() if now is None else now
+            if self.pending is not None:
+                self._retry_save(now)
+            elif self.started and not self.finished:
+                self._maybe_commit(now)
 
     def _maybe_commit(self, now: float) -> None:
         for rnd in list(self.open.values()):
-            if rnd.responders and not self.finished:
+            if rnd.responders and not self.finished and self.pending is None \
+                    and not self.fatal:
                 reason = self._commit_reason(rnd, now)
                 if reason:
                     self._commit(rnd, reason, now)
@@ -560,29 +650,81 @@ class Run:
 
     def _commit(self, rnd: OpenRound, reason: str, now: float) -> None:
         """Merge, step, save, tape, publish: in that order, so a crash never loses a
-        version anyone has seen."""
+        version anyone has seen. The round is committed once its state is on disk;
+        until then (a full or failing disk) nobody sees the new version, pushes wait,
+        and the save is retried (`_retry_save`)."""
         t0 = time.perf_counter()
         f = rnd.fragment
         lo, hi = self._span(f)
         self._detach_broadcast(f)  # Θ changes below: streams of the old version keep it
         m = None if self._momentum is None else self._momentum[lo:hi]
-        g = rnd.acc.step_outer(self.outer, self.theta[lo:hi], m)
+        try:
+            g = rnd.acc.step_outer(self.outer, self.theta[lo:hi], m)
+        except NonFinite as e:
+            self.fail(f"round {self.version + 1}: {e}; Θ in memory is not the last "
+                       "committed one. Restart the syncer with --resume (the state on disk "
+                       "is the last committed round)")
+            return
         if rnd.acc.uniform_fallback:
             log.warning("round %d: every push carried 0 loss tokens; merged with uniform "
                         "weights", self.version + 1)
+        version = self.version + 1
+        done = bool(self.cfg.rounds and version >= self.cfg.rounds)
+        self.pending = PendingCommit(rnd, reason, now, time.perf_counter() - t0, g, done,
+                                     self._next_broadcast(f, final=done, version=version),
+                                     first_try=now)
+        self._retry_save(now)
+
+    def _retry_save(self, now: float) -> None:
+        """Save the pending commit's state; on success the version is committed and
+        published, else the syncer says why, retries on the ticker, and stops after
+        `save_timeout_s` (the disk then holds the last committed round)."""
+        p = self.pending
+        if now < p.next_try:
+            return
+        try:
+            self._save(self.version + 1, p.rnd.fragment)
+        except OSError as e:
+            self._save_failed(p, e, now)
+            return
+        self.pending, self.problem = None, ""
+        self._committed(p)
+        self._maybe_finish_run()  # islands that finished while the save waited
+
+    def _save_failed(self, p: PendingCommit, e: OSError, now: float) -> None:
+        first = not self.problem
+        self.problem = f"cannot save the state to {self.cfg.state_dir}: {e}"
+        p.next_try = now + min(5.0, 0.5 * 2 ** p.tries)
+        p.tries += 1
+        if first:
+            log.error("round %d is not committed: %s; retrying for %.0f s (pushes wait)",
+                      self.version + 1, self.problem, self.cfg.save_timeout_s)
+            self.tape.write(dict(event="save_failed", round=self.version + 1,
+                                 detail=str(e), time=time.time()))
+        if now - p.first_try >= self.cfg.save_timeout_s:
+            self.fail(f"{self.problem} (for {self.cfg.save_timeout_s:.0f} s). The state on "
+                       f"disk is round {self.version}'s: free space (or fix the disk) and "
+                       "restart the syncer with --resume")
+
+    def fail(self, why: str) -> None:
+        """The run cannot go on: `python -m syncer` exits non-zero with `why`."""
+        with self.cond:
+            log.critical("%s", why)
+            self.fatal = why
+            self.cond.notify_all()
+
+    def _committed(self, p: PendingCommit) -> None:
+        """A commit whose state is on disk: version, next round, tape, broadcast."""
+        rnd, f = p.rnd, p.rnd.fragment
         self.version += 1
         self.commits[f].append(self.version)
-        merge_s = time.perf_counter() - t0
-        done = bool(self.cfg.rounds and self.version >= self.cfg.rounds)
-        self.open[f] = OpenRound(f, self._accumulator(f, reuse=g))
-        self.last_commit_at = now
-        broadcast = self._next_broadcast(f, final=done)
-        self._save()  # before anyone sees the new version: a crash never loses it
-        self._tape_merge(rnd, reason, now, merge_s, broadcast)
-        self._announce(broadcast)
+        self.open[f] = OpenRound(f, self._accumulator(f, reuse=p.g))
+        self.last_commit_at = p.now
+        self._tape_merge(rnd, p.reason, p.now, p.merge_s, p.broadcast)
+        self._announce(p.broadcast)
         log.info("round %d (fragment %d) committed (%s): %d pushes from %s", self.version, f,
-                 reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
-        if done:
+                 p.reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
+        if p.done:
             self._final_broadcasts()
             self._finish_run()
 
@@ -615,14 +757,14 @@ class Run:
 
     def _accumulator(self, f: int, reuse: np.ndarray | None = None) -> MergeAccumulator:
         acc = MergeAccumulator(self.layout.fragments[f].numel, self.cfg.merge,
-                               self.cfg.clip_factor)
+                               self.cfg.clip_factor, self.cfg.bounds.max_delta)
         if reuse is not None:  # the last round's scratch
             acc.reuse(reuse)
         return acc
 
     # ---- broadcast --------------------------------------------------------
     def _publish(self, f: int, final: bool) -> None:
-        self._announce(self._next_broadcast(f, final))
+        self._announce(self._next_broadcast(f, final, self._fragment_version(f)))
 
     def _announce(self, broadcast: Broadcast) -> None:
         """Make `broadcast` its fragment's newest: the streams send it on, and
@@ -631,7 +773,7 @@ class Run:
         self.cond.notify_all()
         self.on_publish(broadcast.fragment, broadcast.version)
 
-    def _next_broadcast(self, f: int, final: bool) -> Broadcast:
+    def _next_broadcast(self, f: int, final: bool, version: int) -> Broadcast:
         """Fragment f of Θ for the islands (updates `island_theta`); the caller publishes
         it. The final weights always go out exact, in f32. Nothing is copied: the
         broadcast streams from the live weights (see `Source`), and a compressed
@@ -650,7 +792,7 @@ class Run:
                 source[...] = self.theta[lo:hi]
             else:
                 delta = stream.encode_diff(self.theta[lo:hi], source, self.cfg.downlink)
-        return Broadcast(self._fragment_version(f), f, Source(source), "f32", final, delta,
+        return Broadcast(version, f, Source(source), "f32", final, delta,
                          prev.version if prev else 0)
 
     def _detach_broadcast(self, f: int) -> None:
@@ -692,9 +834,9 @@ class Run:
         if not any(m.state == "finished" for m in self.islands.values()):
             return  # everyone vanished: keep Θ and wait for islands to come back
         for rnd in list(self.open.values()):
-            if rnd.responders and not self.finished:
+            if rnd.responders and not self.finished and self.pending is None:
                 self._commit(rnd, "finish", self.clock())
-        if not self.finished:
+        if not self.finished and self.pending is None and not self.fatal:
             self._final_broadcasts()
             self._finish_run()
 
@@ -702,7 +844,13 @@ class Run:
         self.finished = True
         self.cond.notify_all()
         if self.cfg.state_dir is not None:
-            self._write_final()
+            try:
+                self._write_final()
+            except OSError as e:
+                self.fail(f"cannot write the final weights to {self.cfg.state_dir}: {e}. "
+                           f"The state holds them (version {self.version}): free space and "
+                           "restart the syncer with --resume")
+                return
         log.info("run finished at version %d", self.version)
 
     def _write_final(self) -> None:
@@ -737,15 +885,19 @@ class Run:
 
     def _ledger(self) -> dict:
         return {m.learner_id: dict(backend=m.backend, pushes=m.pushes,
-                                   loss_tokens=m.loss_tokens, last_seq=m.last_seq)
+                                   loss_tokens=m.loss_tokens, last_seq=m.last_seq,
+                                   tokens_per_step=m.tokens_per_step)
                 for m in self.islands.values()}
 
-    def _save(self) -> None:
+    def _save(self, version: int, fragment: int) -> None:
+        """The state as of `version`, committed by `fragment`'s round (raises OSError)."""
         if self.cfg.state_dir is None:
             return
+        versions = [version if f == fragment else self._fragment_version(f)
+                    for f in range(self.cfg.fragments)]
         state.save(self.cfg.state_dir, self.theta, self._momentum, self.island_theta, dict(
-            run_id=self.run_id, version=self.version, round=self.version,
-            fragment_versions=[self._fragment_version(f) for f in range(self.cfg.fragments)],
+            run_id=self.run_id, version=version, round=version, fragment_versions=versions,
+            norm_history={str(f): h.values() for f, h in self.norms.items()},
             fingerprint=self.layout.fingerprint,
             layout=[[s.name, list(s.shape), s.dtype] for s in self.layout.specs],
             flags=self._flags(), weights_file=self.weights_file, export_files=self.export_files,
@@ -774,10 +926,13 @@ class Run:
         self.commits = {f: [v] for f, v in enumerate(meta["fragment_versions"])}
         self.weights_file, self.export_files = meta["weights_file"], meta["export_files"]
         self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]
+        for f, norms in meta.get("norm_history", {}).items():
+            self.norms[int(f)] = NormHistory(norms)
         for lid, row in meta["islands"].items():
             self.islands[lid] = Member(lid, 0, row["backend"], self.clock(), state="gone",
                                        pushes=row["pushes"], loss_tokens=row["loss_tokens"],
-                                       last_seq=row["last_seq"])
+                                       last_seq=row["last_seq"],
+                                       tokens_per_step=row.get("tokens_per_step", 0))
         log.info("resumed run %s at version %d (%d islands in the ledger)", self.run_id,
                  self.version, len(self.islands))
 
@@ -786,7 +941,7 @@ class Run:
         with self.cond:
             now = self.clock()
             return dict(
-                run_id=self.run_id, round=self.version + 1,
+                run_id=self.run_id, round=self.version + 1, problem=self.fatal or self.problem,
                 version=self.version, quorum=self.cfg.quorum, finished=self.finished,
                 bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                 last_merge_s=now - self.last_commit_at if self.last_commit_at else -1.0,

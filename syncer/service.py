@@ -1,4 +1,10 @@
-"""gRPC edge of the syncer: framing, auth, status codes. State lives in `Run`."""
+"""gRPC edge of the syncer: framing, auth, admission, status codes. State lives in `Run`.
+
+Authentication (with a run secret): every call carries `authorization: Bearer <token>`
+where the token is the caller's island credential (`yeto.net.island_credential`:
+derived from the secret, so the syncer keeps no list), good for its own learner id
+only, or the run's secret itself (the operator's: it can act for anyone). A call for
+another island's id is refused (PERMISSION_DENIED) and written to the tape."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from syncer import stream, wire
+from syncer.admission import UNARY_WORKERS, Exhausted, Streams
 from syncer.run import Broadcast, Reject, Run
 from yeto import codec, net
 from yeto.io import host_port
@@ -22,6 +29,9 @@ from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 log = logging.getLogger("syncer")
+# gRPC lets a second server bind a port in use (SO_REUSEPORT) unless told not to:
+# then two syncers on one port would split the islands between two runs
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 # a delta push this large goes to a temporary file as it arrives (see SyncerService._push)
 SPILL_MIN_BYTES = 16 << 20
 
@@ -30,54 +40,105 @@ _CODES = {
     "precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "denied": grpc.StatusCode.PERMISSION_DENIED,
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the island retries later
 }
 
 
 def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
            learner: str = ""):
-    if run is not None:
+    """Refuse the call; the tape gets it (`run` given) unless it failed authentication
+    (an unauthenticated caller cannot fill the tape; `_caller` tapes impersonations)."""
+    if run is not None and reject.code not in ("unauthenticated", "denied"):
         run.note_rejected(call, learner, reject)
     context.abort(_CODES[reject.code], str(reject))
 
 
 class SyncerService(pb_grpc.SyncerServicer):
     def __init__(self, run: Run, max_inflight_pushes: int = 4,
-                 spill_min_bytes: int = SPILL_MIN_BYTES):
-        self.run = run
+                 spill_min_bytes: int = SPILL_MIN_BYTES, secret: str | None = None,
+                 streams: Streams | None = None):
+        """`secret`: the run's secret (None: no authentication, for loopback runs).
+        `streams`: the bounds on streaming calls (`syncer.admission`)."""
+        self.run, self.secret = run, secret
+        self.streams = streams or Streams()
         self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
         self.pool = stream.buffer_pool(max_inflight_pushes)
         self.spills = stream.spill_pool(max_inflight_pushes, run.cfg.state_dir)
         self.spill_min_bytes = spill_min_bytes
 
+    def _caller(self, context, learner_id: str | None, call: str) -> str | None:
+        """Check a call's credential; returns the island it authenticates (None: no
+        secret is set, or the caller holds the run's secret and may act for anyone).
+        Raises Reject for a missing or wrong credential, or one of another island."""
+        if self.secret is None:
+            return None
+        got = dict(context.invocation_metadata() or ()).get(net.AUTH_KEY, "")
+        token = got[len("Bearer "):] if got.startswith("Bearer ") else ""
+        if token and hmac.compare_digest(token.encode(), self.secret.encode()):
+            return None
+        owner = net.credential_valid(self.secret, token) if token else None
+        if owner is None:
+            raise Reject("unauthenticated", "missing or wrong credential: pass this island's "
+                         f"credential (or the run's token) with --token or ${net.TOKEN_ENV}")
+        if learner_id is not None and owner != learner_id:
+            e = Reject("denied", f"the credential of {owner!r} cannot act as {learner_id!r}")
+            self.run.note_rejected(call, owner, e)
+            raise e
+        return owner
+
     def Join(self, request, context):
         specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype)
                  for t in request.layout]
         try:
+            self._caller(context, request.learner_id, "join")
             r = self.run.join(request.learner_id, specs, request.fingerprint, request.backend,
                               request.weights_file, dict(request.export_files),
-                              observer=request.observer)
+                              observer=request.observer,
+                              tokens_per_step=request.tokens_per_step)
         except Reject as e:
             _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)
 
     def Push(self, request_iterator, context):
-        first = None
+        first, watch = None, None
         try:
-            first = next(request_iterator, None)
-            if first is None or first.header is None:
-                raise Reject("invalid", "a push must start with a header chunk")
-            h = first.header
-            if h.kind not in (pb.DELTA, pb.SEED):
-                raise Reject("invalid", f"unknown push kind {h.kind}")
-            self.run.check_push_header(h)
-            # bounded: each push in flight holds its payload, compressed as it came
-            # (q4: 0.5625 B per parameter), until it is validated whole and merged
-            with self.inflight:
-                return pb.PushReply(**self._push(h, first, request_iterator))
+            owner = self._caller(context, None, "push")
+            with self.streams.admit(context, owner) as watch:
+                first = next(request_iterator, None)
+                watch.touch()
+                if first is None or first.header is None:
+                    raise Reject("invalid", "a push must start with a header chunk")
+                h = first.header
+                if owner is not None and h.learner_id != owner:
+                    self._caller(context, h.learner_id, "push")  # refused and taped
+                if h.kind not in (pb.DELTA, pb.SEED):
+                    raise Reject("invalid", f"unknown push kind {h.kind}")
+                self.run.check_push_header(h)
+                return pb.PushReply(**self._admitted_push(h, first, request_iterator, watch))
+        except Exhausted as e:
+            _abort(context, Reject("exhausted", str(e)))
         except Reject as e:
             learner = first.header.learner_id if first and first.header else ""
             _abort(context, e, self.run, "push", learner)
+        except grpc.RpcError:
+            if watch is None or not watch.expired:
+                raise
+            return None  # cancelled for silence (syncer.admission): nothing to answer
+
+    def _admitted_push(self, h, first, rest, watch) -> dict:
+        """Receive and merge a push once it has one of the `--max-inflight-pushes`
+        slots: each push in flight holds its payload, compressed as it came (q4:
+        0.5625 B per parameter), until it is validated whole and merged. Waiting for
+        a slot is bounded as silence is."""
+        if not self.inflight.acquire(timeout=self.streams.idle_s):
+            raise Reject("exhausted", "every push slot of the syncer stayed busy; the "
+                         "island retries")
+        try:
+            watch.touch()
+            return self._push(h, first, _touching(rest, watch))
+        finally:
+            self.inflight.release()
 
     def _push(self, h, first, rest) -> dict:
         """Receive and merge one push. A large delta goes to a temporary file as it
@@ -95,7 +156,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             done = None if keep else (lambda: self.pool.put(buf))
         try:
             try:
-                payload = _receive(h, first, rest, buf)
+                payload = _receive(h, first, rest, buf, self.run.max_abs(h))
             except OSError as e:  # the spill file: a full or vanished disk
                 raise Reject("exhausted", f"the syncer could not write the push from "
                              f"{h.learner_id} to its spill file: {e}; free disk space in "
@@ -115,19 +176,23 @@ class SyncerService(pb_grpc.SyncerServicer):
                          f"{folder or 'the temporary folder'}: {e}; the island retries") from None
 
     def Subscribe(self, request, context):
-        run = self.run
         try:
-            with run.cond:
-                run.check_island(request.learner_id, request.generation)
+            self._caller(context, request.learner_id, "subscribe")
+            with self.streams.admit(context, request.learner_id, idle=False):
+                yield from self._subscribe(request, context)
+        except Exhausted as e:
+            _abort(context, Reject("exhausted", str(e)))
         except Reject as e:
             _abort(context, e)
+
+    def _subscribe(self, request, context):
+        run = self.run
+        with run.cond:
+            run.check_island(request.learner_id, request.generation)
         context.add_callback(lambda: run.island_gone(request.learner_id, request.generation))
         sub = Subscription(run, request.learner_id, request.generation)
         while context.is_active():
-            try:
-                nxt = sub.wait_next(context.is_active)
-            except Reject as e:  # superseded by a newer connection of the same island
-                _abort(context, e)
+            nxt = sub.wait_next(context.is_active)  # Reject: superseded by a newer connection
             if nxt is None:
                 return
             if not context.is_active():
@@ -140,18 +205,24 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     def Heartbeat(self, request, context):
         try:
+            self._caller(context, request.learner_id, "heartbeat")
             return pb.HeartbeatReply(**self.run.heartbeat(request.learner_id,
                                                           request.generation))
         except Reject as e:
             _abort(context, e)
 
     def Status(self, request, context):
+        try:
+            self._caller(context, None, "status")
+        except Reject as e:
+            _abort(context, e)
         s = self.run.status()
         islands = [pb.IslandStatus(**i) for i in s.pop("islands")]
         return pb.StatusReply(islands=islands, **s)
 
     def Finish(self, request, context):
         try:
+            self._caller(context, request.learner_id, "finish")
             return pb.FinishReply(run_finished=self.run.finish_island(request.learner_id,
                                                                      request.generation))
         except Reject as e:
@@ -244,11 +315,19 @@ def _source_chunks(header, source, reader: int):
         yield source.read(reader, lo, hi, prefix)
 
 
-def _receive(h, first, rest, into=None):
+def _touching(chunks, watch):
+    """The chunks of a push, telling `watch` of each (it is cancelled when silent)."""
+    for chunk in chunks:
+        watch.touch()
+        yield chunk
+
+
+def _receive(h, first, rest, into=None, max_abs: float | None = None):
     """Assemble a push payload from its chunks into `into` (or a new buffer), validated
-    as it arrives (see `syncer.stream.PayloadReceiver`): one buffer of the wire size."""
+    as it arrives (see `syncer.stream.PayloadReceiver`): one buffer of the wire size,
+    every value finite and within `max_abs`."""
     try:
-        rx = stream.PayloadReceiver(h.encoding, h.numel, into)
+        rx = stream.PayloadReceiver(h.encoding, h.numel, into, max_abs)
         for chunk in itertools.chain([first], rest):
             if chunk is not first and chunk.header is not None:
                 raise Reject("invalid", "a push carries exactly one header")
@@ -281,34 +360,6 @@ def add_to_server(service: SyncerService, server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
-class TokenAuth(grpc.ServerInterceptor):
-    """Every call must carry `authorization: Bearer <token>` metadata."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation, details):
-        got = dict(details.invocation_metadata).get(net.AUTH_KEY, "")
-        if hmac.compare_digest(got.encode(), self._expected):
-            return continuation(details)
-        handler = continuation(details)
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong token: pass the syncer's token with --token "
-                          f"or the {net.TOKEN_ENV} environment variable")
-
-        if handler is None:
-            return None
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
-
-
 def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return host == "localhost"
@@ -322,32 +373,47 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(run: Run, host: str, port: int, token: str | None = None,
-          tls: tuple[bytes, bytes, bytes | None] | None = None, max_workers: int = 64,
-          max_inflight_pushes: int = 4, spill_min_bytes: int = SPILL_MIN_BYTES):
-    """Start the server; returns (server, bound port). A ticker thread commits
-    rounds whose grace window or timeout has passed."""
-    interceptors = [TokenAuth(token)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=interceptors, options=net.SERVER_OPTIONS)
-    add_to_server(SyncerService(run, max_inflight_pushes, spill_min_bytes), server)
+          tls: tuple[bytes, bytes, bytes | None] | None = None,
+          max_inflight_pushes: int = 4, spill_min_bytes: int = SPILL_MIN_BYTES,
+          streams: Streams | None = None):
+    """Start the server; returns (server, bound port). The port is the syncer's alone
+    (a second syncer on it fails here). A ticker thread commits rounds whose grace
+    window or timeout has passed, and cancels silent pushes; if it dies, the run
+    stops (`Run.fatal`)."""
+    streams = streams or Streams()
+    workers = streams.max_streams + UNARY_WORKERS  # unary calls always find a worker
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                         options=net.SERVER_OPTIONS + EXCLUSIVE_PORT)
+    add_to_server(SyncerService(run, max_inflight_pushes, spill_min_bytes, token, streams),
+                  server)
     address = host_port(host, port)
-    if tls:
-        cert, key, ca = tls
-        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                            require_client_auth=ca is not None)
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls:
+            cert, key, ca = tls
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                require_client_auth=ca is not None)
+            bound = server.add_secure_port(address, creds)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}: is the port in use? (try --port 0 for any "
+        raise OSError(f"cannot listen on {address}: the port is in use (another syncer?) or "
+                      "the address is not this machine's; choose another --port (0: any "
                       "free port)")
     server.start()
     stop = threading.Event()
-
-    def tick():
-        while not stop.wait(0.05):
-            run.tick()
-
-    threading.Thread(target=tick, name="syncer-ticker", daemon=True).start()
+    threading.Thread(target=_tick, args=(run, streams, stop), name="syncer-ticker",
+                     daemon=True).start()
     server.ticker_stop = stop
     return server, bound
+
+
+def _tick(run: Run, streams: Streams, stop: threading.Event) -> None:
+    try:
+        while not stop.wait(0.05):
+            run.tick()
+            streams.reap()
+    except BaseException as e:  # noqa: BLE001 - a dead ticker would stall the run silently
+        log.critical("the syncer's ticker failed", exc_info=True)
+        run.fail(f"the syncer's ticker failed: {e!r}")

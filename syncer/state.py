@@ -32,12 +32,13 @@ from yeto.io import atomic_file, atomic_write
 
 STATE_FILE = "state.safetensors"
 FINAL_DIR = "final"
-FORMAT = 1
+FORMAT = 2  # 2: the metadata is under its own digest too; 1 (older files) loads as before
 # flags whose change would make a resumed run a different computation
 MATH_FLAGS = ("outer_lr", "outer_momentum", "merge", "clip_factor", "downlink", "fragments")
 # the weights the islands hold, when a compressed downlink makes them differ from Θ
 ISLAND_THETA = "island_theta"
 _OLD_ISLAND_THETA = "held"  # its name in state files written before it was renamed
+META_DIGEST = "meta_sha256"  # the metadata's own digest, beside the tensors'
 
 
 class StateError(RuntimeError):
@@ -53,6 +54,19 @@ _MAX_HEADER = 100 << 20  # as safetensors itself
 
 def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a)).cast("B")
+
+
+def meta_digest(meta: dict) -> str:
+    """SHA-256 of the state's metadata (everything but this digest itself): with the
+    tensors' own digests in it, it covers the whole state."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` (and parents) readable by this user only (0700); an existing
+    folder keeps its mode."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def digest(a: np.ndarray) -> str:
@@ -137,6 +151,8 @@ def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray | None,
             not np.array_equal(island_theta, theta):
         tensors[ISLAND_THETA] = island_theta
     meta = dict(meta, format=FORMAT, **{f"{k}_sha256": digest(v) for k, v in tensors.items()})
+    meta[META_DIGEST] = meta_digest(meta)
+    make_private_dir(Path(state_dir))
     with atomic_file(Path(state_dir) / STATE_FILE) as f:
         write_safetensors(f, tensors, {"yeto_state": json.dumps(meta, sort_keys=True)})
 
@@ -150,11 +166,15 @@ def load(state_dir: Path) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | N
                          "without --resume to begin a new run")
     tensors, meta = _read(path)
     theta, momentum = tensors.get("theta"), tensors.get("momentum")
-    if theta is None or meta.get("format") != FORMAT:
+    if theta is None or meta.get("format") not in (1, FORMAT):
         raise StateError(f"{path} is not a yeto syncer state (format {meta.get('format')})")
     if any(digest(v) != meta.get(f"{k}_sha256") for k, v in tensors.items()):
         raise StateError(f"{path}: tensor digests do not match (corrupted on disk); it was "
                          "left untouched")
+    if meta["format"] >= 2 and meta.get(META_DIGEST) != meta_digest(meta):
+        raise StateError(f"{path}: its metadata (version, ledger, layout) does not match its "
+                         "digest: changed or corrupted on disk; it was left untouched. Restore "
+                         "a backup or start a new run with another --state-dir")
     island_theta = tensors.get(ISLAND_THETA, tensors.get(_OLD_ISLAND_THETA))
     return theta, momentum, island_theta, meta
 

@@ -3,10 +3,14 @@ and flushed as it happens so a crash loses at most the line being written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 from pathlib import Path
+
+log = logging.getLogger("syncer")
 
 
 class Tape:
@@ -14,18 +18,34 @@ class Tape:
         self.path = path
         self._lock = threading.Lock()
         self._file = None
+        self.lost = 0  # records the disk refused
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._file = open(path, "ab", buffering=0)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict) -> bool:
+        """Append one record; False when the disk refused it (full, read-only, gone):
+        the tape then loses that line, whole (never half a line), and says so in the
+        log. The tape is the run's account, not its state: a commit never waits on it."""
         if self._file is None:
-            return
-        line = json.dumps(record, sort_keys=True, allow_nan=False, default=_plain)
+            return True
+        line = (json.dumps(record, sort_keys=True, allow_nan=False, default=_plain)
+                + "\n").encode()
         with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            end = self._file.seek(0, os.SEEK_END)
+            try:
+                view = memoryview(line)
+                while view:  # an unbuffered write may take part of it
+                    view = view[self._file.write(view):]
+                os.fsync(self._file.fileno())
+                return True
+            except OSError as e:
+                self.lost += 1
+                log.error("tape %s: could not write a %s record (%s); %d lost so far",
+                          self.path, record.get("event", "?"), e, self.lost)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._file.fileno(), end)  # no half line stays behind
+                return False
 
     def close(self) -> None:
         if self._file is not None:

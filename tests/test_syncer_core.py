@@ -27,7 +27,7 @@ def _deltas(k, seed=0):
 
 def _merge(rule, pushes, clip_factor=0.0):
     acc = MergeAccumulator(N, rule, clip_factor)
-    weights = [acc.add(codec.encode(d, "f32"), "f32", t) for d, t in pushes]
+    weights = [acc.add(codec.encode(d, "f32"), "f32", t).weight for d, t in pushes]
     return acc, weights, acc.result().copy()
 
 
@@ -147,7 +147,7 @@ def test_state_written_before_the_rename_still_loads(tmp_path):
 
     theta, m, held = (np.full(N, v, np.float32) for v in (1.0, 2.0, 3.0))
     tensors = {"theta": theta, "momentum": m, "held": held}
-    meta = dict(_meta(), format=state.FORMAT,
+    meta = dict(_meta(), format=1,
                 **{f"{k}_sha256": state.digest(v) for k, v in tensors.items()})
     save_file(tensors, str(tmp_path / state.STATE_FILE),
               metadata={"yeto_state": json.dumps(meta)})

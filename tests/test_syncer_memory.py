@@ -29,8 +29,9 @@ def _deltas(k: int, n: int = N, seed: int = 0) -> list[np.ndarray]:
 
 
 def _blocked_norm(x: np.ndarray) -> float:
-    """The norm the syncer defines: float64 dots over fixed chunks, summed in order."""
-    x = x.astype(np.float64)
+    """The norm the syncer defines: float32 dots over fixed chunks, summed in order in
+    float64."""
+    x = x.astype(np.float32)
     return float(np.sqrt(sum(float(np.dot(x[lo:hi], x[lo:hi]))
                              for lo, hi in stream.chunks(x.size))))
 
@@ -169,7 +170,7 @@ def test_decode_add_equals_codec_and_norm_matches_numpy():
         assert a.tobytes() == b.tobytes() == c.tobytes()
         whole = codec.decode(p, encoding, N)
         assert norm == _blocked_norm(whole) == stream.norm(p, encoding, N)
-        assert norm == pytest.approx(float(np.linalg.norm(whole.astype(np.float64))), rel=1e-12)
+        assert norm == pytest.approx(float(np.linalg.norm(whole.astype(np.float64))), rel=1e-4)
 
 
 @pytest.mark.parametrize("held", ["memory", "spilled"])

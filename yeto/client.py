@@ -88,15 +88,20 @@ class SyncerClient:
                  export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None,
-                 sender: Executor | None = None):
+                 sender: Executor | None = None, tokens_per_step: int = 0):
         """`keepalive_s`: see `yeto.net.KEEPALIVE_S`. `channel`: a ready channel to use
         instead of opening one to `address` (`yeto.sim` passes an in-process one).
         `sender`: the executor pushes run on (default: one background thread, so a push
-        overlaps training; `yeto.sim` on simulated time runs them inline)."""
+        overlaps training; `yeto.sim` on simulated time runs them inline).
+        `token`: this island's credential, or the run's secret (its credential is then
+        derived from it). `tokens_per_step`: the most loss tokens one step holds (batch
+        × sequence length), declared at join: the syncer refuses pushes claiming more."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
-        self._metadata = net.auth_metadata(net.token_from_env(token))
+        self._metadata = net.auth_metadata(
+            net.credential_for(net.token_from_env(token), learner_id))
         self._join_request = pb.JoinRequest(
             learner_id=learner_id, fingerprint=layout.fingerprint, backend=backend,
+            tokens_per_step=max(0, int(tokens_per_step)),
             weights_file=weights_file, export_files=export_files or {},
             layout=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
                     for s in layout.specs])

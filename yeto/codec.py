@@ -83,15 +83,27 @@ def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: floa
     _decode_into(payload, encoding, numel, acc, weight=float(weight), assign=assign)
 
 
-def validate(payload, encoding: str, numel: int) -> None:
-    """Check size and finiteness without decoding into anything."""
+def validate(payload, encoding: str, numel: int, max_abs: float | None = None) -> None:
+    """Check size and finiteness without decoding into anything; with `max_abs`, also
+    that every value decodes to at most `max_abs` in magnitude."""
     buf = _sized(payload, encoding, numel)
     if encoding == "q4":
-        _q4_scales(buf, numel)
+        validate_q4_scales(buf[:4 * -(-numel // Q4_BLOCK)], max_abs)
         return
     for lo in range(0, numel, CHUNK):
-        if not np.isfinite(_plain_chunk(buf, encoding, lo, min(lo + CHUNK, numel))).all():
+        _check_values(_plain_chunk(buf, encoding, lo, min(lo + CHUNK, numel)), encoding,
+                      max_abs)
+
+
+def _check_values(x: np.ndarray, encoding: str, max_abs: float | None) -> None:
+    if max_abs is None:
+        if not np.isfinite(x).all():
             raise CodecError(f"{encoding} payload holds non-finite values")
+        return
+    if not (np.abs(x) <= max_abs).all():  # NaN fails the comparison too
+        bad = np.abs(x[~(np.abs(x) <= max_abs)][0])
+        raise CodecError(f"{encoding} payload holds a value of magnitude {bad:g} "
+                         f"(non-finite, or beyond the bound {max_abs:g})")
 
 
 def _sized(payload, encoding, numel) -> memoryview:
@@ -314,11 +326,16 @@ def _q4_scales(buf, numel) -> np.ndarray:
     return scales
 
 
-def validate_q4_scales(scales) -> None:
-    """q4 block scales (float32, any buffer) must be finite and non-negative."""
+def validate_q4_scales(scales, max_abs: float | None = None) -> None:
+    """q4 block scales (float32, any buffer) must be finite and non-negative; with
+    `max_abs`, small enough that no value decodes beyond it (|x| ≤ 7 × scale)."""
     scales = np.frombuffer(scales, dtype=np.float32)
     if not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise CodecError("q4 payload holds negative or non-finite block scales")
+    if max_abs is not None and (scales > max_abs / _Q4_LEVELS).any():
+        top = float(scales.max())
+        raise CodecError(f"q4 payload holds a block scale of {top:g}: its values reach "
+                         f"{top * _Q4_LEVELS:g}, beyond the bound {max_abs:g}")
 
 
 def q4_error_bound(x: np.ndarray) -> np.ndarray:

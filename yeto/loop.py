@@ -135,7 +135,9 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None,
     except (OSError, ValueError) as e:  # missing files, bad data or model: say which
         log.error("%s", e)
         return EXIT_BAD_INPUT
-    client = (connect or make_client)(cfg, weights.layout, backend) if group.leader else None
+    client = (connect or make_client)(cfg, weights.layout, backend,
+                                      tokens_per_step=step_tokens(cfg, group)) \
+        if group.leader else None
     on_sync = _group(group).collective(lambda: evaluate(backend, cfg, inputs))
     island = make_island(cfg, _group(group).island_weights(weights), client, on_sync, clock)
     log.info("%d trainable tensors, %d parameters (%s, %s); %d training blocks, "
@@ -232,8 +234,16 @@ def packing_for(packing: str, config_json: Path) -> str:
     return packing
 
 
-def make_client(cfg: IslandConfig, layout: Layout, backend: Backend) -> Transport | None:
-    """The gRPC transport to `cfg.syncer` (None for a single island)."""
+def step_tokens(cfg: IslandConfig, group) -> int:
+    """The most tokens one optimizer step of the island holds: what it declares to the
+    syncer, which refuses pushes claiming more loss tokens per step."""
+    return cfg.batch_size * cfg.seq_len * cfg.grad_accum * group.world
+
+
+def make_client(cfg: IslandConfig, layout: Layout, backend: Backend,
+                tokens_per_step: int = 0) -> Transport | None:
+    """The gRPC transport to `cfg.syncer` (None for a single island). `tokens_per_step`:
+    the island's declaration (`step_tokens`; 0: none, the syncer's cap binds)."""
     if not cfg.syncer:
         return None
     from yeto.client import TLSConfig, connect
@@ -242,7 +252,7 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend) -> Transpor
     return connect(cfg.syncer, cfg.learner_id, layout, token=cfg.token, backend=backend.name,
                    weights_file=weights_file, export_files=files,
                    tls=TLSConfig.from_files(cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
-                   keepalive_s=cfg.keepalive_s)
+                   keepalive_s=cfg.keepalive_s, tokens_per_step=tokens_per_step)
 
 
 def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
 from pathlib import Path
@@ -34,10 +36,16 @@ GRPC_OPTIONS = [
 KEEPALIVE_S = 20.0
 # The syncer accepts such pings as often as once a second, for as long as they come
 # (gRPC's default answers pings more frequent than 5 minutes with GOAWAY).
+# The syncer pings its peers too (every SERVER_KEEPALIVE_S, answer within as long): a
+# peer that stopped answering (a frozen process, a dead link) loses its connection and
+# the worker threads its streams held.
+SERVER_KEEPALIVE_S = 30.0
 SERVER_OPTIONS = GRPC_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", int(SERVER_KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(SERVER_KEEPALIVE_S * 1000)),
 ]
 
 
@@ -61,6 +69,50 @@ def chunks(payload: bytes | memoryview, size: int = CHUNK_BYTES):
 
 def auth_metadata(token: str | None) -> tuple:
     return ((AUTH_KEY, f"Bearer {token}"),) if token else ()
+
+
+# An island's credential: `isl1:<learner id>:<HMAC-SHA256(run secret, learner id)>`.
+# The syncer derives it again from the run's secret (it keeps no list of islands), so
+# a credential is good for its own learner id only; whoever holds the run's secret
+# (the operator) can derive every island's.
+CREDENTIAL_PREFIX = "isl1:"
+
+
+def island_credential(secret: str, learner_id: str) -> str:
+    """The credential of island `learner_id` in the run whose secret is `secret`."""
+    mac = hmac.new(secret.encode(), learner_id.encode(), hashlib.sha256).hexdigest()
+    return f"{CREDENTIAL_PREFIX}{learner_id}:{mac}"
+
+
+def credential_id(token: str) -> str | None:
+    """The learner id an island credential names (None: not a credential)."""
+    if not token.startswith(CREDENTIAL_PREFIX):
+        return None
+    learner, sep, mac = token[len(CREDENTIAL_PREFIX):].rpartition(":")
+    return learner if sep and learner and len(mac) == 64 else None
+
+
+def credential_for(token: str | None, learner_id: str) -> str | None:
+    """What island `learner_id` sends: its credential, derived when `token` is the
+    run's secret, as given when it is already a credential (checked to be its own)."""
+    if not token:
+        return None
+    owner = credential_id(token)
+    if owner is None:
+        return island_credential(token, learner_id)
+    if owner != learner_id:
+        raise ValueError(f"the credential given is island {owner!r}'s, not {learner_id!r}'s: "
+                         f"start this island with --learner-id {owner}, or pass its own "
+                         "credential (yeto launch prints one per island)")
+    return token
+
+
+def credential_valid(secret: str, token: str) -> str | None:
+    """The learner id `token` authenticates under `secret`, or None."""
+    learner = credential_id(token)
+    if learner is None:
+        return None
+    return learner if hmac.compare_digest(island_credential(secret, learner), token) else None
 
 
 def token_from_env(token: str | None) -> str | None:

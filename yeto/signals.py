@@ -8,7 +8,10 @@ stops at once. Islands, the syncer and `yeto launch` all stop this way.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 
@@ -66,3 +69,21 @@ def ignore_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
+
+
+def die_with_threads(exit_code: int = 70) -> None:
+    """Make a background thread that dies of an exception end the process, loudly
+    (its traceback, then exit `exit_code`), instead of leaving the process running
+    without it: a dead commit or send thread would stall the run silently. What is
+    on disk stays as the last atomic write left it."""
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if issubclass(args.exc_type, SystemExit):
+            return
+        name = args.thread.name if args.thread else "?"
+        logging.getLogger("yeto").critical(
+            "background thread %s died: %s; stopping the process", name, args.exc_value,
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+    threading.excepthook = hook

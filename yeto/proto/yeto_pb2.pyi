@@ -25,7 +25,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer")
+    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer", "tokens_per_step")
     class ExportFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class JoinRequest(_message.Message):
     WEIGHTS_FILE_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FILES_FIELD_NUMBER: _ClassVar[int]
     OBSERVER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     fingerprint: str
@@ -47,7 +48,8 @@ class JoinRequest(_message.Message):
     weights_file: str
     export_files: _containers.ScalarMap[str, str]
     observer: bool
-    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ...) -> None: ...
+    tokens_per_step: int
+    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink")
@@ -210,7 +212,7 @@ class IslandStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., state: _Optional[str] = ..., last_contact_s: _Optional[float] = ..., pushes: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "round", "version", "quorum", "islands", "bytes_in", "bytes_out", "finished", "last_merge_s")
+    __slots__ = ("run_id", "round", "version", "quorum", "islands", "bytes_in", "bytes_out", "finished", "last_merge_s", "problem")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +222,7 @@ class StatusReply(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAST_MERGE_S_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     version: int
@@ -229,7 +232,8 @@ class StatusReply(_message.Message):
     bytes_out: int
     finished: bool
     last_merge_s: float
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., version: _Optional[int] = ..., quorum: _Optional[int] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., finished: _Optional[bool] = ..., last_merge_s: _Optional[float] = ...) -> None: ...
+    problem: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., version: _Optional[int] = ..., quorum: _Optional[int] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., finished: _Optional[bool] = ..., last_merge_s: _Optional[float] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("learner_id", "generation")

@@ -153,10 +153,11 @@ def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClo
 
     setup = threading.Lock()
 
-    def connect(cfg: IslandConfig, layout, backend):
+    def connect(cfg: IslandConfig, layout, backend, tokens_per_step: int = 0):
         weights_file, files = backend.export_files(cfg)
         return LocalClient(service, cfg.learner_id, layout, clock=clock, backend=backend.name,
-                           weights_file=weights_file, export_files=files)
+                           weights_file=weights_file, export_files=files,
+                           tokens_per_step=tokens_per_step)
 
     class SimBackend(TorchBackend):
         costs: Iterator[float]  # simulated seconds of each step
