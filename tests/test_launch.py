@@ -325,7 +325,14 @@ def test_without_a_token_launch_makes_one_only_the_user_can_read(tmp_path, monke
     assert len(token) == 32 and (run.out / "token").stat().st_mode & 0o777 == 0o600
     assert run.env["YETO_TOKEN"] == token
     text = "\n".join(run.reserve_external())
-    assert token not in text and f"in {run.out / 'token'} on this machine" in text
+    assert token not in text and f"in {run.out / 'credentials'}/island-1 on this machine" in text
+    # each slot holds its own credential (never the run's token), readable by the user only
+    from yeto import net
+
+    cred = run.out / "credentials" / "island-1"
+    assert cred.read_text().strip() == net.island_credential(token, "island-1")
+    assert cred.stat().st_mode & 0o777 == 0o600
+    assert net.credential_valid(token, cred.read_text().strip()) == "island-1"
 
 
 def test_external_slots_count_in_the_quorum_and_show_as_waiting(tmp_path, monkeypatch):

@@ -7,19 +7,22 @@ and in the data sharding, and for each one the launcher prints what to run on th
 other machine:
 
     join island-2 (data shard 2 of 3) from another machine:
-      # the run's token (...): typed or pasted, not echoed, not kept in the shell's history
+      # island-2's credential (...): typed or pasted, not echoed, not kept in the shell's history
       printf 'YETO_TOKEN: ' >&2; read -rs YETO_TOKEN; export YETO_TOKEN; echo >&2
       pip install "yeto[torch]"
       python -m yeto.learner --syncer 203.0.113.7:29400 --learner-id island-2 \\
           --learner-index 2 --num-learners 3 --model ... --data ... --output island-2
 
-The token never appears in what is printed: the printed lines land in terminal
+Each slot gets its own credential (`yeto.net.island_credential`: derived from the
+run's token, good for that learner id only), written to ``OUT/credentials/<id>``
+(mode 600): another machine never holds the run's token, so it can act only as its
+own island. No secret appears in what is printed: the printed lines land in terminal
 scroll-back, CI logs and ``tee`` files, and a secret on a command line is also
-visible to every user of the other machine in ``ps``. The island reads it from
-``$YETO_TOKEN``; ``read -rs`` (bash and zsh alike) sets that variable without
-echoing it or writing it to the shell's history. The user has the token: they gave
-it to `yeto launch` (``--token`` / ``$YETO_TOKEN``), or the launcher generated one
-and wrote it to a file only they can read (``OUT/token``, mode 600).
+visible to every user of the other machine in ``ps``. The island reads its
+credential from ``$YETO_TOKEN``; ``read -rs`` (bash and zsh alike) sets that
+variable without echoing it or writing it to the shell's history. The run's token
+itself was given to `yeto launch` (``--token`` / ``$YETO_TOKEN``), or the launcher
+generated one and wrote it to a file only the user can read (``OUT/token``).
 
 The address (`advertise_host`): ``--advertise-host`` when given; else the syncer's
 ``--host`` when that is a specific address; else, for a wildcard ``--host 0.0.0.0``
@@ -152,7 +155,8 @@ class JoinSpec:
     island_args: list[str] = field(default_factory=list)
     backend_args: dict[str, list[str]] = field(default_factory=dict)
     tls_ca: Path | None = None
-    token_hint: str | None = None    # where the user finds the token; None: no token
+    # where the user finds the slot's credential ("{id}": its learner id); None: no token
+    token_hint: str | None = None
 
 
 def join_address(host: str, port: int, given: str | None = None) -> str:
@@ -181,8 +185,8 @@ def join_block(spec: JoinSpec, kind: str, learner_id: str, index: int) -> list[s
     lines = [f"join {learner_id} (data shard {index} of {spec.num_learners}"
              f"{'' if kind == 'any' else ', ' + kind}) from another machine:"]
     if spec.token_hint:
-        lines += [f"  # the run's token ({spec.token_hint}): typed or pasted, not echoed, "
-                  "not kept in the shell's history",
+        lines += [f"  # {learner_id}'s credential ({spec.token_hint.format(id=learner_id)}): "
+                  "typed or pasted, not echoed, not kept in the shell's history",
                   f"  printf '{net.TOKEN_ENV}: ' >&2; read -rs {net.TOKEN_ENV}; "
                   f"export {net.TOKEN_ENV}; echo >&2"]
     if spec.tls_ca is not None:
