@@ -9,6 +9,8 @@ COMMANDS = {
     "launch": ("yeto.cli.launch", "main",
                "a syncer + islands as local processes, with a live display"),
     "status": ("yeto.cli.status", "main", "a running syncer's islands, round, bytes (HOST:PORT)"),
+    "credential": ("yeto.cli.credential", "main",
+                   "each island's own credential, from the run's token"),
     "export": ("yeto.interop.export", "main_export",
                "a run's adapter (state dir) as a peft or mlx-lm adapter"),
     "convert": ("yeto.interop.export", "main_convert",
