@@ -273,4 +273,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from yeto.signals import die_with_threads
+
+    die_with_threads()  # a dead push or receive thread must not leave a silent island
     sys.exit(main())
