@@ -69,6 +69,8 @@ def view(s: dict, address: str = "") -> Group:
                 f"{s.get('quorum', 0)}  last merge {human_seconds(s.get('last_merge_s'))} ago  "
                 f"bytes in {human_bytes(s.get('bytes_in'))}  out "
                 f"{human_bytes(s.get('bytes_out'))}")
+    if s.get("problem"):
+        head.append(f"\nnot committing: {s['problem']}", style="bold red")
     if not s["islands"]:
         return Group(head, Text("no islands have joined yet"))
     rows = [[i["learner_id"], i.get("backend", "?"), i["state"],
