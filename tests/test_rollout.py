@@ -240,7 +240,7 @@ def test_adapters_load_in_either_format_on_either_backend(tiny_llama, tmp_path, 
     mlx_dir = peft_to_mlx(peft_dir, tmp_path / "mlx", base_model=tiny_llama)
     for engine, adapter, tol in ((MLXEngine(tiny_llama), peft_dir, 1e-3),
                                  (TorchEngine(tiny_llama), mlx_dir, 1e-4)):
-        node, server, url = _node(engine)
+        node, server, url = _node(engine, adapter_roots=[tmp_path])
         try:
             status, reply = _post(f"{url}/reload_adapter", {"path": str(adapter)})
             assert status == 200 and reply["yeto_version"] == 1, reply
@@ -256,7 +256,7 @@ def test_adapters_load_in_either_format_on_either_backend(tiny_llama, tmp_path, 
 
 
 def test_bad_requests_get_4xx_and_the_node_keeps_serving(tiny_llama, tmp_path):
-    node, server, url = _node(TorchEngine(tiny_llama), api_key="sesame")
+    node, server, url = _node(TorchEngine(tiny_llama), api_key="sesame", adapter_roots=[tmp_path])
     good = {"prompt": PROMPTS[0], "max_tokens": 4}
     cases = [  # (path, body, raw bytes, key, status, words in the message)
         ("/v1/completions", good, None, None, 401, "API key"),

@@ -17,5 +17,7 @@ weights sampled them (``yeto_version``). With ``--syncer`` it joins a run as an
   is served by exactly one weights version;
 - `api`: request validation and OpenAI/vLLM response shapes;
 - `server`: the HTTP server (standard library);
+- `guard`: who may call a node (Host, Origin, Content-Type: no web page can) and
+  where it may load adapters from (``--adapter-root``);
 - `observer`: the syncer subscription.
 """

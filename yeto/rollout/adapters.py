@@ -4,12 +4,14 @@ LoRA shape that must be attached to hold them (`LoraSpec`)."""
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 
 from yeto.interop.adapters import (
     MLX_WEIGHTS,
@@ -19,7 +21,7 @@ from yeto.interop.adapters import (
     read_peft_adapter,
 )
 
-_MODULE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_[AB]\.weight$")
+_MODULE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,9 @@ def adapter_format(path: str | Path) -> str:
 
 def read_adapter(path: str | Path, base_model: str | Path
                  ) -> tuple[dict[str, np.ndarray], LoraSpec, str]:
-    """(peft-named float32 tensors, the LoRA that holds them, "peft" | "mlx")."""
+    """(peft-named float32 tensors, the LoRA that holds them, "peft" | "mlx"). Refuses
+    (`AdapterError`) unreadable files, a nonsense config, unpaired or misshapen LoRA
+    factors and non-finite values."""
     kind = adapter_format(path)
     try:
         if kind == "mlx":
@@ -57,9 +61,49 @@ def read_adapter(path: str | Path, base_model: str | Path
                 tensors, cfg = read_peft_adapter(mlx_to_peft(path, tmp, base_model))
         else:
             tensors, cfg = read_peft_adapter(path)
-    except (AdapterConversionError, OSError, ValueError) as e:
+        tensors = {k: np.asarray(v, np.float32) for k, v in tensors.items()}
+    except (AdapterConversionError, SafetensorError, OSError, ValueError, TypeError,
+            KeyError) as e:
         raise AdapterError(f"cannot load the adapter at {path}: {e}") from e
-    return {k: np.asarray(v, np.float32) for k, v in tensors.items()}, spec_of(tensors, cfg), kind
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"the adapter at {path}: adapter_config.json is not a JSON object")
+    for name, t in tensors.items():
+        if not np.isfinite(t).all():
+            raise AdapterError(f"the adapter at {path} holds non-finite values (NaN or inf) in "
+                               f"{name}; it would sample garbage: fix or retrain it")
+    return tensors, spec_of(tensors, cfg), kind
+
+
+def _rank_alpha(cfg: dict) -> tuple[int, float]:
+    """The config's r (an integer >= 1) and lora_alpha (a finite number > 0)."""
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise AdapterError(f"adapter_config.json: r must be an integer >= 1, got {r!r}")
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+            or not math.isfinite(alpha) or alpha <= 0):
+        raise AdapterError(f"adapter_config.json: lora_alpha must be a finite number > 0, "
+                           f"got {alpha!r}")
+    return r, float(alpha)
+
+
+def _check_factors(tensors: dict[str, np.ndarray], r: int) -> set[str]:
+    """The adapted module paths; every module has lora_A (r, in) and lora_B (out, r)."""
+    factors: dict[str, dict[str, np.ndarray]] = {}
+    for name, t in tensors.items():
+        m = _MODULE.match(name)
+        if m is None:
+            raise AdapterError(f"tensor {name} is not a LoRA factor (base_model.model.<module>."
+                               "lora_A/B.weight); rollout nodes serve plain LoRA adapters")
+        factors.setdefault(m["module"], {})[m["ab"]] = t
+    for module, ab in sorted(factors.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise AdapterError(f"{module} has no {missing}: the adapter is incomplete")
+        a, b = ab["A"], ab["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise AdapterError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} "
+                               f"are not (r, in) and (out, r) for the config's r={r}")
+    return set(factors)
 
 
 def spec_of(tensors: dict[str, np.ndarray], cfg: dict) -> LoraSpec:
@@ -68,16 +112,11 @@ def spec_of(tensors: dict[str, np.ndarray], cfg: dict) -> LoraSpec:
     for key in ("use_rslora", "use_dora"):
         if cfg.get(key):
             raise AdapterError(f"the adapter uses {key}; rollout nodes serve plain LoRA")
-    modules = set()
-    for name in tensors:
-        m = _MODULE.match(name)
-        if m is None:
-            raise AdapterError(f"tensor {name} is not a LoRA factor (base_model.model.<module>."
-                               "lora_A/B.weight); rollout nodes serve plain LoRA adapters")
-        modules.add(m["module"])
+    r, alpha = _rank_alpha(cfg)
+    modules = _check_factors(tensors, r)
     if not modules:
         raise AdapterError("the adapter holds no LoRA tensors")
-    return LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), ",".join(sorted(modules)))
+    return LoraSpec(r, alpha, ",".join(sorted(modules)))
 
 
 def flat_of(tensors: dict[str, np.ndarray], layout) -> np.ndarray:

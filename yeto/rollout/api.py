@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from yeto.io import finite_or_none
 from yeto.rollout.generate import Output, SamplingParams
 
 MAX_N = 256
@@ -52,6 +53,7 @@ class Context:
     max_len: int
     vocab_size: int
     aliases: tuple[str, ...] = ()
+    max_rows: int | None = None     # rows (prompts x n) one request may ask for (--max-batch)
 
 
 @dataclass
@@ -81,13 +83,21 @@ def int_field(body: dict, key: str, default, lo: int | None = None, hi: int | No
     return v
 
 
+def _finite(v) -> float | None:
+    """`v` as a finite float; None for NaN, inf, ints beyond float, and non-numbers."""
+    try:
+        return finite_or_none(v)
+    except OverflowError:
+        return None
+
+
 def _float(body: dict, key: str, default: float, lo: float, hi: float,
            lo_open: bool = False) -> float:
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(f"{key} must be a number, got {v!r}", key)
+    if _finite(v) is None:
+        raise _bad(f"{key} must be a finite number, got {v!r}", key)
     if v < lo or v > hi or (lo_open and v == lo):
         side = "(" if lo_open else "["
         raise _bad(f"{key} must be in {side}{lo}, {hi}], got {v}", key)
@@ -133,8 +143,19 @@ def check_model(body: dict, ctx: Context) -> None:
                        f"`{ctx.model_name}` (GET /v1/models)", "NotFoundError", "model")
 
 
+def _n(body: dict, prompts: int, ctx: Context) -> int:
+    """`n`, refused when `prompts` x `n` rows exceed what the node samples together."""
+    n = int_field(body, "n", 1, lo=1, hi=MAX_N)
+    if ctx.max_rows is not None and prompts * n > ctx.max_rows:
+        raise _bad(f"this request asks for {prompts * n} rows ({prompts} prompts x n={n}); the "
+                   f"node samples at most {ctx.max_rows} rows together (--max-batch "
+                   f"{ctx.max_rows}): send fewer prompts or a smaller n per request, or start "
+                   "the node with a larger --max-batch", "n")
+    return n
+
+
 def _common(body: dict, ctx: Context, prompts: list[list[int]], chat: bool,
-            logprobs: int | None) -> Request:
+            logprobs: int | None, n: int) -> Request:
     if body.get("stream"):
         raise _bad("stream is not supported by rollout nodes; send stream: false", "stream")
     for key in ("echo", "use_beam_search"):
@@ -157,19 +178,20 @@ def _common(body: dict, ctx: Context, prompts: list[list[int]], chat: bool,
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
         seed=int_field(body, "seed", None), stop=_stop(body), stop_token_ids=_stop_ids(body, ctx),
         ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs)
-    return Request(chat, prompts, params, int_field(body, "n", 1, lo=1, hi=MAX_N), logprobs,
+    return Request(chat, prompts, params, n, logprobs,
                    _bool(body, "return_tokens_as_token_ids"), _bool(body, "return_token_ids"))
 
 
 def parse_completion(body: dict, ctx: Context) -> Request:
     check_model(body, ctx)
-    prompts = _prompts(body.get("prompt"), ctx)
+    prompt = _prompt_list(body.get("prompt"))
+    n = _n(body, len(prompt), ctx)  # before tokenizing: a refused request costs nothing
     logprobs = int_field(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return _common(body, ctx, prompts, False, logprobs)
+    return _common(body, ctx, _tokenized(prompt, ctx), False, logprobs, n)
 
 
-def _prompts(prompt, ctx: Context) -> list[list[int]]:
-    """`prompt` as token id lists: a string, a list of ids, or a list of either."""
+def _prompt_list(prompt) -> list:
+    """`prompt` (a string, a list of ids, or a list of either) as a list of prompts."""
     if prompt is None:
         raise _bad("prompt is required: a string, a list of token ids, or a list of those",
                    "prompt")
@@ -179,6 +201,11 @@ def _prompts(prompt, ctx: Context) -> list[list[int]]:
     if not isinstance(prompt, list) or not prompt:
         raise _bad("prompt must be a non-empty string, list of token ids, or list of those",
                    "prompt")
+    return prompt
+
+
+def _tokenized(prompt: list, ctx: Context) -> list[list[int]]:
+    """Each prompt as token ids (strings with the tokenizer's default special tokens)."""
     out = []
     for p in prompt:
         if isinstance(p, str):
@@ -195,13 +222,14 @@ def _prompts(prompt, ctx: Context) -> list[list[int]]:
 
 def parse_chat(body: dict, ctx: Context) -> Request:
     check_model(body, ctx)
+    n = _n(body, 1, ctx)
     ids = chat_prompt(body, ctx)
     logprobs = None
     if _bool(body, "logprobs"):
         logprobs = int_field(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     elif body.get("top_logprobs"):
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
-    return _common(body, ctx, [ids], True, logprobs)
+    return _common(body, ctx, [ids], True, logprobs, n)
 
 
 def chat_prompt(body: dict, ctx: Context) -> list[int]:

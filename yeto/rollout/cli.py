@@ -8,7 +8,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import sys
 import threading
@@ -18,6 +17,7 @@ from yeto import net
 from yeto.config import HelpFormatter
 from yeto.io import atomic_write
 from yeto.rollout.adapters import AdapterError, LoraSpec, read_adapter
+from yeto.rollout.guard import is_loopback
 from yeto.signals import GracefulStop
 from yeto.targets import TARGET_MODES
 
@@ -36,7 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("torch", "mlx"), default="torch")
     p.add_argument("--adapter", type=Path, default=None,
                    help="a peft or mlx-lm LoRA adapter dir to serve (sets the LoRA shape)")
+    p.add_argument("--adapter-root", type=Path, action="append", default=None, metavar="DIR",
+                   help="POST /reload_adapter loads only adapters under this dir, after "
+                        "symlinks and '..' are resolved (repeatable). Default: the current "
+                        "working directory and the directory holding --adapter")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME (repeatable; '*': "
+                        "any). By default only loopback names, the --host address and, "
+                        "beyond loopback, this machine's host names (DNS-rebinding guard)")
     p.add_argument("--port", type=int, default=8080, help="0: any free port")
     p.add_argument("--port-file", type=Path, default=None,
                    help="write the port here once listening (for --port 0)")
@@ -46,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default $YETO_ROLLOUT_API_KEY)")
     p.add_argument("--insecure", action="store_true",
                    help="allow listening beyond loopback without --api-key")
-    p.add_argument("--max-batch", type=int, default=64, help="rows sampled together at most")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="rows sampled together at most; a request for more rows (prompts x "
+                        "n) is refused with 400")
     p.add_argument("--request-log", type=Path, default=None,
                    help="append one JSON line per request (prompt ids, n, version)")
     _add_run_args(p)
@@ -98,11 +108,14 @@ def build_engine(args):
     return engine
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+def adapter_roots(args) -> list[Path]:
+    """--adapter-root, else the working directory and the directory holding --adapter."""
+    if args.adapter_root:
+        return list(args.adapter_root)
+    roots = [Path.cwd()]
+    if args.adapter is not None:
+        roots.append(args.adapter.resolve().parent)
+    return roots
 
 
 def observe(node, args, port: int) -> None:
@@ -129,7 +142,7 @@ def main(argv=None) -> int:
     from yeto.rollout.server import RolloutNode, api_key_from_env, make_server
 
     key = api_key_from_env(args.api_key)
-    if not _loopback(args.host) and not key and not args.insecure:
+    if not is_loopback(args.host) and not key and not args.insecure:
         print(f"error: listening on {args.host} without --api-key lets anyone sample and load "
               "adapters; pass --api-key KEY (or --insecure)", file=sys.stderr)
         return 2
@@ -141,8 +154,9 @@ def main(argv=None) -> int:
     node = RolloutNode(engine, model_name=args.served_model_name or args.model,
                        eos_ids=stop_token_ids(args.model, engine.tokenizer),
                        max_batch=args.max_batch, api_key=key, request_log=args.request_log,
-                       aliases=(str(Path(args.model).resolve()),))
-    server = make_server(node, args.host, args.port)
+                       aliases=(str(Path(args.model).resolve()),),
+                       adapter_roots=adapter_roots(args))
+    server = make_server(node, args.host, args.port, tuple(args.allow_host))
     port = server.server_address[1]
     if args.syncer:
         observe(node, args, port)

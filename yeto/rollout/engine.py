@@ -59,7 +59,8 @@ class LoRAEngine:
     def load_adapter(self, path: str | Path, fixed_layout: bool = False) -> str:
         """Load a peft or mlx-lm adapter; returns its format. The LoRA is rebuilt when
         the adapter's shape differs, unless `fixed_layout` (a node in a run: its layout
-        is the run's), which refuses such an adapter instead."""
+        is the run's), which refuses such an adapter instead. An adapter refused
+        (`AdapterError`) leaves the engine serving what it served before."""
         tensors, spec, kind = read_adapter(path, self.model_dir)
         same_scale = abs(spec.alpha / spec.r - self.spec.alpha / self.spec.r) < 1e-12
         try:
@@ -71,8 +72,24 @@ class LoRAEngine:
                 raise AdapterError(f"the adapter at {path} (r={spec.r}, alpha={spec.alpha}) does "
                                    "not fit this node's LoRA, which is fixed by the run it "
                                    "observes; load an adapter of the run's shape")
-            log.info("rebuilding LoRA for the adapter: r=%d alpha=%g", spec.r, spec.alpha)
-            self.attach(spec)
-            flat = flat_of(tensors, self.layout)
-        self.set_weights(flat)
+            self._rebuild(spec, tensors, path)
+        else:
+            self.set_weights(flat)
         return kind
+
+    def _rebuild(self, spec: LoraSpec, tensors: dict[str, np.ndarray], path) -> None:
+        """Attach the LoRA of `spec` and load `tensors` into it; on failure, the LoRA
+        and weights from before are put back and `AdapterError` says why."""
+        old_spec, old_flat = self.spec, self.weights.get()
+        log.info("rebuilding LoRA for the adapter: r=%d alpha=%g", spec.r, spec.alpha)
+        try:
+            self.attach(spec)
+            self.set_weights(flat_of(tensors, self.layout))
+        except Exception as e:
+            self.attach(old_spec)
+            self.set_weights(old_flat)
+            if isinstance(e, AdapterError):
+                raise
+            if isinstance(e, (ValueError, KeyError, RuntimeError, TypeError)):
+                raise AdapterError(f"the adapter at {path} does not fit this model: {e}") from e
+            raise

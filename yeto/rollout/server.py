@@ -13,7 +13,11 @@ with a 4xx status, and the node keeps serving):
     GET  /yeto/status             version, counters, the observer's state
 
 With ``--api-key`` (or $YETO_ROLLOUT_API_KEY) every route but /health needs
-``Authorization: Bearer KEY`` (401 otherwise).
+``Authorization: Bearer KEY`` (401 otherwise). Every route refuses a Host that
+does not name the node and a cross-origin ``Origin`` (403), every POST a body not
+sent as ``application/json`` (415), and adapters load only from under the
+node's adapter roots (403); see `yeto.rollout.guard`. JSON bodies must hold
+finite numbers (no NaN / Infinity).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -32,6 +37,7 @@ from typing import Any
 from yeto.rollout import api
 from yeto.rollout.adapters import AdapterError
 from yeto.rollout.generate import make_rows
+from yeto.rollout.guard import Guard, adapter_dir, resolve_roots
 from yeto.rollout.scheduler import Scheduler
 
 log = logging.getLogger("yeto.rollout")
@@ -46,12 +52,17 @@ class RolloutNode:
 
     def __init__(self, engine, *, model_name: str, eos_ids, max_batch: int = 64,
                  api_key: str | None = None, request_log: Path | None = None,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), adapter_roots=None):
+        """`adapter_roots`: the directories `/reload_adapter` may load from (default:
+        the current working directory)."""
         self.engine, self.tokenizer = engine, engine.tokenizer
         self._tok_lock = threading.Lock()  # HF tokenizers: one caller at a time
         self.scheduler = Scheduler(engine, eos_ids, self.detok, max_batch=max_batch)
         self.ctx = api.Context(model_name, _Locked(self.tokenizer, self._tok_lock),
-                               engine.max_len, engine.vocab_size, aliases)
+                               engine.max_len, engine.vocab_size, aliases,
+                               max_rows=self.scheduler.max_batch)
+        self.adapter_roots = resolve_roots([Path.cwd()] if adapter_roots is None
+                                           else adapter_roots)
         self.api_key, self.request_log = api_key, request_log
         self.follower = None  # the observer of a run (yeto.rollout.observer.Follower)
         self._log_lock = threading.Lock()
@@ -73,14 +84,15 @@ class RolloutNode:
         if not isinstance(path, str) or not path:
             raise api.ApiError(400, "send {\"path\": \"/dir/of/adapter\"} (a peft or mlx-lm "
                                "adapter directory)", param="path")
-        if not Path(path).is_dir():
+        real = adapter_dir(path, self.adapter_roots)
+        if not real.is_dir():
             raise api.ApiError(404, f"adapter directory {path} not found on the node",
                                "NotFoundError", "path")
         version = api.int_field(body, "version", None)
         fixed = self.follower is not None
 
         def load():
-            kind = self.engine.load_adapter(path, fixed_layout=fixed)
+            kind = self.engine.load_adapter(real, fixed_layout=fixed)
             s = self.scheduler
             s.version = version if version is not None else s.version + 1
             return kind, s.version
@@ -88,8 +100,9 @@ class RolloutNode:
         try:
             kind, v = self.scheduler.call(load).result(timeout=REQUEST_TIMEOUT_S)
         except AdapterError as e:
-            raise api.ApiError(400, str(e), param="path") from e
-        log.info("adapter %s (%s) loaded as version %d", path, kind, v)
+            raise api.ApiError(400, f"{e}; the node still serves version "
+                               f"{self.scheduler.version}", param="path") from e
+        log.info("adapter %s (%s) loaded as version %d", real, kind, v)
         return {"status": "ok", "format": kind, "yeto_version": v}
 
     def models(self) -> dict:
@@ -101,8 +114,8 @@ class RolloutNode:
     def status(self) -> dict:
         s = self.scheduler
         return dict(model=self.ctx.model_name, backend=self.engine.name, version=s.version,
-                    requests=s.requests, rows=s.rows_served, tokens_out=s.tokens_out,
-                    batches=s.batches, busy_s=round(s.busy_s, 3),
+                    max_batch=s.max_batch, requests=s.requests, rows=s.rows_served,
+                    tokens_out=s.tokens_out, batches=s.batches, busy_s=round(s.busy_s, 3),
                     uptime_s=round(time.time() - self.started, 1),
                     observer=self.follower.status() if self.follower else None)
 
@@ -139,10 +152,24 @@ class _Locked:
             return self._tok.apply_chat_template(*a, **kw)
 
 
+def _not_json(name: str):
+    """json's hook for NaN / Infinity / -Infinity, which JSON does not have."""
+    raise ValueError(f"{name} is not a JSON number: send finite numbers")
+
+
+def _finite_float(text: str) -> float:
+    """json's hook for numbers with a fraction or exponent: 1e999 is not a float."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"{text} overflows a float: send finite numbers")
+    return x
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = "yeto-rollout"
     protocol_version = "HTTP/1.1"
     node: RolloutNode  # set on the class made by `make_server`
+    guard: Guard       # likewise: the Host / Origin / Content-Type rules
 
     def log_message(self, fmt: str, *args) -> None:
         log.debug("%s %s", self.address_string(), fmt % args)
@@ -162,9 +189,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, routes: dict, body: bool) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        self._read = False  # whether this request's body has been read
         try:
+            self.guard.check(self.headers, post=body)
             if path not in routes:
-                self._drain()
                 raise api.ApiError(404, f"no route {self.command} {path}; see GET /v1/models, "
                                    "POST /v1/completions, /v1/chat/completions, "
                                    "/reload_adapter", "NotFoundError")
@@ -172,9 +200,11 @@ class Handler(BaseHTTPRequestHandler):
             payload = self._body() if body else None
             self._send(200, routes[path](payload))
         except api.ApiError as e:
+            self._discard()
             self._send(e.status, e.body())
         except Exception as e:  # noqa: BLE001 - the node keeps serving
             log.exception("%s %s failed", self.command, path)
+            self._discard()
             self._send(500, api.ApiError(500, f"internal error: {e}", "InternalServerError")
                        .body())
 
@@ -184,20 +214,32 @@ class Handler(BaseHTTPRequestHandler):
             return
         given = self.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            self._drain()
             raise api.ApiError(401, "missing or wrong API key: send the header "
                                "'Authorization: Bearer <key>' (the node's --api-key)",
                                "AuthenticationError")
 
     def _length(self) -> int:
         try:
-            return int(self.headers.get("Content-Length") or 0)
+            n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            raise api.ApiError(400, "bad Content-Length header") from None
+            n = -1
+        if n < 0:
+            self.close_connection = True
+            raise api.ApiError(400, "bad Content-Length header")
+        return n
 
-    def _drain(self) -> None:
-        n = self._length()
-        if 0 < n <= MAX_BODY:
+    def _discard(self) -> None:
+        """Read past an unread body (keep-alive stays in step), or close the connection."""
+        if self._read:
+            return
+        self._read = True
+        try:
+            n = self._length()
+        except api.ApiError:
+            return
+        if n > MAX_BODY:
+            self.close_connection = True
+        elif n:
             self.rfile.read(n)
 
     def _body(self) -> dict:
@@ -205,10 +247,12 @@ class Handler(BaseHTTPRequestHandler):
         if n > MAX_BODY:
             self.close_connection = True
             raise api.ApiError(413, f"request body over {MAX_BODY} bytes", "RequestTooLarge")
+        self._read = True
         raw = self.rfile.read(n) if n else b""
         try:
-            body = json.loads(raw or b"null")
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            body = json.loads(raw or b"null", parse_constant=_not_json,
+                              parse_float=_finite_float)
+        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
             raise api.ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise api.ApiError(400, "the request body must be a JSON object")
@@ -223,12 +267,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def make_server(node: RolloutNode, host: str = "127.0.0.1", port: int = 0
-                ) -> ThreadingHTTPServer:
-    """An HTTP server for `node` (port 0: any free port; see `server_address`)."""
+def make_server(node: RolloutNode, host: str = "127.0.0.1", port: int = 0,
+                allow_hosts: tuple[str, ...] = ()) -> ThreadingHTTPServer:
+    """An HTTP server for `node` (port 0: any free port; see `server_address`).
+    `allow_hosts`: Host names it answers to besides its own (``*``: any)."""
     handler = type("NodeHandler", (Handler,), {"node": node})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
+    handler.guard = Guard.for_bind(host, server.server_address[1], allow_hosts)
     return server
 
 
