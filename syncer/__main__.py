@@ -19,7 +19,7 @@ from syncer.admission import Streams
 from syncer.bounds import Bounds
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
-from syncer.service import SPILL_MIN_BYTES, is_loopback, serve
+from syncer.service import SPILL_MIN_BYTES, serve
 from syncer.state import StateError
 from yeto import memory, net
 from yeto.io import atomic_write, host_port
@@ -199,7 +199,7 @@ def _check_state_dir(state_dir: Path | None) -> None:
 
 
 def _refuse_open_listening(args, token: str | None, tls) -> None:
-    if is_loopback(args.host) or token or tls or args.insecure:
+    if net.is_loopback(args.host, resolve=True) or token or tls or args.insecure:
         return
     sys.exit(f"error: refusing to listen on {args.host} without a token or TLS: anyone who "
              "can reach the port could join. Example:\n"

@@ -35,9 +35,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from syncer.service import is_loopback
 from yeto.io import finite_or_none, host_port
 from yeto.metrics import JsonlFollower
+from yeto.net import is_loopback
 from yeto.signals import GracefulStop
 
 log = logging.getLogger("syncer.dashboard")

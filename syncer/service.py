@@ -9,10 +9,8 @@ another island's id is refused (PERMISSION_DENIED) and written to the tape."""
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import itertools
 import logging
-import socket
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -358,18 +356,6 @@ def add_to_server(service: SyncerService, server) -> None:
     }
     name = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
-            return False
 
 
 def serve(run: Run, host: str, port: int, token: str | None = None,

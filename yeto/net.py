@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import re
+import socket
 from pathlib import Path
 
 # Pushes and broadcasts go in 1 MiB messages. A push: the syncer receives every
@@ -65,6 +67,34 @@ def chunks(payload: bytes | memoryview, size: int = CHUNK_BYTES):
         return
     for lo in range(0, len(view), size):
         yield view[lo:lo + size]
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
+                            "ip6-loopback"})
+
+
+def ip_address(host: str):
+    """`host` as an IP address ('[::1]' too), or None when it is a name."""
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
+def is_loopback(host: str, resolve: bool = False) -> bool:
+    """A loopback address (127.0.0.0/8, ::1) or name (localhost); with `resolve`, also
+    a name this machine resolves to a loopback address."""
+    ip = ip_address(host)
+    if ip is not None:
+        return ip.is_loopback
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    if not resolve or not host:
+        return False
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except OSError:
+        return False
 
 
 def auth_metadata(token: str | None) -> tuple:

@@ -35,7 +35,6 @@ IPv4 address of its interfaces, else what its host name resolves to. A loopback
 
 from __future__ import annotations
 
-import ipaddress
 import shlex
 import socket
 import sys
@@ -75,21 +74,12 @@ def parse_slots(spec: str | None) -> list[str]:
     return slots
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def advertise_host(host: str, given: str | None = None) -> str:
     """The address other machines dial to reach a syncer listening on `host` (see the
     module's docstring for the rule)."""
     if given:
         return given
-    if is_loopback(host):
+    if net.is_loopback(host):
         raise JoinError(f"--host {host} is reachable only from this machine, so no other "
                         "machine can join: listen on all interfaces with --host 0.0.0.0 (or "
                         "this machine's address), or pass --advertise-host with the address "
@@ -112,7 +102,7 @@ def route_address() -> str | None:
             addr = s.getsockname()[0]
         except OSError:
             return None
-    return None if is_loopback(addr) or addr == "0.0.0.0" else addr
+    return None if net.is_loopback(addr) or addr == "0.0.0.0" else addr
 
 
 def interface_address() -> str | None:
@@ -130,7 +120,7 @@ def interface_address() -> str | None:
                 addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
             except OSError:
                 continue  # no IPv4 address on this interface
-            if not is_loopback(addr):
+            if not net.is_loopback(addr):
                 return addr
     return None
 
@@ -140,7 +130,7 @@ def hostname_address() -> str | None:
         addrs = socket.gethostbyname_ex(socket.gethostname())[2]
     except OSError:
         return None
-    return next((a for a in addrs if not is_loopback(a)), None)
+    return next((a for a in addrs if not net.is_loopback(a)), None)
 
 
 @dataclass

@@ -34,6 +34,9 @@ class Sample:
     node: str
 
 
+MAX_ROWS = 64  # rows (prompts × G) per request: a yeto rollout node's default --max-batch
+
+
 class NodeError(RuntimeError):
     """A node did not answer usefully (down, timed out, or a bad reply)."""
 
@@ -64,14 +67,15 @@ def base_url(url: str) -> str:
 
 class RolloutPool:
     def __init__(self, urls: list[str], *, timeout_s: float = 300.0, wait_s: float = 600.0,
-                 retry_s: float = 2.0, api_key: str | None = None, model: str | None = None):
+                 retry_s: float = 2.0, api_key: str | None = None, model: str | None = None,
+                 max_rows: int = MAX_ROWS):
         if not urls:
             raise ValueError("no --rollout-url: start a node with `python -m yeto.rollout "
                              "--model M --port 8080` and pass --rollout-url "
                              "http://127.0.0.1:8080/v1")
         self.nodes = [Node(base_url(u)) for u in urls]
         self.timeout_s, self.wait_s, self.retry_s = timeout_s, wait_s, retry_s
-        self.api_key, self.model = api_key, model
+        self.api_key, self.model, self.max_rows = api_key, model, max_rows
         self._turn = 0
         self._exec = ThreadPoolExecutor(max_workers=max(1, len(urls)),
                                         thread_name_prefix="yeto-rollout-client")
@@ -136,15 +140,22 @@ class RolloutPool:
                 "`python -m yeto.rollout --model M --port 8080`")
 
     def _ask(self, node: Node, prompts, g: int, params: dict) -> list[list[Sample]]:
-        body = dict(params, prompt=[list(p) for p in prompts], n=g, logprobs=0,
-                    return_tokens_as_token_ids=True)
-        if self.model:
-            body["model"] = self.model
-        reply = post_json(f"{node.url}/v1/completions", body, self.timeout_s, self.api_key)
-        try:
-            return parse_groups(reply, len(prompts), g, node.url)
-        except (KeyError, TypeError, ValueError) as e:
-            raise NodeError(f"malformed reply: {e!r}") from e
+        """The groups of `prompts` from one node, in requests of at most `max_rows`
+        rows (prompts × G): a yeto node refuses more than its --max-batch."""
+        per = max(1, self.max_rows // g)
+        groups: list[list[Sample]] = []
+        for lo in range(0, len(prompts), per):
+            part = prompts[lo:lo + per]
+            body = dict(params, prompt=[list(p) for p in part], n=g, logprobs=0,
+                        return_tokens_as_token_ids=True)
+            if self.model:
+                body["model"] = self.model
+            reply = post_json(f"{node.url}/v1/completions", body, self.timeout_s, self.api_key)
+            try:
+                groups += parse_groups(reply, len(part), g, node.url)
+            except (KeyError, TypeError, ValueError) as e:
+                raise NodeError(f"malformed reply: {e!r}") from e
+        return groups
 
     def report(self) -> list[dict]:
         return [dict(url=n.url, groups=n.groups, failures=n.total_failures,

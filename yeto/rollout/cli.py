@@ -16,8 +16,8 @@ from pathlib import Path
 from yeto import net
 from yeto.config import HelpFormatter
 from yeto.io import atomic_write
+from yeto.net import is_loopback
 from yeto.rollout.adapters import AdapterError, LoraSpec, read_adapter
-from yeto.rollout.guard import is_loopback
 from yeto.signals import GracefulStop
 from yeto.targets import TARGET_MODES
 

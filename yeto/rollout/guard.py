@@ -14,33 +14,19 @@ resolved.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from yeto.net import ip_address, is_loopback
 from yeto.rollout.api import ApiError
 
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
-                            "ip6-loopback"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 JSON_TYPE = "application/json"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
-
-def _ip(host: str):
-    try:
-        return ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return None
-
-
-def is_loopback(host: str) -> bool:
-    """A loopback address (127.0.0.0/8, ::1) or a loopback name (localhost)."""
-    ip = _ip(host)
-    return ip.is_loopback if ip is not None else host.lower() in LOOPBACK_NAMES
 
 
 def _host_port(value: str) -> tuple[str, int | None] | None:
@@ -81,7 +67,7 @@ class Guard:
     def own(self, host: str) -> bool:
         """Whether `host` (a name or address, no port) names this node."""
         return (self.any_host or is_loopback(host) or host in self.names
-                or (self.any_ip and _ip(host) is not None))
+                or (self.any_ip and ip_address(host) is not None))
 
     def check(self, headers: Mapping[str, str], post: bool) -> None:
         """Raise `ApiError` (403, 415) for a request this node must not answer."""
