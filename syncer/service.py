@@ -127,9 +127,10 @@ class SyncerService(pb_grpc.SyncerServicer):
     def _admitted_push(self, h, first, rest, watch) -> dict:
         """Receive and merge a push once it has one of the `--max-inflight-pushes`
         slots: each push in flight holds its payload, compressed as it came (q4:
-        0.5625 B per parameter), until it is validated whole and merged. Waiting for
-        a slot is bounded as silence is."""
-        if not self.inflight.acquire(timeout=self.streams.idle_s):
+        0.5625 B per parameter), until it is validated whole and merged. The wait for
+        a slot is bounded too (holders move or are cancelled within --stream-idle-s;
+        a WAN push may take minutes, so ten times that)."""
+        if not self.inflight.acquire(timeout=10 * self.streams.idle_s):
             raise Reject("exhausted", "every push slot of the syncer stayed busy; the "
                          "island retries")
         try:
