@@ -1,0 +1,1016 @@
+"""Chaos harness: a real fleet under a seeded schedule of faults, then the run's checks.
+
+    .venv/bin/python scripts/chaos.py --faults 20 --seed 1
+
+It starts a syncer (`python -m syncer`) and --islands numpy islands
+(scripts/synthetic_island.py: the real Island and gRPC client), all on 127.0.0.1, with a
+run secret (islands get it in YETO_TOKEN and derive their own credentials), plus a rogue
+client inside this process that holds its own valid credential
+(`yeto.net.island_credential(secret, "rogue")`). Then it injects --faults faults drawn by
+random.Random(--seed) from these kinds (every kind once first, in a shuffled order, then
+at random):
+
+  island-kill     kill -9 of an island; restarted, it rejoins under the same learner id
+  syncer-kill     kill -9 of the syncer; restarted with --resume on the same state dir, port
+  island-stop     SIGSTOP of an island until the fleet committed twice without it; SIGCONT
+  silent-streams  the rogue opens Push streams that send a header and then nothing, and
+                  streams that send nothing at all; the fleet must keep committing
+  garbage         random bytes (and an HTTP/2 preface, and HTTP/1) straight onto the port
+  rogue-values    the rogue, as itself, pushes a NaN, f32 values of 1e38, and q4 whose block
+                  scales are 3e38: each must be refused
+  impersonation   the rogue sends Join and Push as an island, with its own credential:
+                  each must be refused (UNAUTHENTICATED or PERMISSION_DENIED)
+  disk-full       (root: the state dir is on a small tmpfs) a filler file fills it until the
+                  syncer notices (a log line or its exit); the filler goes, and a syncer
+                  that exited is resumed
+  link-cut        not implemented: skipped, and said so
+
+Every wait is on an event (a process exit, a tape or log line, an RPC answer) and has a
+bound (--wait-s) that fails loudly; every fault ends with a committed round. After the
+schedule the syncer is stopped cleanly (SIGTERM) and resumed with --rounds <saved version
++ --final-rounds> (not a fault: it ends the run a few rounds after the last one), and the
+islands run until the final weights arrive. Then:
+
+  lost_commits       the tape's merge versions are 1..R, each once; each resume continued
+                     from the version saved when the syncer stopped; no version reached the
+                     islands with two different Θ; the final state is version R
+  theta_finite       Θ and the momentum in state.safetensors are finite at every snapshot
+                     (after each fault and at the end: a non-finite Θ stays non-finite)
+  islands_identical  every island's final weights == the syncer's final Θ == final/, bit
+                     for bit
+
+One line per fault as it goes (kind, target, outcome), and the last line:
+RESULT faults=N kinds=K rounds=R lost_commits=0 theta_finite=1 islands_identical=1
+The exit status is 0 only when every check and every fault passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import errno
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from synthetic_island import layout_for  # noqa: E402
+
+from syncer import spawn, state  # noqa: E402
+from yeto import codec, net  # noqa: E402
+from yeto.proto import yeto_pb2 as pb  # noqa: E402
+from yeto.proto import yeto_pb2_grpc as pb_grpc  # noqa: E402
+
+SIM = ROOT / "scripts" / "synthetic_island.py"
+OPEN_ROUNDS = 1_000_000  # the run's --rounds until the schedule is over
+RPC_S = 15.0             # deadline of each of the rogue's unary calls
+RESUMED = re.compile(r"resumed run \S+ at version (\d+)")
+DISK_FULL = re.compile(r"(?i)no space left|errno 28|enospc|disk (is )?full")
+IDENTITY = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# the last line of a Python traceback in the syncer's log
+EXCEPTION = re.compile(r"^((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b:?.*)$",
+                       re.MULTILINE)
+
+
+class ChaosError(RuntimeError):
+    """A wait that ran past its bound, or a process that died unasked."""
+
+
+class FaultFailed(RuntimeError):
+    """The fault ran and the fleet handled it wrongly (the message says how)."""
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+# ---- the tape, read as it grows -------------------------------------------------------------
+class TapeWatch:
+    """The merge records of state-dir/tape.jsonl, read incrementally (only whole lines)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rest = path, 0, b""
+        self.merges: list[dict] = []
+        self.torn = 0  # lines that are not JSON (a record cut by a kill, then appended to)
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self.offset += len(data)
+        *lines, self.rest = (self.rest + data).split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                self.torn += 1
+                continue
+            if rec.get("event") == "merge":
+                self.merges.append(rec)
+
+    @property
+    def version(self) -> int:
+        return self.merges[-1]["version"] if self.merges else 0
+
+
+def responders(merge: dict) -> set[str]:
+    return {r["learner"] for r in merge.get("responders", ())}
+
+
+def records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut by kill -9
+    return out
+
+
+# ---- the fleet --------------------------------------------------------------------------------
+class Fleet:
+    """The syncer and island processes, their files, and waits on their events."""
+
+    def __init__(self, args, workdir: Path):
+        self.args, self.workdir = args, workdir
+        self.secret = secrets.token_hex(16)
+        self.fs = workdir / "statefs"  # a tmpfs when root (see mount_tmpfs)
+        self.state_dir = self.fs / "state"
+        self.tape = TapeWatch(self.state_dir / "tape.jsonl")
+        self.log_path = workdir / "syncer.log"
+        self.log_file = None
+        self.syncer: spawn.SyncerProcess | None = None
+        self.port = 0
+        self.ids = [f"island-{i}" for i in range(args.islands)]
+        self.islands: dict[str, subprocess.Popen] = {}
+        self.stopped: set[str] = set()
+        self.records = {lid: workdir / f"{lid}.jsonl" for lid in self.ids}
+        self.resumes: list[dict] = []     # one per syncer restart with --resume
+        self.snapshots: list[tuple] = []  # (label, version, finite, max |Θ|)
+        self.tmpfs_problem: str | None = "not set up"
+        self.mounted = False
+        self.ending = False  # the final rounds: islands exit by themselves
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env(self) -> dict:
+        return dict(os.environ, **{net.TOKEN_ENV: self.secret})
+
+    # ---- processes ----------------------------------------------------------------------
+    def start_syncer(self, resume: bool = False, rounds: int = OPEN_ROUNDS,
+                     quorum: int | None = None) -> None:
+        if self.log_file is not None:
+            self.log_file.close()
+        self.log_file = open(self.log_path, "a")  # noqa: SIM115 - closed by close()
+        a = self.args
+        flags = ["--state-dir", str(self.state_dir), "--quorum", str(quorum or a.quorum),
+                 "--rounds", str(rounds), "--grace", "fixed", "--grace-ms", "100",
+                 "--round-timeout-s", "10", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+        try:
+            self.syncer = spawn.start_syncer(flags + (["--resume"] if resume else []),
+                                             port=self.port, cwd=ROOT, env=self.env(),
+                                             log=self.log_file, timeout_s=a.wait_s)
+        except spawn.SyncerStartError as e:
+            self.syncer = None
+            raise ChaosError(f"the syncer did not start: {e}") from None
+        self.port = self.syncer.port
+
+    def start_island(self, lid: str) -> None:
+        a = self.args
+        cmd = [sys.executable, str(SIM), "--syncer", self.address, "--learner-id", lid,
+               "--dim", str(a.dim), "--steps", str(10**9), "--sync-every", str(a.sync_every),
+               "--step-seconds", str(a.step_seconds), "--seed", str(self.ids.index(lid)),
+               "--record", str(self.records[lid])]
+        with open(self.workdir / f"{lid}.log", "a") as log:
+            self.islands[lid] = subprocess.Popen(cmd, cwd=ROOT, env=self.env(), stdout=log,
+                                                 stderr=subprocess.STDOUT)
+
+    def start(self) -> None:
+        self.start_syncer()
+        for lid in self.ids:
+            self.start_island(lid)
+        self.next_merge("the first commit", bound=self.args.wait_s * 2)
+
+    def signal_island(self, lid: str, sig: int) -> None:
+        p = self.islands[lid]
+        if p.poll() is None:
+            p.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            self.stopped.add(lid)
+        elif sig == signal.SIGCONT:
+            self.stopped.discard(lid)
+
+    def heal(self) -> list[str]:
+        """Bring the fleet back after a failed fault: SIGCONT, restart what is dead."""
+        done = []
+        for lid in sorted(self.stopped):
+            self.signal_island(lid, signal.SIGCONT)
+            done.append(f"SIGCONT {lid}")
+        if self.syncer is None or self.syncer.poll() is not None:
+            rec = self.resume_syncer("heal")
+            done.append(f"syncer resumed at v{rec['resumed']}")
+        for lid in self.ids:
+            p = self.islands.get(lid)
+            if p is None or p.poll() is not None:
+                self.start_island(lid)
+                done.append(f"restarted {lid}")
+        return done
+
+    def resume_syncer(self, why: str, final_rounds: int | None = None) -> dict:
+        """Restart a stopped syncer with --resume (same state dir and port); the record
+        (tape and saved versions at the stop, the version it resumed at) goes into the
+        final checks. With `final_rounds` the run ends that many rounds on, and rounds wait
+        for every island (quorum = all): none misses the final weights while it is still
+        in its reconnect backoff."""
+        self.tape.poll()
+        try:
+            meta = state.load(self.state_dir)[3]
+        except (state.StateError, OSError) as e:
+            raise FaultFailed(f"the saved state is unreadable after the syncer stopped: {e}") \
+                from None
+        saved = int(meta["version"])
+        rec = dict(why=why, tape=self.tape.version, saved=saved, index=len(self.tape.merges))
+        mark = self.log_size()
+        if final_rounds is None:
+            self.start_syncer(resume=True)
+        else:
+            self.start_syncer(resume=True, rounds=saved + final_rounds, quorum=len(self.ids))
+        found = self.wait_for("'resumed run' in the syncer's log",
+                              lambda: RESUMED.search(self.log_since(mark)))
+        rec["resumed"] = int(found.group(1))
+        self.resumes.append(rec)
+        if rec["resumed"] != saved:
+            raise FaultFailed(f"the syncer resumed at v{rec['resumed']}, the state saved "
+                              f"v{saved}")
+        return rec
+
+    # ---- events -------------------------------------------------------------------------
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    def check(self, syncer_may_exit: bool = False) -> None:
+        """Read the tape; raise ChaosError if a process died unasked."""
+        self.tape.poll()
+        if self.ending:
+            return
+        for lid, p in self.islands.items():
+            if p.poll() is not None:
+                tail = (self.workdir / f"{lid}.log").read_text(errors="replace")[-1500:]
+                raise ChaosError(f"{lid} exited by itself (code {p.returncode}); its log "
+                                 f"ends:\n{tail}")
+        s = self.syncer
+        if s is not None and not syncer_may_exit and s.poll() is not None:
+            raise ChaosError(f"the syncer exited by itself (code {s.returncode}); its log "
+                             f"ends:\n{s.tail(15)}")
+
+    def wait_for(self, what: str, pred: Callable, bound: float | None = None,
+                 syncer_may_exit: bool = False):
+        """Poll `pred` (and the processes) until it returns something true; ChaosError
+        after `bound` seconds (default --wait-s)."""
+        bound = bound or self.args.wait_s
+        deadline = time.monotonic() + bound
+        while True:
+            self.check(syncer_may_exit)
+            got = pred()
+            if got:
+                return got
+            if time.monotonic() > deadline:
+                raise ChaosError(f"no {what} within {bound:.0f} s (tape at "
+                                 f"v{self.tape.version})")
+            time.sleep(0.05)
+
+    def next_merge(self, what: str, who: str | None = None, without: str | None = None,
+                   after: int | None = None, bound: float | None = None) -> dict:
+        """Wait for a merge record past tape index `after` (default: now) that has `who`
+        among its responders and not `without`."""
+        self.tape.poll()
+        start = len(self.tape.merges) if after is None else after
+
+        def found():
+            for m in self.tape.merges[start:]:
+                ids = responders(m)
+                if (who is None or who in ids) and (without is None or without not in ids):
+                    return m
+            return None
+        return self.wait_for(what, found, bound)
+
+    def snapshot(self, label: str) -> tuple | None:
+        """Θ and momentum as saved now: (label, version, finite, max |Θ|)."""
+        try:
+            theta, momentum, _, meta = state.load(self.state_dir)
+        except (state.StateError, OSError) as e:
+            say(f"         note: no state snapshot {label}: {e}")
+            return None
+        finite = bool(np.isfinite(theta).all()) and (
+            momentum is None or bool(np.isfinite(momentum).all()))
+        snap = (label, int(meta["version"]), finite,
+                float(np.nanmax(np.abs(theta))) if theta.size else 0.0)
+        self.snapshots.append(snap)
+        return snap
+
+    # ---- the state dir's file system -------------------------------------------------
+    def mount_tmpfs(self) -> None:
+        self.fs.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            self.tmpfs_problem = "not root (the state dir needs its own small tmpfs)"
+            return
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.args.tmpfs_mib}m,"
+                            "mode=0700", "tmpfs", str(self.fs)], capture_output=True, text=True)
+        if r.returncode != 0:
+            self.tmpfs_problem = f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"
+            return
+        self.mounted, self.tmpfs_problem = True, None
+
+    def close(self) -> None:
+        procs = [*self.islands.values()] + ([self.syncer.proc] if self.syncer else [])
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)  # works on stopped processes too
+                p.wait()
+        if self.syncer is not None:
+            self.syncer.close()
+        if self.log_file is not None:
+            self.log_file.close()
+        if self.mounted:
+            r = subprocess.run(["umount", str(self.fs)], capture_output=True)
+            if r.returncode != 0:
+                subprocess.run(["umount", "-l", str(self.fs)], capture_output=True)
+            self.mounted = False
+
+
+# ---- the rogue: a client in this process with its own valid credential ---------------------
+class Rogue:
+    """Raw stubs (yeto/proto) on a fresh channel; the credential is rogue's own."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.layout = layout_for(fleet.args.dim)
+        self.cred = net.island_credential(fleet.secret, "rogue")
+        self.md = net.auth_metadata(self.cred)
+        self.channel = grpc.insecure_channel(fleet.address, options=net.GRPC_OPTIONS)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+        self.gen, self.seq = 0, 0
+
+    def join(self, learner_id: str = "rogue") -> pb.JoinReply:
+        specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
+                 for s in self.layout.specs]
+        reply = self.stub.Join(pb.JoinRequest(
+            learner_id=learner_id, layout=specs, fingerprint=self.layout.fingerprint,
+            backend="numpy", weights_file="weights.safetensors"), metadata=self.md,
+            timeout=RPC_S)
+        if learner_id == "rogue":
+            self.gen, self.seq = reply.generation, max(self.seq, reply.last_seq + 1)
+        return reply
+
+    def join_as_self(self) -> None:
+        """Join as "rogue"; FaultFailed when the syncer refuses rogue's valid credential
+        (then no rogue fault can test what it means to)."""
+        try:
+            self.join()
+        except grpc.RpcError as e:
+            raise FaultFailed(f"the syncer refused rogue's own valid credential at Join "
+                              f"({e.code().name}: {e.details()}): per-island credentials "
+                              "(yeto.net.island_credential) not accepted, fault not "
+                              "exercised") from None
+
+    def version(self) -> int:
+        return self.stub.Heartbeat(pb.HeartbeatRequest(learner_id="rogue", generation=self.gen),
+                                   metadata=self.md, timeout=RPC_S).version
+
+    def header(self, encoding: str, version: int, learner_id: str = "rogue",
+               generation: int | None = None, seq: int | None = None) -> pb.PushHeader:
+        n = self.layout.numel
+        return pb.PushHeader(
+            learner_id=learner_id, generation=self.gen if generation is None else generation,
+            round=version + 1, base_version=version, loss_tokens=5 * 100, steps=5,
+            encoding=encoding, numel=n, payload_bytes=codec.encoded_size(encoding, n),
+            kind=pb.DELTA, seq=self.seq if seq is None else seq, train_loss=float("nan"),
+            eval_loss=float("nan"))
+
+    def push(self, header: pb.PushHeader, payload: bytes) -> pb.PushReply:
+        chunks = [pb.PushChunk(header=header if i == 0 else None, data=bytes(piece))
+                  for i, piece in enumerate(net.chunks(payload))]
+        return self.stub.Push(iter(chunks), metadata=self.md, timeout=RPC_S)
+
+    def push_now(self, encoding: str, payload: bytes) -> pb.PushReply:
+        """Push against the current version; again if rounds committed meanwhile and it
+        came too stale (so a refusal is for the payload, not for being late)."""
+        for _ in range(5):
+            try:
+                reply = self.push(self.header(encoding, self.version()), payload)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in e.details():
+                    continue
+                raise
+            self.seq += reply.accepted
+            return reply
+        raise ChaosError("the rogue's push came stale five times running")
+
+    def finish(self) -> None:
+        try:
+            self.stub.Finish(pb.FinishRequest(learner_id="rogue", generation=self.gen),
+                             metadata=self.md, timeout=RPC_S)
+        except grpc.RpcError:
+            pass  # it never joined, or the syncer is gone: nothing to leave
+
+    def island_generation(self, learner_id: str) -> int:
+        """`learner_id`'s current generation from the Status RPC (rogue's credential, then
+        the run's secret, as an operator would); 0 when neither may ask."""
+        for token in (self.cred, self.fleet.secret):
+            try:
+                reply = self.stub.Status(pb.StatusRequest(), metadata=net.auth_metadata(token),
+                                         timeout=RPC_S)
+            except grpc.RpcError:
+                continue
+            return next((i.generation for i in reply.islands if i.learner_id == learner_id), 0)
+        return 0
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+# ---- the faults -----------------------------------------------------------------------------
+def inject_island_kill(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    lid = rng.choice(fleet.ids)
+    p = fleet.islands.pop(lid)
+    p.send_signal(signal.SIGKILL)
+    code = p.wait(timeout=fleet.args.wait_s)
+    fleet.stopped.discard(lid)
+    without = fleet.next_merge(f"commit without {lid}", without=lid)
+    mark = len(fleet.tape.merges)
+    fleet.start_island(lid)
+    back = fleet.next_merge(f"commit with the restarted {lid}", who=lid, after=mark)
+    return lid, (f"exit {code}; fleet committed v{without['version']} without it; "
+                 f"restarted, it pushed into v{back['version']}")
+
+
+def inject_syncer_kill(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    fleet.syncer.kill()
+    code = fleet.syncer.returncode
+    rec = fleet.resume_syncer("syncer-kill")
+    m = fleet.next_merge("commit after the resume", after=rec["index"])
+    if m["version"] != rec["saved"] + 1:
+        raise FaultFailed(f"saved v{rec['saved']}, but the first commit after the resume is "
+                          f"v{m['version']}")
+    return "syncer", (f"exit {code} at tape v{rec['tape']}, saved v{rec['saved']}; resumed "
+                      f"at v{rec['resumed']}, next commit v{m['version']}")
+
+
+def inject_island_stop(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    lid = rng.choice(fleet.ids)
+    fleet.signal_island(lid, signal.SIGSTOP)
+    try:
+        first = fleet.next_merge(f"commit while {lid} is stopped", without=lid)
+        idx = fleet.tape.merges.index(first) + 1
+        second = fleet.next_merge(f"second commit while {lid} is stopped", without=lid,
+                                  after=idx)
+    finally:
+        fleet.signal_island(lid, signal.SIGCONT)
+    mark = len(fleet.tape.merges)
+    back = fleet.next_merge(f"commit with {lid} after SIGCONT", who=lid, after=mark)
+    return lid, (f"stopped through v{first['version']}..v{second['version']}; after SIGCONT "
+                 f"it pushed into v{back['version']}")
+
+
+def _silent(header: pb.PushHeader | None, release: threading.Event, bound: float):
+    """A Push stream that sends `header` (if any) and then nothing until released."""
+    if header is not None:
+        yield pb.PushChunk(header=header)
+    release.wait(bound)
+
+
+def _open_silent(rogue: Rogue, fleet: Fleet, release: threading.Event,
+                 ended: dict[int, tuple[float, str]]) -> list:
+    """Open the silent streams: --silent-streams that send a header, 2 that send nothing.
+    `ended[i]`: when stream i ended and its status."""
+    header = rogue.header("f32", rogue.version())
+    calls = []
+    for i in range(fleet.args.silent_streams + 2):
+        gen = _silent(header if i < fleet.args.silent_streams else None, release,
+                      fleet.args.wait_s * 2)
+        call = rogue.stub.Push.future(gen, metadata=rogue.md, timeout=fleet.args.wait_s * 2)
+        call.add_done_callback(
+            lambda c, i=i: ended.setdefault(i, (time.monotonic(), c.code().name)))
+        calls.append(call)
+    return calls
+
+
+def inject_silent_streams(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    """The fleet must commit while some of the rogue's silent streams are still open:
+    streams that hold the syncer's push slots until an idle cutoff starve the honest
+    islands until then (and a rogue may open them again at once)."""
+    rogue = Rogue(fleet)
+    release, calls, ended, m, stalled = threading.Event(), [], {}, None, None
+    try:
+        rogue.join_as_self()
+        t0 = time.monotonic()
+        calls = _open_silent(rogue, fleet, release, ended)
+        try:
+            m = fleet.next_merge(f"commit while {len(calls)} silent Push streams are open")
+        except ChaosError as e:
+            stalled = str(e)
+        seen = dict(ended)  # before the harness cancels the rest
+    finally:
+        for c in calls:
+            c.cancel()  # the harness's own bound on them
+        release.set()
+        rogue.finish()
+        rogue.close()
+    what = f"{len(calls)} silent streams ({fleet.args.silent_streams} header-only)"
+    codes = collections.Counter(code for _, code in seen.values())
+    ends = ", ".join(f"{n} {code}" for code, n in sorted(codes.items())) or "none"
+    if stalled:
+        after = fleet.next_merge("commit after the harness cancelled the silent streams")
+        raise FaultFailed(f"{what}: the fleet stalled ({stalled}); the syncer ended {ends}; "
+                          f"once the harness cancelled the rest it committed v{after['version']}")
+    if len(seen) == len(calls):
+        last = max(t for t, _ in seen.values()) - t0
+        raise FaultFailed(f"{what}: the fleet committed v{m['version']} only after the syncer "
+                          f"had ended all of them ({ends}; the last after {last:.1f} s): "
+                          "starved until then")
+    return "rogue", (f"{what}: fleet committed v{m['version']} with {len(calls) - len(seen)} "
+                     f"still open; the syncer had ended {ends}")
+
+
+def _drain(sock: socket.socket, bound: float) -> str:
+    """Read until the peer closes (what a server does with garbage), at most `bound` s."""
+    sock.settimeout(bound)
+    got = 0
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return f"closed by the syncer ({got} B back)"
+            got += len(data)
+    except TimeoutError:
+        return f"still open after {bound:.0f} s ({got} B back), closed by us"
+    except OSError as e:
+        return f"reset by the syncer ({e.__class__.__name__})"
+
+
+def inject_garbage(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    blobs = {"random": rng.randbytes(4096),
+             "h2-preface+junk": HTTP2_PREFACE + rng.randbytes(1024),
+             "http/1": b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"}
+    outcomes = []
+    for name, blob in blobs.items():
+        with socket.create_connection(("127.0.0.1", fleet.port), timeout=RPC_S) as s:
+            try:
+                s.sendall(blob)
+            except OSError as e:
+                outcomes.append(f"{name}: send failed ({e.__class__.__name__})")
+                continue
+            outcomes.append(f"{name}: {_drain(s, 10.0)}")
+    m = fleet.next_merge("commit after the garbage bytes")
+    return f"port {fleet.port}", "; ".join(outcomes) + f"; fleet committed v{m['version']}"
+
+
+def rogue_payloads(numel: int) -> dict[str, tuple[str, bytes]]:
+    nan = np.full(numel, 0.01, np.float32)
+    nan[numel // 2] = np.nan
+    nb = -(-numel // codec.Q4_BLOCK)
+    q4 = np.full(nb, 3e38, np.float32).tobytes() + bytes([0xFF]) * (nb * codec.Q4_BLOCK // 2)
+    return {"NaN f32": ("f32", nan.tobytes()),
+            "1e38 f32": ("f32", np.full(numel, 1e38, np.float32).tobytes()),
+            "q4 scales 3e38": ("q4", q4)}
+
+
+def inject_rogue_values(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    rogue = Rogue(fleet)
+    got, bad = [], []
+    try:
+        rogue.join_as_self()
+        for name, (encoding, payload) in rogue_payloads(rogue.layout.numel).items():
+            try:
+                reply = rogue.push_now(encoding, payload)
+                bad.append(f"{name} ACCEPTED ({reply.status})")
+            except grpc.RpcError as e:
+                got.append(f"{name}: {e.code().name}")
+                if e.code() in IDENTITY:
+                    bad.append(f"{name} refused as {e.code().name}: for the credential, "
+                               "not for the values")
+    finally:
+        rogue.finish()
+        rogue.close()
+    m = fleet.next_merge("commit after the rogue's pushes")
+    snap = fleet.snapshot("after rogue-values")
+    if snap is not None and not snap[2]:
+        bad.append(f"Θ non-finite at v{snap[1]}")
+    tail = f"; fleet committed v{m['version']}" + (
+        f", max |Θ| {snap[3]:.3g}" if snap else "")
+    if bad:
+        raise FaultFailed("; ".join(bad + got) + tail)
+    return "rogue", "; ".join(got) + tail
+
+
+def _impersonate(rogue: Rogue, victim: str, fleet: Fleet) -> tuple[list[str], list[str]]:
+    """Join, then Push, as `victim` with rogue's credential: (outcomes, failures)."""
+    got, bad = [], []
+    try:
+        rogue.join(victim)
+        bad.append(f"Join as {victim} ACCEPTED: its own connection was superseded")
+    except grpc.RpcError as e:
+        got.append(f"Join {e.code().name}")
+        if e.code() not in IDENTITY:
+            bad.append(f"Join refused with {e.code().name}, not for identity: {e.details()}")
+    gen = rogue.island_generation(victim)
+    header = rogue.header("f32", fleet.tape.version, learner_id=victim, generation=gen,
+                          seq=1 << 40)
+    try:
+        reply = rogue.push(header, bytes(4 * rogue.layout.numel))
+        bad.append(f"Push as {victim} ACCEPTED ({reply.status})")
+    except grpc.RpcError as e:
+        got.append(f"Push {e.code().name}" + ("" if gen else " (generation unknown)"))
+        if e.code() not in IDENTITY:
+            bad.append(f"Push refused with {e.code().name}, not for identity: {e.details()}")
+    return got, bad
+
+
+def inject_impersonation(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    victim = rng.choice(fleet.ids)
+    rogue = Rogue(fleet)
+    try:
+        got, bad = _impersonate(rogue, victim, fleet)
+    finally:
+        rogue.close()
+    mark = len(fleet.tape.merges)
+    m = fleet.next_merge(f"commit with {victim} still pushing", who=victim, after=mark)
+    text = "; ".join(got) + f"; {victim} pushed into v{m['version']}"
+    if bad:
+        raise FaultFailed("; ".join(bad) + f" [{text}]")
+    return victim, text
+
+
+def _fill(path: Path) -> int:
+    """Write `path` until the file system is full; its size."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    total = 0
+    try:
+        for size in (1 << 20, 4096, 1):
+            block = bytes(size)
+            while True:
+                try:
+                    total += os.write(fd, block)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
+    return total
+
+
+def inject_disk_full(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    filler = fleet.fs / "filler"
+    mark = fleet.log_size()
+
+    def noticed():
+        if fleet.syncer.poll() is not None:
+            return f"exit {fleet.syncer.returncode}"
+        hit = DISK_FULL.search(fleet.log_since(mark))
+        if hit:
+            text = fleet.log_since(mark)
+            line = text[text.rfind("\n", 0, hit.start()) + 1:].split("\n", 1)[0]
+            return f"log: {line.strip()[:140]!r}"
+        return None
+    try:
+        size = _fill(filler)
+        how = fleet.wait_for("sign that the syncer noticed the full disk (log line or exit)",
+                             noticed, syncer_may_exit=True)
+    finally:
+        filler.unlink(missing_ok=True)
+    if fleet.syncer.poll() is not None:
+        rec = fleet.resume_syncer("disk-full")
+        how += f"; resumed at v{rec['resumed']}"
+    m = fleet.next_merge("commit after the filler was removed")
+    return "state dir", f"filled with {size >> 10} KiB; noticed: {how}; committed v{m['version']}"
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    inject: Callable[[Fleet, random.Random], tuple[str, str]] | None
+    unavailable: Callable[[Fleet], str | None] = field(default=lambda fleet: None)
+
+
+LINK_CUT_SKIP = ("needs network namespaces joined by veth links (traffic beyond "
+                 "127.0.0.1); not implemented")
+KINDS = (
+    Kind("island-kill", inject_island_kill),
+    Kind("syncer-kill", inject_syncer_kill),
+    Kind("island-stop", inject_island_stop),
+    Kind("silent-streams", inject_silent_streams),
+    Kind("garbage", inject_garbage),
+    Kind("rogue-values", inject_rogue_values),
+    Kind("impersonation", inject_impersonation),
+    Kind("disk-full", inject_disk_full, lambda fleet: fleet.tmpfs_problem),
+    Kind("link-cut", None, lambda fleet: LINK_CUT_SKIP),
+)
+
+
+def schedule(kinds: list[Kind], n: int, rng: random.Random) -> list[Kind]:
+    """Every kind once (shuffled), then kinds at random: n in all."""
+    first = list(kinds)
+    rng.shuffle(first)
+    return (first + [rng.choice(kinds) for _ in range(max(0, n - len(first)))])[:n]
+
+
+# ---- running the schedule -------------------------------------------------------------------
+@dataclass
+class Outcome:
+    index: int
+    kind: str
+    target: str = "-"
+    ok: bool = False
+    text: str = ""
+    versions: tuple[int, int] = (0, 0)  # tape versions when it began and ended
+
+
+def log_exceptions(text: str) -> str:
+    """The distinct exceptions logged in a stretch of the syncer's log (traceback ends)."""
+    found = collections.Counter(m.group(1)[:120] for m in EXCEPTION.finditer(text))
+    return "; ".join(f"{n}x {line}" if n > 1 else line for line, n in found.items())
+
+
+def run_one(fleet: Fleet, kind: Kind, rng: random.Random, out: Outcome) -> bool:
+    """Inject one fault; False when the fleet could not be brought back after it."""
+    mark = fleet.log_size()
+    try:
+        out.target, out.text = kind.inject(fleet, rng)
+        out.ok = True
+    except (FaultFailed, ChaosError, grpc.RpcError, OSError, subprocess.TimeoutExpired) as e:
+        out.text = f"{e.__class__.__name__}: {e}"
+    healthy = True
+    if not out.ok:
+        try:
+            healed = fleet.heal()
+            fleet.next_merge("commit after healing the fleet")
+            out.text += f" [healed: {', '.join(healed) or 'nothing to restart'}]"
+        except (FaultFailed, ChaosError) as e:
+            out.text += f" [NOT RECOVERED: {e}]"
+            healthy = False
+    raised = log_exceptions(fleet.log_since(mark))
+    if raised:
+        out.text += f" [syncer log: {raised}]"
+    fleet.tape.poll()
+    out.versions = (out.versions[0], fleet.tape.version)
+    fleet.snapshot(f"after fault {out.index} ({kind.name})")
+    return healthy
+
+
+def run_schedule(fleet: Fleet, plan: list[Kind], rng: random.Random) -> list[Outcome]:
+    outcomes = []
+    for i, kind in enumerate(plan, 1):
+        fleet.tape.poll()
+        out = Outcome(i, kind.name, versions=(fleet.tape.version, 0))
+        t0 = time.monotonic()
+        healthy = run_one(fleet, kind, rng, out)
+        outcomes.append(out)
+        say(f"[{i:>3}/{len(plan)}] {kind.name:<14} {out.target:<10} "
+            f"{'ok  ' if out.ok else 'FAIL'} {out.text} ({time.monotonic() - t0:.1f} s)")
+        if not healthy:
+            say(f"stopping the schedule after fault {i}: the fleet did not recover")
+            break
+    return outcomes
+
+
+def finish_run(fleet: Fleet) -> list[str]:
+    """Stop the syncer cleanly, resume it for --final-rounds more rounds, let every
+    process exit by itself; problems found on the way."""
+    problems = []
+    mark = fleet.log_size()
+    fleet.syncer.send_signal(signal.SIGTERM)
+    try:
+        code = fleet.syncer.wait(timeout=fleet.args.wait_s)
+    except subprocess.TimeoutExpired:
+        fleet.syncer.kill()
+        code = f"nothing within {fleet.args.wait_s:.0f} s (killed)"
+    if code != 0:
+        problems.append(f"the syncer exited with {code} on SIGTERM")
+    early = re.search(r"run finished at version (\d+)", fleet.log_since(mark))
+    if early:
+        say(f"note: on SIGTERM the syncer logged 'run finished at version {early.group(1)}' "
+            f"(--rounds {OPEN_ROUNDS} not reached) and wrote final/: the islands' streams "
+            "closed and a finished island ('rogue') was in its ledger")
+    rec = fleet.resume_syncer("final", final_rounds=fleet.args.final_rounds)
+    say(f"final: syncer stopped cleanly at v{rec['saved']} and resumed with --rounds "
+        f"{rec['saved'] + fleet.args.final_rounds} --quorum {len(fleet.ids)} (not a fault)")
+    fleet.ending = True
+    for lid, p in fleet.islands.items():
+        try:
+            code = p.wait(timeout=fleet.args.wait_s * 2)
+        except subprocess.TimeoutExpired:
+            problems.append(f"{lid} did not exit within {fleet.args.wait_s * 2:.0f} s")
+            continue
+        if code != 0:
+            problems.append(f"{lid} exited with {code}")
+    try:
+        code = fleet.syncer.wait(timeout=fleet.args.wait_s)
+        if code != 0:
+            problems.append(f"the syncer exited with {code} at the end")
+    except subprocess.TimeoutExpired:
+        problems.append(f"the syncer did not exit within {fleet.args.wait_s:.0f} s of the end")
+        fleet.syncer.kill()
+    fleet.tape.poll()
+    return problems
+
+
+# ---- the checks -----------------------------------------------------------------------------
+def blame(outcomes: list[Outcome], version: int) -> str:
+    for o in outcomes:
+        if o.versions[0] < version <= o.versions[1] + 1:
+            return f" (during fault {o.index} {o.kind})"
+    return ""
+
+
+def check_commits(fleet: Fleet, outcomes: list[Outcome], final_version: int | None) -> int:
+    versions = [m["version"] for m in fleet.tape.merges]
+    top = max(versions, default=0)
+    counts = collections.Counter(versions)
+    missing = [v for v in range(1, top + 1) if v not in counts]
+    repeated = {v: c - 1 for v, c in counts.items() if c > 1}
+    for v in missing:
+        say(f"  lost: no merge record for v{v}{blame(outcomes, v)}")
+    for v, extra in repeated.items():
+        say(f"  lost: v{v} committed {extra + 1} times (the first was not saved?)"
+            f"{blame(outcomes, v)}")
+    for r in fleet.resumes:
+        if r["tape"] > r["saved"]:
+            say(f"  lost: the {r['why']} stop had the tape at v{r['tape']} but the state at "
+                f"v{r['saved']}")
+    seen = collections.defaultdict(set)
+    for lid in fleet.ids:
+        for r in records(fleet.records[lid]):
+            if r.get("event") == "applied" and r.get("theta_sha256"):
+                seen[r["version"]].add(r["theta_sha256"])
+    diverged = sorted(v for v, shas in seen.items() if len(shas) > 1)
+    for v in diverged:
+        say(f"  lost: islands applied two different Θ as v{v}{blame(outcomes, v)}")
+    behind = int(final_version is not None and final_version != top)
+    if behind:
+        say(f"  lost: the final state is v{final_version}, the tape ends at v{top}")
+    if fleet.tape.torn:
+        say(f"  note: {fleet.tape.torn} tape line(s) torn (not JSON)")
+    return len(missing) + sum(repeated.values()) + len(diverged) + behind
+
+
+def final_weights_digest(fleet: Fleet) -> str | None:
+    path = fleet.state_dir / state.FINAL_DIR / "weights.safetensors"
+    try:
+        tensors, _ = state.read_safetensors(path)
+        flat = [tensors[s.name].reshape(-1) for s in layout_for(fleet.args.dim).specs]
+    except (OSError, ValueError, KeyError) as e:
+        say(f"  final/: cannot read {path}: {e}")
+        return None
+    return state.digest(np.concatenate(flat).astype(np.float32))
+
+
+def check_islands(fleet: Fleet, theta_sha: str | None) -> bool:
+    final_sha = final_weights_digest(fleet)
+    ok = theta_sha is not None and final_sha == theta_sha
+    if theta_sha is not None and final_sha != theta_sha:
+        say("  islands: final/ weights differ from the saved Θ")
+    for lid in fleet.ids:
+        done = [r for r in records(fleet.records[lid]) if r.get("event") == "done"]
+        if not done or not done[-1].get("final"):
+            say(f"  islands: {lid} has no final weights (its last run did not end with them)")
+            ok = False
+        elif done[-1]["weights_sha256"] != theta_sha:
+            say(f"  islands: {lid}'s final weights differ from the syncer's")
+            ok = False
+    return ok
+
+
+def check_theta(fleet: Fleet) -> tuple[bool, int | None, str | None]:
+    """(Θ finite at every snapshot, the final state's version, its Θ digest)."""
+    last = fleet.snapshot("final")
+    for label, version, finite, _ in fleet.snapshots:
+        if not finite:
+            say(f"  theta: non-finite Θ or momentum at v{version} ({label})")
+    if last is None:
+        return False, None, None
+    peak = max(s[3] for s in fleet.snapshots)
+    say(f"  theta: {len(fleet.snapshots)} snapshots, max |Θ| {peak:.4g}")
+    theta = state.load(fleet.state_dir)[0]
+    return all(s[2] for s in fleet.snapshots), last[1], state.digest(theta)
+
+
+# ---- main -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--islands", type=int, default=3)
+    p.add_argument("--quorum", type=int, default=2)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--sync-every", type=int, default=5)
+    p.add_argument("--step-seconds", type=float, default=0.02)
+    p.add_argument("--silent-streams", type=int, default=5,
+                   help="header-only silent Push streams per fault (plus 2 empty ones)")
+    p.add_argument("--final-rounds", type=int, default=3)
+    p.add_argument("--tmpfs-mib", type=int, default=16)
+    p.add_argument("--wait-s", type=float, default=90.0, help="bound of every wait")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="logs, records and the state dir (default: a temporary folder, "
+                        "kept when a check fails)")
+    p.add_argument("--keep", action="store_true", help="keep the workdir")
+    return p
+
+
+def run(fleet: Fleet, args) -> int:
+    fleet.mount_tmpfs()
+    kinds = [k for k in KINDS if k.unavailable(fleet) is None]
+    for k in KINDS:
+        if k.unavailable(fleet) is not None:
+            say(f"skip {k.name}: {k.unavailable(fleet)}")
+    say(f"AVAILABLE kinds={len(kinds)} {' '.join(k.name for k in kinds)}")
+    rng = random.Random(args.seed)
+    plan = schedule(kinds, args.faults, rng)
+    fleet.start()
+    say(f"fleet: syncer {fleet.address}, {len(fleet.ids)} islands, quorum {args.quorum}, "
+        f"state {fleet.state_dir}{' (tmpfs)' if fleet.mounted else ''}; first commit done")
+    outcomes = run_schedule(fleet, plan, rng)
+    problems = []
+    try:
+        problems = finish_run(fleet)
+    except (FaultFailed, ChaosError) as e:
+        problems.append(f"the final rounds failed: {e}")
+    return report(fleet, outcomes, problems)
+
+
+def report(fleet: Fleet, outcomes: list[Outcome], problems: list[str]) -> int:
+    say("checks:")
+    for p in problems:
+        say(f"  end: {p}")
+    finite, final_version, theta_sha = check_theta(fleet)
+    lost = check_commits(fleet, outcomes, final_version)
+    identical = check_islands(fleet, theta_sha)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        say("FAILED faults: " + ", ".join(f"{o.index} {o.kind}" for o in failed))
+    rounds = final_version if final_version is not None else fleet.tape.version
+    kinds = len({o.kind for o in outcomes})
+    say(f"logs and records: {fleet.workdir}")
+    say(f"RESULT faults={len(outcomes)} kinds={kinds} rounds={rounds} lost_commits={lost} "
+        f"theta_finite={int(finite)} islands_identical={int(identical)}")
+    return int(bool(failed or problems or lost or not finite or not identical))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="yeto-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    say(f"chaos: {args.faults} faults, seed {args.seed}, workdir {workdir}")
+    fleet = Fleet(args, workdir)
+    code = 2
+    try:
+        code = run(fleet, args)
+    except (ChaosError, FaultFailed) as e:
+        say(f"chaos: the fleet failed outside any fault: {e}")
+        say(f"logs and records: {workdir}")
+        say(f"RESULT faults=0 kinds=0 rounds={fleet.tape.version} lost_commits=-1 "
+            "theta_finite=0 islands_identical=0")
+    finally:
+        fleet.close()
+        if code == 0 and not args.keep and args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)  # kept when anything failed
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
