@@ -158,8 +158,8 @@ class Probe:
             stamps[0] = time.perf_counter()
             return push(h, payload)
 
-        def timed_prepare(fragment, final):  # the broadcast is ready to stream
-            broadcast = prepare(fragment, final)
+        def timed_prepare(fragment, final, version):  # the broadcast is ready to stream
+            broadcast = prepare(fragment, final, version)
             stamps[1] = time.perf_counter()
             return broadcast
 
