@@ -4,7 +4,7 @@ MLX island compute the same model as the torch island?
 The architectures are computed from the installed libraries: the model types in
 transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that are also a module of
 ``mlx_lm.models``. For each, a tiny random-weight model is written
-(`yeto.interop.parity.tiny_model`) and checked with `yeto.interop.parity.check`:
+(`yeto.testing.archs.tiny_model`) and checked with `yeto.interop.parity.check`:
 canonical LoRA names, shapes and flat order, then the logits of both islands' models
 with the same seeded non-zero adapter on the same token ids.
 
@@ -49,8 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# Per-architecture overrides of the tiny config beyond yeto.interop.parity.TINY_OVERRIDES,
-# (yeto.interop.parity) cannot make a valid tiny model; each says why.
+# Per-architecture overrides of the tiny config beyond yeto.testing.archs.TINY_OVERRIDES,
+# for architectures its settings cannot make a valid tiny model of; each says why.
 OVERRIDES: dict[str, dict] = {}
 
 # Architectures held to a looser logit bound than REL_TOL, with the reason. GELU: the
@@ -134,12 +134,13 @@ def versions() -> dict[str, str]:
 # ---- one architecture (in a worker) -------------------------------------------------
 def check_arch(arch: str, targets: str, r: int) -> dict:
     from yeto.interop import parity
+    from yeto.testing.archs import tiny_model
 
     t0 = time.perf_counter()
     row = {"arch": arch}
     try:
         with tempfile.TemporaryDirectory(prefix=f"sweep-{arch}-") as d:
-            parity.tiny_model(arch, d, overrides=OVERRIDES.get(arch))
+            tiny_model(arch, d, overrides=OVERRIDES.get(arch))
             rep = parity.check(d, r=r, alpha=2.0 * r, targets=targets)
         row.update(n=rep.n_tensors, dlogit=rep.max_dlogit, logit=rep.max_logit,
                    effect=rep.adapter_effect, base_dlogit=rep.base_dlogit)

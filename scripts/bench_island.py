@@ -39,10 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 from syncer.spawn import start_syncer  # noqa: E402
 from yeto.cli.display import print_table  # noqa: E402
-from yeto.cli.fixtures import make_task, make_tiny_model  # noqa: E402
 from yeto.client import SyncerClient  # noqa: E402
 from yeto.data import BatchSampler, load_blocks  # noqa: E402
 from yeto.island import Island  # noqa: E402
+from yeto.testing.tasks import make_task  # noqa: E402
+from yeto.testing.tiny import make_tiny_model  # noqa: E402
 from yeto.torch.loss import train_step  # noqa: E402
 from yeto.torch.model import attach_lora, load_base  # noqa: E402
 from yeto.torch.weights import TorchWeights  # noqa: E402

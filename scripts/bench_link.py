@@ -228,7 +228,8 @@ def main(argv=None) -> int:
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    from yeto.cli.fixtures import make_task, make_tiny_model
+    from yeto.testing.tasks import make_task
+    from yeto.testing.tiny import make_tiny_model
 
     work = args.out or Path(tempfile.mkdtemp(prefix="bench-link-"))
     model = args.model or make_tiny_model(work / "model", "llama")

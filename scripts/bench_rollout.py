@@ -201,7 +201,8 @@ def cadence_arm(args, cadence: str, seed: int, model: Path, adapter: Path, data)
 
 def main() -> int:
     args = _args()
-    from yeto.cli.fixtures import make_task, make_tiny_model
+    from yeto.testing.tasks import make_task
+    from yeto.testing.tiny import make_tiny_model
 
     args.out = args.out.resolve()
     model = make_tiny_model(args.out / "model")

@@ -325,7 +325,8 @@ def plan(mode: str) -> tuple[dict[str, Regime], list[Arm], list[int]]:
 
 def prepare(out: Path, rg: Regime) -> tuple[Path, Path, Path]:
     """(model dir, train.jsonl, eval.jsonl) for a regime; built once under out/."""
-    from yeto.cli.fixtures import make_task, make_tiny_model
+    from yeto.testing.tasks import make_task
+    from yeto.testing.tiny import make_tiny_model
 
     model = make_tiny_model(out / "models" / ("pretrained" if rg.pretrain else "scratch"),
                             pretrain=rg.pretrain)
@@ -345,7 +346,7 @@ def stdlib_rows(d: Path, eval_files: int = 20, eval_pieces: int = 3,
     """Rows {"text": ...} of Python standard library source (top-level *.py files, cut
     at line ends into ~row_chars pieces). Held-out files are disjoint from training
     files: every 7th file past those the tiny tokenizer was trained on
-    (`yeto.cli.fixtures.stdlib_text`, the first 400k characters), their first
+    (`yeto.testing.tokenizer.stdlib_text`, the first 400k characters), their first
     `eval_pieces` pieces each."""
     root = Path(sysconfig.get_paths()["stdlib"])
     texts: list[tuple[str, str]] = []

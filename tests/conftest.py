@@ -63,13 +63,13 @@ def tmp_state(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """The pretrained tiny llama (built once per machine into the shared cache)."""
-    from yeto.cli.fixtures import make_tiny_model
+    from yeto.testing.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
-    from yeto.cli.fixtures import make_task
+    from yeto.testing.tasks import make_task
 
     return make_task(tmp_path_factory.mktemp("task"))

@@ -16,6 +16,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto
 
 from yeto.interop import parity  # noqa: E402
 from yeto.mlx.shims import config_overrides  # noqa: E402
+from yeto.testing import archs  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
@@ -25,7 +26,7 @@ FAST = ["llama", "lfm2", "qwen3_moe", "gpt2", "gemma2"]
 
 # ---- config translation ---------------------------------------------------------
 def _tiny_config(arch: str, **overrides) -> dict:
-    return parity.tiny_config(arch, overrides).to_dict()
+    return archs.tiny_config(arch, overrides).to_dict()
 
 
 def test_attribute_map_alias_fills_the_mlx_field():
@@ -73,7 +74,7 @@ def test_mixture_of_experts_layer_list():
 # ---- names and logits -----------------------------------------------------------------
 @pytest.mark.parametrize("arch", FAST)
 def test_names_and_logits_agree(arch, tmp_path):
-    d = parity.tiny_model(arch, tmp_path / arch)
+    d = archs.tiny_model(arch, tmp_path / arch)
     rep = parity.check(d, r=4, alpha=8.0)
     assert rep.names_ok, rep.first_mismatch
     assert rep.n_tensors > 0
@@ -83,7 +84,7 @@ def test_names_and_logits_agree(arch, tmp_path):
 
 
 def test_truncated_copy_keeps_the_first_layers(tmp_path):
-    d = parity.tiny_model("qwen3", tmp_path / "full")
+    d = archs.tiny_model("qwen3", tmp_path / "full")
     cut = parity.truncated_copy(d, 2, tmp_path / "cut")
     cfg = json.loads((cut / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and len(cfg["layer_types"]) == 2
@@ -91,7 +92,7 @@ def test_truncated_copy_keeps_the_first_layers(tmp_path):
     assert rep.numeric_layers == 2 and rep.logits_ok()
     assert any("truncated" in n for n in rep.notes)
     # a hybrid keeps one layer of each kind: qwen3_5's first full-attention layer is 4th
-    hybrid = parity.tiny_model("qwen3_5", tmp_path / "hybrid")
+    hybrid = archs.tiny_model("qwen3_5", tmp_path / "hybrid")
     cut = parity.truncated_copy(hybrid, 2, tmp_path / "hybrid-cut")
     cfg = json.loads((cut / "config.json").read_text())
     assert parity.layer_count(cfg) == 4 and cfg["layer_types"][-1] == "full_attention"
@@ -103,12 +104,12 @@ def _script(*args):
 
 
 def test_check_name_parity_script(tmp_path):
-    d = parity.tiny_model("qwen3_moe", tmp_path / "m")
+    d = archs.tiny_model("qwen3_moe", tmp_path / "m")
     ok = _script("--model", d, "--lora-r", "4")
     last = ok.stdout.strip().splitlines()[-1]
     assert ok.returncode == 0, ok.stdout + ok.stderr
     m = re.fullmatch(r"parity: OK, (\d+) tensors, max \|dlogit\| (\S+)", last)
-    assert m and int(m[1]) == 2 * 4 * parity.TINY_LAYERS  # q, k, v, o (MoE: attention)
+    assert m and int(m[1]) == 2 * 4 * archs.TINY_LAYERS  # q, k, v, o (MoE: attention)
     assert float(m[2]) < 1e-4
     bad = _script("--model", tmp_path / "missing", "--quiet")
     assert bad.returncode == 2 and "not found" in bad.stdout

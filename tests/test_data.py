@@ -4,7 +4,6 @@ import logging
 import numpy as np
 import pytest
 
-from yeto.cli.fixtures import reverse_row, stdlib_text, train_tokenizer
 from yeto.data import (
     BatchSampler,
     Blocks,
@@ -15,6 +14,8 @@ from yeto.data import (
     pack_blocks,
     shard_rows,
 )
+from yeto.testing.tasks import reverse_row
+from yeto.testing.tokenizer import stdlib_text, train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,20 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from yeto.cli import fixtures
-from yeto.cli.fixtures import (
-    CHAT_TEMPLATE,
-    SIZES,
-    main_make_task,
-    main_make_tiny_model,
-    make_task,
-    make_tiny_model,
-    stdlib_text,
-    task_loss,
-    task_rows,
-    train_tokenizer,
-)
-from yeto.data import load_rows
+from yeto.cli.make import main_make_task, main_make_tiny_model
+from yeto.data import encode_row, load_rows, pack_blocks
+from yeto.testing import shapes, tiny
+from yeto.testing.tasks import make_task, task_rows
+from yeto.testing.tiny import SIZES, make_tiny_model
+from yeto.testing.tokenizer import CHAT_TEMPLATE, save_tokenizer, stdlib_text, train_tokenizer
 
 PROMPT = [{"role": "user", "content": "reverse: apple river stone"}]
 
@@ -26,7 +18,7 @@ PROMPT = [{"role": "user", "content": "reverse: apple river stone"}]
 @pytest.fixture(scope="session")
 def cache():
     # the shared cache: the pretrained base is built once per machine, not per test run
-    return fixtures.cache_root()
+    return tiny.cache_root()
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +43,7 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
         "<|im_start|>user\nreverse: apple river stone<|im_end|>\n<|im_start|>assistant\n"
     )
 
-    fixtures.save_tokenizer(tok, tmp_path)
+    save_tokenizer(tok, tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["chat_template"] == CHAT_TEMPLATE
     again = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
@@ -111,7 +103,7 @@ def test_cached_call_copies_identical_files(tiny_model, cache, tmp_path, monkeyp
     def no_build(*args, **kwargs):
         raise AssertionError("the cached model was rebuilt")
 
-    monkeypatch.setattr(fixtures, "_build", no_build)
+    monkeypatch.setattr(tiny, "_build", no_build)
     again = make_tiny_model(tmp_path / "again", "llama", cache_dir=cache)
     for f in tiny_model.iterdir():
         assert (again / f.name).read_bytes() == f.read_bytes(), f.name
@@ -123,6 +115,23 @@ def test_same_args_build_same_weights(tmp_path):
     b = make_tiny_model(tmp_path / "b", "qwen2", pretrain=False, cache_dir=tmp_path / "c2")
     for f in a.iterdir():
         assert (b / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def task_loss(model, tokenizer, rows, seq_len: int = 128) -> float:
+    """Token-weighted mean cross-entropy of a torch causal LM on ``rows``."""
+    blocks = pack_blocks([encode_row(r, tokenizer) for r in rows], seq_len, tokenizer.pad_token_id)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(blocks), 32):
+            tokens = torch.from_numpy(blocks.tokens[i : i + 32]).long()
+            w = torch.from_numpy(blocks.weights[i : i + 32])
+            logits = model(tokens[:, :-1]).logits.float()
+            ce = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), tokens[:, 1:], reduction="none"
+            )
+            total += float((ce * w).sum())
+            count += float(w.sum())
+    return total / max(count, 1.0)
 
 
 def test_pretrained_base_knows_format_not_task(tiny_model, cache, tmp_path):
@@ -184,7 +193,7 @@ def test_mlx_lm_loads_with_matching_logits(arch, tiny_model, cache, tmp_path):
 
 # ---------------------------------------------------------------- real-shape presets
 
-# The published configurations, written out here independently of fixtures.SHAPES.
+# The published configurations, written out here independently of shapes.SHAPES.
 PUBLISHED = {
     "lfm2.5-230m": dict(model_type="lfm2", hidden_size=1024, num_hidden_layers=14,
                         num_attention_heads=16, num_key_value_heads=8, vocab_size=65536,
@@ -216,14 +225,14 @@ PUBLISHED_PARAMS = {"lfm2.5-230m": 230e6, "qwen3-0.6b": 0.6e9, "llama3.2-1b": 1.
 
 
 def test_presets_cover_the_published_list():
-    assert set(fixtures.SHAPES) == set(PUBLISHED)
+    assert set(shapes.SHAPES) == set(PUBLISHED)
 
 
 @pytest.mark.parametrize("shape", list(PUBLISHED))
 def test_shape_config_matches_published(shape, tmp_path):
     from transformers import AutoConfig
 
-    out = fixtures.make_shaped_model(tmp_path, shape, config_only=True)
+    out = shapes.make_shaped_model(tmp_path, shape, config_only=True)
     assert not (out / "model.safetensors").exists()
     raw = json.loads((out / "config.json").read_text())
     for key, value in PUBLISHED[shape].items():
@@ -232,9 +241,9 @@ def test_shape_config_matches_published(shape, tmp_path):
     assert raw["tie_word_embeddings"] is True and raw["dtype"] == "float32"
 
     # the model transformers builds from it: parameter count on the meta device
-    model = fixtures.meta_model(AutoConfig.from_pretrained(out))
-    n = fixtures.count_params(model)
-    assert n == fixtures.SHAPES[shape].params
+    model = shapes.meta_model(AutoConfig.from_pretrained(out))
+    n = shapes.count_params(model)
+    assert n == shapes.SHAPES[shape].params
     assert abs(n / PUBLISHED_PARAMS[shape] - 1) < 0.03, n
     assert model.lm_head.weight is model.model.embed_tokens.weight
     linears = [p for p, m in model.named_modules()
@@ -258,7 +267,7 @@ def test_shape_config_matches_published(shape, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    return fixtures.make_shaped_model(tmp_path_factory.mktemp("smollm2"), "smollm2-135m", seed=0)
+    return shapes.make_shaped_model(tmp_path_factory.mktemp("smollm2"), "smollm2-135m", seed=0)
 
 
 def test_smollm2_weights_load_in_transformers(smollm2):
@@ -268,7 +277,7 @@ def test_smollm2_weights_load_in_transformers(smollm2):
         smollm2, local_files_only=True, output_loading_info=True)
     assert not any(info.values()), info
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert sum(p.numel() for p in model.parameters()) == fixtures.SHAPES["smollm2-135m"].params
+    assert sum(p.numel() for p in model.parameters()) == shapes.SHAPES["smollm2-135m"].params
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert torch.equal(model.model.norm.weight, torch.ones(576))
     ids = AutoTokenizer.from_pretrained(smollm2)("def f(x): return x")["input_ids"]
@@ -280,8 +289,8 @@ def test_smollm2_weights_load_in_transformers(smollm2):
     with safe_open(smollm2 / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys() and len(f.keys()) == 272
         stored = f.get_tensor(name)
-    std = fixtures.SHAPES["smollm2-135m"].config["initializer_range"]
-    again = torch.cat(list(fixtures._init_chunks(name, stored.to("meta"), 0, std)))
+    std = shapes.SHAPES["smollm2-135m"].config["initializer_range"]
+    again = torch.cat(list(shapes._init_chunks(name, stored.to("meta"), 0, std)))
     assert torch.equal(stored, again) and abs(float(stored.std()) - std) < 1e-3
 
 
@@ -305,7 +314,7 @@ def test_shape_cli(tmp_path, capsys):
         main_make_tiny_model(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
-    for name, shape in fixtures.SHAPES.items():
+    for name, shape in shapes.SHAPES.items():
         assert name in out and f"{shape.params / 1e6:.1f}M" in out
     with pytest.raises(SystemExit):
         main_make_tiny_model([str(tmp_path / "x"), "--shape", "qwen3-0.6b", "--arch", "llama"])
@@ -317,4 +326,4 @@ def test_shape_cli(tmp_path, capsys):
                                  "--config-only"]) == 0
     assert "596,049,920 parameters" in capsys.readouterr().out
     with pytest.raises(ValueError, match="choose one of lfm2.5-230m"):
-        fixtures.make_shaped_model(tmp_path / "y", "gpt9")
+        shapes.make_shaped_model(tmp_path / "y", "gpt9")

@@ -6,10 +6,11 @@ import logging
 import pytest
 
 from yeto.cli.data import main as data_main
-from yeto.cli.fixtures import reverse_row, save_tokenizer, stdlib_text, train_tokenizer
 from yeto.data import DataError, load_blocks, read_source
 from yeto.data.formats import encode_example, parse_row
 from yeto.data.provenance import ProvenanceError
+from yeto.testing.tasks import reverse_row
+from yeto.testing.tokenizer import save_tokenizer, stdlib_text, train_tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"

@@ -19,7 +19,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def _model_with_tokenizer(arch: str, tiny_llama, dest):
     """A tiny random `arch` model sized to the fixture tokenizer (copied beside it)."""
-    from yeto.interop.parity import tiny_model
+    from yeto.testing.archs import tiny_model
 
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
     tiny_model(arch, dest, seed=0, overrides={"vocab_size": vocab, "pad_token_id": 0,

@@ -17,9 +17,9 @@ from mixed import mixed_run as _mixed_run  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from syncer.spawn import start_syncer  # noqa: E402
-from yeto.cli.fixtures import make_tiny_model  # noqa: E402
 from yeto.mlx.shims import flat_rope_overrides  # noqa: E402
 from yeto.mlx.shims import load_model as shim_load_model  # noqa: E402
+from yeto.testing.tiny import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 

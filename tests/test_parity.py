@@ -15,7 +15,6 @@ import mlx.nn as mnn  # noqa: E402
 import torch  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from yeto.cli.fixtures import make_tiny_model  # noqa: E402
 from yeto.data import BatchSampler  # noqa: E402
 from yeto.mlx.learner import (  # noqa: E402
     build_lora_model,
@@ -25,6 +24,7 @@ from yeto.mlx.learner import (  # noqa: E402
 from yeto.mlx.learner import train_step as mlx_train_step  # noqa: E402
 from yeto.mlx.learner import weighted_ce_sum as mlx_ce_sum  # noqa: E402
 from yeto.mlx.lora import LoRALinear, LoRAWeights  # noqa: E402
+from yeto.testing.tiny import make_tiny_model  # noqa: E402
 from yeto.torch.loss import train_step as torch_train_step  # noqa: E402
 from yeto.torch.loss import weighted_ce_sum as torch_ce_sum  # noqa: E402
 from yeto.torch.model import attach_lora, load_base  # noqa: E402
@@ -170,8 +170,8 @@ def task_blocks(llama_dir, tmp_path_factory):
     """Real document-packed blocks of the fixture task (several chats per block)."""
     from transformers import AutoTokenizer
 
-    from yeto.cli.fixtures import make_task
     from yeto.data import load_blocks
+    from yeto.testing.tasks import make_task
 
     train, _ = make_task(tmp_path_factory.mktemp("parity-task"), n_train=200, n_eval=10)
     tok = AutoTokenizer.from_pretrained(str(llama_dir))
@@ -267,9 +267,9 @@ def test_islands_train_on_identical_batches(llama_dir, tmp_path, monkeypatch):
     seed and shard, hand their train steps the same micro-batches (tokens, loss
     weights, document positions), step for step: recorded where each backend's
     train step receives them."""
-    from yeto.cli.fixtures import make_task
     from yeto.mlx.learner import MLXBackend
     from yeto.mlx.learner import main as mlx_main
+    from yeto.testing.tasks import make_task
     from yeto.torch.learner import TorchBackend
     from yeto.torch.learner import main as torch_main
 

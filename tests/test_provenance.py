@@ -155,7 +155,7 @@ def _island(args):
 
 
 def test_torch_island_writes_provenance_everywhere(tmp_path, model_dir):
-    from yeto.cli.fixtures import make_task
+    from yeto.testing.tasks import make_task
 
     train, held_out = make_task(tmp_path / "task", n_train=40, n_eval=8)
     out = tmp_path / "run"

@@ -63,9 +63,10 @@ def main(argv=None) -> int:
         return rl_demo([a for a in argv if a != "--rl"])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(message)s")
-    from yeto.cli.fixtures import make_task, make_tiny_model
     from yeto.cli.launch import ISLAND_MODULES, Display, LaunchConfig, LaunchError, run_local
     from yeto.io import atomic_write
+    from yeto.testing.tasks import make_task
+    from yeto.testing.tiny import make_tiny_model
 
     t0 = time.monotonic()
     out = args.out.resolve()

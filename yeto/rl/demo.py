@@ -1,6 +1,6 @@
 """`yeto demo --rl`: GRPO on the word-reversal task, as local processes.
 
-1. the tiny model and the task (`yeto.cli.fixtures`);
+1. the tiny model and the task (`yeto.testing`);
 2. a short SFT warm start (`python -m yeto.learner`, one island, no syncer), so
    that reward is not zero at the start of RL;
 3. a syncer, two rollout nodes observing it (one torch, one MLX; `python -m
@@ -205,8 +205,9 @@ def main(argv=None) -> int:
     args.out = args.out.resolve()
     t0 = time.monotonic()
     from syncer.spawn import start_syncer
-    from yeto.cli.fixtures import make_task, make_tiny_model
     from yeto.io import atomic_write
+    from yeto.testing.tasks import make_task
+    from yeto.testing.tiny import make_tiny_model
 
     print(f"building the tiny {args.arch} model and the task in {args.out} ...", flush=True)
     model = make_tiny_model(args.out / "model", arch=args.arch)
