@@ -14,13 +14,11 @@ from yeto import codec
 def add_round_args(p) -> None:
     """Add the outer loop's flags to a parser or argument group."""
     p.add_argument("--outer-lr", type=float, default=Config.outer_lr,
-                   help="outer Nesterov learning rate (1 with momentum 0 = plain averaging: "
-                        "about 2%% behind synchronous data-parallel in every regime measured: "
-                        "1.015x warm, 1.019x scratch over 100 rounds, 1.020x LoRA over 8; "
-                        "BENCHMARKS.md, Long runs). For 100+ rounds from a pretrained model, "
-                        "--outer-lr 0.4 --outer-momentum 0.9 with islands' --sync-every 100 "
-                        "matched data-parallel (1.000x over 4 seeds, 533x fewer bytes); not "
-                        "for short runs (LoRA, 8 rounds: 1.16x) or from scratch (1.03x)")
+                   help="outer Nesterov learning rate (1 with momentum 0 = plain averaging, "
+                        "the default). For long runs (100+ rounds) from a pretrained model, "
+                        "try --outer-lr 0.4 --outer-momentum 0.9 with islands' --sync-every "
+                        "100; not for short runs or from scratch (BENCHMARKS.md, \"What the "
+                        "evidence says, and the defaults\")")
     p.add_argument("--outer-momentum", type=float, default=Config.outer_momentum,
                    help="outer Nesterov momentum (lr 1, momentum 0 = plain averaging)")
     p.add_argument("--merge", choices=MERGE_RULES, default=Config.merge,
@@ -32,10 +30,8 @@ def add_round_args(p) -> None:
                    help="auto: wait for a straggler only while its measured arrival is "
                         "worth more tokens than the pushers lose waiting (syncer/grace.py; "
                         "--grace-ms until each island has pushed twice); fixed: always "
-                        "--grace-ms. auto is the default: on a mixed-speed fleet it ends "
-                        "level with the best fixed grace (held-out loss 3.461 vs 3.465 for "
-                        "500 ms, 3.643 for 0; 2 seeds, simulated time) and on real time "
-                        "kept more goodput (0.890 vs 0.871 for 500 ms; BENCHMARKS.md)")
+                        "--grace-ms (BENCHMARKS.md, \"A mixed-speed fleet and the grace "
+                        "window\")")
     p.add_argument("--round-timeout-s", type=float, default=Config.round_timeout_s,
                    help="commit with whatever arrived this long after a round's first push")
     p.add_argument("--max-staleness", type=int, default=Config.max_staleness,

@@ -9,10 +9,10 @@ follow. `trim()` returns it (glibc's malloc_trim); elsewhere it does nothing.
 (the syncer: gRPC's handler threads receive pushes and send broadcasts at once):
 glibc gives up to 8 malloc arenas per core, each keeping the chunk buffers freed in
 it resident; with two, every thread reuses the same few freed buffers. A freed 4 MiB
-buffer is then reused without a page fault (on a VM a fresh 4 MiB costs ~4 ms of
-faults, 8x the copy into it). Measured on the syncer (BENCHMARKS.md, "Malloc
-arenas"): 8 islands at 1e8 parameters 9.49 B/param, as with a fixed 1 MiB mmap
-threshold (9.44), and a 2e8 round in 6.4 s, against 10.4 s with that threshold.
+buffer is then reused without a page fault (on a VM a fresh page costs more than the
+copy into it). What it does to the syncer's memory and round time, against glibc's
+default and a fixed mmap threshold: BENCHMARKS.md, "Memory: bytes per parameter"
+(malloc arenas).
 """
 
 from __future__ import annotations

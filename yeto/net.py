@@ -12,16 +12,14 @@ from pathlib import Path
 
 # Pushes and broadcasts go in 1 MiB messages. A push: the syncer receives every
 # island's push at once, and each stream holds a few messages in flight (gRPC's
-# buffers, the parsed message, its copy to the spill file): at 8 islands of 1e8
-# parameters 4 MiB pieces cost the syncer 10.2-10.8 B/param, 1 MiB pieces 9.5-9.7
-# (2 MiB: 9.7). A broadcast: each message is built from Θ, sent, checked and applied
-# while it is still in the cache, and the sender and the receiver overlap more finely:
-# a 64 MiB broadcast streamed into an island's weights ran at 0.51-0.73 of raw gRPC
-# in 4 MiB messages and 0.66-0.83 in 1 MiB ones, raw gRPC at its faster message size
-# (BENCHMARKS.md, bench_transfer).
+# buffers, the parsed message, its copy to the spill file), so the message size
+# multiplies with the islands in the syncer's memory. A broadcast: each message is
+# built from Θ, sent, checked and applied while it is still in the cache, and the
+# sender and the receiver overlap more finely. The measurements behind the size:
+# BENCHMARKS.md, "Memory: bytes per parameter" (push messages of 1 MiB) and "Spine,
+# island and fault benchmarks" (bench_transfer).
 CHUNK_BYTES = 1 << 20
-# A message may hold up to 4 MiB of payload plus its header: what peers of earlier
-# releases send (their broadcasts went in 4 MiB messages).
+# The largest message either side accepts: 4 MiB of payload plus its header.
 MAX_MESSAGE_BYTES = (4 << 20) + (1 << 20)
 AUTH_KEY = "authorization"
 DEFAULT_PORT = 29400

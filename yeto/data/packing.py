@@ -26,19 +26,9 @@ its document's piece in this block, 0 where a document (or the block) starts.
   target (the classic packed fine-tuning; `pack_blocks`' default, kept for
   callers that feed tokens straight to a model).
 
-Measured effect (tiny llama from `yeto.cli.fixtures.make_tiny_model`, the reverse task
-from `make_task`: 2000 train / 200 held-out chats; LoRA r=8, AdamW lr 2e-3, 300
-steps of 16 x 128-token blocks, 2 CPU cores, seeds 0 and 1; held-out loss on
-assistant tokens, each held-out chat alone, i.e. document-packed eval):
-
-    base model                          2.463
-    trained with --packing naive        1.070, 1.040   (mean 1.055)
-    trained with --packing document     1.028, 0.997   (mean 1.012, -0.043 nats)
-
-Same steps and loss tokens (9963) in both. The naive-trained model scores the
-same under naive eval (1.067, 1.039); the document-trained one, never shown
-foreign chats in its context, scores 2.88 / 2.90 there, so evaluate it the way it
-was trained (the islands do: eval blocks use the training --packing).
+What document packing does to held-out loss, against naive packing, on the tiny
+model: BENCHMARKS.md, "Document packing". Evaluate a model the way it was trained
+(the islands do: eval blocks use the training --packing).
 
 Loss normalisation (both backends implement it, and must match): for one optimizer
 step made of micro-batches b with targets t,
