@@ -23,7 +23,10 @@ at random):
   disk-full       (root: the state dir is on a small tmpfs) a filler file fills it until the
                   syncer notices (a log line or its exit); the filler goes, and a syncer
                   that exited is resumed
-  link-cut        not implemented: skipped, and said so
+  link-cut        the last island dials the syncer through a TCP relay in this process
+                  (127.0.0.1 too: no network namespaces needed); the relay drops its
+                  connections and refuses new ones, or holds every byte, until the fleet
+                  committed twice without it; then the link comes back
 
 Every wait is on an event (a process exit, a tape or log line, an RPC answer) and has a
 bound (--wait-s) that fails loudly; every fault ends with a committed round. After the
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import errno
 import json
 import os
@@ -154,6 +158,79 @@ def records(path: Path) -> list[dict]:
     return out
 
 
+# ---- a link that can be cut -------------------------------------------------------------------
+class Relay:
+    """A TCP relay on 127.0.0.1 between one island and the syncer (the island dials the
+    relay's port), so its link can be cut without network namespaces: "drop" closes its
+    connections and every new one at once (a link reset, a NAT that forgets), "hold"
+    keeps them open but moves no byte (a silent link) until `mend`."""
+
+    def __init__(self, upstream: Callable[[], int]):
+        self.upstream = upstream  # the syncer's port now
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.mode = "open"
+        self.cond = threading.Condition()
+        self.socks: set[socket.socket] = set()
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True, name="relay").start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.mode == "drop":
+                down.close()
+                continue
+            try:
+                up = socket.create_connection(("127.0.0.1", self.upstream()), timeout=RPC_S)
+                up.settimeout(None)
+            except OSError:
+                down.close()  # the syncer is down: as if the connection were refused
+                continue
+            with self.cond:
+                self.socks |= {down, up}
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                with self.cond:
+                    self.cond.wait_for(lambda: self.mode != "hold" or self.closed)
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._close(src, dst)
+
+    def _close(self, *socks: socket.socket) -> None:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+            with self.cond:
+                self.socks.discard(s)
+
+    def cut(self, mode: str) -> None:
+        with self.cond:
+            self.mode = mode
+            socks = list(self.socks) if mode == "drop" else []
+        self._close(*socks)
+
+    def mend(self) -> None:
+        with self.cond:
+            self.mode = "open"
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        self.closed = True
+        self.mend()
+        self.listener.close()
+        self._close(*list(self.socks))
+
+
 # ---- the fleet --------------------------------------------------------------------------------
 class Fleet:
     """The syncer and island processes, their files, and waits on their events."""
@@ -169,6 +246,8 @@ class Fleet:
         self.syncer: spawn.SyncerProcess | None = None
         self.port = 0
         self.ids = [f"island-{i}" for i in range(args.islands)]
+        self.relayed = self.ids[-1]  # dials the syncer through `relay` (link-cut)
+        self.relay: Relay | None = None
         self.islands: dict[str, subprocess.Popen] = {}
         self.stopped: set[str] = set()
         self.records = {lid: workdir / f"{lid}.jsonl" for lid in self.ids}
@@ -206,7 +285,8 @@ class Fleet:
 
     def start_island(self, lid: str) -> None:
         a = self.args
-        cmd = [sys.executable, str(SIM), "--syncer", self.address, "--learner-id", lid,
+        port = self.relay.port if lid == self.relayed and self.relay else self.port
+        cmd = [sys.executable, str(SIM), "--syncer", f"127.0.0.1:{port}", "--learner-id", lid,
                "--dim", str(a.dim), "--steps", str(10**9), "--sync-every", str(a.sync_every),
                "--step-seconds", str(a.step_seconds), "--seed", str(self.ids.index(lid)),
                "--record", str(self.records[lid])]
@@ -216,6 +296,7 @@ class Fleet:
 
     def start(self) -> None:
         self.start_syncer()
+        self.relay = Relay(lambda: self.port)
         for lid in self.ids:
             self.start_island(lid)
         self.next_merge("the first commit", bound=self.args.wait_s * 2)
@@ -232,6 +313,9 @@ class Fleet:
     def heal(self) -> list[str]:
         """Bring the fleet back after a failed fault: SIGCONT, restart what is dead."""
         done = []
+        if self.relay is not None and self.relay.mode != "open":
+            self.relay.mend()
+            done.append("link mended")
         for lid in sorted(self.stopped):
             self.signal_island(lid, signal.SIGCONT)
             done.append(f"SIGCONT {lid}")
@@ -356,6 +440,8 @@ class Fleet:
         self.mounted, self.tmpfs_problem = True, None
 
     def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
         procs = [*self.islands.values()] + ([self.syncer.proc] if self.syncer else [])
         for p in procs:
             if p.poll() is None:
@@ -675,6 +761,22 @@ def inject_impersonation(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
     return victim, text
 
 
+def inject_link_cut(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    lid, mode = fleet.relayed, rng.choice(("drop", "hold"))
+    fleet.relay.cut(mode)
+    try:
+        first = fleet.next_merge(f"commit while {lid}'s link is cut ({mode})", without=lid)
+        idx = fleet.tape.merges.index(first) + 1
+        second = fleet.next_merge(f"second commit while {lid}'s link is cut", without=lid,
+                                  after=idx)
+    finally:
+        fleet.relay.mend()
+    mark = len(fleet.tape.merges)
+    back = fleet.next_merge(f"commit with {lid} after its link came back", who=lid, after=mark)
+    return lid, (f"link {mode} through v{first['version']}..v{second['version']}; mended, it "
+                 f"pushed into v{back['version']}")
+
+
 def _fill(path: Path) -> int:
     """Write `path` until the file system is full; its size."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -727,8 +829,6 @@ class Kind:
     unavailable: Callable[[Fleet], str | None] = field(default=lambda fleet: None)
 
 
-LINK_CUT_SKIP = ("needs network namespaces joined by veth links (traffic beyond "
-                 "127.0.0.1); not implemented")
 KINDS = (
     Kind("island-kill", inject_island_kill),
     Kind("syncer-kill", inject_syncer_kill),
@@ -738,7 +838,7 @@ KINDS = (
     Kind("rogue-values", inject_rogue_values),
     Kind("impersonation", inject_impersonation),
     Kind("disk-full", inject_disk_full, lambda fleet: fleet.tmpfs_problem),
-    Kind("link-cut", None, lambda fleet: LINK_CUT_SKIP),
+    Kind("link-cut", inject_link_cut),
 )
 
 
@@ -812,6 +912,8 @@ def finish_run(fleet: Fleet) -> list[str]:
     """Stop the syncer cleanly, resume it for --final-rounds more rounds, let every
     process exit by itself; problems found on the way."""
     problems = []
+    if fleet.syncer is None or fleet.syncer.poll() is not None:
+        fleet.heal()  # the schedule stopped on a fleet that did not recover: try once more
     mark = fleet.log_size()
     fleet.syncer.send_signal(signal.SIGTERM)
     try:
@@ -935,6 +1037,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", default="", metavar="KIND,KIND",
+                   help="only these fault kinds (default: every kind available here)")
     p.add_argument("--islands", type=int, default=3)
     p.add_argument("--quorum", type=int, default=2)
     p.add_argument("--dim", type=int, default=512)
@@ -954,7 +1058,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(fleet: Fleet, args) -> int:
     fleet.mount_tmpfs()
-    kinds = [k for k in KINDS if k.unavailable(fleet) is None]
+    wanted = {k.strip() for k in args.kinds.split(",") if k.strip()}
+    unknown = wanted - {k.name for k in KINDS}
+    if unknown:
+        raise ChaosError(f"unknown --kinds {', '.join(sorted(unknown))}; the kinds: "
+                         + ", ".join(k.name for k in KINDS))
+    kinds = [k for k in KINDS if k.unavailable(fleet) is None
+             and (not wanted or k.name in wanted)]
     for k in KINDS:
         if k.unavailable(fleet) is not None:
             say(f"skip {k.name}: {k.unavailable(fleet)}")
@@ -992,7 +1102,11 @@ def report(fleet: Fleet, outcomes: list[Outcome], problems: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.quorum < args.islands:
+        parser.error("--quorum must be at least 1 and below --islands (the fleet goes on "
+                     "while a fault takes one island out), e.g. --islands 3 --quorum 2")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="yeto-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"chaos: {args.faults} faults, seed {args.seed}, workdir {workdir}")
