@@ -8,13 +8,14 @@ run secret (islands get it in YETO_TOKEN and derive their own credentials), plus
 client inside this process that holds its own valid credential
 (`yeto.net.island_credential(secret, "rogue")`). Then it injects --faults faults drawn by
 random.Random(--seed) from these kinds (every kind once first, in a shuffled order, then
-at random):
+at random; --kinds picks some):
 
   island-kill     kill -9 of an island; restarted, it rejoins under the same learner id
   syncer-kill     kill -9 of the syncer; restarted with --resume on the same state dir, port
   island-stop     SIGSTOP of an island until the fleet committed twice without it; SIGCONT
   silent-streams  the rogue opens Push streams that send a header and then nothing, and
-                  streams that send nothing at all; the fleet must keep committing
+                  streams that send nothing at all; the fleet must commit while some are
+                  still open (a commit only once the syncer cut them all off: starved, fail)
   garbage         random bytes (and an HTTP/2 preface, and HTTP/1) straight onto the port
   rogue-values    the rogue, as itself, pushes a NaN, f32 values of 1e38, and q4 whose block
                   scales are 3e38: each must be refused
@@ -1069,6 +1070,8 @@ def run(fleet: Fleet, args) -> int:
         if k.unavailable(fleet) is not None:
             say(f"skip {k.name}: {k.unavailable(fleet)}")
     say(f"AVAILABLE kinds={len(kinds)} {' '.join(k.name for k in kinds)}")
+    if not kinds:
+        raise ChaosError("no fault kind left to inject (see the skips above)")
     rng = random.Random(args.seed)
     plan = schedule(kinds, args.faults, rng)
     fleet.start()
