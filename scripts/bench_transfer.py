@@ -59,10 +59,9 @@ import numpy as np
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
 from _bench import MIB, parser, rate, result_line
 
-from syncer import wire
 from syncer.run import Config, Run
 from syncer.service import serve
-from yeto import codec, memory, net
+from yeto import codec, memory, net, wire
 from yeto.cli.display import print_table
 from yeto.client import SyncerClient
 from yeto.layout import Layout

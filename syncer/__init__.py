@@ -4,10 +4,8 @@ Read it top to bottom, in the order a push travels:
 
   __main__   the command: flags -> `Config`, serve until the run ends, stop on signals
   service    server: the gRPC edge (framing, auth, status codes, broadcast streams)
-  wire       the push and broadcast chunks as protobuf wire bytes, without payload copies
   run        rounds: members, open rounds, commits, broadcasts, finish (one lock)
   merge      merge rules (token-weighted mean, uniform, RDA) and the outer Nesterov step
-  stream     chunked codec work: receive, decode-and-add, norms, compressed updates
   state      state on disk (atomic, after every round, streamed) and the final/ folder
   tape       the event tape: one JSON line per merge or refused message
   dashboard  the live dashboard: one HTML page and a JSON API

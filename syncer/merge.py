@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from syncer import stream
 from yeto import codec
+from yeto.codec import buffers, chunked
 
 MERGE_RULES = ("mean", "uniform", "rda")
 
@@ -20,7 +20,7 @@ class DeferredPush:
     """A push kept as received (compressed) until its round commits: clipping needs
     the round's median norm, known only then."""
 
-    payload: bytes | np.ndarray | stream.SpilledPayload  # the wire bytes (q4: 0.5625 B/param)
+    payload: bytes | np.ndarray | buffers.SpilledPayload  # the wire bytes (q4: 0.5625 B/param)
     encoding: str
     weight: float
     norm: float
@@ -87,10 +87,10 @@ class MergeAccumulator:
         (rule weight, its norm as received, the scale it was summed with). Validates
         first, so a bad payload raises CodecError and leaves the accumulator untouched."""
         w = self.weight_for(loss_tokens)
-        if not isinstance(payload, stream.SpilledPayload):  # those are checked as written
+        if not isinstance(payload, buffers.SpilledPayload):  # those are checked as written
             codec.validate(payload, encoding, self.numel, self.max_abs)
         if self.clip_factor > 0:  # kept as received (compressed) until the round commits
-            norm = stream.norm(payload, encoding, self.numel)
+            norm = chunked.norm(payload, encoding, self.numel)
             scale = _bound_scale(norm, norm_limit)
             self.deferred.append(DeferredPush(payload, encoding, w, norm, scale))
             self.total_weight += w
@@ -105,12 +105,12 @@ class MergeAccumulator:
         is then topped up with (scale − 1) × itself: one more pass, for it alone."""
         weight = self._buffer_weight(w)
         buf = self._buffer() if weight else None
-        norm = stream.decode_add_norm(payload, encoding, self.numel, buf, weight,
-                                      assign=self.fresh)
+        norm = chunked.decode_add_norm(payload, encoding, self.numel, buf, weight,
+                                       assign=self.fresh)
         scale = _bound_scale(norm, norm_limit)
         if buf is not None:
             if scale < 1.0:
-                stream.decode_add(payload, encoding, self.numel, buf, weight * (scale - 1.0))
+                chunked.decode_add(payload, encoding, self.numel, buf, weight * (scale - 1.0))
             self.norm_sum += weight * scale * norm
             self.fresh = False
         return norm, scale
@@ -145,7 +145,7 @@ class MergeAccumulator:
         divisor, g = self._prepare(), self._buffer()
         g /= divisor
         if self.rule == "rda":
-            norm = stream.vector_norm(g)
+            norm = chunked.vector_norm(g)
             if norm > 0:
                 g *= (self.norm_sum / divisor) / norm
         return g
@@ -161,8 +161,8 @@ class MergeAccumulator:
             def by_divisor(lo: int, hi: int) -> None:
                 g[lo:hi] /= divisor
 
-            stream.each_chunk(g.size, by_divisor)
-            norm = stream.vector_norm(g)
+            chunked.each_chunk(g.size, by_divisor)
+            norm = chunked.vector_norm(g)
             divide, factor = False, (self.norm_sum / divisor) / norm if norm > 0 else None
 
         def one(lo: int, hi: int) -> bool:
@@ -177,7 +177,7 @@ class MergeAccumulator:
                 return bool(np.isfinite(theta[lo:hi]).all() and
                             (m is None or np.isfinite(m[lo:hi]).all()))
 
-        if not all(stream.each_chunk(g.size, one)):
+        if not all(chunked.each_chunk(g.size, one)):
             raise NonFinite("the outer step made Θ or the momentum non-finite")
         return g
 
@@ -197,7 +197,7 @@ class MergeAccumulator:
             scale = min(1.0, limit / p.norm) if p.norm > 0 else 1.0
             w = self.merged_weight(p.weight) * scale * p.bound_scale
             self.clip_scales.append(scale)
-            stream.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=i == 0)
+            chunked.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=i == 0)
             self.norm_sum += w * p.norm
         self.fresh = False
         self.deferred.clear()

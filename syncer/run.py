@@ -36,12 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
-from syncer import state, stream
+from syncer import state
 from syncer.bounds import SEED_MAX_ABS, BoundError, Bounds, NormHistory
 from syncer.grace import AutoGrace
 from syncer.merge import MergeAccumulator, NesterovOuter, NonFinite
 from syncer.tape import Tape
 from yeto import codec, frozen
+from yeto.codec import chunked
 from yeto.interop.adapters import run_adapter_tensors
 from yeto.io import finite_or_none
 from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
@@ -791,7 +792,7 @@ class Run:
             if final or prev is None:
                 source[...] = self.theta[lo:hi]
             else:
-                delta = stream.encode_diff(self.theta[lo:hi], source, self.cfg.downlink)
+                delta = chunked.encode_diff(self.theta[lo:hi], source, self.cfg.downlink)
         return Broadcast(version, f, Source(source), "f32", final, delta,
                          prev.version if prev else 0)
 

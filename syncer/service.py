@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from syncer import stream, wire
 from syncer.admission import UNARY_WORKERS, Exhausted, Streams
 from syncer.run import Broadcast, Reject, Run
-from yeto import codec, net
+from yeto import codec, net, wire
+from yeto.codec import buffers, receiver
 from yeto.io import host_port
 from yeto.layout import TensorSpec
 from yeto.proto import yeto_pb2 as pb
@@ -61,8 +61,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.run, self.secret = run, secret
         self.streams = streams or Streams()
         self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
-        self.pool = stream.buffer_pool(max_inflight_pushes)
-        self.spills = stream.spill_pool(max_inflight_pushes, run.cfg.state_dir)
+        self.pool = buffers.buffer_pool(max_inflight_pushes)
+        self.spills = buffers.spill_pool(max_inflight_pushes, run.cfg.state_dir)
         self.spill_min_bytes = spill_min_bytes
 
     def _caller(self, context, learner_id: str | None, call: str) -> str | None:
@@ -141,7 +141,7 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     def _push(self, h, first, rest) -> dict:
         """Receive and merge one push. A large delta goes to a temporary file as it
-        arrives (`stream.SpilledPayload`: a push in flight costs a chunk of memory, not
+        arrives (`buffers.SpilledPayload`: a push in flight costs a chunk of memory, not
         its size); a small one to a buffer. Both are pooled: back in their pool once
         merged, for the next push. Either is kept instead while the run holds pushes
         until the round commits (clipping).
@@ -166,7 +166,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             if done is not None:
                 done()
 
-    def _spill_file(self, h) -> stream.SpilledPayload:
+    def _spill_file(self, h) -> buffers.SpilledPayload:
         folder = self.run.cfg.state_dir
         try:
             return self.spills.get(h.payload_bytes)
@@ -275,7 +275,7 @@ class Subscription:
         try:
             if out.use_delta:
                 for i, piece in enumerate(net.chunks(memoryview(bc.delta).cast("B"))):
-                    yield wire.broadcast_chunk(header if i == 0 else None, piece)
+                    yield wire.chunk_bytes(header if i == 0 else None, piece)
             else:
                 yield from _source_chunks(header, bc.source, out.reader)
         finally:
@@ -323,10 +323,10 @@ def _touching(chunks, watch):
 
 def _receive(h, first, rest, into=None, max_abs: float | None = None):
     """Assemble a push payload from its chunks into `into` (or a new buffer), validated
-    as it arrives (see `syncer.stream.PayloadReceiver`): one buffer of the wire size,
+    as it arrives (see `yeto.codec.receiver.PayloadReceiver`): one buffer of the wire size,
     every value finite and within `max_abs`."""
     try:
-        rx = stream.PayloadReceiver(h.encoding, h.numel, into, max_abs)
+        rx = receiver.PayloadReceiver(h.encoding, h.numel, into, max_abs)
         for chunk in itertools.chain([first], rest):
             if chunk is not first and chunk.header is not None:
                 raise Reject("invalid", "a push carries exactly one header")
@@ -340,14 +340,14 @@ def _receive(h, first, rest, into=None, max_abs: float | None = None):
 
 def add_to_server(service: SyncerService, server) -> None:
     """Register the service's methods; Push and Subscribe move their payloads through
-    `syncer.wire` (the same bytes on the wire, fewer copies)."""
+    `yeto.wire` (the same bytes on the wire, fewer copies)."""
     unary = grpc.unary_unary_rpc_method_handler
     handlers = {
         "Join": unary(service.Join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString),
         "Push": grpc.stream_unary_rpc_method_handler(
             service.Push, wire.parse_push_chunk, pb.PushReply.SerializeToString),
         "Subscribe": grpc.unary_stream_rpc_method_handler(
-            service.Subscribe, pb.SubscribeRequest.FromString, wire.serialize_broadcast),
+            service.Subscribe, pb.SubscribeRequest.FromString, wire.passthrough),
         "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest.FromString,
                            pb.HeartbeatReply.SerializeToString),
         "Status": unary(service.Status, pb.StatusRequest.FromString,

@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 from conftest import make_client, running_syncer
 
-from syncer import state, stream, wire
+from syncer import state
 from syncer.merge import MergeAccumulator, NesterovOuter
 from syncer.run import Source
-from yeto import codec, net
+from yeto import codec, net, wire
+from yeto.codec import buffers, chunked, receiver
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
-N = 3 * stream.CHUNK + 77  # several chunks and a partial last q4 block
+N = 3 * chunked.CHUNK + 77  # several chunks and a partial last q4 block
 ENCODINGS = ("f32", "bf16", "q4")
 
 
@@ -33,7 +34,7 @@ def _blocked_norm(x: np.ndarray) -> float:
     float64."""
     x = x.astype(np.float32)
     return float(np.sqrt(sum(float(np.dot(x[lo:hi], x[lo:hi]))
-                             for lo, hi in stream.chunks(x.size))))
+                             for lo, hi in chunked.ranges(0, x.size))))
 
 
 def _whole_array_merge(payloads, encoding: str, tokens: list[int], rule: str) -> np.ndarray:
@@ -52,9 +53,9 @@ def _whole_array_merge(payloads, encoding: str, tokens: list[int], rule: str) ->
     return acc
 
 
-def _spilled(payload: bytes, encoding: str, tmp_path) -> stream.SpilledPayload:
+def _spilled(payload: bytes, encoding: str, tmp_path) -> buffers.SpilledPayload:
     """A payload received as the syncer receives a large push: into a temporary file."""
-    rx = stream.PayloadReceiver(encoding, N, stream.SpilledPayload(len(payload), tmp_path))
+    rx = receiver.PayloadReceiver(encoding, N, buffers.SpilledPayload(len(payload), tmp_path))
     for piece in net.chunks(payload, 100_003):  # pieces that split floats
         rx.add(piece)
     return rx.finish()
@@ -75,13 +76,13 @@ def test_chunked_merge_equals_the_whole_array_merge(rule, encoding, held, tmp_pa
 
 
 def test_a_pooled_spill_file_rewritten_by_a_shorter_push_reads_only_the_new_push(tmp_path):
-    pool = stream.spill_pool(limit=1, directory=tmp_path)
+    pool = buffers.spill_pool(limit=1, directory=tmp_path)
     long_push = codec.encode(_deltas(1, N + 4096, seed=1)[0], "f32")
     first = pool.get(len(long_push))
     first.write(long_push)
     pool.put(first)
     short = codec.encode(_deltas(1, seed=2)[0], "q4")
-    rx = stream.PayloadReceiver("q4", N, pool.get(len(short)))
+    rx = receiver.PayloadReceiver("q4", N, pool.get(len(short)))
     for piece in net.chunks(short, 100_003):
         rx.add(piece)
     again = rx.finish()
@@ -97,7 +98,7 @@ def test_a_pooled_spill_file_rewritten_by_a_shorter_push_reads_only_the_new_push
 
 
 def test_a_buffer_pool_serves_each_size_from_its_own_buffers():
-    pool = stream.buffer_pool(limit=2)
+    pool = buffers.buffer_pool(limit=2)
     a, b = pool.get(8), pool.get(16)
     pool.put(a)
     pool.put(b)
@@ -153,7 +154,7 @@ def test_decode_assign_is_adding_into_zeros_even_for_negative_zero(encoding):
     p = codec.encode(d, encoding)
     added, assigned = np.zeros(N, np.float32), np.full(N, np.nan, np.float32)
     codec.decode_add(p, encoding, N, added, 0.3)
-    stream.decode_add(p, encoding, N, assigned, 0.3, assign=True)
+    chunked.decode_add(p, encoding, N, assigned, 0.3, assign=True)
     assert added.tobytes() == assigned.tobytes()
     if encoding != "q4":  # q4 keeps no sign of zero to test
         assert np.signbit(codec.decode(p, encoding, N)[:8]).all()
@@ -164,12 +165,12 @@ def test_decode_add_equals_codec_and_norm_matches_numpy():
         d = _deltas(1)[0]
         p = codec.encode(d, encoding)
         a, b, c = (np.ones(N, np.float32) for _ in range(3))
-        norm = stream.decode_add_norm(p, encoding, N, a, 0.3)
+        norm = chunked.decode_add_norm(p, encoding, N, a, 0.3)
         codec.decode_add(p, encoding, N, b, 0.3)
-        stream.decode_add(p, encoding, N, c, 0.3)
+        chunked.decode_add(p, encoding, N, c, 0.3)
         assert a.tobytes() == b.tobytes() == c.tobytes()
         whole = codec.decode(p, encoding, N)
-        assert norm == _blocked_norm(whole) == stream.norm(p, encoding, N)
+        assert norm == _blocked_norm(whole) == chunked.norm(p, encoding, N)
         assert norm == pytest.approx(float(np.linalg.norm(whole.astype(np.float64))), rel=1e-4)
 
 
@@ -179,7 +180,7 @@ def test_clipped_merge_keeps_pushes_compressed_and_equals_whole_arrays(held, tmp
     acc = MergeAccumulator(N, "mean", clip_factor=1.0)
     for p in payloads:
         acc.add(p if held == "memory" else _spilled(p, "q4", tmp_path), "q4", 10)
-    kind = bytes if held == "memory" else stream.SpilledPayload
+    kind = bytes if held == "memory" else buffers.SpilledPayload
     assert all(isinstance(dp.payload, kind) for dp in acc.deferred)  # as received
     got = acc.result()
     norms = [_blocked_norm(codec.decode(p, "q4", N)) for p in payloads]
@@ -199,7 +200,7 @@ def test_outer_step_by_chunks_equals_the_whole_array_step(momentum):
     t1, m1, g1 = theta.copy(), m.copy(), g.copy()
     outer.step(t1, m1 if momentum else None, g1)
     t2, m2, g2 = theta.copy(), m.copy(), g.copy()
-    for lo, hi in stream.chunks(N, 1000):
+    for lo, hi in chunked.ranges(0, N, 1000):
         outer.step(t2[lo:hi], m2[lo:hi] if momentum else None, g2[lo:hi])
     assert t1.tobytes() == t2.tobytes() and m1.tobytes() == m2.tobytes()
     if momentum:  # the documented math, on whole arrays
@@ -219,7 +220,7 @@ def test_compressed_broadcast_encoded_by_chunks_equals_the_whole_encode(encoding
     whole = codec.encode(theta - held, encoding)
     want_held = held.copy()
     codec.decode_add(whole, encoding, N, want_held, 1.0)
-    got = stream.encode_diff(theta, held, encoding)
+    got = chunked.encode_diff(theta, held, encoding)
     assert got.tobytes() == whole and held.tobytes() == want_held.tobytes()
 
 
@@ -311,7 +312,7 @@ def test_push_chunks_parse_as_protobuf_does_and_broadcast_chunks_are_valid_proto
         assert bytes(got.data) == msg.data
     bh = pb.BroadcastHeader(version=3, numel=7, payload_bytes=28)
     for header, data in ((bh, b"q" * 28), (None, b"z" * 200_000), (bh, b"")):
-        raw = wire.broadcast_chunk(header, data)
+        raw = wire.chunk_bytes(header, data)
         parsed = pb.BroadcastChunk.FromString(raw)
         assert parsed.data == data and parsed.HasField("header") == (header is not None)
         ours = wire.parse_chunk(raw, pb.BroadcastHeader)
@@ -321,7 +322,7 @@ def test_push_chunks_parse_as_protobuf_does_and_broadcast_chunks_are_valid_proto
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_receiver_refuses_bad_bytes_as_they_arrive(encoding, tmp_path):
     good = codec.encode(_deltas(1)[0], encoding)
-    rx = stream.PayloadReceiver(encoding, N)
+    rx = receiver.PayloadReceiver(encoding, N)
     for piece in net.chunks(good, 100_000):
         rx.add(piece)
     assert rx.finish().tobytes() == good
@@ -331,7 +332,7 @@ def test_receiver_refuses_bad_bytes_as_they_arrive(encoding, tmp_path):
     at = 4 * 5 if encoding == "q4" else len(good) // 2 // 4 * 4  # a scale, or a value
     bad[at:at + 4] = np.array([np.nan], np.float32).tobytes()[:4] if encoding != "bf16" \
         else b"\xc0\x7f\xc0\x7f"
-    rx = stream.PayloadReceiver(encoding, N)
+    rx = receiver.PayloadReceiver(encoding, N)
     with pytest.raises(codec.CodecError):
         for piece in net.chunks(bytes(bad), 4096):
             rx.add(piece)
@@ -340,7 +341,7 @@ def test_receiver_refuses_bad_bytes_as_they_arrive(encoding, tmp_path):
     if encoding == "q4":
         assert refused_at <= 4 * nb + 4096  # as soon as the scales were in
     with pytest.raises(ValueError):
-        stream.PayloadReceiver(encoding, N).finish()  # short
+        receiver.PayloadReceiver(encoding, N).finish()  # short
 
 
 def _stub_push(addr, chunks):

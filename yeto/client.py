@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from yeto import codec, net, wire
+from yeto.codec.receiver import KeepNothing, PayloadReceiver
 from yeto.io import host_port
 from yeto.layout import Layout
 from yeto.memory import trim
@@ -114,7 +115,7 @@ class SyncerClient:
             response_deserializer=pb.PushReply.FromString)
         self._subscribe_call = self._channel.unary_stream(
             "/yeto.v1.Syncer/Subscribe", request_serializer=pb.SubscribeRequest.SerializeToString,
-            response_deserializer=_parse_broadcast_chunk)
+            response_deserializer=wire.parse_broadcast_chunk)
         self._backoff = (backoff_s, max_backoff_s)
         self._cond = threading.Condition()
         self._latest: dict[int, Received] = {}  # newest untaken broadcast per fragment
@@ -234,8 +235,8 @@ class SyncerClient:
         except BaseException as e:
             if sink is not None:
                 sink.fail(str(e) or type(e).__name__)
-            if isinstance(e, codec.CodecError):  # reconnect, as for any broken broadcast,
-                raise _BadBroadcast(f"bad broadcast: {e}") from e  # not end this thread
+            if isinstance(e, ValueError):  # CodecError too: reconnect, as for any broken
+                raise _BadBroadcast(f"bad broadcast: {e}") from e  # broadcast, not end this thread
             raise
 
     def _sink(self, header):
@@ -367,75 +368,56 @@ class SyncerClient:
         self._channel.close()
 
 
-def _parse_broadcast_chunk(raw: bytes) -> wire.Chunk:
-    return wire.parse_chunk(raw, pb.BroadcastHeader)
+def _receiver(header, keep: bool = True) -> PayloadReceiver:
+    """The receiver of one broadcast, its size checked against its header; `keep`:
+    into a buffer of its own, else the caller passes the values on as they arrive."""
+    size = codec.encoded_size(header.encoding, header.numel)
+    if header.payload_bytes != size:
+        raise _BadBroadcast(f"{header.encoding} broadcast of {header.numel} values must be "
+                            f"{size} bytes, header says {header.payload_bytes}")
+    return PayloadReceiver(header.encoding, header.numel, None if keep else KeepNothing(size))
 
 
 class _Buffered:
-    """A broadcast reassembled whole, then handed over. Whole Θ in f32 is checked
-    finite chunk by chunk as it arrives (each chunk while it is still in the cache),
-    so nothing is left to check once the last byte is in."""
+    """A broadcast reassembled whole, then handed over; checked as it arrives (values
+    or q4 scales, `PayloadReceiver`), each piece while it is still in the cache."""
 
     def __init__(self, client: SyncerClient, header):
         self.client, self.header = client, header
-        self.plain = not header.delta and header.encoding == "f32"
-        if self.plain:
-            _check_plain_size(header)
-        self.buf, self.n, self.checked = np.empty(header.payload_bytes, np.uint8), 0, 0
+        self.rx = _receiver(header)
 
     def add(self, data: memoryview) -> bool:
-        if self.n + len(data) > len(self.buf):
-            raise _BadBroadcast("broadcast payload longer than its header announced")
-        self.buf[self.n:self.n + len(data)] = np.frombuffer(data, np.uint8)
-        self.n += len(data)
-        if self.plain:  # the values now whole, from where the last check stopped
-            end = self.n - self.n % 4
-            codec.validate(self.buf[self.checked:end], "f32", (end - self.checked) // 4)
-            self.checked = end
-        if self.n < len(self.buf):
+        self.rx.add(data)
+        if not self.rx.complete:
             return False
-        self.client._deliver(self.header, self.buf)
+        self.client._deliver(self.header, self.rx.finish())
         return True
 
     def fail(self, why: str) -> None:
         pass
 
 
-def _check_plain_size(header) -> None:
-    if header.payload_bytes != 4 * header.numel:
-        raise _BadBroadcast(f"f32 broadcast of {header.numel} values must be "
-                            f"{4 * header.numel} bytes, header says {header.payload_bytes}")
-
-
 class _Streamed:
-    """A large f32 broadcast handed over at once as a `ThetaStream`; its chunks are
-    checked (finite, sizes) and passed on as they arrive."""
+    """A large f32 broadcast handed over at once as a `ThetaStream`; its values are
+    checked (`PayloadReceiver`) and passed on as they arrive."""
 
     def __init__(self, client: SyncerClient, header):
         self.client, self.header = client, header
-        _check_plain_size(header)
+        self.rx = _receiver(header, keep=False)
         self.stream = ThetaStream(header.numel)
-        self.n, self.tail, self.dropped = 0, b"", False
+        self.dropped = False
         client._hand_over(Received(header.version, header.fragment, header.final, self.stream),
                           done=False)
 
     def add(self, data: memoryview) -> bool:
-        if self.n + len(data) > self.header.payload_bytes:
-            raise _BadBroadcast("broadcast payload longer than its header announced")
-        self.n += len(data)
-        if self.tail:  # a chunk that split a value (the syncer's are whole values)
-            data = memoryview(self.tail + bytes(data))
-        cut = len(data) - len(data) % 4
-        self.tail = bytes(data[cut:])
-        piece = np.frombuffer(data, np.float32, count=cut // 4)
-        codec.validate(piece, "f32", piece.size)  # a CodecError: reconnect (`_listen`)
+        piece = np.frombuffer(self.rx.add(data), np.float32)  # a CodecError: reconnect
         if piece.size and not self.dropped:
             self.dropped = not self.stream.put(piece, self.client._alive)
-        if self.n < self.header.payload_bytes:
+        if not self.rx.complete:
             return False
         self.stream.end()
         trim()  # the chunks' messages, freed here and in the island's thread
-        self.client.bytes_down += self.n
+        self.client.bytes_down += self.rx.n
         if self.header.final:
             self.client._final_in()
         return True

@@ -80,6 +80,7 @@ import numpy as np
 
 from yeto import codec
 from yeto.codec import Q4_BLOCK, CodecError, Encoder, ErrorFeedback
+from yeto.codec.chunked import ranges
 from yeto.layout import Fragment, Layout
 from yeto.memory import trim
 from yeto.transport import Lost, Received, Refused, ThetaStream, Transport, TransportError
@@ -256,7 +257,7 @@ class Island:
             return np.array(self._get(), dtype=np.float32)
         out = np.empty(self.layout.numel, dtype=np.float32)
         with self._pass() as w:
-            for lo, hi in _ranges(0, self.layout.numel, self.chunk):
+            for lo, hi in ranges(0, self.layout.numel, self.chunk):
                 out[lo:hi] = w.read(lo, hi)
         return out
 
@@ -360,7 +361,7 @@ class Island:
             scratch.put(_Scratch(min(self.chunk, frag.numel)))
         with self._pass() as w, _Workers(n) as workers:
             try:
-                for lo, hi in _ranges(frag.start, frag.stop, self.chunk):
+                for lo, hi in ranges(frag.start, frag.stop, self.chunk):
                     local = w.read(lo, hi)
                     workers.submit(self._encode_piece, enc, frag.start, lo, hi, local, scratch)
                     done += workers.finished()
@@ -380,7 +381,7 @@ class Island:
         chunks already encoded back (as for whole pieces) and leaves the rest as it was."""
         s = scratch.get()
         try:
-            for a, b in _ranges(lo, hi, s.codec.chunk):
+            for a, b in ranges(lo, hi, s.codec.chunk):
                 mine = local[a - lo:b - lo]
                 x = np.subtract(self.anchor[a:b], mine, out=s.x[:b - a])
                 try:
@@ -396,7 +397,7 @@ class Island:
     def _carry(self, enc: Encoder, start: int, lo: int, hi: int) -> None:
         """Values [lo, hi) of a payload whose first value is `start` (its fragment's
         start), decoded back into the residual: work the syncer does not hold."""
-        for a, b in _ranges(lo, hi, self.chunk):
+        for a, b in ranges(lo, hi, self.chunk):
             self.feedback.carry(a, enc.decoded(a - start, b - start))
 
     def _in_flight(self, f: int | None = None) -> list[_Push]:
@@ -460,7 +461,7 @@ class Island:
         change), so a backend whose read is a view of its weights copies nothing."""
         in_place = not alpha and local.flags.writeable
         out = local if in_place else scratch[:theta.size]
-        for a, b in _ranges(0, theta.size, codec.CHUNK):
+        for a, b in ranges(0, theta.size, codec.CHUNK):
             m = np.subtract(local[a:b], self.anchor[lo + a:lo + b], out=out[a:b])
             m += theta[a:b]
             if alpha:
@@ -617,12 +618,6 @@ class _Workers:
             raise first
 
 
-def _ranges(start: int, stop: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """[start, stop) in pieces of `chunk` values, counted from `start`."""
-    for lo in range(start, stop, chunk):
-        yield lo, min(lo + chunk, stop)
-
-
 def _pieces(theta, frag: Fragment, chunk: int) -> Iterator[tuple[int, np.ndarray]]:
     """(flat offset, values) pieces of a fragment's Θ, whole or streamed, none longer
     than `chunk`."""
@@ -637,7 +632,7 @@ def _pieces(theta, frag: Fragment, chunk: int) -> Iterator[tuple[int, np.ndarray
     for piece in pieces:
         if pos + piece.size > frag.stop:
             raise Lost("broadcast longer than its fragment")
-        for lo, hi in _ranges(0, piece.size, chunk):
+        for lo, hi in ranges(0, piece.size, chunk):
             yield pos + lo, piece[lo:hi]
         pos += piece.size
 

@@ -10,6 +10,8 @@ import re
 import socket
 from pathlib import Path
 
+from yeto.codec.chunked import ranges
+
 # Pushes and broadcasts go in 1 MiB messages. A push: the syncer receives every
 # island's push at once, and each stream holds a few messages in flight (gRPC's
 # buffers, the parsed message, its copy to the spill file), so the message size
@@ -63,8 +65,8 @@ def chunks(payload: bytes | memoryview, size: int = CHUNK_BYTES):
     if len(view) == 0:
         yield view
         return
-    for lo in range(0, len(view), size):
-        yield view[lo:lo + size]
+    for lo, hi in ranges(0, len(view), size):
+        yield view[lo:hi]
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",

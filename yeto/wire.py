@@ -1,13 +1,15 @@
-"""The island's side of the two streaming messages, without protobuf copies of the
-payload; the syncer uses the same functions (`syncer/wire.py` names its side).
+"""The two streaming messages (pushes and broadcasts) as wire bytes, without protobuf
+copies of the payload: one place for the wire format, used by islands and the syncer.
 
 `PushChunk` and `BroadcastChunk` are both `{header = 1 (a message), data = 2
 (bytes)}`. Built by the generated classes, every chunk's payload is copied three
 times (`bytes(view)`, into the message, `SerializeToString`); parsed by them, three
 times again. Here a push chunk's wire bytes are built in one copy straight from the
 payload (`chunk_bytes`), and a broadcast chunk is parsed into its header and a
-zero-copy view of its data (`parse_chunk`). The bytes on the wire are exactly what
-the generated classes produce and accept.
+zero-copy view of its data (`parse_chunk`; `parse_push_chunk` and
+`parse_broadcast_chunk` are the deserializers the syncer and the client register).
+`passthrough` is the serializer of calls whose messages are prepared wire bytes. The
+bytes on the wire are exactly what the generated classes produce and accept.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError, Message
+
+from yeto.proto import yeto_pb2 as pb
 
 _HEADER, _DATA = 1, 2
 _LEN = 2  # wire type of length-delimited fields
@@ -80,6 +84,16 @@ def parse_chunk(raw: bytes, header_type: type[Message]) -> Chunk:
             if pos > len(buf):
                 raise DecodeError("field runs past the end of the message")
     return Chunk(header, data)
+
+
+def parse_push_chunk(raw: bytes) -> Chunk:
+    """One PushChunk from its wire bytes; `data` is a view into `raw` (no copy)."""
+    return parse_chunk(raw, pb.PushHeader)
+
+
+def parse_broadcast_chunk(raw: bytes) -> Chunk:
+    """One BroadcastChunk from its wire bytes; `data` is a view into `raw` (no copy)."""
+    return parse_chunk(raw, pb.BroadcastHeader)
 
 
 def _encode_varint(n: int) -> bytes:

@@ -1,4 +1,4 @@
-"""Wire encodings for flat float32 vectors: f32, bf16 and q4, plus error feedback.
+"""Wire encodings for flat float32 vectors: f32, bf16 and q4.
 
 All encoders refuse non-finite input; all decoders check payload sizes (and q4
 scales) so a malformed payload is an error, never garbage in the weights.
@@ -28,9 +28,9 @@ ENCODINGS = ("f32", "bf16", "q4")
 Q4_BLOCK = 64
 _Q4_LEVELS = 7
 # Chunking keeps each numpy pass inside the CPU cache: several passes over a 128K
-# chunk (512 KiB of f32 per scratch buffer) are much faster than the same passes
-# over a 64 MiB array, and the chunk is large enough that numpy's per-call
-# overhead stays small (scripts/bench_codec.py measures it).
+# chunk (512 KiB of f32 per scratch buffer) beat the same passes over a large array,
+# and the chunk is large enough that numpy's per-call overhead stays small
+# (BENCHMARKS.md, "Spine, island and fault benchmarks": scripts/bench_codec.py).
 CHUNK = 1 << 17  # elements, a multiple of Q4_BLOCK
 # x + 1.5 * 2**23 is rounded to an integer by float addition itself (half to even);
 # the extra 8 makes the low mantissa byte the 4-bit code
@@ -175,8 +175,9 @@ _SPARE_MAX = 8  # kept at most: one per thread coding at once
 @contextlib.contextmanager
 def _scratch_for(scratch: Scratch | None) -> Iterator[Scratch]:
     """`scratch`, or one of the spares (made on first need, kept after use): a scratch
-    made per call costs its page faults each time (~1 ms per chunk on a VM, 5x the
-    decode itself), and the syncer decodes a push a chunk per call."""
+    made per call costs its page faults each time, more than the decode of its chunk
+    (BENCHMARKS.md, "A half-billion-parameter full-weight round"), and the syncer
+    decodes a push a chunk per call."""
     if scratch is not None:
         yield scratch
         return
@@ -408,59 +409,3 @@ class Encoder:
         out = np.empty(hi - lo, dtype=np.float32)
         _q4_decode_parts(scales, codes, hi - lo, out, None, scratch)
         return out
-
-
-class ErrorFeedback:
-    """Carry each encode's quantization residual into the next encode.
-
-    With it the running sum of decoded pushes equals the running sum of true
-    pushes minus the current residual, which is at most half a quantization step:
-    nothing is lost over time, however coarse the wire. f32 is exact, so it keeps
-    no residual (`residual` is None) unless work is carried back into it (`carry`).
-    """
-
-    def __init__(self, numel: int, encoding: str):
-        self.encoding, self.numel = encoding, int(numel)
-        self.residual: np.ndarray | None = (
-            None if encoding == "f32" else np.zeros(self.numel, dtype=np.float32))
-
-    def encode(self, x: np.ndarray, offset: int = 0) -> bytes:
-        """Encode x, which covers residual[offset:offset + len(x)] (a fragment)."""
-        x = np.array(x, dtype=np.float32).reshape(-1)  # a copy: it becomes the target
-        enc = Encoder(self.encoding, x.size)
-        self.encode_piece(x, enc, 0, offset)
-        self.done()
-        return enc.buffer.tobytes()
-
-    def encode_piece(self, x: np.ndarray, enc: Encoder, at: int, offset: int,
-                     scratch: Scratch | None = None) -> None:
-        """Put x + residual (values [offset, offset + len(x)) of the vector) into `enc`
-        at `at`, keeping what the encoding lost as the new residual there. `x` is
-        overwritten (it becomes the target); on a CodecError nothing is changed.
-        `scratch`: the calling thread's q4 buffers (a piece of at most one q4 chunk
-        then stays in the CPU cache from its add to its residual)."""
-        r = None if self.residual is None else self.residual[offset:offset + x.size]
-        if r is not None:
-            np.add(r, x, out=x)
-        dec = enc.put(at, x, scratch, decoded=r is not None)
-        if r is None:
-            return
-        if self.encoding == "f32":
-            r[...] = 0.0
-        else:
-            if dec is None:
-                dec = enc.decoded(at, at + x.size, scratch)
-            np.subtract(x, dec, out=r)
-
-    def done(self) -> None:
-        """After a push: an f32 residual (only there after a carry) is freed once every
-        fragment has spent its part."""
-        if self.encoding == "f32" and self.residual is not None and not self.residual.any():
-            self.residual = None
-
-    def carry(self, offset: int, values: np.ndarray) -> None:
-        """Add values to the residual at offset: work the syncer did not get goes into
-        the next push."""
-        if self.residual is None:
-            self.residual = np.zeros(self.numel, dtype=np.float32)
-        self.residual[offset:offset + values.size] += values
