@@ -262,6 +262,7 @@ def _wait_for_finish(run: Run, stop: threading.Event) -> None:
 
 
 def _shutdown(run: Run, server, dashboard, grace_s: float) -> None:
+    run.close()
     server.ticker_stop.set()
     server.stop(grace=grace_s).wait()
     if dashboard is not None:

@@ -4,10 +4,12 @@ A streaming call holds one of the server's worker threads for as long as it last
 and a push also one of the `--max-inflight-pushes` slots. So that no peer, hostile or
 merely stuck, can starve the others:
 
-- at most `max_streams` streaming calls at once in all, and `per_island` for any one
-  learner id; a call over either bound is refused at once (RESOURCE_EXHAUSTED, the
-  island retries), and the server keeps `UNARY_WORKERS` threads beyond `max_streams`,
-  so Join, Heartbeat and Status always find a worker;
+- at most `max_streams` streaming calls at once in all, `per_island` for any one
+  learner id, and one push per learner id (an island pushes one at a time: a
+  hostile one holds at most one of the push slots); a call over a bound is refused
+  at once (RESOURCE_EXHAUSTED, the island retries), and the server keeps
+  `UNARY_WORKERS` threads beyond `max_streams`, so Join, Heartbeat and Status always
+  find a worker;
 - a push that sends nothing for `idle_s` seconds (no header, or a header and then
   nothing) is cancelled and its slot freed; the server's keepalive pings end the
   connections of peers that stopped answering (a frozen process, a dead link).
@@ -48,23 +50,22 @@ class Streams:
         self._lock = threading.Lock()
         self._open: set[Watch] = set()
         self._per: collections.Counter[str] = collections.Counter()
+        self._pushing: set[str] = set()  # learner ids with a push in progress
 
     @contextlib.contextmanager
-    def admit(self, context, learner_id: str | None, idle: bool = True):
+    def admit(self, context, learner_id: str | None, push: bool = True):
         """Hold one stream slot for the `with` block, or raise Exhausted. `learner_id`:
         the authenticated caller (None without authentication: the total bound only).
-        `idle`: cancel the call when it receives nothing for `idle_s` (`Watch.touch`)."""
+        `push`: a push (one per island at once; cancelled when it receives nothing for
+        `idle_s`, see `Watch.touch`), else a broadcast stream."""
         with self._lock:
-            if len(self._open) >= self.max_streams:
-                raise Exhausted(f"the syncer serves {self.max_streams} streams at once "
-                                "(--max-streams); retry later")
-            if learner_id is not None and self._per[learner_id] >= self.per_island:
-                raise Exhausted(f"{learner_id!r} already has {self.per_island} streams open "
-                                "at the syncer; retry once they end")
-            watch = Watch(context, learner_id, self.idle_s if idle else None)
+            self._check(learner_id, push)
+            watch = Watch(context, learner_id, self.idle_s if push else None)
             self._open.add(watch)
             if learner_id is not None:
                 self._per[learner_id] += 1
+                if push:
+                    self._pushing.add(learner_id)
         try:
             yield watch
         finally:
@@ -74,6 +75,21 @@ class Streams:
                     self._per[learner_id] -= 1
                     if self._per[learner_id] <= 0:
                         del self._per[learner_id]
+                    if push:
+                        self._pushing.discard(learner_id)
+
+    def _check(self, learner_id: str | None, push: bool) -> None:
+        if len(self._open) >= self.max_streams:
+            raise Exhausted(f"the syncer serves {self.max_streams} streams at once "
+                            "(--max-streams); retry later")
+        if learner_id is None:
+            return
+        if self._per[learner_id] >= self.per_island:
+            raise Exhausted(f"{learner_id!r} already has {self.per_island} streams open "
+                            "at the syncer; retry once they end")
+        if push and learner_id in self._pushing:
+            raise Exhausted(f"{learner_id!r} already has a push in progress; an island "
+                            "pushes one at a time (retry once it ends)")
 
     def reap(self) -> int:
         """Cancel the calls idle past their bound; returns how many."""

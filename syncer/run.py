@@ -277,6 +277,7 @@ class Run:
         self.pending: PendingCommit | None = None  # a commit whose state is not on disk yet
         self.problem = ""  # what keeps the run from committing, for status ("" if nothing)
         self.fatal: str | None = None  # why the run cannot go on: the syncer exits non-zero
+        self.closing = False  # the syncer is stopping: nothing finishes the run now
         if config.state_dir is not None:
             self._restore_or_refuse(config.state_dir, config.resume)
         elif config.resume:
@@ -829,8 +830,14 @@ class Run:
                 log.warning("%s disconnected", learner_id)
                 self._maybe_finish_run()
 
+    def close(self) -> None:
+        """The syncer is stopping (a signal): islands that drop off now are leaving a
+        server that goes away, not finishing the run."""
+        with self.cond:
+            self.closing = True
+
     def _maybe_finish_run(self) -> None:
-        if self.finished or not self.started or self._live():
+        if self.finished or not self.started or self._live() or self.closing:
             return
         if not any(m.state == "finished" for m in self.islands.values()):
             return  # everyone vanished: keep Θ and wait for islands to come back

@@ -122,7 +122,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         except grpc.RpcError:
             if watch is None or not watch.expired:
                 raise
-            return None  # cancelled for silence (syncer.admission): nothing to answer
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the push sent nothing for "
+                          f"{self.streams.idle_s:.0f} s (--stream-idle-s): cancelled")
 
     def _admitted_push(self, h, first, rest, watch) -> dict:
         """Receive and merge a push once it has one of the `--max-inflight-pushes`
@@ -177,7 +178,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Subscribe(self, request, context):
         try:
             self._caller(context, request.learner_id, "subscribe")
-            with self.streams.admit(context, request.learner_id, idle=False):
+            with self.streams.admit(context, request.learner_id, push=False):
                 yield from self._subscribe(request, context)
         except Exhausted as e:
             _abort(context, Reject("exhausted", str(e)))
@@ -252,8 +253,8 @@ class Subscription:
         run = self.run
         with run.cond:
             bc = self._pending()
-            while active() and bc is None:
-                run.cond.wait(timeout=1.0)
+            while active() and (bc is None or run.pending is not None):
+                run.cond.wait(timeout=1.0)  # (a commit not yet on disk: its Θ is not out)
                 bc = self._pending()
             if bc is None:
                 return None

@@ -182,7 +182,7 @@ def test_the_first_layout_must_be_sane(shape, why):
 
 
 # ---- resources --------------------------------------------------------------------------
-def _silent_push(stub, header, release: threading.Event, errors: list):
+def _silent_push(stub, header, release: threading.Event, errors: list, credential=None):
     """A push stream that sends `header` (or nothing) and then nothing until `release`."""
     def chunks():
         if header is not None:
@@ -191,7 +191,7 @@ def _silent_push(stub, header, release: threading.Event, errors: list):
 
     def call():
         try:
-            stub.Push(chunks(), timeout=120)
+            stub.Push(chunks(), metadata=net.auth_metadata(credential), timeout=120)
         except grpc.RpcError as e:
             errors.append(e.code())
 
@@ -221,6 +221,36 @@ def test_silent_push_streams_are_cancelled_and_free_their_slots(toy_layout):
                    base_version=0, loss_tokens=3, steps=1, seq=0).result(60)
         assert r.accepted and a.wait_one(timeout=30).version == 1
         a.close()
+    finally:
+        release.set()
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+
+
+def test_one_island_holds_one_push_slot_however_many_streams_it_opens(toy_layout):
+    """A rogue's silent pushes used to take all four push slots until their idle
+    deadline: honest islands could not push meanwhile, again and again."""
+    n = toy_layout.numel
+    run = Run(Config(quorum=2))
+    server, port = serve(run, "127.0.0.1", 0, token=SECRET, max_inflight_pushes=4,
+                         streams=Streams(idle_s=600.0))  # silence is never cut off here
+    addr, release, errors = f"127.0.0.1:{port}", threading.Event(), []
+    try:
+        stub, joined = _stub(addr), []
+        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
+            _join(stub, toy_layout, "rogue", _cred("rogue"))))
+        header = pb.PushHeader(learner_id="rogue", generation=joined[0].generation, round=1,
+                               base_version=0, loss_tokens=1, steps=1, encoding="f32",
+                               numel=n, payload_bytes=4 * n, seq=0)
+        threads = [_silent_push(_stub(addr), header, release, errors, _cred("rogue"))
+                   for _ in range(4)]
+        for t in threads[1:]:  # all but one are refused at once: one push per island
+            t.join(60)
+        assert errors.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 3, errors
+        r = honest.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32",
+                        base_version=0, loss_tokens=3, steps=1, seq=0).result(60)
+        assert r.accepted  # a slot was free for it while the rogue's push stayed silent
+        honest.close()
     finally:
         release.set()
         server.ticker_stop.set()
