@@ -116,6 +116,7 @@ class TapeWatch:
     def __init__(self, path: Path):
         self.path, self.offset, self.rest = path, 0, b""
         self.merges: list[dict] = []
+        self.resumed: list[int] = []  # the versions the syncer resumed at (its state's)
         self.torn = 0  # lines that are not JSON (a record cut by a kill, then appended to)
 
     def poll(self) -> None:
@@ -137,6 +138,8 @@ class TapeWatch:
                 continue
             if rec.get("event") == "merge":
                 self.merges.append(rec)
+            elif rec.get("event") == "resumed":
+                self.resumed.append(rec["version"])
 
     @property
     def version(self) -> int:
@@ -964,8 +967,15 @@ def check_commits(fleet: Fleet, outcomes: list[Outcome], final_version: int | No
     versions = [m["version"] for m in fleet.tape.merges]
     top = max(versions, default=0)
     counts = collections.Counter(versions)
-    missing = [v for v in range(1, top + 1) if v not in counts]
+    # a version on disk without its tape line: killed between the save and the tape
+    # (the save comes first); the resumed syncer continued from it, so it is not lost
+    untaped = [v for v in range(1, top + 1)
+               if v not in counts and any(r >= v for r in fleet.tape.resumed)]
+    missing = [v for v in range(1, top + 1) if v not in counts and v not in untaped]
     repeated = {v: c - 1 for v, c in counts.items() if c > 1}
+    for v in untaped:
+        say(f"  note: v{v} was saved and resumed from, but has no tape line (the syncer was "
+            f"killed between its save and its tape){blame(outcomes, v)}")
     for v in missing:
         say(f"  lost: no merge record for v{v}{blame(outcomes, v)}")
     for v, extra in repeated.items():

@@ -943,6 +943,7 @@ class Run:
                                        tokens_per_step=row.get("tokens_per_step", 0))
         log.info("resumed run %s at version %d (%d islands in the ledger)", self.run_id,
                  self.version, len(self.islands))
+        self.tape.write(dict(event="resumed", version=self.version, time=time.time()))
 
     # ---- status -----------------------------------------------------------
     def status(self) -> dict:
