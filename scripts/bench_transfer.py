@@ -151,18 +151,18 @@ class Probe:
     clock for every process."""
 
     def __init__(self, run: Run, stamps):
-        push, prepare = run.push, run._next_broadcast
+        push, prepare = run.push, run.downlink.next
 
         def timed_push(h, payload):
             stamps[0] = time.perf_counter()
             return push(h, payload)
 
-        def timed_prepare(fragment, final, version):  # the broadcast is ready to stream
-            broadcast = prepare(fragment, final, version)
+        def timed_prepare(*args, **kwargs):  # the broadcast is ready to stream
+            broadcast = prepare(*args, **kwargs)
             stamps[1] = time.perf_counter()
             return broadcast
 
-        run.push, run._next_broadcast = timed_push, timed_prepare
+        run.push, run.downlink.next = timed_push, timed_prepare
 
 
 def servers(total: int, conn, stamps) -> None:

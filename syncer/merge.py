@@ -1,6 +1,6 @@
-"""Merge rules (token-weighted mean, uniform, norm-preserving RDA) and the outer
-Nesterov step. Pure numpy; memory per round is one accumulator, whatever the
-number of islands."""
+"""The round's merge: Σ wᵢΔᵢ accumulated as pushes arrive, then one outer step.
+Pure numpy; memory per round is one accumulator, whatever the number of islands. The
+merge rule and the outer optimizer are strategy objects (`syncer.strategy`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from syncer import strategy
 from yeto import codec
 from yeto.codec import buffers, chunked
 
-MERGE_RULES = ("mean", "uniform", "rda")
+MERGE_RULES = tuple(strategy.RULES)
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,9 @@ class NonFinite(ArithmeticError):
 
 
 class MergeAccumulator:
-    """Accumulates Σ wᵢΔᵢ as pushes arrive.
-
-    mean:    wᵢ = loss tokens, g = Σ wᵢΔᵢ / Σ wᵢ
-    uniform: wᵢ = 1
-    rda:     the mean's direction, rescaled so that ‖g‖ = Σ wᵢ‖Δᵢ‖ / Σ wᵢ
-             (averaging shrinks disagreeing updates; this keeps their typical size).
+    """Accumulates Σ wᵢΔᵢ as pushes arrive, wᵢ as the merge rule weighs them (`rule`:
+    a `syncer.strategy` rule or its name); at the commit, g = Σ wᵢΔᵢ / Σ wᵢ times the
+    rule's factor, if it has one.
 
     Zero loss tokens: under mean and rda a push with 0 loss tokens gets weight 0,
     unless every push of the round has 0: then the round falls back to uniform
@@ -54,11 +52,10 @@ class MergeAccumulator:
     with weight 1, and the first push with tokens clears them.
     """
 
-    def __init__(self, numel: int, rule: str = "mean", clip_factor: float = 0.0,
+    def __init__(self, numel: int, rule: strategy.Mean | str = "mean", clip_factor: float = 0.0,
                  max_abs: float | None = None):
-        if rule not in MERGE_RULES:
-            raise ValueError(f"unknown merge rule {rule!r}; use one of {', '.join(MERGE_RULES)}")
-        self.numel, self.rule, self.clip_factor = numel, rule, float(clip_factor)
+        self.rule = strategy.merge_rule(rule) if isinstance(rule, str) else rule
+        self.numel, self.clip_factor = numel, float(clip_factor)
         self.max_abs = max_abs  # the value bound every push meets (syncer.bounds)
         self.sum: np.ndarray | None = None
         self.fresh = True  # nothing summed yet, whatever sum's bytes: the next push writes
@@ -69,7 +66,7 @@ class MergeAccumulator:
         self.clip_scales: list[float] = []
 
     def weight_for(self, loss_tokens: int) -> float:
-        return 1.0 if self.rule == "uniform" else float(max(loss_tokens, 0))
+        return self.rule.weight(loss_tokens)
 
     @property
     def uniform_fallback(self) -> bool:
@@ -144,35 +141,36 @@ class MergeAccumulator:
         """The merged pseudo-gradient g (reuses the accumulator's buffer)."""
         divisor, g = self._prepare(), self._buffer()
         g /= divisor
-        if self.rule == "rda":
-            norm = chunked.vector_norm(g)
-            if norm > 0:
-                g *= (self.norm_sum / divisor) / norm
+        if self.rule.rescales:
+            factor = self.rule.factor(chunked.vector_norm(g), self.norm_sum / divisor)
+            if factor is not None:
+                g *= factor
         return g
 
-    def step_outer(self, outer: NesterovOuter, theta: np.ndarray,
-                   m: np.ndarray | None) -> np.ndarray:
-        """`outer.step(theta, m, self.result())` with the same bits, in one pass per
-        chunk over the buffers (two with RDA, whose scale needs g's norm first), on a
-        few threads. Returns the sum's buffer (scratch afterwards: `reuse` it)."""
+    def step_outer(self, outer: strategy.Nesterov, theta: np.ndarray, m: np.ndarray | None,
+                   t: int = 1) -> np.ndarray:
+        """`outer.step(theta, m, self.result(), t)` with the same bits, in one pass per
+        chunk over the buffers (two when the rule rescales, as its factor needs g's norm
+        first), on a few threads. Returns the sum's buffer (scratch afterwards: `reuse`
+        it). Raises NonFinite if Θ or m came out non-finite."""
         divisor, g = self._prepare(), self._buffer()
         divide, factor = True, None
-        if self.rule == "rda":
+        if self.rule.rescales:
             def by_divisor(lo: int, hi: int) -> None:
                 g[lo:hi] /= divisor
 
             chunked.each_chunk(g.size, by_divisor)
-            norm = chunked.vector_norm(g)
-            divide, factor = False, (self.norm_sum / divisor) / norm if norm > 0 else None
+            divide = False
+            factor = self.rule.factor(chunked.vector_norm(g), self.norm_sum / divisor)
 
         def one(lo: int, hi: int) -> bool:
             with codec.spare_scratch() as k:  # g / divisor in the cache, not written back
-                t = g[lo:hi]
+                x = g[lo:hi]
                 if divide:
-                    t = np.divide(t, divisor, out=k.work[:hi - lo])
+                    x = np.divide(x, divisor, out=k.work[:hi - lo])
                 if factor is not None:
-                    t = np.multiply(t, factor, out=k.work[:hi - lo])
-                outer.step(theta[lo:hi], None if m is None else m[lo:hi], t)
+                    x = np.multiply(x, factor, out=k.work[:hi - lo])
+                outer.step(theta[lo:hi], None if m is None else m[lo:hi], x, t)
                 # while the chunk is in the cache: the guard behind syncer.bounds
                 return bool(np.isfinite(theta[lo:hi]).all() and
                             (m is None or np.isfinite(m[lo:hi]).all()))
@@ -206,28 +204,3 @@ class MergeAccumulator:
 def _bound_scale(norm: float, limit: float | None) -> float:
     """The factor that brings a push of `norm` within `limit` (1: within already)."""
     return limit / norm if limit is not None and norm > limit else 1.0
-
-
-class NesterovOuter:
-    """m ← μm + g;  Θ ← Θ − lr·(g + μm).
-
-    The defaults (lr 1, μ 0) are plain averaging, as `python -m syncer` uses; the
-    DiLoCo paper's 0.7 / 0.9 lost to it in every arm of BENCHMARKS.md."""
-
-    def __init__(self, lr: float = 1.0, momentum: float = 0.0):
-        self.lr, self.momentum = float(lr), float(momentum)
-
-    def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray) -> None:
-        """In place on theta and m; g is used as scratch (no full-size temporaries).
-        With momentum 0, m is not needed (None): Θ ← Θ − lr·g."""
-        if m is None or self.momentum == 0:
-            if self.lr != 1.0:  # × 1 changes no bit: a pass over g saved (the default)
-                g *= np.float32(self.lr)
-            theta -= g
-            return
-        m *= np.float32(self.momentum)
-        m += g
-        g *= np.float32(self.lr)
-        theta -= g
-        np.multiply(m, np.float32(self.lr * self.momentum), out=g)
-        theta -= g

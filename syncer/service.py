@@ -13,12 +13,14 @@ import itertools
 import logging
 import threading
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 
 from syncer.admission import UNARY_WORKERS, Exhausted, Streams
-from syncer.run import Broadcast, Reject, Run
+from syncer.broadcast import Subscription
+from syncer.errors import Reject
+from syncer.messages import PushHeader
+from syncer.run import Run
 from yeto import codec, net, wire
 from yeto.codec import buffers, receiver
 from yeto.io import host_port
@@ -107,11 +109,12 @@ class SyncerService(pb_grpc.SyncerServicer):
                 watch.touch()
                 if first is None or first.header is None:
                     raise Reject("invalid", "a push must start with a header chunk")
-                h = first.header
+                try:
+                    h = PushHeader.from_pb(first.header)
+                except ValueError as e:
+                    raise Reject("invalid", str(e)) from None
                 if owner is not None and h.learner_id != owner:
                     self._caller(context, h.learner_id, "push")  # refused and taped
-                if h.kind not in (pb.DELTA, pb.SEED):
-                    raise Reject("invalid", f"unknown push kind {h.kind}")
                 self.run.check_push_header(h)
                 return pb.PushReply(**self._admitted_push(h, first, request_iterator, watch))
         except Exhausted as e:
@@ -147,8 +150,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         merged, for the next push. Either is kept instead while the run holds pushes
         until the round commits (clipping).
         The seed's buffer becomes Θ."""
-        keep = h.kind == pb.SEED or self.run.cfg.clip_factor > 0
-        if h.kind == pb.DELTA and h.payload_bytes >= self.spill_min_bytes:
+        keep = h.seed or self.run.cfg.clip_factor > 0
+        if not h.seed and h.payload_bytes >= self.spill_min_bytes:
             buf = self._spill_file(h)
             done = None if keep else (lambda: self.spills.put(buf))
         else:
@@ -227,92 +230,6 @@ class SyncerService(pb_grpc.SyncerServicer):
                                                                      request.generation))
         except Reject as e:
             _abort(context, e)
-
-
-class Subscription:
-    """One island's broadcast stream: what it has been sent (the newest version per
-    fragment, and which fragments' final weights), so it gets each new version once,
-    as a compressed update when it holds the version that update is against."""
-
-    def __init__(self, run: Run, learner_id: str, generation: int):
-        self.run, self.learner_id, self.generation = run, learner_id, generation
-        self.sent: dict[int, int] = {}
-        self.sent_final: set[int] = set()
-
-    def _pending(self) -> Broadcast | None:
-        for f, bc in sorted(self.run.broadcasts.items()):
-            if bc.version > self.sent.get(f, -1) or (bc.final and f not in self.sent_final):
-                return bc
-        return None
-
-    def wait_next(self, active) -> Outgoing | None:
-        """The next broadcast to send, waiting while `active()`; None when it ends.
-        Raises Reject when this connection has been superseded. A broadcast of the
-        whole weights is opened for reading here, under the run's lock, so a commit
-        that follows keeps its bytes for this stream (`syncer.run.Source.detach`)."""
-        run = self.run
-        with run.cond:
-            bc = self._pending()
-            while active() and (bc is None or run.pending is not None):
-                run.cond.wait(timeout=1.0)  # (a commit not yet on disk: its Θ is not out)
-                bc = self._pending()
-            if bc is None:
-                return None
-            run.check_island(self.learner_id, self.generation)
-            use_delta = bc.delta is not None and self.sent.get(bc.fragment) == bc.base_version
-            return Outgoing(bc, use_delta, None if use_delta else bc.source.open())
-
-    def send(self, out: Outgoing):
-        """The chunks of one broadcast, as wire bytes built straight from the weights
-        (or from the one compressed update all islands share); records it as sent
-        once they are all out."""
-        run, bc = self.run, out.bc
-        size = bc.delta.size if out.use_delta else bc.source.size
-        header = pb.BroadcastHeader(
-            version=bc.version, round=bc.version, fragment=bc.fragment,
-            encoding=run.cfg.downlink if out.use_delta else bc.encoding,
-            numel=run.layout.fragments[bc.fragment].numel, payload_bytes=size,
-            final=bc.final, delta=out.use_delta, base_version=bc.base_version)
-        try:
-            if out.use_delta:
-                for i, piece in enumerate(net.chunks(memoryview(bc.delta).cast("B"))):
-                    yield wire.chunk_bytes(header if i == 0 else None, piece)
-            else:
-                yield from _source_chunks(header, bc.source, out.reader)
-        finally:
-            out.release()
-        with run.cond:
-            run.bytes_out += size
-        self.sent[bc.fragment] = bc.version
-        if bc.final:
-            self.sent_final.add(bc.fragment)
-
-    def all_finals_sent(self) -> bool:
-        return len(self.sent_final) == self.run.cfg.fragments
-
-
-@dataclass
-class Outgoing:
-    """A broadcast picked for one stream: sent as the compressed update or whole
-    (then `reader` holds its place in the broadcast's source until `release`)."""
-
-    bc: Broadcast
-    use_delta: bool
-    reader: int | None
-
-    def release(self) -> None:
-        if self.reader is not None:
-            self.bc.source.close(self.reader)
-            self.reader = None
-
-
-def _source_chunks(header, source, reader: int):
-    """Chunks read from a broadcast's source (see `syncer.run.Source`), one at a time."""
-    size = source.size
-    for i, lo in enumerate(range(0, max(size, 1), net.CHUNK_BYTES)):
-        hi = min(lo + net.CHUNK_BYTES, size)
-        prefix = wire.chunk_prefix(header if i == 0 else None, hi - lo)
-        yield source.read(reader, lo, hi, prefix)
 
 
 def _touching(chunks, watch):

@@ -34,7 +34,10 @@ STATE_FILE = "state.safetensors"
 FINAL_DIR = "final"
 FORMAT = 2  # 2: the metadata is under its own digest too; 1 (older files) loads as before
 # flags whose change would make a resumed run a different computation
-MATH_FLAGS = ("outer_lr", "outer_momentum", "merge", "clip_factor", "downlink", "fragments")
+MATH_FLAGS = ("outer", "outer_lr", "outer_momentum", "merge", "clip_factor", "downlink",
+              "fragments")
+# what a state saved before a flag existed ran with
+FLAG_DEFAULTS = {"outer": "nesterov"}
 # the weights the islands hold, when a compressed downlink makes them differ from Θ
 ISLAND_THETA = "island_theta"
 _OLD_ISLAND_THETA = "held"  # its name in state files written before it was renamed
@@ -192,8 +195,9 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
 
 def check_flags(meta: dict, current: dict) -> None:
     """Refuse a resume whose math-changing flags differ from the saved run's."""
-    diffs = [f"--{k.replace('_', '-')} was {meta['flags'][k]!r}, now {current[k]!r}"
-             for k in MATH_FLAGS if meta["flags"].get(k) != current.get(k)]
+    saved = {k: meta["flags"].get(k, FLAG_DEFAULTS.get(k)) for k in MATH_FLAGS}
+    diffs = [f"--{k.replace('_', '-')} was {saved[k]!r}, now {current[k]!r}"
+             for k in MATH_FLAGS if saved[k] != current.get(k)]
     if diffs:
         raise StateError("cannot resume: " + "; ".join(diffs) + ". Pass the saved run's "
                          "flags, or start a new run with another --state-dir")

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("syncer")
@@ -51,6 +52,25 @@ class Tape:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def merge_record(rnd, reason: str, now: float, merge_s: float, version: int, live: int,
+                 bytes_out: int, cfg, outer, observers: list[str]) -> dict:
+    """The tape's record of a committed round (`rnd`: a `syncer.pacing.OpenRound`):
+    each responder with the weight the merge really used and its share."""
+    for r in rnd.responders:  # the weights the merge really used (uniform fallback)
+        r["weight"] = rnd.acc.merged_weight(r["weight"])
+    total_w = sum(r["weight"] for r in rnd.responders) or 1.0
+    for r in rnd.responders:
+        r["share"] = r["weight"] / total_w
+    return dict(
+        event="merge", round=version, fragment=rnd.fragment, version=version, reason=reason,
+        responders=rnd.responders, quorum=cfg.quorum, islands_live=live,
+        bytes_in=rnd.bytes_in, bytes_out=bytes_out, duplicates=rnd.duplicates,
+        merge_seconds=merge_s, clip_scales=rnd.acc.clip_scales,
+        round_seconds=now - rnd.first_push_at, outer=cfg.outer, outer_lr=outer.lr,
+        outer_momentum=outer.momentum, merge_rule=cfg.merge,
+        uniform_fallback=rnd.acc.uniform_fallback, time=time.time(), observers=observers)
 
 
 def _plain(x):

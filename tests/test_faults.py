@@ -240,7 +240,7 @@ def test_resume_restores_momentum_bit_exact_and_refuses_mismatches(tmp_path, toy
     assert resumed.version == 3 and resumed.run_id == first.run_id
     assert resumed.theta.tobytes() == first.theta.tobytes()
     assert resumed.momentum.tobytes() == first.momentum.tobytes()
-    assert resumed.islands["a"].last_seq == 2
+    assert resumed.members.rows["a"].last_seq == 2
     resumed.tape.close()
     with pytest.raises(state.StateError, match="--outer-lr was 1.0, now 0.5"):
         Run(Config(state_dir=sd, resume=True, outer_lr=0.5))
@@ -521,12 +521,12 @@ def test_tls_and_mutual_tls(certs, toy_layout):
             # plaintext against a TLS port never joins
             plain = make_client(addr, "b", toy_layout)
             plain.start(np.zeros(toy_layout.numel, np.float32))
-            assert plain.wait_one(timeout=2) is None and "b" not in run.islands
+            assert plain.wait_one(timeout=2) is None and "b" not in run.members.rows
             plain.close()
             if mutual:  # no client certificate: refused
                 anon = make_client(addr, "c", toy_layout, tls=TLSConfig(ca=read("ca.pem")))
                 anon.start(np.zeros(toy_layout.numel, np.float32))
-                assert anon.wait_one(timeout=2) is None and "c" not in run.islands
+                assert anon.wait_one(timeout=2) is None and "c" not in run.members.rows
                 anon.close()
         finally:
             server.ticker_stop.set()

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from syncer.bounds import Bounds
+from syncer.messages import PushHeader
 from syncer.run import Config, Reject, Run
 from yeto import codec
 from yeto.layout import Layout
@@ -41,8 +42,9 @@ def _started_run() -> tuple[Run, int]:
     run = Run(Config(quorum=1, bounds=Bounds(norm_factor=0)))  # valid pushes move Θ exactly
     gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors", {})[
         "generation"]
-    seed = pb.PushHeader(learner_id="a", generation=gen, kind=pb.SEED, encoding="f32",
-                         numel=LAYOUT.numel, payload_bytes=4 * LAYOUT.numel)
+    seed = PushHeader.from_pb(pb.PushHeader(learner_id="a", generation=gen, kind=pb.SEED,
+                                            encoding="f32", numel=LAYOUT.numel,
+                                            payload_bytes=4 * LAYOUT.numel))
     run.check_push_header(seed)
     run.push(seed, codec.encode(np.zeros(LAYOUT.numel, np.float32), "f32"))
     assert run.started
@@ -75,7 +77,7 @@ def _push_property(run, gen, fields, payload, use_real_generation, exact_size) -
         fields["payload_bytes"] = codec.encoded_size(fields["encoding"], fields["numel"])
         payload = (payload * (fields["payload_bytes"] // max(len(payload), 1) + 1))[
             :fields["payload_bytes"]]
-    h = pb.PushHeader(**fields)
+    h = PushHeader.from_pb(pb.PushHeader(**fields))
     before = run.state_digest()
     try:
         size = run.check_push_header(h)
@@ -93,10 +95,10 @@ def _valid_push(run, gen, seq, encoding, delta, loss_tokens, steps) -> str:
     1) and moves Θ by exactly the decoded payload (outer lr 1, momentum 0)."""
     payload = codec.encode(delta, encoding)
     version, theta = run.version, run.theta.copy()
-    h = pb.PushHeader(learner_id="a", generation=gen, round=version + 1, fragment=0,
-                      base_version=version, loss_tokens=loss_tokens, steps=steps,
-                      encoding=encoding, numel=LAYOUT.numel, payload_bytes=len(payload),
-                      kind=pb.DELTA, seq=seq)
+    h = PushHeader.from_pb(pb.PushHeader(
+        learner_id="a", generation=gen, round=version + 1, fragment=0, base_version=version,
+        loss_tokens=loss_tokens, steps=steps, encoding=encoding, numel=LAYOUT.numel,
+        payload_bytes=len(payload), kind=pb.DELTA, seq=seq))
     assert run.check_push_header(h) == len(payload)
     reply = run.push(h, payload)
     assert reply["accepted"] and reply["status"] == "accepted", reply

@@ -218,7 +218,7 @@ def test_wrong_token_is_unauthenticated(toy_layout):
         c = make_client(addr, "a", toy_layout, token="wrong")
         c.start(np.zeros(toy_layout.numel, np.float32))
         assert wait_until(lambda: c.fatal is not None)
-        assert "token" in c.fatal and not run.islands
+        assert "token" in c.fatal and not run.members.rows
         c.close()
         ok = make_client(addr, "a", toy_layout, token="s3cret")
         ok.start(np.zeros(toy_layout.numel, np.float32))
@@ -237,12 +237,12 @@ def test_q4_downlink_keeps_islands_bit_identical_and_finishes_exact(toy_layout, 
                 _push(c, d, 10, base=r, seq=r, encoding="q4")
             ga, gb = a.wait_one(timeout=20), b.wait_one(timeout=20)
             assert ga.version == gb.version == r + 1
-            assert ga.theta.tobytes() == gb.theta.tobytes() == run.island_theta.tobytes()
+            assert ga.theta.tobytes() == gb.theta.tobytes() == run.downlink.island_theta.tobytes()
             # the islands' Θ tracks Θ within one q4 step of the update (the gap rides along)
-            assert not np.array_equal(run.island_theta, run.theta)
+            assert not np.array_equal(run.downlink.island_theta, run.theta)
         late = make_client(addr, "late", toy_layout)  # a late joiner gets the islands' Θ
         late.start(init)
-        assert late.wait_one(timeout=20).theta.tobytes() == run.island_theta.tobytes()
+        assert late.wait_one(timeout=20).theta.tobytes() == run.downlink.island_theta.tobytes()
         for c in (a, b, late):
             c.close()
     merges = [r for r in read_tape(tmp_state / "tape.jsonl") if r["event"] == "merge"]
@@ -280,7 +280,7 @@ def test_the_join_reply_says_the_downlink_so_a_streaming_island_never_rejoins(
             _push(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
                   base=r, seq=r, encoding="q4")
             got = a.wait_one(timeout=20)
-            held = run.theta if downlink == "f32" else run.island_theta  # what islands hold
+            held = run.theta if downlink == "f32" else run.downlink.island_theta  # what islands hold
             assert got.version == r + 1 and got.theta.tobytes() == held.tobytes()
         assert a.generation == generation  # no rejoin to learn the downlink
         a.close()

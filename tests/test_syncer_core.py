@@ -12,8 +12,9 @@ import pytest
 
 from syncer import __main__ as syncer_cli
 from syncer import state
-from syncer.merge import MergeAccumulator, NesterovOuter
+from syncer.merge import MergeAccumulator
 from syncer.run import Config, Run
+from syncer.strategy import Nesterov
 from yeto import codec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def test_rejected_payload_leaves_the_accumulator_untouched():
 def test_library_defaults_equal_the_cli_defaults():
     args = syncer_cli.build_parser().parse_args([])
     assert syncer_cli.config_from_args(args) == Config()
-    outer = NesterovOuter()
+    outer = Nesterov()
     assert (outer.lr, outer.momentum) == (Config().outer_lr, Config().outer_momentum)
     assert (args.outer_lr, args.outer_momentum) == (1.0, 0.0)  # plain averaging
     run = Run(Config())

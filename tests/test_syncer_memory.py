@@ -12,8 +12,9 @@ import pytest
 from conftest import make_client, running_syncer
 
 from syncer import state
-from syncer.merge import MergeAccumulator, NesterovOuter
-from syncer.run import Source
+from syncer.broadcast import Source
+from syncer.merge import MergeAccumulator
+from syncer.strategy import Nesterov
 from yeto import codec, net, wire
 from yeto.codec import buffers, chunked, receiver
 from yeto.layout import Layout
@@ -111,7 +112,7 @@ def test_fused_chunked_commit_equals_result_then_whole_step(rule, momentum):
     payloads = [codec.encode(d, "q4") for d in _deltas(3)]
     rng = np.random.default_rng(5)
     theta, m = rng.standard_normal(N).astype(np.float32), rng.standard_normal(N).astype(np.float32)
-    outer = NesterovOuter(0.7, momentum)
+    outer = Nesterov(0.7, momentum)
     accs = [MergeAccumulator(N, rule) for _ in range(2)]
     for acc in accs:
         for p, t in zip(payloads, [5, 0, 9]):
@@ -133,7 +134,7 @@ def test_a_reused_sum_buffer_is_never_read_and_gives_the_bits_of_zeros(rule, cli
     started from zeros, whatever the rule, clipping and zero-token order."""
     payloads = [codec.encode(d, "q4") for d in _deltas(3)]
     theta = np.random.default_rng(5).standard_normal(N).astype(np.float32)
-    outer, results = NesterovOuter(0.7, 0.0), []
+    outer, results = Nesterov(0.7, 0.0), []
     for reused in (False, True):
         acc = MergeAccumulator(N, rule, clip_factor)
         if reused:
@@ -196,7 +197,7 @@ def test_clipped_merge_keeps_pushes_compressed_and_equals_whole_arrays(held, tmp
 def test_outer_step_by_chunks_equals_the_whole_array_step(momentum):
     rng = np.random.default_rng(1)
     theta, m, g = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
-    outer = NesterovOuter(0.7, momentum)
+    outer = Nesterov(0.7, momentum)
     t1, m1, g1 = theta.copy(), m.copy(), g.copy()
     outer.step(t1, m1 if momentum else None, g1)
     t2, m2, g2 = theta.copy(), m.copy(), g.copy()

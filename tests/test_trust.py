@@ -136,10 +136,10 @@ def test_an_island_cannot_act_as_another_and_the_attempt_is_taped(toy_layout, tm
             _push(stub, _cred("mallory"), b"\0" * 4 * toy_layout.numel, learner_id="a",
                   generation=gen, numel=toy_layout.numel)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert run.islands["a"].generation == gen  # a kept its place
+        assert run.members.rows["a"].generation == gen  # a kept its place
         # a restart of a with its own credential takes over; the old connection is stale
         again = _join(stub, toy_layout, "a", _cred("a"))
-        assert again.generation != gen and run.islands["a"].generation == again.generation
+        assert again.generation != gen and run.members.rows["a"].generation == again.generation
         a.close()
     denied = [r for r in read_tape(tmp_path / "s" / "tape.jsonl")
               if r["event"] == "rejected" and r["kind"].endswith(":denied")]

@@ -1,0 +1,239 @@
+"""Broadcast: what the syncer sends islands, and each island's stream of it.
+
+`Downlink` makes each fragment's next broadcast from Θ (whole, or a compressed
+update against what islands hold); `Source` serves its bytes to every stream
+without a copy of Θ; `Subscription` is one island's stream: each new version once,
+as the compressed update when it holds that update's base version.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from yeto import net, wire
+from yeto.codec import chunked
+from yeto.proto import yeto_pb2 as pb
+
+log = logging.getLogger("syncer")
+
+
+class Source:
+    """The f32 bytes a broadcast streams to islands that need the whole fragment: a
+    view of the live weights (Θ, or the islands' weights under a compressed
+    downlink), not a copy. Before a commit changes those weights it calls `detach`:
+    the part that streams still in progress have not sent yet is copied, so they
+    finish with the version they started (nothing is copied when none is in
+    progress, the usual case); a source with no reader is retired. A chunk built for
+    one reader is kept for the others until they have all passed it (at most
+    `SHARED` chunks): islands streaming in step share one copy per chunk."""
+
+    SHARED = 2  # chunks kept for readers behind (each net.CHUNK_BYTES at most)
+
+    def __init__(self, array: np.ndarray):
+        self._array: np.ndarray | None = array.view(np.uint8).reshape(-1)
+        self.size = self._array.size
+        self._offset = 0              # byte of the whole payload at self._array[0]
+        self._live = True
+        self._readers: dict[int, int] = {}  # reader -> the next byte it reads
+        self._next = 0
+        self._built: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def open(self) -> int:
+        with self._lock:
+            if self._array is None:
+                raise RuntimeError("broadcast source retired before it was read")
+            self._next += 1
+            self._readers[self._next] = 0
+            return self._next
+
+    def read(self, reader: int, lo: int, hi: int, prefix: bytes = b"") -> bytes:
+        """`prefix` + bytes [lo, hi) of the payload as one bytes object: built anew, or
+        the one just built for another reader (islands streaming in step share it)."""
+        with self._lock:
+            self._readers[reader] = hi
+            key = (lo, hi, prefix)
+            data = self._built.get(key)
+            if data is None:
+                a = self._array[lo - self._offset:hi - self._offset]
+                data = self._built[key] = b"".join((prefix, memoryview(a)))
+            self._forget_passed()
+            while len(self._built) > self.SHARED:
+                self._built.popitem(last=False)
+            return data
+
+    def close(self, reader: int) -> None:
+        with self._lock:
+            self._readers.pop(reader, None)
+            self._forget_passed()
+
+    def _forget_passed(self) -> None:
+        """Drop the built chunks every open reader has passed (all, with no reader)."""
+        slowest = min(self._readers.values(), default=None)
+        for key in [k for k in self._built if slowest is None or k[1] <= slowest]:
+            del self._built[key]
+
+    def detach(self) -> int:
+        """Stop viewing the live weights; returns the bytes copied for readers."""
+        with self._lock:
+            if not self._live:
+                return 0
+            self._live = False
+            if not self._readers:
+                self._array = None
+                return 0
+            lo = min(self._readers.values())
+            self._array = self._array[lo - self._offset:].copy()
+            self._offset = lo
+            return self._array.size
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    version: int
+    fragment: int
+    source: Source  # the f32 weights every island holds (this fragment)
+    encoding: str
+    final: bool
+    delta: np.ndarray | None = None  # compressed (new − previous) for islands at base_version
+    base_version: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one island is sent: the update when there is one, else the weights."""
+        return self.delta.size if self.delta is not None else self.source.size
+
+
+class Downlink:
+    """What islands are sent: the newest broadcast per fragment and, under a
+    compressed downlink, the weights the islands hold (the sum of the updates sent so
+    far: islands add the same bytes, so they hold these exact bits; the gap to Θ
+    rides along in the next update). With f32 the islands hold Θ itself."""
+
+    def __init__(self, encoding: str):
+        self.encoding = encoding
+        self.latest: dict[int, Broadcast] = {}
+        self.island_theta: np.ndarray | None = None
+
+    def next(self, theta: np.ndarray, f: int, lo: int, hi: int, final: bool,
+             version: int) -> Broadcast:
+        """Fragment f (Θ[lo:hi]) at `version` for the islands (updates `island_theta`);
+        the caller publishes it. The final weights always go out exact, in f32. Nothing
+        is copied: the broadcast streams from the live weights (see `Source`), and a
+        compressed update is encoded chunk by chunk into the one buffer all islands
+        are sent."""
+        prev = self.latest.get(f)
+        self.detach(f)
+        delta = None
+        if self.encoding == "f32":
+            source = theta[lo:hi]
+        else:
+            if self.island_theta is None:
+                self.island_theta = theta.copy()
+            source = self.island_theta[lo:hi]
+            if final or prev is None:
+                source[...] = theta[lo:hi]
+            else:
+                delta = chunked.encode_diff(theta[lo:hi], source, self.encoding)
+        return Broadcast(version, f, Source(source), "f32", final, delta,
+                         prev.version if prev else 0)
+
+    def detach(self, f: int) -> None:
+        """Before the weights of fragment f change: its broadcast stops viewing them."""
+        prev = self.latest.get(f)
+        if prev is not None:
+            copied = prev.source.detach()
+            if copied:
+                log.info("fragment %d: %d bytes of version %d kept for streams in progress",
+                         f, copied, prev.version)
+
+
+class Subscription:
+    """One island's broadcast stream: what it has been sent (the newest version per
+    fragment, and which fragments' final weights), so it gets each new version once,
+    as a compressed update when it holds the version that update is against."""
+
+    def __init__(self, run, learner_id: str, generation: int):
+        self.run, self.learner_id, self.generation = run, learner_id, generation
+        self.sent: dict[int, int] = {}
+        self.sent_final: set[int] = set()
+
+    def _pending(self) -> Broadcast | None:
+        for f, bc in sorted(self.run.downlink.latest.items()):
+            if bc.version > self.sent.get(f, -1) or (bc.final and f not in self.sent_final):
+                return bc
+        return None
+
+    def wait_next(self, active) -> Outgoing | None:
+        """The next broadcast to send, waiting while `active()`; None when it ends.
+        Raises Reject when this connection has been superseded. A broadcast of the
+        whole weights is opened for reading here, under the run's lock, so a commit
+        that follows keeps its bytes for this stream (`Source.detach`)."""
+        run = self.run
+        with run.cond:
+            bc = self._pending()
+            while active() and (bc is None or run.pending is not None):
+                run.cond.wait(timeout=1.0)  # (a commit not yet on disk: its Θ is not out)
+                bc = self._pending()
+            if bc is None:
+                return None
+            run.check_island(self.learner_id, self.generation)
+            use_delta = bc.delta is not None and self.sent.get(bc.fragment) == bc.base_version
+            return Outgoing(bc, use_delta, None if use_delta else bc.source.open())
+
+    def send(self, out: Outgoing):
+        """The chunks of one broadcast, as wire bytes built straight from the weights
+        (or from the one compressed update all islands share); records it as sent
+        once they are all out."""
+        run, bc = self.run, out.bc
+        size = bc.delta.size if out.use_delta else bc.source.size
+        header = pb.BroadcastHeader(
+            version=bc.version, round=bc.version, fragment=bc.fragment,
+            encoding=run.cfg.downlink if out.use_delta else bc.encoding,
+            numel=run.layout.fragments[bc.fragment].numel, payload_bytes=size,
+            final=bc.final, delta=out.use_delta, base_version=bc.base_version)
+        try:
+            if out.use_delta:
+                for i, piece in enumerate(net.chunks(memoryview(bc.delta).cast("B"))):
+                    yield wire.chunk_bytes(header if i == 0 else None, piece)
+            else:
+                yield from source_chunks(header, bc.source, out.reader)
+        finally:
+            out.release()
+        with run.cond:
+            run.bytes_out += size
+        self.sent[bc.fragment] = bc.version
+        if bc.final:
+            self.sent_final.add(bc.fragment)
+
+    def all_finals_sent(self) -> bool:
+        return len(self.sent_final) == self.run.cfg.fragments
+
+
+@dataclass
+class Outgoing:
+    """A broadcast picked for one stream: sent as the compressed update or whole
+    (then `reader` holds its place in the broadcast's source until `release`)."""
+
+    bc: Broadcast
+    use_delta: bool
+    reader: int | None
+
+    def release(self) -> None:
+        if self.reader is not None:
+            self.bc.source.close(self.reader)
+            self.reader = None
+
+
+def source_chunks(header, source, reader: int):
+    """Chunks read from a broadcast's source (see `Source`), one at a time."""
+    size = source.size
+    for i, lo in enumerate(range(0, max(size, 1), net.CHUNK_BYTES)):
+        hi = min(lo + net.CHUNK_BYTES, size)
+        prefix = wire.chunk_prefix(header if i == 0 else None, hi - lo)
+        yield source.read(reader, lo, hi, prefix)

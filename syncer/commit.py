@@ -1,0 +1,120 @@
+"""A round's commit: merge and outer step, then the state on disk, then the tape and
+the broadcast, in that order, so a crash never loses a version anyone has seen.
+
+A commit is a commit once its state is on disk. Until the save succeeds (a full or
+failing disk) the version does not advance, nobody sees it, pushes wait
+(`Run.check_saved`), status says why, and the save is retried on the ticker; after
+`save_timeout_s` the run fails (`Run.fail`: the syncer exits non-zero, the disk
+holds the last committed round for --resume). Callers hold the run's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from syncer import persist
+from syncer.broadcast import Broadcast
+from syncer.merge import NonFinite
+from syncer.pacing import OpenRound
+from syncer.tape import merge_record
+
+log = logging.getLogger("syncer")
+
+
+@dataclass
+class PendingCommit:
+    """A round merged into Θ in memory whose state is not on disk yet: what publishing
+    it needs once the save succeeds."""
+
+    rnd: OpenRound
+    reason: str
+    now: float
+    merge_s: float
+    g: np.ndarray  # the round's sum buffer, scratch for the next round
+    done: bool
+    broadcast: Broadcast
+    first_try: float
+    next_try: float = 0.0
+    tries: int = 0
+
+
+def commit(run, rnd: OpenRound, reason: str, now: float) -> None:
+    """Merge `rnd` into Θ (in memory) and save; see the module's docstring."""
+    t0 = time.perf_counter()
+    f = rnd.fragment
+    lo, hi = run.span(f)
+    run.downlink.detach(f)  # Θ changes below: streams of the old version keep it
+    m = None if run.m is None else run.m[lo:hi]
+    t = run.outer_steps.get(f, 0) + 1
+    try:
+        g = rnd.acc.step_outer(run.outer, run.theta[lo:hi], m, t)
+    except NonFinite as e:
+        run.fail(f"round {run.version + 1}: {e}; Θ in memory is not the last committed "
+                 "one. Restart the syncer with --resume (the state on disk is the last "
+                 "committed round)")
+        return
+    run.outer_steps[f] = t
+    if rnd.acc.uniform_fallback:
+        log.warning("round %d: every push carried 0 loss tokens; merged with uniform "
+                    "weights", run.version + 1)
+    version = run.version + 1
+    done = bool(run.cfg.rounds and version >= run.cfg.rounds)
+    broadcast = run.downlink.next(run.theta, f, lo, hi, final=done, version=version)
+    run.pending = PendingCommit(rnd, reason, now, time.perf_counter() - t0, g, done,
+                                broadcast, first_try=now)
+    retry_save(run, now)
+
+
+def retry_save(run, now: float) -> None:
+    """Save the pending commit's state; on success the version is committed and
+    published, else the run says why and tries again later."""
+    p = run.pending
+    if now < p.next_try:
+        return
+    try:
+        persist.save(run, run.version + 1, p.rnd.fragment)
+    except OSError as e:
+        _save_failed(run, p, e, now)
+        return
+    run.pending, run.problem = None, ""
+    _committed(run, p)
+    run.maybe_finish()  # islands that finished while the save waited
+
+
+def _save_failed(run, p, e: OSError, now: float) -> None:
+    first = not run.problem
+    run.problem = f"cannot save the state to {run.cfg.state_dir}: {e}"
+    p.next_try = now + min(5.0, 0.5 * 2 ** p.tries)
+    p.tries += 1
+    if first:
+        log.error("round %d is not committed: %s; retrying for %.0f s (pushes wait)",
+                  run.version + 1, run.problem, run.cfg.save_timeout_s)
+        run.tape.write(dict(event="save_failed", round=run.version + 1, detail=str(e),
+                            time=time.time()))
+    if now - p.first_try >= run.cfg.save_timeout_s:
+        run.fail(f"{run.problem} (for {run.cfg.save_timeout_s:.0f} s). The state on disk is "
+                 f"round {run.version}'s: free space (or fix the disk) and restart the "
+                 "syncer with --resume")
+
+
+def _committed(run, p) -> None:
+    """A commit whose state is on disk: version, next round, tape, broadcast."""
+    rnd, f = p.rnd, p.rnd.fragment
+    run.version += 1
+    run.commits[f].append(run.version)
+    run.open[f] = OpenRound(f, run.accumulator(f, reuse=p.g))
+    run.last_commit_at = p.now
+    live = len(run.members.live())
+    run.tape.write(merge_record(rnd, p.reason, p.now, p.merge_s, run.version, live,
+                                p.broadcast.nbytes * live, run.cfg, run.outer,
+                                run.members.in_state("observer")))
+    run.announce(p.broadcast)
+    log.info("round %d (fragment %d) committed (%s): %d pushes from %s", run.version, f,
+             p.reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
+    if p.done:
+        run.final_broadcasts()
+        run.finish()

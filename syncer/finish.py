@@ -1,0 +1,40 @@
+"""The end of a run: once no island trains and one has finished, the open rounds
+commit, the final weights go out in f32 and `state-dir/final/` is written. Callers
+hold the run's lock."""
+
+from __future__ import annotations
+
+import logging
+
+from syncer import commit, persist
+
+log = logging.getLogger("syncer")
+
+
+def maybe_finish(run) -> None:
+    """Finish the run once no island trains and one has finished (committing what
+    the open rounds hold first); everyone vanished: keep Θ, wait for them."""
+    if run.finished or not run.started or run.members.live() or run.closing:
+        return
+    if not run.members.in_state("finished"):
+        return
+    for rnd in list(run.open.values()):
+        if rnd.responders and not run.finished and run.pending is None:
+            commit.commit(run, rnd, "finish", run.clock())
+    if not run.finished and run.pending is None and not run.fatal:
+        run.final_broadcasts()
+        finish(run)
+
+
+def finish(run) -> None:
+    run.finished = True
+    run.cond.notify_all()
+    if run.cfg.state_dir is not None:
+        try:
+            persist.write_final(run)
+        except OSError as e:
+            run.fail(f"cannot write the final weights to {run.cfg.state_dir}: {e}. "
+                 f"The state holds them (version {run.version}): free space and "
+                 "restart the syncer with --resume")
+            return
+    log.info("run finished at version %d", run.version)

@@ -1,0 +1,153 @@
+"""A push from its header to its round: what it must meet before any of it touches
+a round (caller, layout, encoding, size, round, claims, the late-push rule), then
+its sum into the round within the norm bound, or the seed.
+
+Late push: a push whose base version is older than the open round's (its round
+committed without it) is accepted into the open round with its staleness recorded
+in the tape, up to `max_staleness`; older ones are refused and the island carries
+the work into its next push. A repeated (learner, generation, seq) passes here and
+is answered "duplicate" by the run, never merged twice.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from syncer.bounds import SEED_MAX_ABS, BoundError, NormHistory
+from syncer.errors import Reject
+from syncer.members import Member
+from syncer.messages import PushHeader
+from syncer.pacing import OpenRound
+from yeto import codec
+from yeto.io import finite_or_none
+
+log = logging.getLogger("syncer")
+
+
+def check_header(run, member: Member, h: PushHeader) -> int:
+    """Refuse a header the run cannot take now; returns the payload size."""
+    if member.state == "observer":
+        raise Reject("precondition", f"{h.learner_id} joined as an observer: "
+                     "observers receive Θ and never push")
+    run.check_saved()
+    if run.layout is None:
+        raise Reject("precondition", "no layout yet")
+    if h.encoding not in codec.ENCODINGS:
+        raise Reject("invalid", f"unknown encoding {h.encoding!r}; "
+                     f"use one of {', '.join(codec.ENCODINGS)}")
+    numel = _expected_numel(run, h)
+    if h.numel != numel:
+        raise Reject("invalid", f"push has {h.numel} elements, fragment {h.fragment} "
+                     f"has {numel}")
+    want = codec.encoded_size(h.encoding, h.numel)
+    if h.payload_bytes != want:
+        raise Reject("invalid", f"{h.encoding} payload for {h.numel} elements must be "
+                     f"{want} bytes, header says {h.payload_bytes}")
+    if h.seed:
+        if h.encoding != "f32":
+            raise Reject("invalid", "the seed must be sent in f32")
+        return want
+    _check_round_open(run, h)
+    try:
+        run.cfg.bounds.claims(h.loss_tokens, h.steps, member.tokens_per_step)
+    except BoundError as e:
+        raise Reject("invalid", f"{h.learner_id}: {e}") from None
+    return want
+
+
+def max_abs(run, h: PushHeader) -> float:
+    """The value bound of a push's elements (syncer.bounds): the seed's or a delta's."""
+    return SEED_MAX_ABS if h.seed else run.cfg.bounds.max_delta
+
+
+def _expected_numel(run, h: PushHeader) -> int:
+    if h.seed:
+        return run.layout.numel
+    if h.fragment >= run.cfg.fragments:
+        raise Reject("invalid", f"fragment {h.fragment} does not exist (the run has "
+                     f"{run.cfg.fragments})")
+    return run.layout.fragments[h.fragment].numel
+
+
+def _check_round_open(run, h: PushHeader) -> None:
+    if run.finished:
+        raise Reject("precondition", "the run has finished")
+    if not run.started:
+        raise Reject("precondition", "round 1 has not started (waiting for quorum)")
+    if h.base_version > run.version:
+        raise Reject("invalid", f"base version {h.base_version} is newer than the "
+                     f"syncer's {run.version}")
+
+
+def check_delta(run, h: PushHeader) -> None:
+    """What a delta must meet once its payload is in, as the run stands then."""
+    if run.finished:
+        raise Reject("precondition", "the run has finished")
+    run.check_saved()
+    if h.round != h.base_version + 1:
+        raise Reject("invalid", f"push for round {h.round} against base version "
+                     f"{h.base_version}: a push joins round base_version + 1")
+
+
+def staleness(run, h: PushHeader) -> int:
+    """Commits of this fragment the island had not seen when it pushed (accepted up to
+    `max_staleness`)."""
+    stale = sum(v > h.base_version for v in run.commits[h.fragment])
+    if stale > run.cfg.max_staleness:
+        raise Reject("precondition", f"push from {h.learner_id} is {stale} versions "
+                     f"stale (max {run.cfg.max_staleness}); apply the newest broadcast "
+                     "and push again")
+    return stale
+
+
+def add_delta(run, member: Member, rnd: OpenRound, h: PushHeader, payload,
+              staleness: int) -> None:
+    """Sum a push into its round, within the norm bound (`syncer.bounds`)."""
+    norms = run.norms.setdefault(h.fragment, NormHistory())
+    try:
+        added = rnd.acc.add(payload, h.encoding, h.loss_tokens,
+                            norms.limit(run.cfg.bounds.norm_factor))
+    except codec.CodecError as e:
+        raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
+    norms.observe(added.norm * added.scale)
+    if added.scale < 1.0:
+        log.warning("push from %s: norm %.4g over the bound, scaled by %.4g",
+                    h.learner_id, added.norm, added.scale)
+    member.last_seq, member.pushes = h.seq, member.pushes + 1
+    if h.fragment == 0:  # each fragment's push carries the same steps: count once
+        member.loss_tokens += h.loss_tokens
+    rnd.bytes_in += len(payload)
+    rnd.responders.append(dict(
+        learner=h.learner_id, tokens=int(h.loss_tokens), steps=int(h.steps),
+        weight=added.weight, staleness=staleness, encoding=h.encoding, seq=int(h.seq),
+        train_loss=finite_or_none(h.train_loss), eval_loss=finite_or_none(h.eval_loss),
+        norm=added.norm, bound_scale=added.scale))
+    run.pacing.pushed(rnd, h.learner_id, h.loss_tokens, run.clock())
+
+
+def seed(run, member: Member, payload) -> dict:
+    """Θ from the first island's initial weights (a later seed is a duplicate)."""
+    if run.theta is not None:
+        return dict(accepted=False, status="duplicate", round=0, staleness=0)
+    try:
+        theta = _f32_owned(payload, run.layout.numel, SEED_MAX_ABS)
+    except codec.CodecError as e:
+        raise Reject("invalid", f"seed from {member.learner_id} rejected: {e}") from None
+    run.theta = theta
+    if run.outer.keeps_momentum:
+        run.m = np.zeros_like(theta)
+    log.info("Θ seeded by %s (%d parameters)", member.learner_id, theta.size)
+    run.maybe_start()
+    return dict(accepted=True, status="accepted", round=0, staleness=0)
+
+
+def _f32_owned(payload, numel: int, max_abs: float) -> np.ndarray:
+    """An f32 payload within `max_abs` as a writable float32 array: the received
+    buffer itself when the caller hands over a uint8 array it owns, else a copy."""
+    codec.validate(payload, "f32", numel, max_abs)
+    if isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and \
+            payload.flags.writeable and payload.flags.c_contiguous:
+        return payload.view(np.float32)
+    return codec.decode(payload, "f32", numel)

@@ -1,0 +1,177 @@
+"""Membership: the ledger of islands (one row per learner id), their connection
+generations, and who is live.
+
+A join gets a fresh generation; a rejoin of the same id keeps its counts (so seqs
+are never counted twice) and makes the earlier connection stale. Observers (rollout
+nodes) are in the ledger too, in state "observer": never live, never in the quorum.
+Callers hold the run's lock (`syncer.run.Run.cond`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from syncer.bounds import BoundError, Bounds
+from syncer.errors import Reject
+from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
+
+log = logging.getLogger("syncer")
+
+LEARNER_ID = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
+LIVE = ("waiting", "training")
+
+
+@dataclass
+class Member:
+    """One island as the syncer's ledger sees it (one row per learner id)."""
+
+    learner_id: str
+    generation: int
+    backend: str
+    last_contact: float
+    state: str = "waiting"  # waiting | training | finished | gone | observer
+    pushes: int = 0
+    loss_tokens: int = 0
+    last_seq: int = -1
+    tokens_per_step: int = 0  # declared at its first join (0: none; the run's cap binds)
+
+
+def check_learner_id(learner_id: str) -> None:
+    if not LEARNER_ID.match(learner_id or ""):
+        raise Reject("invalid", f"learner id {learner_id!r} must be 1-128 characters of "
+                     "letters, digits and _.@:- (example: --learner-id island-0)")
+
+
+class Members:
+    def __init__(self, bounds: Bounds, clock: Callable[[], float]):
+        self.bounds, self.clock = bounds, clock
+        self.rows: dict[str, Member] = {}
+        # random high bits: a restarted syncer never reuses a generation an island
+        # remembers from before the restart
+        self.next_generation = (secrets.randbits(31) << 32) + 1
+
+    def enroll(self, learner_id: str, backend: str, state: str, tokens_per_step: int) -> Member:
+        """A new row with a fresh generation for `learner_id` (checks its declaration
+        of tokens per step first: a rejoin may not raise it)."""
+        declared = self._declared_tokens(learner_id, tokens_per_step)
+        gen = self.next_generation
+        self.next_generation += 1
+        member = Member(learner_id, gen, backend or "?", self.clock(), state=state,
+                        tokens_per_step=declared)
+        old = self.rows.get(learner_id)
+        if old is not None:
+            member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
+            member.last_seq = old.last_seq
+            if old.state in (*LIVE, "observer"):
+                log.warning("%s joined again: generation %d replaces %d, whose calls are "
+                            "refused from now on", learner_id, gen, old.generation)
+        self.rows[learner_id] = member
+        return member
+
+    def _declared_tokens(self, learner_id: str, tokens_per_step: int) -> int:
+        """The tokens per step an island may claim: its first declaration, kept for the
+        run (a rejoin may not raise it)."""
+        try:
+            declared = self.bounds.declaration(tokens_per_step)
+        except BoundError as e:
+            raise Reject("invalid", f"{learner_id} {e}") from None
+        old = self.rows.get(learner_id)
+        if old is None or not old.tokens_per_step:
+            return declared
+        if declared > old.tokens_per_step:
+            raise Reject("precondition", f"{learner_id} declared {old.tokens_per_step} "
+                         f"tokens per step when it first joined and now {declared}:"
+                         " an island cannot raise its declaration mid-run (keep its batch "
+                         "size and sequence length, or join under a new --learner-id)")
+        return old.tokens_per_step
+
+    def check(self, learner_id: str, generation: int) -> Member:
+        """The caller's row; refuses unknown or stale callers (and notes the contact)."""
+        member = self.rows.get(learner_id)
+        if member is None:
+            raise Reject("not_found", f"{learner_id!r} has not joined this run (join first)")
+        if member.generation != generation:
+            raise Reject("precondition", f"{learner_id}: connection generation {generation} is "
+                         f"stale (current {member.generation}); the island must rejoin")
+        member.last_contact = self.clock()
+        return member
+
+    def live(self) -> list[Member]:
+        return [m for m in self.rows.values() if m.state in LIVE]
+
+    def live_ids(self) -> set[str]:
+        return {m.learner_id for m in self.live()}
+
+    def in_state(self, state: str) -> list[str]:
+        return sorted(m.learner_id for m in self.rows.values() if m.state == state)
+
+    # ---- the saved ledger and status ----------------------------------------------------
+    def ledger(self) -> dict:
+        """What the state file keeps of each island."""
+        return {m.learner_id: dict(backend=m.backend, pushes=m.pushes,
+                                   loss_tokens=m.loss_tokens, last_seq=m.last_seq,
+                                   tokens_per_step=m.tokens_per_step)
+                for m in self.rows.values()}
+
+    def restore(self, ledger: dict) -> None:
+        """Rows from a saved ledger, every island "gone" until it rejoins."""
+        for lid, row in ledger.items():
+            self.rows[lid] = Member(lid, 0, row["backend"], self.clock(), state="gone",
+                                    pushes=row["pushes"], loss_tokens=row["loss_tokens"],
+                                    last_seq=row["last_seq"],
+                                    tokens_per_step=row.get("tokens_per_step", 0))
+
+    def status(self, expected: tuple[str, ...] = ()) -> list[dict]:
+        """A row per island, then the expected ones (`--expect-islands`) not yet joined,
+        as "reserved"."""
+        now = self.clock()
+        rows = [dict(learner_id=m.learner_id, state=m.state, generation=m.generation,
+                     last_contact_s=now - m.last_contact, pushes=m.pushes,
+                     loss_tokens=m.loss_tokens, backend=m.backend)
+                for m in self.rows.values()]
+        return rows + [dict(learner_id=i, state="reserved", generation=0, last_contact_s=-1.0,
+                            pushes=0, loss_tokens=0, backend="?")
+                       for i in expected if i not in self.rows]
+
+    def digest_parts(self) -> list[tuple]:
+        return [(m.learner_id, m.generation, m.pushes, m.loss_tokens, m.last_seq,
+                 m.tokens_per_step) for m in sorted(self.rows.values(),
+                                                    key=lambda m: m.learner_id)]
+
+
+def checked_layout(cfg, learner_id: str, specs: list[TensorSpec], fp: str) -> Layout:
+    """The layout a joining island declares, checked: its id, the bounds (sane
+    shapes, size), and the fingerprint it sent."""
+    check_learner_id(learner_id)
+    try:
+        cfg.bounds.layout(specs)
+        layout = Layout(specs, cfg.fragments)
+    except (LayoutMismatch, ValueError) as e:
+        raise Reject("invalid", f"bad layout from {learner_id}: {e}") from None
+    if fingerprint(specs) != fp:
+        raise Reject("invalid", f"layout fingerprint from {learner_id} does not match its "
+                     "tensor list (corrupted join message?)")
+    return layout
+
+
+def adopt_layout(run, learner_id: str, layout: Layout, weights_file: str,
+                 export_files: dict[str, str], observer: bool) -> None:
+    """The first island's layout (and output files) become the run's; every later
+    one must match it. An observer's layout is checked (or adopted) too, but the
+    output files come from the first island."""
+    if not observer and (run.layout is None or not run.export_files):
+        run.weights_file = weights_file or run.weights_file
+        run.export_files = dict(export_files)
+    if run.layout is None:
+        run.layout = layout
+        return
+    try:
+        run.layout.check_same(layout)
+    except LayoutMismatch as e:
+        raise Reject("precondition", f"{learner_id} cannot join: {e}. Every island "
+                     "must train the same model with the same --lora-r/--lora-targets/"
+                     "--tuning; check with scripts/check_name_parity.py") from None
