@@ -3,7 +3,7 @@ the broadcast, in that order, so a crash never loses a version anyone has seen.
 
 A commit is a commit once its state is on disk. Until the save succeeds (a full or
 failing disk) the version does not advance, nobody sees it, pushes wait
-(`Run.check_saved`), status says why, and the save is retried on the ticker; after
+(`syncer.intake.check_saved`), status says why, and the save is retried on the ticker; after
 `save_timeout_s` the run fails (`Run.fail`: the syncer exits non-zero, the disk
 holds the last committed round for --resume). Callers hold the run's lock.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from syncer import persist
+from syncer import finish, persist
 from syncer.broadcast import Broadcast
 from syncer.merge import NonFinite
 from syncer.pacing import OpenRound
@@ -82,7 +82,7 @@ def retry_save(run, now: float) -> None:
         return
     run.pending, run.problem = None, ""
     _committed(run, p)
-    run.maybe_finish()  # islands that finished while the save waited
+    finish.maybe_finish(run)  # islands that finished while the save waited
 
 
 def _save_failed(run, p, e: OSError, now: float) -> None:
@@ -116,5 +116,5 @@ def _committed(run, p) -> None:
     log.info("round %d (fragment %d) committed (%s): %d pushes from %s", run.version, f,
              p.reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
     if p.done:
-        run.final_broadcasts()
-        run.finish()
+        finish.final_broadcasts(run)
+        finish.finish(run)

@@ -22,11 +22,19 @@ def maybe_finish(run) -> None:
         if rnd.responders and not run.finished and run.pending is None:
             commit.commit(run, rnd, "finish", run.clock())
     if not run.finished and run.pending is None and not run.fatal:
-        run.final_broadcasts()
+        final_broadcasts(run)
         finish(run)
 
 
+def final_broadcasts(run) -> None:
+    """Every fragment's final weights, exact, in f32."""
+    for f in range(run.cfg.fragments):
+        run.announce(run.downlink.next(run.theta, f, *run.span(f), final=True,
+                                       version=run.fragment_version(f)))
+
+
 def finish(run) -> None:
+    """The run is over: final/ is written (a failure to write it fails the run)."""
     run.finished = True
     run.cond.notify_all()
     if run.cfg.state_dir is not None:

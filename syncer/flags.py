@@ -8,11 +8,16 @@ import argparse
 
 from syncer.merge import MERGE_RULES
 from syncer.run import Config
+from syncer.strategy import OPTIMIZERS
 from yeto import codec
 
 
 def add_round_args(p) -> None:
     """Add the outer loop's flags to a parser or argument group."""
+    p.add_argument("--outer", choices=tuple(OPTIMIZERS), default=Config.outer,
+                   help="the outer optimizer: nesterov (m <- mu m + g; step lr (g + mu m)); "
+                        "nesterov-bc (its momentum term bias-corrected, so the first rounds "
+                        "are not under-stepped by an empty buffer; syncer/strategy.py)")
     p.add_argument("--outer-lr", type=float, default=Config.outer_lr,
                    help="outer Nesterov learning rate (1 with momentum 0 = plain averaging, "
                         "the default). For long runs (100+ rounds) from a pretrained model, "
@@ -51,7 +56,7 @@ def add_round_args(p) -> None:
 def round_config(args: argparse.Namespace, **run) -> Config:
     """The run's `Config` from the outer loop's flags; `run` gives the rest (quorum,
     rounds, state dir, ...)."""
-    return Config(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+    return Config(outer=args.outer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                   merge=args.merge, grace_ms=args.grace_ms, grace=args.grace,
                   round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
                   clip_factor=args.clip_factor, downlink=args.downlink,

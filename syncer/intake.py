@@ -31,7 +31,7 @@ def check_header(run, member: Member, h: PushHeader) -> int:
     if member.state == "observer":
         raise Reject("precondition", f"{h.learner_id} joined as an observer: "
                      "observers receive Θ and never push")
-    run.check_saved()
+    check_saved(run)
     if run.layout is None:
         raise Reject("precondition", "no layout yet")
     if h.encoding not in codec.ENCODINGS:
@@ -55,6 +55,15 @@ def check_header(run, member: Member, h: PushHeader) -> int:
     except BoundError as e:
         raise Reject("invalid", f"{h.learner_id}: {e}") from None
     return want
+
+
+def check_saved(run) -> None:
+    """Refuse pushes while a commit waits for its state to reach the disk."""
+    if run.fatal:
+        raise Reject("precondition", f"the syncer is stopping: {run.fatal}")
+    if run.pending is not None:
+        raise Reject("exhausted", f"the syncer is waiting to save round "
+                     f"{run.version + 1}: {run.problem}; the island retries")
 
 
 def max_abs(run, h: PushHeader) -> float:
@@ -85,7 +94,7 @@ def check_delta(run, h: PushHeader) -> None:
     """What a delta must meet once its payload is in, as the run stands then."""
     if run.finished:
         raise Reject("precondition", "the run has finished")
-    run.check_saved()
+    check_saved(run)
     if h.round != h.base_version + 1:
         raise Reject("invalid", f"push for round {h.round} against base version "
                      f"{h.base_version}: a push joins round base_version + 1")

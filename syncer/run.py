@@ -189,17 +189,6 @@ class Run:
         with self.cond:
             return intake.check_header(self, self.check_island(h.learner_id, h.generation), h)
 
-    def max_abs(self, h: PushHeader) -> float:
-        return intake.max_abs(self, h)
-
-    def check_saved(self) -> None:
-        """Refuse pushes while a commit waits for its state to reach the disk."""
-        if self.fatal:
-            raise Reject("precondition", f"the syncer is stopping: {self.fatal}")
-        if self.pending is not None:
-            raise Reject("exhausted", f"the syncer is waiting to save round "
-                         f"{self.version + 1}: {self.problem}; the island retries")
-
     def push(self, h: PushHeader, payload) -> dict:
         """Seed Θ, or add a pseudo-gradient to the open round of its fragment."""
         with self.cond:
@@ -287,11 +276,6 @@ class Run:
         self.cond.notify_all()
         self.on_publish(broadcast.fragment, broadcast.version)
 
-    def final_broadcasts(self) -> None:
-        for f in range(self.cfg.fragments):
-            self.announce(self.downlink.next(self.theta, f, *self.span(f), final=True,
-                                             version=self.fragment_version(f)))
-
     # ---- finish -----------------------------------------------------------------------
     def finish_island(self, learner_id: str, generation: int) -> bool:
         with self.cond:
@@ -300,7 +284,7 @@ class Run:
                 return self.finished  # an observer has no training to finish
             member.state = "finished"
             log.info("%s finished training", learner_id)
-            self.maybe_finish()
+            finish.maybe_finish(self)
             return self.finished
 
     def island_gone(self, learner_id: str, generation: int) -> None:
@@ -310,19 +294,13 @@ class Run:
                     (member.state in LIVE or member.state == "observer"):
                 member.state = "gone"
                 log.warning("%s disconnected", learner_id)
-                self.maybe_finish()
+                finish.maybe_finish(self)
 
     def close(self) -> None:
         """The syncer is stopping (a signal): islands that drop off now are leaving a
         server that goes away, not finishing the run."""
         with self.cond:
             self.closing = True
-
-    def maybe_finish(self) -> None:
-        finish.maybe_finish(self)
-
-    def finish(self) -> None:
-        finish.finish(self)
 
     def mark_final_delivered(self, learner_id: str) -> None:
         with self.cond:

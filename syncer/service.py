@@ -16,6 +16,7 @@ from concurrent import futures
 
 import grpc
 
+from syncer import intake
 from syncer.admission import UNARY_WORKERS, Exhausted, Streams
 from syncer.broadcast import Subscription
 from syncer.errors import Reject
@@ -159,7 +160,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             done = None if keep else (lambda: self.pool.put(buf))
         try:
             try:
-                payload = _receive(h, first, rest, buf, self.run.max_abs(h))
+                payload = _receive(h, first, rest, buf, intake.max_abs(self.run, h))
             except OSError as e:  # the spill file: a full or vanished disk
                 raise Reject("exhausted", f"the syncer could not write the push from "
                              f"{h.learner_id} to its spill file: {e}; free disk space in "
