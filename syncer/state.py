@@ -40,7 +40,6 @@ MATH_FLAGS = ("outer", "outer_lr", "outer_momentum", "merge", "clip_factor", "do
 FLAG_DEFAULTS = {"outer": "nesterov"}
 # the weights the islands hold, when a compressed downlink makes them differ from Θ
 ISLAND_THETA = "island_theta"
-_OLD_ISLAND_THETA = "held"  # its name in state files written before it was renamed
 META_DIGEST = "meta_sha256"  # the metadata's own digest, beside the tensors'
 
 
@@ -178,7 +177,7 @@ def load(state_dir: Path) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | N
         raise StateError(f"{path}: its metadata (version, ledger, layout) does not match its "
                          "digest: changed or corrupted on disk; it was left untouched. Restore "
                          "a backup or start a new run with another --state-dir")
-    island_theta = tensors.get(ISLAND_THETA, tensors.get(_OLD_ISLAND_THETA))
+    island_theta = tensors.get(ISLAND_THETA)
     return theta, momentum, island_theta, meta
 
 

@@ -142,17 +142,29 @@ def test_state_round_trip_with_the_islands_weights(tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_state_written_before_the_rename_still_loads(tmp_path):
-    """A state file from before `held` was renamed `island_theta` resumes unchanged."""
+def test_a_state_saved_before_the_metadata_digest_resumes(tmp_path):
+    """Format 1 (the main of 2026-12-01): no metadata digest, no --outer flag; it
+    resumes as plain Nesterov."""
     from safetensors.numpy import save_file
 
-    theta, m, held = (np.full(N, v, np.float32) for v in (1.0, 2.0, 3.0))
-    tensors = {"theta": theta, "momentum": m, "held": held}
-    meta = dict(_meta(), format=1,
-                **{f"{k}_sha256": state.digest(v) for k, v in tensors.items()})
-    save_file(tensors, str(tmp_path / state.STATE_FILE),
+    from yeto.layout import Layout
+
+    layout = Layout.from_shapes({"a.lora_A.weight": (N,)})
+    theta = np.arange(N, dtype=np.float32)
+    flags = dict(outer_lr=1.0, outer_momentum=0.0, merge="mean", clip_factor=0.0,
+                 downlink="f32", fragments=1)
+    meta = dict(run_id="old", version=4, round=4, fragment_versions=[4], format=1,
+                fingerprint=layout.fingerprint, layout=[["a.lora_A.weight", [N], "float32"]],
+                flags=flags, weights_file="w.safetensors", export_files={}, bytes_in=0,
+                bytes_out=0, islands={"x": dict(backend="numpy", pushes=4, loss_tokens=40,
+                                                last_seq=3)},
+                theta_sha256=state.digest(theta))
+    save_file({"theta": theta}, str(tmp_path / state.STATE_FILE),
               metadata={"yeto_state": json.dumps(meta)})
-    assert state.load(tmp_path)[2].tobytes() == held.tobytes()
+    run = Run(Config(state_dir=tmp_path, resume=True))
+    assert run.version == 4 and run.theta.tobytes() == theta.tobytes()
+    assert run.members.rows["x"].last_seq == 3 and run.outer.name == "nesterov"
+    run.tape.close()
 
 
 def test_provenance_command_hides_the_token():
