@@ -369,7 +369,7 @@ def test_streamed_broadcasts_over_grpc_end_bit_identical(toy_layout, tmp_state):
                                      on_apply=lambda got: streamed.append(
                                          isinstance(got.theta, ThetaStream)))
             if i == 0:
-                client.stream_min_bytes = 0
+                client.receiver.stream_min_bytes = 0
             isl.start()
             for _ in range(12):
                 w.v -= np.float32(0.01) * (w.v - i)

@@ -208,7 +208,7 @@ def test_observer_node_serves_every_merged_version(tiny_llama, trainer):
         with pytest.raises(Refused):
             client.push(b"", encoding="f32", base_version=1, loss_tokens=0, steps=0, seq=0)
         sneaky = make_client(address, "rollout-1", layout)  # observer that tries to push
-        sneaky._join_request.observer = True
+        sneaky.connection.join_request.observer = True
         sneaky.start(theta0)
         assert wait_until(sneaky.connected.is_set)
         with pytest.raises(Refused, match="observer"):

@@ -28,7 +28,7 @@ class ObserverClient(SyncerClient):
         if "observer" not in pb.JoinRequest.DESCRIPTOR.fields_by_name:
             raise RuntimeError("this yeto's syncer protocol has no observers (JoinRequest."
                                "observer); upgrade yeto on the node and the syncer")
-        self._join_request.observer = True
+        self.connection.join_request.observer = True
 
     def push(self, *args, **kwargs):
         raise Refused("an observer never pushes")

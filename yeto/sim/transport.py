@@ -173,14 +173,14 @@ class LocalClient(SyncerClient):
         super().__init__("in-process", learner_id, layout, channel=LocalChannel(service),
                          sender=_Inline() if clock is not None else None, **options)
         self.clock = clock
+        if clock is not None:
+            self.receiver.on_hand_over = self._delivered
+
+    def _delivered(self, got) -> None:
+        self.clock.delivered(self.learner_id, got.fragment, got.version)
 
     def wait(self, timeout: float | None, need_connection: bool = False):
         if self.clock is None:
             return super().wait(timeout, need_connection)
         with self.clock.waiting():
             return super().wait(timeout, need_connection)
-
-    def _hand_over(self, got, done=None) -> None:
-        super()._hand_over(got, done)
-        if self.clock is not None:
-            self.clock.delivered(self.learner_id, got.fragment, got.version)

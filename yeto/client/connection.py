@@ -1,0 +1,194 @@
+"""One island's link to the syncer: the gRPC channel and its credential, joining
+(again after every failure, with exponential backoff and full jitter) on a background
+thread, and what the last join said: generation, fragments, the newest push the
+syncer holds. `status` makes one Status call (for `yeto status`)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from yeto import net, wire
+from yeto.io import host_port
+from yeto.layout import Layout
+from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
+
+log = logging.getLogger("yeto.client")
+
+# status codes after which the same call would be refused again
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    ca: bytes | None = None      # CA that signed the syncer's certificate
+    cert: bytes | None = None    # client certificate (mutual TLS)
+    key: bytes | None = None
+
+    @classmethod
+    def from_files(cls, ca=None, cert=None, key=None) -> TLSConfig | None:
+        """TLS from PEM file paths (None when neither a CA nor a certificate is given)."""
+        if not (ca or cert):
+            return None
+        return cls(*(Path(f).read_bytes() if f else None for f in (ca, cert, key)))
+
+
+def open_channel(address: str, tls: TLSConfig | None = None,
+                 keepalive_s: float = net.KEEPALIVE_S) -> grpc.Channel:
+    target = host_port(*net.parse_address(address))
+    options = net.client_options(keepalive_s)
+    if tls is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                             certificate_chain=tls.cert)
+        return grpc.secure_channel(target, creds, options=options)
+    return grpc.insecure_channel(target, options=options)
+
+
+def join_request(learner_id: str, layout: Layout, backend: str, weights_file: str,
+                 export_files: dict[str, str] | None, tokens_per_step: int) -> pb.JoinRequest:
+    """What an island says when it joins: who it is and the layout it trains."""
+    return pb.JoinRequest(
+        learner_id=learner_id, fingerprint=layout.fingerprint, backend=backend,
+        tokens_per_step=max(0, int(tokens_per_step)),
+        weights_file=weights_file, export_files=export_files or {},
+        layout=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
+                for s in layout.specs])
+
+
+class StreamEnded(grpc.RpcError):
+    """The broadcast stream ended before the run did: reconnect."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "broadcast stream ended"
+
+
+class Connection:
+    """The channel, the credential, the join loop and what the last join said.
+
+    `cond` is notified when the connection closes or is refused for good; the
+    broadcast receiver notifies it too, so one wait sees all three. Kept up to date:
+    `connected` (set while joined), `generation` (bumps on every rejoin), `run_id`,
+    `num_fragments`, `acked_seq` (newest push seq the syncer holds), `fatal` (a refusal
+    that retrying cannot fix), `last_error` (the newest connection error, for messages).
+    """
+
+    def __init__(self, address: str, learner_id: str, request: pb.JoinRequest, *,
+                 token: str | None = None, tls: TLSConfig | None = None,
+                 backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None):
+        self.address, self.learner_id, self.join_request = address, learner_id, request
+        self.metadata = net.auth_metadata(
+            net.credential_for(net.token_from_env(token), learner_id))
+        self.channel = channel if channel is not None else open_channel(address, tls,
+                                                                         keepalive_s)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+        # the broadcast stream without protobuf copies of the payload (yeto.wire)
+        self._subscribe_call = self.channel.unary_stream(
+            "/yeto.v1.Syncer/Subscribe", request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=wire.parse_broadcast_chunk)
+        self._stream = None
+        self.backoff = (backoff_s, max_backoff_s)
+        self.cond = threading.Condition()
+        self.connected = threading.Event()
+        self.closed = False
+        self.generation, self.run_id, self.num_fragments, self.acked_seq = 0, "", 1, -1
+        self.fatal: str | None = None
+        self.last_error: str | None = None
+
+    def start(self, session: Callable[[pb.JoinReply], None], over: Callable[[], bool]) -> None:
+        """Join on a background thread and run `session(reply)` (seed, listen) after
+        each join, until the run is `over()`, the syncer refuses for good, or `stop()`.
+        `session` raises a `grpc.RpcError` to have the island join again."""
+        self._thread = threading.Thread(target=self._loop, args=(session, over), daemon=True,
+                                        name=f"yeto-client-{self.learner_id}")
+        self._thread.start()
+
+    def _loop(self, session, over) -> None:
+        delay = self.backoff[0]
+        while not self.closed and not over() and self.fatal is None:
+            try:
+                session(self._join())
+                delay = self.backoff[0]
+            except grpc.RpcError as e:
+                self.connected.clear()
+                if self.closed:
+                    return
+                self.last_error = f"{e.code().name}: {e.details()}"
+                if e.code() in REFUSALS and self.generation == 0:
+                    self._refused(e)
+                    return
+                # full jitter: islands do not retry in lockstep after a syncer restart
+                wait = random.uniform(delay / 2, delay)
+                log.warning("syncer %s unreachable (%s); retrying in %.1fs, training "
+                            "continues locally", self.address, self.last_error, wait)
+                if self._sleep(wait):
+                    return
+                delay = min(delay * 2, self.backoff[1])
+
+    def _refused(self, e: grpc.RpcError) -> None:
+        self.fatal = f"syncer at {self.address} refused {self.learner_id}: {e.details()}"
+        log.error("%s", self.fatal)
+        with self.cond:
+            self.cond.notify_all()
+
+    def _sleep(self, seconds: float) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: self.closed, timeout=seconds)
+            return self.closed
+
+    def _join(self) -> pb.JoinReply:
+        reply = self.stub.Join(self.join_request, metadata=self.metadata, timeout=30)
+        if reply.finished:
+            log.info("syncer reports the run already finished")
+        self.generation, self.run_id = reply.generation, reply.run_id
+        self.num_fragments = max(1, reply.num_fragments)
+        self.acked_seq = reply.last_seq
+        self.connected.set()
+        log.info("joined syncer %s as %s (generation %d, %d/%d islands, version %d)",
+                 self.address, self.learner_id, reply.generation, reply.joined, reply.quorum,
+                 reply.version)
+        return reply
+
+    def subscribe(self):
+        """This connection's broadcast stream; a new one starts from the current Θ (a
+        rejoined island catches up)."""
+        self._stream = self._subscribe_call(
+            pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
+            metadata=self.metadata)
+        return self._stream
+
+    def stop(self) -> None:
+        """No more joins; waiters wake up."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Cancel the broadcast stream and close the channel (after `stop`)."""
+        if self._stream is not None:
+            self._stream.cancel()
+        self.channel.close()
+
+
+def status(address: str, token: str | None = None, tls: TLSConfig | None = None,
+           timeout: float = 10) -> dict:
+    """One Status call (for `yeto status` and tests)."""
+    from google.protobuf.json_format import MessageToDict
+
+    with open_channel(address, tls) as ch:
+        reply = pb_grpc.SyncerStub(ch).Status(pb.StatusRequest(),
+                                              metadata=net.auth_metadata(
+                                                  net.token_from_env(token)), timeout=timeout)
+    return MessageToDict(reply, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
