@@ -30,7 +30,9 @@ from _bench import MIB, interleaved, parser, rate, result_line
 
 from yeto import codec
 from yeto.cli.display import print_table
-from yeto.island import Island, default_threads
+from yeto.island.encoder import DeltaEncoder, default_threads
+from yeto.island.island import CHUNK
+from yeto.island.weights import WeightPasses
 from yeto.layout import Layout
 
 
@@ -55,10 +57,9 @@ def main(argv=None) -> int:
         fns[f"{enc}.decode_add"] = lambda enc=enc: codec.decode_add(payload[enc], enc, n, acc, 0.5)
     threads = default_threads()
     anchor0 = x + np.float32(0.01)
-    islands = {k: push_island(x, k) for k in sorted({1, threads})}
-    for k, isl in islands.items():
-        fns[f"push.{k}"] = lambda isl=isl: (np.copyto(isl.anchor, anchor0),
-                                            isl._encode(isl.layout.fragments[0]))
+    islands = {k: push_encode(x, anchor0, k) for k in sorted({1, threads})}
+    for k, push in islands.items():
+        fns[f"push.{k}"] = push
     t = interleaved(fns, repeat)
 
     rows = [["copy (new array)", t["copy"] * 1e3, "", "", rate(nbytes, t["copy"]), 1.0],
@@ -92,13 +93,40 @@ def main(argv=None) -> int:
     return 0
 
 
-def push_island(local: np.ndarray, threads: int) -> Island:
-    """An island over `local` (range access, no syncer) ready to encode a q4 push."""
-    layout = Layout.from_shapes({"w": (local.size,)})
-    isl = Island(layout, lambda: local, lambda v: None, client=None, threads=threads,
-                 read_range=lambda lo, hi: local[lo:hi], write_range=lambda lo, hi, v: None)
-    isl.anchor = np.empty_like(local)
-    return isl
+class _Local:
+    """`local` as an island's weights with range access (writes go nowhere)."""
+
+    def __init__(self, local: np.ndarray):
+        self.layout = Layout.from_shapes({"w": (local.size,)})
+        self.local = local
+
+    def get(self) -> np.ndarray:
+        return self.local
+
+    def set(self, flat: np.ndarray) -> None:
+        pass
+
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        return self.local[lo:hi]
+
+    def write_range(self, lo: int, hi: int, values: np.ndarray) -> None:
+        pass
+
+
+def push_encode(local: np.ndarray, anchor0: np.ndarray, threads: int):
+    """An island's q4 push encode of `local` against `anchor0`, as a call: the island's
+    delta encoder over a pass of its weights, from the anchor reset each time."""
+    weights = _Local(local)
+    encoder = DeltaEncoder(local.size, "q4", CHUNK, threads)
+    encoder.anchor = np.empty_like(local)
+    passes, frag = WeightPasses(weights), weights.layout.fragments[0]
+
+    def push() -> None:
+        np.copyto(encoder.anchor, anchor0)
+        with passes.open() as w:
+            encoder.encode(frag, w)
+
+    return push
 
 
 if __name__ == "__main__":

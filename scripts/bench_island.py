@@ -41,7 +41,7 @@ from syncer.spawn import start_syncer  # noqa: E402
 from yeto.cli.display import print_table  # noqa: E402
 from yeto.client import SyncerClient  # noqa: E402
 from yeto.data import BatchSampler, load_blocks  # noqa: E402
-from yeto.island import Island  # noqa: E402
+from yeto.island import FlatWeights, Island  # noqa: E402
 from yeto.testing.tasks import make_task  # noqa: E402
 from yeto.testing.tiny import make_tiny_model  # noqa: E402
 from yeto.torch.loss import train_step  # noqa: E402
@@ -65,7 +65,7 @@ def run_arm(model_dir, train, args, syncer_addr: str | None) -> tuple[float, flo
     island = None
     if syncer_addr:
         client = SyncerClient(syncer_addr, f"bench-{time.monotonic_ns()}", weights.layout)
-        island = Island(weights.layout, weights.get, weights.set, client=client,
+        island = Island(FlatWeights(weights.layout, weights.get, weights.set), client=client,
                         sync_every=args.sync_every, wire="q4")
         island.start()
     for _ in range(3):  # warm-up, not timed
@@ -131,7 +131,7 @@ def mlx_arm(model_dir: Path, train: Path, args, syncer_addr: str | None) -> tupl
         loss_and_grad = make_loss_and_grad(model)
         weights = LoRAWeights(layers)
         client = SyncerClient(syncer_addr, f"bench-mlx-{time.monotonic_ns()}", weights.layout)
-        island = Island(weights.layout, weights.get, weights.set, client=client,
+        island = Island(FlatWeights(weights.layout, weights.get, weights.set), client=client,
                         sync_every=args.sync_every, wire="q4")
         island.start()
 

@@ -50,9 +50,12 @@ def peak_rss_kib() -> int | None:
 
 
 class Quadratic:
-    """w pulled toward a target: w -= lr * (w - target), one chunk at a time."""
+    """w pulled toward a target: w -= lr * (w - target), one chunk at a time. Its
+    weights are a `yeto.loop.Weights` with range access (reads are views of w)."""
 
-    def __init__(self, numel: int, seed: int, lr: float):
+    def __init__(self, layout: Layout, seed: int, lr: float):
+        self.layout = layout
+        numel = layout.numel
         self.w = np.zeros(numel, np.float32)
         self.target = np.random.default_rng(seed).standard_normal(
             min(numel, CHUNK)).astype(np.float32)
@@ -70,10 +73,16 @@ class Quadratic:
             w -= d
         return total / max(self.w.size, 1)
 
+    def get(self) -> np.ndarray:
+        return self.w
+
     def set(self, x: np.ndarray) -> None:
         self.w[...] = x
 
-    def write(self, lo: int, hi: int, values: np.ndarray) -> None:
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        return self.w[lo:hi]
+
+    def write_range(self, lo: int, hi: int, values: np.ndarray) -> None:
         dst = self.w[lo:hi]
         if values.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
             dst[...] = values  # else the island changed the view `read` gave it
@@ -117,7 +126,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format=f"%(asctime)s {args.learner_id} %(message)s")
     layout = layout_for(args.dim)
-    model = Quadratic(layout.numel, args.seed, args.lr)
+    model = Quadratic(layout, args.seed, args.lr)
 
     def record(event: str, **kw) -> None:
         if args.record:
@@ -138,11 +147,10 @@ def main(argv=None) -> int:
                           backend="numpy", backoff_s=0.1, max_backoff_s=1.0)
     if args.record:
         _record_pushes(client, record)
-    island = Island(layout, lambda: model.w, model.set, client=client,
+    island = Island(model, client=client,
                     sync_every=args.sync_every, wire=args.wire, blocking=args.blocking_sync,
                     on_apply=on_apply, on_sync=on_sync if args.record else None,
-                    connect_grace_s=30.0, read_range=lambda lo, hi: model.w[lo:hi],
-                    write_range=model.write)
+                    connect_grace_s=30.0)
     island.start()
     for _ in range(args.steps):
         loss = model.step()

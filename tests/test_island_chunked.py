@@ -153,7 +153,7 @@ def run(weights, *, steps=24, fragments=1, delay=2, refuse=(), stream=None, chun
     """Train `weights` towards a target (the same f32 ops for every weights object),
     syncing every 4 steps; returns (payloads, final weights, island)."""
     syncer = FakeSyncer(weights.layout, fragments, delay, refuse, stream)
-    island = Island.for_weights(weights, client=syncer, sync_every=4, wire=wire, chunk=chunk,
+    island = Island(weights, client=syncer, sync_every=4, wire=wire, chunk=chunk,
                                 **options)
     island.start()
     target = np.linspace(-1, 1, weights.layout.numel, dtype=np.float32)
@@ -196,11 +196,11 @@ def test_chunked_equals_whole_arrays(name):
         assert len(got[0]) == len(whole[0]) >= 6
         assert all(a == b for a, b in zip(got[0], whole[0]))
         assert got[1].tobytes() == whole[1].tobytes()
-        assert got[2].anchor.tobytes() == whole[2].anchor.tobytes()
-        for r1, r2 in ((got[2].feedback.residual, whole[2].feedback.residual),):
+        assert got[2].encoder.anchor.tobytes() == whole[2].encoder.anchor.tobytes()
+        for r1, r2 in ((got[2].encoder.feedback.residual, whole[2].encoder.feedback.residual),):
             assert (r1 is None) == (r2 is None) and (r1 is None or r1.tobytes() == r2.tobytes())
     # the island ends on the syncer's final Θ exactly
-    assert whole[1].tobytes() == whole[2].anchor.tobytes()
+    assert whole[1].tobytes() == whole[2].encoder.anchor.tobytes()
 
 
 def reference(layout, init, steps=24, merge_alpha=0.0, delay=2):
@@ -244,16 +244,16 @@ def test_refused_push_is_carried_into_the_next_one():
     w = torch_weights()
     init = w.get()
     syncer = FakeSyncer(w.layout, delay=100, refuse={0})
-    island = Island.for_weights(w, client=syncer, sync_every=4, chunk=64)
+    island = Island(w, client=syncer, sync_every=4, chunk=64)
     island.start()
     for _ in range(8):
         w.set(w.get() * np.float32(0.9) + np.float32(0.01))
         island.after_step(10)
-    assert len(syncer.payloads) == 2 and island.tokens[0] == 0
+    assert len(syncer.payloads) == 2 and island.ledger.tokens[0] == 0
     change = init - w.get()
     sent = codec.decode(syncer.payloads[1], "q4", w.layout.numel)
     assert np.all(np.abs(sent - change) <= 2 * codec.q4_error_bound(change) + 1e-7)
-    assert island.anchor.tobytes() == w.get().tobytes()  # the anchor moved to the push
+    assert island.encoder.anchor.tobytes() == w.get().tobytes()  # the anchor moved to the push
 
 
 def test_stream_that_breaks_off_is_applied_in_part_then_whole():
@@ -262,7 +262,7 @@ def test_stream_that_breaks_off_is_applied_in_part_then_whole():
     layout = Layout.from_shapes({"a": (300,)})
     w = RangedWeights(layout, np.zeros(300, np.float32))
     syncer = FakeSyncer(layout)
-    island = Island.for_weights(w, client=syncer, sync_every=100, chunk=64)
+    island = Island(w, client=syncer, sync_every=100, chunk=64)
     island.start()
     assert island.version == 0
     broken = ThetaStream(300, depth=10)
@@ -272,7 +272,7 @@ def test_stream_that_breaks_off_is_applied_in_part_then_whole():
     assert island.version == 0 and (w.v[:100] == 1).all() and (w.v[100:] == 0).all()
     again = np.full(300, 2.0, np.float32)
     island._apply_all([Received(0, 0, False, again)])  # same version as held: applied
-    assert island.version == 0 and (w.v == 2).all() and (island.anchor == 2).all()
+    assert island.version == 0 and (w.v == 2).all() and (island.encoder.anchor == 2).all()
     assert w.flushes >= 3
 
 
@@ -295,7 +295,7 @@ def test_non_finite_weights_refuse_to_push_and_lose_nothing(threads):
     layout = Layout.from_shapes({"a": (256,)})
     w = RangedWeights(layout, np.zeros(256, np.float32))
     syncer = FakeSyncer(layout)
-    island = Island.for_weights(w, client=syncer, sync_every=1, chunk=64, threads=threads)
+    island = Island(w, client=syncer, sync_every=1, chunk=64, threads=threads)
     island.start()
     w.v[:] = 0.5
     w.v[200] = np.nan
@@ -303,8 +303,8 @@ def test_non_finite_weights_refuse_to_push_and_lose_nothing(threads):
         island.after_step(1)
     # the first three pieces were encoded, then carried back: the residual holds their
     # work (up to q4 rounding), and the anchor moved past them
-    assert np.allclose(island.feedback.residual[:192], -0.5, atol=0.5 / 14)
-    assert (island.anchor[:192] == 0.5).all() and (island.anchor[192:] == 0).all()
+    assert np.allclose(island.encoder.feedback.residual[:192], -0.5, atol=0.5 / 14)
+    assert (island.encoder.anchor[:192] == 0.5).all() and (island.encoder.anchor[192:] == 0).all()
     assert not syncer.payloads
 
 
@@ -317,16 +317,16 @@ def test_non_finite_piece_mid_push_loses_nothing_whatever_the_threads(threads):
     layout = Layout.from_shapes({"a": (n,)})
     w = RangedWeights(layout, np.zeros(n, np.float32))
     syncer = FakeSyncer(layout)
-    island = Island.for_weights(w, client=syncer, sync_every=1, chunk=64, threads=threads)
+    island = Island(w, client=syncer, sync_every=1, chunk=64, threads=threads)
     island.start()
     w.v[:] = np.linspace(0.1, 0.9, n, dtype=np.float32)
-    change = island.anchor - w.v
+    change = island.encoder.anchor - w.v
     w.v[100] = np.nan
     with pytest.raises(codec.CodecError):
         island.after_step(1)
-    owed = (island.anchor - w.v) + island.feedback.residual
+    owed = (island.encoder.anchor - w.v) + island.encoder.feedback.residual
     ok = np.arange(n) != 100
-    moved = island.anchor[ok] != 0
+    moved = island.encoder.anchor[ok] != 0
     assert moved[:64].all() and not moved[64:127].any()  # piece 0 carried, piece 1 not
     np.testing.assert_allclose(owed[ok], change[ok], atol=0.9 / 14)
     assert not syncer.payloads
@@ -340,19 +340,19 @@ def test_non_finite_value_inside_a_piece_carries_back_its_encoded_part():
     layout = Layout.from_shapes({"a": (n,)})
     w = RangedWeights(layout, np.zeros(n, np.float32))
     syncer = FakeSyncer(layout)
-    island = Island.for_weights(w, client=syncer, sync_every=1, threads=1)
+    island = Island(w, client=syncer, sync_every=1, threads=1)
     island.start()
     w.v[:] = np.linspace(-1, 1, n, dtype=np.float32)
-    change = island.anchor - w.v
+    change = island.encoder.anchor - w.v
     bad = 3 * codec.CHUNK // 2
     w.v[bad] = np.nan
     with pytest.raises(codec.CodecError):
         island.after_step(1)
-    moved = island.anchor != 0
+    moved = island.encoder.anchor != 0
     assert moved[:codec.CHUNK].all() and not moved[codec.CHUNK:].any()
-    assert not island.feedback.residual[codec.CHUNK:].any()
+    assert not island.encoder.feedback.residual[codec.CHUNK:].any()
     ok = np.arange(n) != bad
-    owed = (island.anchor - w.v) + island.feedback.residual
+    owed = (island.encoder.anchor - w.v) + island.encoder.feedback.residual
     np.testing.assert_allclose(owed[ok], change[ok], atol=1 / 14)
     assert not syncer.payloads
 
@@ -365,7 +365,7 @@ def test_streamed_broadcasts_over_grpc_end_bit_identical(toy_layout, tmp_state):
         def island(i):
             w = RangedWeights(toy_layout, np.full(toy_layout.numel, 0.1, np.float32))
             client = make_client(addr, f"i{i}", toy_layout)
-            isl = Island.for_weights(w, client=client, sync_every=3, chunk=64,
+            isl = Island(w, client=client, sync_every=3, chunk=64,
                                      on_apply=lambda got: streamed.append(
                                          isinstance(got.theta, ThetaStream)))
             if i == 0:

@@ -18,7 +18,7 @@ from syncer.dashboard import DashboardError, start_dashboard
 from syncer.spawn import start_syncer
 from yeto.cli import status as status_cli
 from yeto.client import SyncerClient
-from yeto.island import Island
+from yeto.island import FlatWeights, Island
 from yeto.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def _island(address, i, steps=30, token=None):
     def set_w(x):
         w["v"] = x.astype(np.float32, copy=True)
 
-    island = Island(LAYOUT, lambda: w["v"].copy(), set_w,
+    island = Island(FlatWeights(LAYOUT, lambda: w["v"].copy(), set_w),
                     client=make_client(address, f"island-{i}", LAYOUT, token=token),
                     sync_every=5, on_sync=lambda: float(np.mean((w["v"] - target) ** 2)) + i)
     island.start()

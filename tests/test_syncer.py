@@ -280,7 +280,8 @@ def test_the_join_reply_says_the_downlink_so_a_streaming_island_never_rejoins(
             _push(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
                   base=r, seq=r, encoding="q4")
             got = a.wait_one(timeout=20)
-            held = run.theta if downlink == "f32" else run.downlink.island_theta  # what islands hold
+            # what islands hold
+            held = run.theta if downlink == "f32" else run.downlink.island_theta
             assert got.version == r + 1 and got.theta.tobytes() == held.tobytes()
         assert a.generation == generation  # no rejoin to learn the downlink
         a.close()
@@ -292,7 +293,7 @@ def test_streaming_fragments_merge_in_turn_and_end_identical(toy_layout, tmp_sta
     local steps), and at the end every island holds the syncer's final Θ exactly."""
     import threading
 
-    from yeto.island import Island
+    from yeto.island import FlatWeights, Island
 
     P, H, steps = 4, 8, 64
     targets = [np.full(toy_layout.numel, float(i + 1), np.float32) for i in range(2)]
@@ -308,8 +309,9 @@ def test_streaming_fragments_merge_in_turn_and_end_identical(toy_layout, tmp_sta
             def set_w(x):
                 w["v"] = x.copy()
 
-            isl = Island(toy_layout, lambda: w["v"].copy(), set_w, client=make_client(
-                addr, f"i{i}", toy_layout), sync_every=H, wire="f32", blocking=True)
+            isl = Island(FlatWeights(toy_layout, lambda: w["v"].copy(), set_w),
+                         client=make_client(addr, f"i{i}", toy_layout), sync_every=H,
+                         wire="f32", blocking=True)
             isl.on_apply = lambda got: None
             isl.start()
             isl.on_apply = lambda got: on_apply(got) if not got.final else None

@@ -257,11 +257,10 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend,
 
 def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,
                 on_sync, clock: Callable[[], float] = time.monotonic) -> Island:
-    return Island.for_weights(weights, client=client, sync_every=cfg.sync_every,
-                              sync_every_seconds=cfg.sync_every_seconds,
-                              merge_alpha=cfg.merge_alpha, pipeline=cfg.pipeline,
-                              wire=cfg.wire, blocking=cfg.blocking_sync, on_sync=on_sync,
-                              clock=clock)
+    return Island(weights, client=client, sync_every=cfg.sync_every,
+                  sync_every_seconds=cfg.sync_every_seconds, merge_alpha=cfg.merge_alpha,
+                  pipeline=cfg.pipeline, wire=cfg.wire, blocking=cfg.blocking_sync,
+                  on_sync=on_sync, clock=clock)
 
 
 def _group(group):

@@ -100,10 +100,10 @@ class _Base:
                               weights_file=weights_file, export_files=files, tls=tls)
         self.eval_fn = eval_fn
         # range access when the weights have it: the island works chunk by chunk
-        self.island = Island.for_weights(weights, client=self.client, sync_every=sync_every,
-                                         sync_every_seconds=sync_every_seconds, wire=wire,
-                                         blocking=blocking, on_sync=eval_fn,
-                                         connect_grace_s=connect_grace_s, **island_options)
+        self.island = Island(weights, client=self.client, sync_every=sync_every,
+                             sync_every_seconds=sync_every_seconds, wire=wire,
+                             blocking=blocking, on_sync=eval_fn,
+                             connect_grace_s=connect_grace_s, **island_options)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.metrics = None
         if self.output_dir is not None or report_to:

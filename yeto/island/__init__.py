@@ -1,0 +1,59 @@
+"""The island, backend-neutral.
+
+An island sees its trainable weights as one flat float32 vector in canonical order,
+through the backend's `yeto.loop.Weights` (`weights`: whole-vector get/set, range
+access when the backend has it). The flat vector is cut into the syncer's P fragments
+(P = 1 unless the syncer runs `--fragments P`); each fragment follows the same rules
+on its own slice, kept by one part each:
+
+- `island`: `Island`, the state machine that coordinates the parts below: start
+  (join, adopt Θ), after each step (apply what arrived, push what is due), finish (a
+  last push of every fragment, then the final Θ, f32, replaces the local weights
+  exactly, so every island ends bit-identical to the syncer).
+- `encoder`: the anchor (the exact Θ bytes last received, moved to the pushed
+  weights by each push: the point up to which the syncer holds this island's work)
+  and the uplink's error feedback. A push sends anchor − local, quantized with error
+  feedback, so the pushes since Θ add up to Θ − local.
+- `ledger`: loss tokens and optimizer steps since each fragment's last push, and the
+  pushes in flight; a push the syncer does not hold (refused, or lost in a syncer
+  restart) is carried forward into the next one.
+- `applier`: broadcasts are applied only at step boundaries. Training overlaps the
+  round trip, so the island keeps the steps it made since its push:
+  local ← Θ + (local − anchor), anchor ← Θ. Every step is pushed exactly once; with
+  `blocking=True` the island waits for Θ right after each push, so all islands hold
+  bit-identical weights after every round.
+- `schedule`: fragment f is pushed every H steps, offset by f·H/P (Streaming
+  DiLoCo), or every T seconds with the same stagger; at most `pipeline` fragments
+  are in flight at once.
+- `weights`: passes over the weights (range access, or one flat copy per pass).
+
+Memory, per trainable parameter, beyond the training loop itself:
+
+- anchor: 4 B (f32, host memory; never on an accelerator). Moving it at the push
+  means no copy of the weights at the push is kept, and carrying a refused push's
+  decoded payload into the residual means no copy per push in flight.
+- error-feedback residual: 4 B with a q4 or bf16 wire; none with f32 (exact), unless
+  a refused f32 push is carried into one.
+- the payload of the push in flight, kept until its round commits (the bytes the
+  client streams, and what a refusal carries back): 0.625 B (q4), 2 B (bf16),
+  4 B (f32) per parameter of that fragment.
+- the broadcast: streamed from the transport chunk by chunk into the model and the
+  anchor when large (`ThetaStream`), else one fragment of f32 until applied. With a
+  compressed downlink the client also keeps Θ (4 B) to add the syncer's updates to
+  (`yeto.client.receiver.Downlink`).
+- chunk-sized scratch: every pass (push, apply, start) reads and writes the weights
+  `chunk` values at a time (4 MiB of f32 by default), straight from the backend's
+  tensors when it has range access; a push's encode holds up to threads + 1 pieces
+  (two chunks each: the weights read and anchor − local), threads ≤ ENCODE_THREADS
+  (4): 40 MiB at most. A backend without range access (`get`/`set` only, e.g. the
+  MLX LoRA view) costs one full flat copy per pass. Freed buffers go back to the OS
+  after each pass (`yeto.memory.trim`).
+
+So a q4 island holds about 8.6 B per parameter, an f32-wire island 8 B.
+"""
+
+from yeto.island.encoder import default_threads
+from yeto.island.island import Island
+from yeto.island.weights import FlatWeights
+
+__all__ = ["FlatWeights", "Island", "default_threads"]
