@@ -128,9 +128,12 @@ def weights_digest(weights, chunk: int = 1 << 20) -> str:
 
 
 def init_group(device: torch.device, timeout_s: float = 1800,
-               sharded: bool = False) -> TorchGroup:
+               kind: type[TorchGroup] | None = None) -> TorchGroup:
     """Join the torchrun group described by the environment (a no-op without one).
-    `sharded`: the ranks shard the model with FSDP (`yeto.torch.fsdp.FSDPGroup`)."""
+    `kind`: the group's class (default `TorchGroup`; `yeto.torch.fsdp.FSDPGroup` when
+    the ranks shard the model)."""
+    kind = kind or TorchGroup
+    sharded = kind.sharded
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         if sharded:
@@ -141,12 +144,8 @@ def init_group(device: torch.device, timeout_s: float = 1800,
     if device.type == "cuda":
         torch.cuda.set_device(device)  # FSDP and NCCL use the current device
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    if sharded:
-        from yeto.torch.fsdp import FSDPGroup
-
-        group: TorchGroup = FSDPGroup(dist.get_rank(), dist.get_world_size(), device=device)
-    else:
-        group = TorchGroup(dist.get_rank(), dist.get_world_size())
+    extra = {"device": device} if sharded else {}
+    group = kind(dist.get_rank(), dist.get_world_size(), **extra)
     log.info("rank %d of %d (%s%s)", group.rank, group.world, backend,
              ", FSDP" if sharded else "")
     return group

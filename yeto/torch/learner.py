@@ -30,6 +30,12 @@ from yeto.torch.model import attach_lora, export_files, load_base, save_output
 from yeto.torch.weights import TorchWeights
 
 
+def _fsdp_group():
+    from yeto.torch.fsdp import FSDPGroup  # torch.distributed.fsdp: only when sharding
+
+    return FSDPGroup
+
+
 class TorchBackend:
     """The torch edge of an island (`yeto.loop.Backend`): a torchrun group of ranks
     training data-parallel (DDP) or sharded (FSDP2, `--fsdp`), or one process."""
@@ -39,7 +45,8 @@ class TorchBackend:
     def __init__(self, cfg: IslandConfig):
         self.device = torch_group.local_device(cfg.device)
         # torchrun: N processes, one island
-        self.group = torch_group.init_group(self.device, sharded=cfg.fsdp)
+        self.group = torch_group.init_group(self.device, kind=_fsdp_group() if cfg.fsdp
+                                            else None)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
