@@ -208,7 +208,7 @@ def test_open_syncer_refuses_to_start_and_tokenless_island_is_refused(lab, cert,
     r = lab.run(b, island_cmd("torch", tiny_llama, train, tmp_path / "i0", "island-0", 1,
                               "--max-steps", "2", tls=cert[0]), env=env(None), timeout=240)
     assert r.returncode == 3, r.stderr[-3000:]
-    assert f"syncer at 192.0.2.1:{PORT} refused island-0: missing or wrong token" in r.stderr
+    assert f"syncer at 192.0.2.1:{PORT} refused island-0: missing or wrong credential" in r.stderr
     assert syncer.poll() is None  # the syncer serves on
 
 
