@@ -32,7 +32,7 @@ from yeto.io import atomic_file, atomic_write
 
 STATE_FILE = "state.safetensors"
 FINAL_DIR = "final"
-FORMAT = 2  # 2: the metadata is under its own digest too; 1 (older files) loads as before
+FORMAT = 2  # 2: the metadata is under its own digest too; 1 (no metadata digest) still loads
 # flags whose change would make a resumed run a different computation
 MATH_FLAGS = ("outer", "outer_lr", "outer_momentum", "merge", "clip_factor", "downlink",
               "fragments")

@@ -35,7 +35,7 @@ Memory, per trainable parameter, beyond the training loop itself:
 - error-feedback residual: 4 B with a q4 or bf16 wire; none with f32 (exact), unless
   a refused f32 push is carried into one.
 - the payload of the push in flight, kept until its round commits (the bytes the
-  client streams, and what a refusal carries back): 0.625 B (q4), 2 B (bf16),
+  client streams, and what a refusal carries back): 0.5625 B (q4), 2 B (bf16),
   4 B (f32) per parameter of that fragment.
 - the broadcast: streamed from the transport chunk by chunk into the model and the
   anchor when large (`ThetaStream`), else one fragment of f32 until applied. With a
