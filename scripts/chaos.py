@@ -580,18 +580,25 @@ def inject_syncer_kill(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
                       f"at v{rec['resumed']}, next commit v{m['version']}")
 
 
+def away_and_back(fleet: Fleet, lid: str, what: str, mend) -> tuple[dict, dict, dict]:
+    """Two commits without `lid` while `what` holds, then `mend()`, then a commit with
+    `lid` in it: (first, second, back) merge records."""
+    try:
+        first = fleet.next_merge(f"commit while {what}", without=lid)
+        idx = fleet.tape.merges.index(first) + 1
+        second = fleet.next_merge(f"second commit while {what}", without=lid, after=idx)
+    finally:
+        mend()
+    mark = len(fleet.tape.merges)
+    back = fleet.next_merge(f"commit with {lid} after {what}", who=lid, after=mark)
+    return first, second, back
+
+
 def inject_island_stop(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
     lid = rng.choice(fleet.ids)
     fleet.signal_island(lid, signal.SIGSTOP)
-    try:
-        first = fleet.next_merge(f"commit while {lid} is stopped", without=lid)
-        idx = fleet.tape.merges.index(first) + 1
-        second = fleet.next_merge(f"second commit while {lid} is stopped", without=lid,
-                                  after=idx)
-    finally:
-        fleet.signal_island(lid, signal.SIGCONT)
-    mark = len(fleet.tape.merges)
-    back = fleet.next_merge(f"commit with {lid} after SIGCONT", who=lid, after=mark)
+    first, second, back = away_and_back(fleet, lid, f"{lid} is stopped",
+                                        lambda: fleet.signal_island(lid, signal.SIGCONT))
     return lid, (f"stopped through v{first['version']}..v{second['version']}; after SIGCONT "
                  f"it pushed into v{back['version']}")
 
@@ -768,15 +775,8 @@ def inject_impersonation(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
 def inject_link_cut(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
     lid, mode = fleet.relayed, rng.choice(("drop", "hold"))
     fleet.relay.cut(mode)
-    try:
-        first = fleet.next_merge(f"commit while {lid}'s link is cut ({mode})", without=lid)
-        idx = fleet.tape.merges.index(first) + 1
-        second = fleet.next_merge(f"second commit while {lid}'s link is cut", without=lid,
-                                  after=idx)
-    finally:
-        fleet.relay.mend()
-    mark = len(fleet.tape.merges)
-    back = fleet.next_merge(f"commit with {lid} after its link came back", who=lid, after=mark)
+    first, second, back = away_and_back(fleet, lid, f"{lid}'s link is cut ({mode})",
+                                        fleet.relay.mend)
     return lid, (f"link {mode} through v{first['version']}..v{second['version']}; mended, it "
                  f"pushed into v{back['version']}")
 

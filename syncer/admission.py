@@ -106,7 +106,3 @@ class Streams:
             if cancel is not None:
                 cancel()
         return len(idle)
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self._open)
