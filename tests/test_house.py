@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["yeto", "yeto.layout", "yeto.codec", "yeto.targets", "yeto.frozen", "yeto.transport",
         "yeto.island", "yeto.config", "yeto.loop", "yeto.net", "yeto.io", "yeto.signals",
@@ -53,8 +51,6 @@ def test_no_function_is_longer_than_60_lines():
 
 # ---- classes --------------------------------------------------------------------------
 MAX_CLASS_LINES = 250
-# Classes issue 29 splits; any other class over the cap fails the test outright.
-NOT_SPLIT_YET = ("syncer/run.py::Run", "yeto/cli/launch.py::LocalRun")
 
 
 def _long_classes() -> dict[str, int]:
@@ -73,11 +69,7 @@ def _long_classes() -> dict[str, int]:
 
 def test_no_class_is_longer_than_250_lines():
     long = _long_classes()
-    new = {k: n for k, n in long.items() if k not in NOT_SPLIT_YET}
-    assert not new, f"classes over {MAX_CLASS_LINES} lines: {new}"
-    if long:
-        names = [k.split("::")[1] for k in NOT_SPLIT_YET if k in long]
-        pytest.xfail(f"issue 29: {', '.join(names)} not split yet")
+    assert not long, f"classes over {MAX_CLASS_LINES} lines: {long}"
 
 
 # ---- --help says what a flag does, not what it measured -------------------------------

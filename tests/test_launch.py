@@ -17,8 +17,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from syncer.tape import read_tape
-from yeto.cli import launch
-from yeto.cli.launch import Display, IslandProc, LaunchConfig, LocalRun, render_table
+from yeto.cli import launch, local_run
+from yeto.cli.launch_view import Display, render_table
+from yeto.cli.local_run import LaunchConfig, LocalRun
+from yeto.cli.progress import IslandProc
+from yeto.metrics import JsonlFollower
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--seq-len", "64", "--batch-size", "4", "--lora-r", "4", "--eval-blocks", "8",
@@ -131,7 +134,7 @@ def test_display_reads_metrics_and_tape(tmp_path):
                 dict(step=20, train_loss=1.9 + i, eval_loss=2.1, version=1)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs)
                                          + '{"step": 40, "trai')  # a line being written
-        isl = IslandProc(f"island-{i}", backend, d, [], metrics=launch.JsonlFollower(
+        isl = IslandProc(f"island-{i}", backend, d, [], metrics=JsonlFollower(
             d / "metrics.jsonl"))
         isl.proc = _Done()
         run.islands.append(isl)
@@ -144,7 +147,7 @@ def test_display_reads_metrics_and_tape(tmp_path):
     a, b = run.islands
     assert (a.step, a.train_loss, a.eval_loss, a.version, a.pushes) == (20, 1.9, 2.1, 1, 1)
     assert b.train_loss == 2.9 and b.state == "done"
-    assert 45 < run.rate(a) < 55  # 500 tokens over the 10 s since its step 0
+    assert 45 < run.progress.rate(a) < 55  # 500 tokens over the 10 s since its step 0
     text = render_table(run)
     assert "island-0  torch    20/40" in text and "island-1  mlx" in text
     assert "round 1" in text and "1.0 kB" in text
@@ -350,7 +353,7 @@ def test_external_slots_count_in_the_quorum_and_show_as_waiting(tmp_path, monkey
         started.update(args=args, **kw)
         return Syncer()
 
-    monkeypatch.setattr(launch, "start_syncer", fake_start)
+    monkeypatch.setattr(local_run, "start_syncer", fake_start)
     cfg = launch.config_from_args(launch.build_parser(), *launch.build_parser().parse_known_args(
         ["--islands", "none", "--external-islands", "torch:2", "--model", "m", "--data", "d",
          "--host", "198.51.100.7", "--token", "t", "--out", str(tmp_path / "run")]))
@@ -368,7 +371,7 @@ def test_external_slots_count_in_the_quorum_and_show_as_waiting(tmp_path, monkey
         event="merge", round=1, version=1, bytes_in=10, bytes_out=10, time=time.time(),
         responders=[dict(learner="island-0", tokens=50, steps=4, train_loss=2.5)])) + "\n")
     run.poll(with_status=False)
-    assert run.notes == ["island-0 joined from another machine (torch)"]
+    assert run.progress.notes == ["island-0 joined from another machine (torch)"]
     text = render_table(run)
     assert "waiting for 1 external island " in text
     assert re.search(r"island-0\s+torch\s+4/200\s+2\.500.*training", text)

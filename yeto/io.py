@@ -48,6 +48,13 @@ def atomic_write(path: str | Path, data: bytes | str, *, durable: bool = True) -
         f.write(data)
 
 
+def write_private(path: str | Path, text: str) -> None:
+    """Write a secret (a token, a credential) to `path`, readable by this user only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def atomic_save(path: str | Path, save: Callable[[Path], Any]) -> None:
     """Atomically produce `path` with a writer that takes a file name (for libraries
     that write files themselves, e.g. `safetensors.numpy.save_file`)."""

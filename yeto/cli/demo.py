@@ -55,30 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--rl" in argv:  # its own flags and defaults (yeto.rl.demo)
-        from yeto.rl.demo import main as rl_demo
-
-        return rl_demo([a for a in argv if a != "--rl"])
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(message)s")
-    from yeto.cli.launch import ISLAND_MODULES, Display, LaunchConfig, LaunchError, run_local
-    from yeto.io import atomic_write
+def _config(args, out: Path, backends: list[str]):
+    """The tiny model and task built in OUT, and the local run over them."""
+    from yeto.cli.local_run import LaunchConfig
     from yeto.testing.tasks import make_task
     from yeto.testing.tiny import make_tiny_model
 
-    t0 = time.monotonic()
-    out = args.out.resolve()
-    backends = [b.strip() for b in args.islands.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ISLAND_MODULES]
-    if not backends or bad:
-        sys.exit(f"error: --islands {args.islands!r}: use a comma list of "
-                 f"{', '.join(ISLAND_MODULES)}, e.g. --islands torch,mlx")
     print(f"building the tiny {args.arch} model and the task in {out} ...", flush=True)
     model = make_tiny_model(out / "model", arch=args.arch)
     train, held_out = make_task(out / "data")
-    cfg = LaunchConfig(
+    return LaunchConfig(
         out=out, backends=backends, model=str(model), data=str(train), eval_data=str(held_out),
         island_args=["--max-steps", str(args.max_steps), "--sync-every", str(args.sync_every),
                      "--wire", args.wire, "--inner-lr", str(args.inner_lr),
@@ -89,6 +75,30 @@ def main(argv=None) -> int:
                      "--outer-momentum", str(args.outer_momentum)],
         dashboard_port=None if args.no_dashboard else 0, display=args.display,
         max_steps=args.max_steps, overwrite=True)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--rl" in argv:  # its own flags and defaults (yeto.rl.demo)
+        from yeto.rl.demo import main as rl_demo
+
+        return rl_demo([a for a in argv if a != "--rl"])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(message)s")
+    from yeto.cli.launch import run_local
+    from yeto.cli.launch_view import Display
+    from yeto.cli.local_run import LaunchError
+    from yeto.cli.progress import ISLAND_MODULES
+    from yeto.io import atomic_write
+
+    t0 = time.monotonic()
+    out = args.out.resolve()
+    backends = [b.strip() for b in args.islands.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ISLAND_MODULES]
+    if not backends or bad:
+        sys.exit(f"error: --islands {args.islands!r}: use a comma list of "
+                 f"{', '.join(ISLAND_MODULES)}, e.g. --islands torch,mlx")
+    cfg = _config(args, out, backends)
     display = Display(cfg.display)
     try:
         code, run, summary = run_local(

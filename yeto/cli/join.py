@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from yeto import net
-from yeto.io import host_port
+from yeto.io import host_port, write_private
 
 BACKENDS = ("torch", "mlx")
 MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
@@ -151,6 +151,22 @@ class JoinSpec:
 
 def join_address(host: str, port: int, given: str | None = None) -> str:
     return host_port(advertise_host(host, given), port)
+
+
+def write_credential(out: Path, token: str, learner_id: str) -> Path:
+    """OUT/credentials/<id>: the slot's own credential (good for that id only; the run's
+    token stays on this machine), readable by this user only."""
+    folder = out / "credentials"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / learner_id
+    write_private(path, net.island_credential(token, learner_id) + "\n")
+    return path
+
+
+def credential_hint(out: Path) -> str:
+    """Where a slot's user finds its credential ("{id}": the slot's learner id)."""
+    return (f"in {out / 'credentials'}/{{id}} on this machine, made from the run's token; "
+            "good for {id} only")
 
 
 def island_argv(spec: JoinSpec, backend: str, learner_id: str, index: int) -> list[str]:
