@@ -188,8 +188,10 @@ class Subscription:
 
     def send(self, out: Outgoing):
         """The chunks of one broadcast, as wire bytes built straight from the weights
-        (or from the one compressed update all islands share); records it as sent
-        once they are all out."""
+        (or from the one compressed update all islands share); records it as sent once
+        its last chunk is handed to the transport. (An island that has its final
+        weights hangs up at once: the stream may be closed at that last `yield`, and
+        the record must not depend on the transport asking for more.)"""
         run, bc = self.run, out.bc
         size = bc.delta.size if out.use_delta else bc.source.size
         header = pb.BroadcastHeader(
@@ -197,16 +199,24 @@ class Subscription:
             encoding=run.cfg.downlink if out.use_delta else bc.encoding,
             numel=run.layout.fragments[bc.fragment].numel, payload_bytes=size,
             final=bc.final, delta=out.use_delta, base_version=bc.base_version)
+        if out.use_delta:
+            chunks = (wire.chunk_bytes(header if i == 0 else None, piece) for i, piece
+                      in enumerate(net.chunks(memoryview(bc.delta).cast("B"))))
+        else:
+            chunks = source_chunks(header, bc.source, out.reader)
+        handed = False
         try:
-            if out.use_delta:
-                for i, piece in enumerate(net.chunks(memoryview(bc.delta).cast("B"))):
-                    yield wire.chunk_bytes(header if i == 0 else None, piece)
-            else:
-                yield from source_chunks(header, bc.source, out.reader)
+            for last, piece in _marking_last(chunks):
+                handed = last
+                yield piece
         finally:
             out.release()
-        with run.cond:
-            run.bytes_out += size
+            if handed:
+                self._sent(bc, size)
+
+    def _sent(self, bc: Broadcast, size: int) -> None:
+        with self.run.cond:
+            self.run.bytes_out += size
         self.sent[bc.fragment] = bc.version
         if bc.final:
             self.sent_final.add(bc.fragment)
@@ -228,6 +238,19 @@ class Outgoing:
         if self.reader is not None:
             self.bc.source.close(self.reader)
             self.reader = None
+
+
+def _marking_last(items):
+    """(is_last, item) for each item, knowing the last one before it is yielded."""
+    it = iter(items)
+    item = next(it, _END)
+    while item is not _END:
+        following = next(it, _END)
+        yield following is _END, item
+        item = following
+
+
+_END = object()
 
 
 def source_chunks(header, source, reader: int):

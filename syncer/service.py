@@ -195,17 +195,18 @@ class SyncerService(pb_grpc.SyncerServicer):
             run.check_island(request.learner_id, request.generation)
         context.add_callback(lambda: run.island_gone(request.learner_id, request.generation))
         sub = Subscription(run, request.learner_id, request.generation)
-        while context.is_active():
-            nxt = sub.wait_next(context.is_active)  # Reject: superseded by a newer connection
-            if nxt is None:
-                return
-            if not context.is_active():
-                nxt.release()
-                return
-            yield from sub.send(nxt)
+        try:
+            while context.is_active() and not sub.all_finals_sent():
+                nxt = sub.wait_next(context.is_active)  # Reject: superseded by a newer one
+                if nxt is None:
+                    return
+                if not context.is_active():
+                    nxt.release()
+                    return
+                yield from sub.send(nxt)
+        finally:  # also when the island hangs up at the last chunk of its final weights
             if sub.all_finals_sent():
                 run.mark_final_delivered(request.learner_id)
-                return
 
     def Heartbeat(self, request, context):
         try:

@@ -220,3 +220,27 @@ def test_expected_islands_are_listed_as_reserved_until_they_join():
     run.join("island-1", specs, fingerprint(specs), "torch", "w.safetensors", {})
     rows = {r["learner_id"]: r["state"] for r in run.status()["islands"]}
     assert rows == {"island-1": "waiting"}
+
+
+def test_final_weights_count_as_delivered_when_the_island_hangs_up_at_the_last_chunk():
+    """An island that has its final weights closes its stream at once; the syncer's
+    stream could be closed at its last `yield` before recording the delivery, and the
+    syncer then waited out its whole final drain for an island long gone."""
+    from syncer.broadcast import Subscription
+    from syncer.messages import PushHeader
+    from yeto.layout import Layout
+
+    layout = Layout.from_shapes({"a.lora_A.weight": (N,)})
+    run = Run(Config(quorum=1))
+    gen = run.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors",
+                   {})["generation"]
+    run.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
+             codec.encode(np.zeros(N, np.float32), "f32"))
+    assert run.finish_island("x", gen) and not run.final_done()
+    sub = Subscription(run, "x", gen)
+    stream = sub.send(sub.wait_next(lambda: True))
+    assert next(stream)  # 64 weights are one chunk: the stream is parked at its last yield
+    assert not sub.all_finals_sent()
+    stream.close()  # the transport drops the stream: the island hung up
+    assert sub.all_finals_sent()
+    run.tape.close()
