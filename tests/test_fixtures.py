@@ -18,7 +18,7 @@ PROMPT = [{"role": "user", "content": "reverse: apple river stone"}]
 @pytest.fixture(scope="session")
 def cache():
     # the shared cache: the pretrained base is built once per machine, not per test run
-    return tiny.cache_root()
+    return tiny.cache_root().parent
 
 
 @pytest.fixture(scope="session")

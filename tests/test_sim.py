@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -49,6 +51,22 @@ def _sim_run(model: Path, task, out: Path) -> tuple[Path, str]:
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r.stdout
+
+
+def _sim(*argv) -> str:
+    """`python -m yeto.sim ARGV` in this process (the sim's fleet is one process anyway,
+    and this one has torch imported already); returns what it printed."""
+    import torch
+
+    from yeto.sim.__main__ import main
+
+    threads, buf = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            assert main([str(a) for a in argv]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the sim's --threads is for its islands only
+    return buf.getvalue()
 
 
 def _merges(out: Path) -> list[dict]:
@@ -159,13 +177,10 @@ def _simulated(model: Path, task, out: Path) -> tuple[dict, list[dict]]:
     """Two islands at speeds 1 and 2 syncing every 1.25 simulated seconds (a step at
     speed 1 costs 0.125 s: sums exact in binary), through `python -m yeto.sim`."""
     args = [a for a in _island_args(model, task) if a != "--blocking-sync"]
-    r = subprocess.run([sys.executable, "-m", "yeto.sim", *args, "--islands", "2",
-                        "--speeds", "1,2", "--step-seconds", "0.125",
-                        "--sync-every-seconds", "1.25",
-                        "--max-steps", "40", "--grace-ms", "0", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "goodput" in r.stdout
+    printed = _sim(*args, "--islands", "2", "--speeds", "1,2", "--step-seconds", "0.125",
+                   "--sync-every-seconds", "1.25", "--max-steps", "40", "--grace-ms", "0",
+                   "--out", out)
+    assert "goodput" in printed
     return load_file(str(out / "syncer/final/adapter_model.safetensors")), _merges(out)
 
 
@@ -193,11 +208,8 @@ def test_simulated_time_counts_the_waits_for_slower_islands(tiny_llama, tiny_tas
     13.75); island 1's 30 steps end at 10 (0.75); island 2 never waits."""
     out = tmp_path / "sim"
     args = _island_args(tiny_llama, tiny_task)
-    r = subprocess.run([sys.executable, "-m", "yeto.sim", *args, "--islands", "3",
-                        "--speeds", "1,2,4", "--step-seconds", "0.125", "--sync-every", "10",
-                        "--max-steps", "60", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _sim(*args, "--islands", "3", "--speeds", "1,2,4", "--step-seconds", "0.125",
+         "--sync-every", "10", "--max-steps", "60", "--out", out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["simulated_s"] == 13.75
     assert summary["goodput"] == {"island-0": 7.5 / 13.75, "island-1": 0.75, "island-2": 1.0}
@@ -222,11 +234,8 @@ def test_step_jitter_makes_equal_islands_wait_and_still_repeats(tiny_llama, tiny
     end each round at the same instant and nobody waits (goodput 1); with it one waits
     for the other at every round, and a second run repeats the first exactly."""
     def run(out: Path, *extra: str) -> dict:
-        r = subprocess.run([sys.executable, "-m", "yeto.sim", *_island_args(tiny_llama, tiny_task),
-                            "--islands", "2", "--step-seconds", "0.125", *extra,
-                            "--out", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        _sim(*_island_args(tiny_llama, tiny_task), "--islands", "2", "--step-seconds", "0.125",
+             *extra, "--out", out)
         return json.loads((out / "summary.json").read_text())
 
     plain = run(tmp_path / "plain")
