@@ -490,7 +490,7 @@ def island_cmd(arm: Arm, rg: Regime, seed: int, paths, i: int, n_proc: int, addr
 
 def run_sim_arm(arm: Arm, rg: Regime, seed: int, paths, run_dir: Path, timeout: float) -> dict:
     """A DiLoCo arm as one `python -m yeto.sim` process: the same islands, syncer and
-    outputs as real processes (tests/test_sim.py), a fraction of the overhead."""
+    outputs as real processes (tests/e2e/test_sim.py), a fraction of the overhead."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     env = arm_env()

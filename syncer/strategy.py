@@ -2,7 +2,7 @@
 whether their mean is rescaled) and an outer optimizer (how the merged change g
 moves Θ). Both are small objects chosen by name (`--merge`, `--outer`), as Flower's
 strategies and torchft's outer optimizer are; a new one is one class here, added to
-`RULES` or `OPTIMIZERS`, tested without a server (tests/test_strategy.py).
+`RULES` or `OPTIMIZERS`, tested without a server (tests/unit/test_strategy.py).
 
 The syncer sums each push as it arrives (`syncer.merge.MergeAccumulator`), so a rule
 sees a push's loss tokens when it arrives and the round's totals at the commit: the

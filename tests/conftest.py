@@ -1,29 +1,38 @@
-import contextlib
+"""Shared fixtures, and the cost tiers: every test is marked by its folder.
+
+  tests/unit/         no processes, no servers, no training
+  tests/integration/  in-process gRPC servers, in-process training, the sim
+  tests/e2e/          real processes: island and syncer programs, venvs, torchrun,
+                      network namespaces
+
+`pytest -m "not e2e"` runs the first two; `slow` tests (long runs) run only when
+asked for (`pytest -m slow`)."""
+
 import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from syncer.run import Config, Run
-from syncer.service import SPILL_MIN_BYTES, serve
-from yeto.client import SyncerClient
 from yeto.layout import Layout
 
 logging.basicConfig(level=logging.INFO)
+TIERS = ("unit", "integration", "e2e")
 
 
-@contextlib.contextmanager
-def running_syncer(token=None, spill_min_bytes=SPILL_MIN_BYTES, **cfg):
-    """A real gRPC syncer on a free loopback port, in this process."""
-    run = Run(Config(**cfg))
-    server, port = serve(run, "127.0.0.1", 0, token=token, spill_min_bytes=spill_min_bytes)
-    try:
-        yield run, f"127.0.0.1:{port}"
-    finally:
-        server.ticker_stop.set()
-        server.stop(grace=0).wait()
-        run.tape.close()
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's tier; leave out `slow` unless the -m
+    expression names it."""
+    wants_slow = "slow" in (config.getoption("markexpr") or "")
+    kept, dropped = [], []
+    for item in items:
+        tier = next((t for t in TIERS if t in item.path.parts), None)
+        if tier is not None:
+            item.add_marker(tier)
+        (dropped if item.get_closest_marker("slow") and not wants_slow else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture
@@ -34,20 +43,6 @@ def toy_layout():
         "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight": (4, 16),
         "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight": (16, 4),
     })
-
-
-def make_client(address, learner_id, layout, **kw) -> SyncerClient:
-    return SyncerClient(address, learner_id, layout, backoff_s=0.05, max_backoff_s=0.2, **kw)
-
-
-def wait_until(pred, timeout=20.0, interval=0.02):
-    import time
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if pred():
-            return True
-        time.sleep(interval)
-    return False
 
 
 @pytest.fixture

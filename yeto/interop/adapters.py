@@ -78,7 +78,7 @@ class AdapterConversionError(ValueError):
 PEFT_VERSION = "0.21.2"  # the peft release whose adapter_config.json _LORA_DEFAULTS mirror
 # Every field of peft's LoraConfig.to_dict() (peft 0.21.2) that yeto's settings leave at
 # peft's default, as save_pretrained writes them (inference_mode is True once saved).
-# tests/test_adapters.py compares the whole file with what the installed peft writes,
+# tests/integration/test_adapters.py compares the whole file with what the installed peft writes,
 # so a peft upgrade that changes the fields fails there, not silently.
 _LORA_DEFAULTS: dict[str, Any] = {
     "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,

@@ -11,7 +11,7 @@ torch), so `renamer` reads the rename rules from transformers' own
 with light stand-ins for the transform classes (a statement that needs the real
 classes is skipped, and only ``WeightRenaming`` rules are kept: the others fuse
 or split tensors, which `yeto.mlx.hf_paths` refuses anyway), and the rules are
-applied with transformers' matching (`Renaming`). tests/test_targets.py checks
+applied with transformers' matching (`Renaming`). tests/integration/test_targets.py checks
 the result against transformers itself.
 """
 

@@ -6,7 +6,7 @@ torch islands: same flags (`yeto.learner.add_island_args`), same model pinning
 (`yeto.data.provenance`), same tokenizer (`transformers.AutoTokenizer`), same data
 pipeline, packing and batch order, same loss normalisation (Σ w·CE / Σ w over all
 micro-batches of a step), same AdamW, same canonical names and flat order. Only
-the numbers differ, by float rounding (see tests/test_parity.py).
+the numbers differ, by float rounding (see tests/integration/test_parity.py).
 
 Outputs (``--output DIR``), as the torch island's:
   DIR/adapter/      peft adapter (``peft.PeftModel.from_pretrained``), provenance.json

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # entry: the transformers model type, the config keyword arguments (written through
 # transformers' own config class), the published model it copies and its published
 # size, and `params`, this build's exact parameter count (tied embeddings counted
-# once; tests/test_fixtures.py recomputes it on the meta device).
+# once; tests/unit/test_fixtures.py recomputes it on the meta device).
 #
 # lfm2.5-230m: no LFM2 config of that size was at hand, so it is derived from
 # LiquidAI/LFM2-350M (hidden 1024, 16 heads over 8 KV heads, head_dim 64, conv

@@ -88,7 +88,7 @@ class TorchGroup:
         """Tear the group down once every rank got here. Call it after the model is
         released (`Backend.release`): a group destroyed while sharded tensors still held
         it made gloo abort the process at exit under load ("terminate called without an
-        active exception", SIGABRT; tests/test_fsdp.py)."""
+        active exception", SIGABRT; tests/e2e/test_fsdp.py)."""
         if self.active and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

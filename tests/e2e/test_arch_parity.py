@@ -1,0 +1,63 @@
+"""torch island vs MLX island on architectures other than the llama-style fixtures:
+the config translation mlx-lm needs (yeto.mlx.shims), names and logits with the same
+adapter (yeto.interop.parity), scripts/check_name_parity.py's last line, and (slow)
+the whole architecture sweep.
+
+Here: the checks that need real processes (the others: tests/unit/test_arch_parity.py,
+tests/integration/test_arch_parity.py)."""
+
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[mlx]')")
+
+
+pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
+
+
+from yeto.testing import archs  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "check_name_parity.py"),
+                           *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_check_name_parity_script(tmp_path):
+    d = archs.tiny_model("qwen3_moe", tmp_path / "m")
+    ok = _script("--model", d, "--lora-r", "4")
+    last = ok.stdout.strip().splitlines()[-1]
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    m = re.fullmatch(r"parity: OK, (\d+) tensors, max \|dlogit\| (\S+)", last)
+    assert m and int(m[1]) == 2 * 4 * archs.TINY_LAYERS  # q, k, v, o (MoE: attention)
+    assert float(m[2]) < 1e-4
+    bad = _script("--model", tmp_path / "missing", "--quiet")
+    assert bad.returncode == 2 and "not found" in bad.stdout
+
+
+# ---- the sweep ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_arch_sweep_meets_the_goal(tmp_path):
+    """>= 90 % of the architectures in transformers and mlx-lm: names and logits agree."""
+    out = tmp_path / "sweep.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "arch_sweep.py"), "--jobs", "2",
+                          "--json", out], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    ok = [r["arch"] for r in rows if r["status"] == "ok"]
+    assert run.stdout.strip().splitlines()[-1] == f"RESULT ok={len(ok)} of {len(rows)}"
+    assert len(rows) >= 60  # computed from the libraries, not a short hand list
+    failed = "\n".join(f"{r['arch']}: {r['status']} {r['reason']}" for r in rows
+                       if r["status"] != "ok")
+    assert len(ok) >= 0.9 * len(rows), failed

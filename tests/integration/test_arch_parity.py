@@ -1,0 +1,53 @@
+"""torch island vs MLX island on architectures other than the llama-style fixtures:
+the config translation mlx-lm needs (yeto.mlx.shims), names and logits with the same
+adapter (yeto.interop.parity), scripts/check_name_parity.py's last line, and (slow)
+the whole architecture sweep.
+
+Here: the checks through in-process servers, training or the sim (the others:
+tests/unit/test_arch_parity.py, tests/e2e/test_arch_parity.py)."""
+
+
+import json
+
+import pytest
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[mlx]')")
+
+
+pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
+
+
+from yeto.interop import parity  # noqa: E402
+from yeto.testing import archs  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+
+FAST = ["llama", "lfm2", "qwen3_moe", "gpt2", "gemma2"]
+
+
+# ---- names and logits -----------------------------------------------------------------
+@pytest.mark.parametrize("arch", FAST)
+def test_names_and_logits_agree(arch, tmp_path):
+    d = archs.tiny_model(arch, tmp_path / arch)
+    rep = parity.check(d, r=4, alpha=8.0)
+    assert rep.names_ok, rep.first_mismatch
+    assert rep.n_tensors > 0
+    assert rep.adapter_effect > 0.1  # the adapter matters, so its parity is tested
+    assert rep.logits_ok(), (f"max |dlogit| {rep.max_dlogit:.3g}, max |logit| "
+                             f"{rep.max_logit:.3g}, base {rep.base_dlogit:.3g}, {rep.notes}")
+
+
+def test_truncated_copy_keeps_the_first_layers(tmp_path):
+    d = archs.tiny_model("qwen3", tmp_path / "full")
+    cut = parity.truncated_copy(d, 2, tmp_path / "cut")
+    cfg = json.loads((cut / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and len(cfg["layer_types"]) == 2
+    rep = parity.check(d, r=4, alpha=8.0, numeric_layers=2)
+    assert rep.numeric_layers == 2 and rep.logits_ok()
+    assert any("truncated" in n for n in rep.notes)
+    # a hybrid keeps one layer of each kind: qwen3_5's first full-attention layer is 4th
+    hybrid = archs.tiny_model("qwen3_5", tmp_path / "hybrid")
+    cut = parity.truncated_copy(hybrid, 2, tmp_path / "hybrid-cut")
+    cfg = json.loads((cut / "config.json").read_text())
+    assert parity.layer_count(cfg) == 4 and cfg["layer_types"][-1] == "full_attention"

@@ -1,0 +1,339 @@
+"""The trust boundary (issue 28): what an island holding a valid credential, a silent
+peer, a full disk or an operator's slip can do to a run. One test per failure class,
+each through a real gRPC syncer (in this process, or `python -m syncer` where the
+process is what fails); each of them failed before the bounds existed.
+
+Here: the checks through in-process servers, training or the sim (the others:
+tests/unit/test_trust.py, tests/e2e/test_trust.py)."""
+
+
+import struct
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from support import make_client, running_syncer, wait_until
+
+from syncer import state
+from syncer.admission import Streams
+from syncer.run import Config, Run
+from syncer.service import serve
+from syncer.tape import read_tape
+from yeto import codec, net
+from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
+
+SECRET = "run-secret"
+
+
+def _stub(addr):
+    return pb_grpc.SyncerStub(grpc.insecure_channel(addr, options=net.GRPC_OPTIONS))
+
+
+def _join(stub, layout, learner, credential, **kw):
+    req = pb.JoinRequest(learner_id=learner, fingerprint=layout.fingerprint, layout=[
+        pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype) for s in layout.specs],
+        **kw)
+    return stub.Join(req, metadata=net.auth_metadata(credential), timeout=20)
+
+
+def _push(stub, credential, payload, **header):
+    h = dict(dict(round=1, base_version=0, loss_tokens=10, steps=1, encoding="f32", seq=0,
+                  payload_bytes=len(payload)), **header)
+    return stub.Push(iter([pb.PushChunk(header=pb.PushHeader(**h), data=payload)]),
+                     metadata=net.auth_metadata(credential), timeout=20)
+
+
+def _started(addr, layout, learners, token=SECRET, then=lambda: None):
+    """Clients that joined and hold version 0 (round 1 open); `then()` runs once they
+    have joined (raw joins that complete the quorum)."""
+    cs = [make_client(addr, i, layout, token=token) for i in learners]
+    for c in cs:
+        c.start(np.zeros(layout.numel, np.float32))
+    for c in cs:
+        assert c.connected.wait(30), c.last_error
+    then()
+    for c in cs:
+        assert c.wait_one(timeout=30) is not None, c.last_error
+    return cs
+
+
+def _cred(learner):
+    return net.island_credential(SECRET, learner)
+
+
+# ---- numbers ----------------------------------------------------------------------------
+def test_huge_finite_pushes_are_refused_and_theta_stays_finite(toy_layout):
+    """A push of 1e38 (f32) or a q4 block scale of 3e38 used to be summed: Θ became
+    -inf, was saved and broadcast, and no round committed again."""
+    n = toy_layout.numel
+    with running_syncer(quorum=2, token=SECRET) as (run, addr):
+        stub, joined = _stub(addr), []
+        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
+            _join(stub, toy_layout, "rogue", _cred("rogue"))))
+        gen = joined[0].generation
+        digest = run.state_digest()
+        q4 = bytearray(codec.encode(np.ones(n, np.float32), "q4"))
+        q4[0:4] = struct.pack("<f", 3e38)
+        for enc, payload in (("f32", np.full(n, 1e38, np.float32).tobytes()), ("q4", q4)):
+            with pytest.raises(grpc.RpcError) as e:
+                _push(stub, _cred("rogue"), bytes(payload), learner_id="rogue", generation=gen,
+                      encoding=enc, numel=n)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "bound" in e.value.details()
+        assert run.state_digest() == digest
+        # the round commits with an honest push, and every island gets a finite Θ
+        ok = _push(stub, _cred("rogue"), np.full(n, 0.5, np.float32).tobytes(),
+                   learner_id="rogue", generation=gen, numel=n)
+        assert ok.accepted
+        honest.push(codec.encode(np.full(n, 0.1, np.float32), "f32"), encoding="f32",
+                    base_version=0, loss_tokens=10, steps=1, seq=0).result(20)
+        got = honest.wait_one(timeout=30)
+        assert got.version == 1 and np.isfinite(got.theta).all()
+        assert np.allclose(got.theta, -0.3)
+        honest.close()
+
+
+def test_a_push_far_longer_than_the_history_is_scaled_to_the_norm_bound(toy_layout, rng,
+                                                                         tmp_path):
+    """From the 5th push of a fragment on, a push over 10x the median norm of the last
+    ones is scaled to that bound before it is summed (weight kept)."""
+    n = toy_layout.numel
+    with running_syncer(quorum=1, state_dir=tmp_path / "s") as (run, addr):
+        c, = _started(addr, toy_layout, ["a"], token=None)
+        d = rng.standard_normal(n).astype(np.float32) * 0.01
+        theta = np.zeros(n, np.float32)
+        for seq in range(4):
+            c.push(codec.encode(d, "f32"), encoding="f32", base_version=seq, loss_tokens=5,
+                   steps=1, seq=seq).result(20)
+            theta = c.wait_one(timeout=30).theta
+        c.push(codec.encode(d * 1000, "f32"), encoding="f32", base_version=4, loss_tokens=5,
+               steps=1, seq=4).result(20)
+        moved = c.wait_one(timeout=30).theta - theta
+        c.close()
+    bound = 10 * float(np.linalg.norm(d))
+    assert np.linalg.norm(moved) == pytest.approx(bound, rel=1e-4)
+    merge = [r for r in read_tape(tmp_path / "s" / "tape.jsonl") if r["event"] == "merge"]
+    assert merge[-1]["responders"][0]["bound_scale"] == pytest.approx(0.01, rel=1e-4)
+
+
+# ---- identity ---------------------------------------------------------------------------
+def test_an_island_cannot_act_as_another_and_the_attempt_is_taped(toy_layout, tmp_path):
+    """A second Join as an existing id used to take its place; now it needs that id's
+    credential. The island itself, restarted with its own credential, takes over."""
+    with running_syncer(quorum=1, token=SECRET, state_dir=tmp_path / "s") as (run, addr):
+        a, = _started(addr, toy_layout, ["a"])
+        stub = _stub(addr)
+        for cred in (_cred("mallory"), "isl1:a:" + "0" * 64, "garbage", None):
+            with pytest.raises(grpc.RpcError) as e:
+                _join(stub, toy_layout, "a", cred)
+            assert e.value.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                                      grpc.StatusCode.UNAUTHENTICATED)
+        gen = a.generation
+        with pytest.raises(grpc.RpcError) as e:  # a push in a's name with mallory's credential
+            _push(stub, _cred("mallory"), b"\0" * 4 * toy_layout.numel, learner_id="a",
+                  generation=gen, numel=toy_layout.numel)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert run.members.rows["a"].generation == gen  # a kept its place
+        # a restart of a with its own credential takes over; the old connection is stale
+        again = _join(stub, toy_layout, "a", _cred("a"))
+        assert again.generation != gen and run.members.rows["a"].generation == again.generation
+        a.close()
+    denied = [r for r in read_tape(tmp_path / "s" / "tape.jsonl")
+              if r["event"] == "rejected" and r["kind"].endswith(":denied")]
+    assert {r["learner"] for r in denied} == {"mallory"} and len(denied) == 2
+
+
+def test_claimed_tokens_are_bounded_by_the_declaration(toy_layout):
+    """A push claiming 999,999 loss tokens used to get a merge share of 1.0."""
+    n = toy_layout.numel
+    with running_syncer(quorum=2, token=SECRET) as (run, addr):
+        stub, joined = _stub(addr), []
+        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
+            _join(stub, toy_layout, "rogue", _cred("rogue"), tokens_per_step=2048)))
+        gen = joined[0].generation
+        payload = np.full(n, 0.5, np.float32).tobytes()
+        for tokens, steps in ((999_999, 50), (10, 100_001)):
+            with pytest.raises(grpc.RpcError) as e:
+                _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
+                      numel=n, loss_tokens=tokens, steps=steps)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # a rejoin may not raise the declaration
+            _join(stub, toy_layout, "rogue", _cred("rogue"), tokens_per_step=4096)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen, numel=n,
+                     loss_tokens=50 * 2048, steps=50).accepted
+        honest.close()
+
+
+@pytest.mark.parametrize("shape, why", [((3, 0), "at least 1"), ((2**20, 2**20), "max-params")])
+def test_the_first_layout_must_be_sane(shape, why):
+    """The first island used to set any layout: 2^40 elements made the syncer allocate
+    4 TiB for Θ."""
+    with running_syncer(quorum=1) as (run, addr):
+        req = pb.JoinRequest(learner_id="a", fingerprint="x",
+                             layout=[pb.TensorSpec(name="w", shape=list(shape), dtype="float32")])
+        with pytest.raises(grpc.RpcError) as e:
+            _stub(addr).Join(req, timeout=20)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+        assert run.layout is None
+
+
+# ---- resources --------------------------------------------------------------------------
+def _silent_push(stub, header, release: threading.Event, errors: list, credential=None):
+    """A push stream that sends `header` (or nothing) and then nothing until `release`."""
+    def chunks():
+        if header is not None:
+            yield pb.PushChunk(header=header)
+        release.wait(120)
+
+    def call():
+        try:
+            stub.Push(chunks(), metadata=net.auth_metadata(credential), timeout=120)
+        except grpc.RpcError as e:
+            errors.append(e.code())
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    return t
+
+
+def test_silent_push_streams_are_cancelled_and_free_their_slots(toy_layout):
+    """Four pushes that sent a header and then nothing used to fill every in-flight slot
+    for good: nobody else could push and no round committed."""
+    n = toy_layout.numel
+    run = Run(Config(quorum=1))
+    server, port = serve(run, "127.0.0.1", 0, max_inflight_pushes=4,
+                         streams=Streams(idle_s=1.0))
+    addr, release, errors = f"127.0.0.1:{port}", threading.Event(), []
+    try:
+        a, = _started(addr, toy_layout, ["a"], token=None)
+        header = pb.PushHeader(learner_id="a", generation=a.generation, round=1,
+                               base_version=0, loss_tokens=1, steps=1, encoding="f32",
+                               numel=n, payload_bytes=4 * n, seq=0)
+        threads = [_silent_push(_stub(addr), header, release, errors) for _ in range(4)]
+        for t in threads:  # each ends when the syncer cancels it for its silence
+            t.join(60)
+        assert len(errors) == 4 and set(errors) == {grpc.StatusCode.CANCELLED}, errors
+        r = a.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32",
+                   base_version=0, loss_tokens=3, steps=1, seq=0).result(60)
+        assert r.accepted and a.wait_one(timeout=30).version == 1
+        a.close()
+    finally:
+        release.set()
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+
+
+def test_one_island_holds_one_push_slot_however_many_streams_it_opens(toy_layout):
+    """A rogue's silent pushes used to take all four push slots until their idle
+    deadline: honest islands could not push meanwhile, again and again."""
+    n = toy_layout.numel
+    run = Run(Config(quorum=2))
+    server, port = serve(run, "127.0.0.1", 0, token=SECRET, max_inflight_pushes=4,
+                         streams=Streams(idle_s=600.0))  # silence is never cut off here
+    addr, release, errors = f"127.0.0.1:{port}", threading.Event(), []
+    try:
+        stub, joined = _stub(addr), []
+        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
+            _join(stub, toy_layout, "rogue", _cred("rogue"))))
+        header = pb.PushHeader(learner_id="rogue", generation=joined[0].generation, round=1,
+                               base_version=0, loss_tokens=1, steps=1, encoding="f32",
+                               numel=n, payload_bytes=4 * n, seq=0)
+        for _ in range(4):
+            _silent_push(_stub(addr), header, release, errors, _cred("rogue"))
+        # all but one are refused at once (one push per island); which one holds the
+        # slot is the server's order of arrival
+        assert wait_until(lambda: len(errors) >= 3, timeout=60), errors
+        assert errors.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 3, errors
+        r = honest.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32",
+                        base_version=0, loss_tokens=3, steps=1, seq=0).result(60)
+        assert r.accepted  # a slot was free for it while the rogue's push stayed silent
+        honest.close()
+    finally:
+        release.set()
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+
+
+def test_silent_streams_cannot_starve_join_and_status(toy_layout):
+    """Seventy streams that send nothing used to take every worker thread: Status and
+    Join timed out."""
+    with running_syncer(quorum=1) as (run, addr):
+        release, errors = threading.Event(), []
+        threads = [_silent_push(_stub(addr), None, release, errors) for _ in range(70)]
+        try:
+            s = _stub(addr).Status(pb.StatusRequest(), timeout=30)
+            assert s.quorum == 1
+            assert _join(_stub(addr), toy_layout, "a", None).generation > 0
+        finally:
+            release.set()
+            for t in threads:
+                t.join(60)
+
+
+# ---- durable commits --------------------------------------------------------------------
+def test_a_commit_is_a_commit_only_once_on_disk(toy_layout, tmp_path):
+    """A save that failed (a full disk) used to kill the commit thread: the version
+    advanced in memory, unsaved, untaped, unbroadcast, and nothing committed again."""
+    n = toy_layout.numel
+    state_dir = tmp_path / "state"
+    with running_syncer(quorum=1, state_dir=state_dir) as (run, addr):
+        a, = _started(addr, toy_layout, ["a"], token=None)
+        a.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32", base_version=0,
+               loss_tokens=3, steps=1, seq=0).result(20)
+        assert a.wait_one(timeout=30).version == 1
+        saved = state_dir / state.STATE_FILE
+        saved.unlink()
+        saved.mkdir()  # a folder where the state goes: every save fails, as on a broken disk
+        a.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32", base_version=1,
+               loss_tokens=3, steps=1, seq=1).result(20)
+        with run.cond:  # the round merged, but it is not committed: nothing was saved
+            assert run.pending is not None and run.version == 1
+        status = _stub(addr).Status(pb.StatusRequest(), timeout=20)
+        assert status.version == 1 and "cannot save" in status.problem
+        with pytest.raises(grpc.RpcError) as e:  # pushes wait for the save
+            _push(_stub(addr), None, np.ones(n, np.float32).tobytes(), learner_id="a",
+                  generation=a.generation, numel=n, round=2, base_version=1, seq=2)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        saved.rmdir()  # the disk is back: the retry commits round 2
+        got = a.wait_one(timeout=60)
+        assert got.version == 2
+        a.close()
+    saved = state.load(state_dir)[3]
+    assert saved["version"] == 2
+    assert [r["version"] for r in read_tape(state_dir / "tape.jsonl")
+            if r["event"] == "merge"] == [1, 2]
+
+
+def test_a_save_that_keeps_failing_stops_the_syncer(toy_layout, tmp_path):
+    n = toy_layout.numel
+    state_dir = tmp_path / "state"
+    with running_syncer(quorum=1, state_dir=state_dir, save_timeout_s=0.0) as (run, addr):
+        a, = _started(addr, toy_layout, ["a"], token=None)
+        (state_dir / state.STATE_FILE).mkdir(parents=True)  # every save fails
+        a.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32", base_version=0,
+               loss_tokens=3, steps=1, seq=0).result(20)
+        with run.cond:
+            assert run.fatal and "--resume" in run.fatal and run.version == 0
+        a.close()
+
+
+def test_changed_metadata_in_the_state_file_is_refused(toy_layout, tmp_path):
+    """A changed digit in the state's metadata (version, last_seq) used to load silently
+    (the digests covered the tensors only)."""
+    state_dir = tmp_path / "state"
+    with running_syncer(quorum=1, state_dir=state_dir) as (run, addr):
+        a, = _started(addr, toy_layout, ["a"], token=None)
+        a.push(codec.encode(np.ones(toy_layout.numel, np.float32), "f32"), encoding="f32",
+               base_version=0, loss_tokens=3, steps=1, seq=0).result(20)
+        assert a.wait_one(timeout=30).version == 1
+        a.close()
+    path = state_dir / state.STATE_FILE
+    data = path.read_bytes()
+    assert b'\\"last_seq\\": 0' in data
+    path.write_bytes(data.replace(b'\\"last_seq\\": 0', b'\\"last_seq\\": 9', 1))
+    with pytest.raises(state.StateError, match="metadata"):
+        Run(Config(quorum=1, state_dir=state_dir, resume=True))
+    assert state_dir.stat().st_mode & 0o777 == 0o700

@@ -1,0 +1,37 @@
+"""Helpers the tests share: a real syncer in this process, a client with short
+backoffs, and a bounded wait on a condition."""
+
+import contextlib
+import time
+
+from syncer.run import Config, Run
+from syncer.service import SPILL_MIN_BYTES, serve
+from yeto.client import SyncerClient
+
+
+@contextlib.contextmanager
+def running_syncer(token=None, spill_min_bytes=SPILL_MIN_BYTES, **cfg):
+    """A real gRPC syncer on a free loopback port, in this process."""
+    run = Run(Config(**cfg))
+    server, port = serve(run, "127.0.0.1", 0, token=token, spill_min_bytes=spill_min_bytes)
+    try:
+        yield run, f"127.0.0.1:{port}"
+    finally:
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+        run.tape.close()
+
+
+def make_client(address, learner_id, layout, **kw) -> SyncerClient:
+    return SyncerClient(address, learner_id, layout, backoff_s=0.05, max_backoff_s=0.2, **kw)
+
+
+def wait_until(pred, timeout=20.0, interval=0.02) -> bool:
+    """Poll `pred` until it holds (True) or `timeout` seconds pass (False): a bound on
+    a wait for an event, never a measure of speed."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False

@@ -1,0 +1,79 @@
+"""The Python API: the examples (a torch loop, a HF Trainer, mlx-lm's trainer) run
+against a real in-process syncer on the tiny model, and end bit-identical to it.
+
+Here: the checks that need no process, server or training (the others:
+tests/integration/test_integrations.py)."""
+
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from yeto import metrics
+from yeto.interop.integrations import count_loss_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+# ---- helpers --------------------------------------------------------------------------
+def test_count_loss_tokens():
+    labels = np.array([[-100, -100, 5, 6, -100], [3, 7, 8, 9, 10]])
+    assert count_loss_tokens(labels) == 2 + 4  # the first position never has a loss
+    assert count_loss_tokens(labels, shifted=True) == 7
+    import torch
+
+    assert count_loss_tokens(torch.from_numpy(labels)) == 6
+
+
+def test_metrics_jsonl_follower_and_tensorboard_writer(tmp_path, monkeypatch):
+    w = metrics.MetricsWriter(tmp_path)
+    w.write(dict(step=1, train_loss=2.5, eval_loss=float("nan")))
+    f = metrics.JsonlFollower(tmp_path / "metrics.jsonl")
+    assert [r["train_loss"] for r in f.read_new()] == [2.5]
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 2, "train_lo')  # a line still being written
+    assert f.read_new() == []
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('ss": 2.0}\n')
+    assert [r["step"] for r in f.read_new()] == [2]
+    # tensorboard: numeric fields become scalars (a stand-in SummaryWriter records them)
+    calls = []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            calls.append(("dir", log_dir))
+
+        def add_scalar(self, tag, value, global_step=None, walltime=None):
+            calls.append((tag, value, global_step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            calls.append("closed")
+
+    monkeypatch.setattr(metrics, "tensorboard_writer_class", lambda: FakeWriter)
+    w = metrics.MetricsWriter(tmp_path / "tb", "tensorboard", prefix="island-0")
+    w.write(dict(step=3, train_loss=1.5, eval_loss=None, version=2, note="x"))
+    w.close()
+    assert calls[0] == ("dir", str(tmp_path / "tb" / "tensorboard"))
+    assert ("island-0/train_loss", 1.5, 3) in calls and ("island-0/version", 2.0, 3) in calls
+    assert not any(c[0].endswith(("eval_loss", "note")) for c in calls if isinstance(c, tuple))
+    assert (tmp_path / "tb" / "metrics.jsonl").exists()  # the JSONL is written either way
+
+
+def test_tensorboard_missing_is_a_clear_error():
+    try:
+        metrics.tensorboard_writer_class()
+    except metrics.MetricsError as e:
+        assert "pip install tensorboard" in str(e)
+    else:
+        pytest.skip("tensorboard is installed here")
+    with pytest.raises(metrics.MetricsError, match="pip install tensorboard"):
+        metrics.check_report_to("tensorboard")
+    assert metrics.check_report_to("jsonl") == ("jsonl",)

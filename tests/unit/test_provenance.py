@@ -1,0 +1,58 @@
+"""Provenance: pinned models and data, safe loading, provenance.json.
+
+Here: the checks that need no process, server or training (the others:
+tests/integration/test_provenance.py)."""
+
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from yeto.data.provenance import (
+    dir_digest,
+    resolve_model,
+)
+
+
+def recipe_digest(root: Path, suffixes=None, only=None) -> str:
+    """The documented content digest, computed here independently: SHA-256 over
+    "relative path NUL size NUL sha256(file) LF" of every non-hidden file (with one
+    of `suffixes`, or named in `only`), sorted by path."""
+    lines = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if (not p.is_file() or any(part.startswith(".") for part in rel.parts)
+                or (suffixes and p.suffix not in suffixes)
+                or (only is not None and rel.as_posix() not in only)):
+            continue
+        data = p.read_bytes()
+        lines.append(f"{rel.as_posix()}\0{len(data)}\0{hashlib.sha256(data).hexdigest()}\n")
+    return "sha256:" + hashlib.sha256("".join(sorted(lines)).encode()).hexdigest()
+
+
+def test_content_digest_follows_the_recipe(tmp_path):
+    """dir_digest pins exactly the content: paths, sizes and bytes, not where the
+    folder is, and not hidden files."""
+    root = tmp_path / "a"
+    (root / "sub").mkdir(parents=True)
+    (root / "x.json").write_text('{"a": 1}')
+    (root / "sub" / "w.safetensors").write_bytes(bytes(range(256)) * 9)
+    digest = dir_digest(root)
+    assert digest == recipe_digest(root)
+    shutil.copytree(root, tmp_path / "b")
+    assert dir_digest(tmp_path / "b") == digest  # the location is not content
+    (root / ".cache").mkdir()
+    (root / ".cache" / "junk").write_text("x")
+    assert dir_digest(root) == digest  # hidden paths are not content either
+    (root / "x.json").write_text('{"a": 2}')  # same size, one byte differs
+    assert dir_digest(root) not in (digest, dir_digest(tmp_path / "b"))
+    assert dir_digest(root) == recipe_digest(root)
+    (tmp_path / "b" / "x.json").rename(tmp_path / "b" / "y.json")  # same bytes, new name
+    assert dir_digest(tmp_path / "b") != digest
+
+
+def test_missing_model_is_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_model(str(tmp_path / "nope"))
