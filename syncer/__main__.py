@@ -21,7 +21,7 @@ from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
 from syncer.service import SPILL_MIN_BYTES, serve
 from syncer.state import StateError
-from yeto import memory, net
+from yeto import memory, net, runfile
 from yeto.io import atomic_write, host_port
 from yeto.signals import GracefulStop, die_with_threads, ignore_signals
 
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dashboard-port-file", type=Path, default=None,
                    help="write the dashboard's bound port here once it listens")
     p.add_argument("--log-level", default="INFO")
+    runfile.add_config_arg(p)
     return p
 
 
@@ -132,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = runfile.parse(build_parser(), argv, "syncer")
     _check_state_dir(args.state_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s syncer %(message)s",
                         datefmt="%H:%M:%S")

@@ -172,6 +172,28 @@ def adopt_layout(run, learner_id: str, layout: Layout, weights_file: str,
     try:
         run.layout.check_same(layout)
     except LayoutMismatch as e:
-        raise Reject("precondition", f"{learner_id} cannot join: {e}. Every island "
-                     "must train the same model with the same --lora-r/--lora-targets/"
-                     "--tuning; check with scripts/check_name_parity.py") from None
+        raise Reject("precondition", f"{learner_id} cannot join: "
+                     f"{differing_setting(run.layout.specs, layout.specs)} ({e}). Every "
+                     "island must train the same model with the same --lora-r/--lora-targets/"
+                     "--tuning (one run file, --config, keeps them equal); check with "
+                     "scripts/check_name_parity.py") from None
+
+
+def differing_setting(run: list[TensorSpec], island: list[TensorSpec]) -> str:
+    """Which shared setting two layouts disagree on, in the words of the flags."""
+    def lora(specs):
+        return [s for s in specs if ".lora_A." in s.name]
+    if bool(lora(run)) != bool(lora(island)):
+        return ("--tuning differs: the run trains "
+                f"{'LoRA adapters' if lora(run) else 'full weights'}, this island "
+                f"{'LoRA adapters' if lora(island) else 'full weights'}")
+    ranks = {s.shape[0] for s in lora(run)}, {s.shape[0] for s in lora(island)}
+    if lora(run) and ranks[0] != ranks[1]:
+        return (f"the LoRA rank differs (--lora-r, [lora] r): the run has "
+                f"{'/'.join(map(str, sorted(ranks[0])))}, this island "
+                f"{'/'.join(map(str, sorted(ranks[1])))}")
+    names = {s.name for s in run}, {s.name for s in island}
+    if lora(run) and names[0] != names[1]:
+        return "the LoRA targets differ (--lora-targets, [lora] targets)"
+    return "the model differs (--model, [run] model: another architecture or size)"
+

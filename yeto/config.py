@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from yeto import codec, net
+from yeto import codec, net, runfile
 from yeto.data import PACKING
 from yeto.targets import TARGET_MODES
 
@@ -135,6 +135,7 @@ def add_island_args(p: argparse.ArgumentParser) -> None:
     _add_training(p)
     _add_sync(p)
     _add_security_and_output(p)
+    runfile.add_config_arg(p)
 
 
 def _add_model_and_data(p: argparse.ArgumentParser) -> None:
@@ -230,9 +231,11 @@ def _add_security_and_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
-def parse_island_args(p: argparse.ArgumentParser, argv=None) -> IslandConfig:
-    """Parse and check, turning a `ConfigError` into the parser's usage error (exit 2)."""
+def parse_island_args(p: argparse.ArgumentParser, argv=None, role: str = "island"
+                      ) -> IslandConfig:
+    """Parse (with `--config`'s run file under the flags) and check, turning a
+    `ConfigError` into the parser's usage error (exit 2)."""
     try:
-        return IslandConfig.from_args(p.parse_args(argv)).check()
+        return IslandConfig.from_args(runfile.parse(p, argv, role)).check()
     except ConfigError as e:
         p.error(str(e))

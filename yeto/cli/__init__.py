@@ -1,44 +1,70 @@
-"""The `yeto` command."""
+"""The `yeto` command: one entry for every role. Each subcommand runs the same `main`
+(and so the same parser) as its `python -m` form, which keeps working unchanged."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-COMMANDS = {
-    "demo": ("yeto.cli.demo", "main", "a local federated run on a tiny model built here"),
-    "launch": ("yeto.cli.launch", "main",
-               "a syncer + islands as local processes, with a live display"),
-    "status": ("yeto.cli.status", "main", "a running syncer's islands, round, bytes (HOST:PORT)"),
-    "credential": ("yeto.cli.credential", "main",
-                   "each island's own credential, from the run's token"),
-    "export": ("yeto.interop.export", "main_export",
-               "a run's adapter (state dir) as a peft or mlx-lm adapter"),
-    "convert": ("yeto.interop.export", "main_convert",
-                "convert a LoRA adapter between peft and mlx-lm, exactly"),
-    "make-tiny-model": ("yeto.cli.make", "main_make_tiny_model",
-                        "write a tiny Llama/Qwen2-style model dir with a local tokenizer"),
-    "make-task": ("yeto.cli.make", "main_make_task",
-                  "write the synthetic chat task (train.jsonl, eval.jsonl)"),
-    "data": ("yeto.cli.data", "main",
-             "check a data source with a model's tokenizer: format, tokens, loss mask"),
+# role -> {command: (module, function, what it does)}
+GROUPS = {
+    "run a federated job": {
+        "syncer": ("syncer.__main__", "main", "the syncer: quorum, merge, outer step "
+                   "(= python -m syncer)"),
+        "island": ("yeto.cli.island", "main", "an island, torch or MLX (--backend; = python "
+                   "-m yeto.learner / yeto.mlx.learner)"),
+        "launch": ("yeto.cli.launch", "main",
+                   "a syncer + islands as local processes, with a live display"),
+        "demo": ("yeto.cli.demo", "main", "a local federated run on a tiny model built here"),
+        "sim": ("yeto.sim.__main__", "main", "a syncer and k islands in one process, on real "
+                "or simulated time (= python -m yeto.sim)"),
+    },
+    "reinforcement learning": {
+        "rl": ("yeto.cli.island", "main_rl", "a GRPO island sampling from rollout nodes "
+               "(= python -m yeto.rl)"),
+        "rollout": ("yeto.rollout.cli", "main", "a rollout node: token ids and logprobs over "
+                    "HTTP (= python -m yeto.rollout)"),
+    },
+    "watch and secure a run": {
+        "status": ("yeto.cli.status", "main",
+                   "a running syncer's islands, round, bytes (HOST:PORT)"),
+        "credential": ("yeto.cli.credential", "main",
+                       "each island's own credential, from the run's token"),
+    },
+    "results and data": {
+        "export": ("yeto.interop.export", "main_export",
+                   "a run's adapter (state dir) as a peft or mlx-lm adapter"),
+        "convert": ("yeto.interop.export", "main_convert",
+                    "convert a LoRA adapter between peft and mlx-lm, exactly"),
+        "data": ("yeto.cli.data", "main",
+                 "check a data source with a model's tokenizer: format, tokens, loss mask"),
+        "make-tiny-model": ("yeto.cli.make", "main_make_tiny_model",
+                            "write a tiny Llama/Qwen2-style model dir with a local tokenizer"),
+        "make-task": ("yeto.cli.make", "main_make_task",
+                      "write the synthetic chat task (train.jsonl, eval.jsonl)"),
+    },
 }
+COMMANDS = {name: spec for group in GROUPS.values() for name, spec in group.items()}
+
+
+def usage() -> str:
+    lines = ["usage: yeto COMMAND [ARGS]   (yeto COMMAND --help for details; every program "
+             "takes --config RUN.toml)"]
+    for title, commands in GROUPS.items():
+        lines += ["", f"{title}:"] + [f"  {name:16s} {text}"
+                                      for name, (_, _, text) in commands.items()]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: yeto COMMAND [ARGS]   (yeto COMMAND --help for details)\n\ncommands:")
-        for name, (_, _, text) in COMMANDS.items():
-            print(f"  {name:18s} {text}")
-        print("\nislands and the syncer: python -m yeto.learner, python -m yeto.mlx.learner, "
-              "python -m syncer")
+        print(usage())
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
         print(f"yeto: unknown command {argv[0]!r}; try: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[argv[0]]
-    import importlib
-
     return getattr(importlib.import_module(module), func)(argv[1:]) or 0
 
 

@@ -42,11 +42,12 @@ import time
 from functools import partial
 from pathlib import Path
 
-from yeto import net
+from yeto import net, runfile
 from yeto.cli import join
 from yeto.cli.launch_view import Display
 from yeto.cli.local_run import LaunchConfig, LaunchError, LocalRun
 from yeto.cli.progress import ISLAND_MODULES, IslandProc
+from yeto.config import IslandConfig
 from yeto.metrics import MetricsError, check_report_to
 from yeto.signals import GracefulStop
 
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "interrupted")
     p.add_argument("--keep-going", action="store_true",
                    help="keep the other islands training when one fails")
+    runfile.add_config_arg(p)
     return p
 
 
@@ -323,12 +325,13 @@ def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> Launc
         value = getattr(args, name)
         if value is not None and name != "quorum":
             syncer_args += [flag, str(value)]
-    steps = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    steps.add_argument("--max-steps", type=int, default=None)
-    known, _ = steps.parse_known_args(rest)
+    shared = []
+    if args.config is not None:  # the syncer and every island read the same file
+        shared = ["--config", str(args.config.resolve())]
+        syncer_args = shared + syncer_args
     return LaunchConfig(
         out=args.out, backends=backends, model=args.model, data=args.data,
-        eval_data=args.eval_data, island_args=rest,
+        eval_data=args.eval_data, island_args=shared + rest,
         backend_args={"torch": shlex.split(args.torch_args), "mlx": shlex.split(args.mlx_args)},
         syncer_args=syncer_args, quorum=args.quorum, host=args.host,
         port=args.port if args.port is not None else net.DEFAULT_PORT if external else 0,
@@ -337,7 +340,21 @@ def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> Launc
         token=args.token or os.environ.get("YETO_TOKEN") or None,
         dashboard_port=None if args.no_dashboard else args.dashboard_port,
         display=args.display, report_to=report_to, stop_timeout_s=args.stop_timeout,
-        keep_going=args.keep_going, max_steps=known.max_steps or 200, overwrite=args.overwrite)
+        keep_going=args.keep_going, max_steps=_max_steps(rest, args.config),
+        overwrite=args.overwrite)
+
+
+def _max_steps(rest: list[str], config: Path | None) -> int:
+    """The islands' --max-steps (flag, else run file, else the islands' default), for
+    the display."""
+    steps = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    steps.add_argument("--max-steps", type=int, default=None)
+    known, _ = steps.parse_known_args(rest)
+    if known.max_steps is None and config is not None:
+        data = runfile.load(config)
+        for section in ("island", "run"):
+            known.max_steps = known.max_steps or data.get(section, {}).get("max_steps")
+    return int(known.max_steps or IslandConfig.max_steps)
 
 
 def print_outputs(run: LocalRun, summary: dict | None, code: int, stream=None) -> None:
@@ -379,7 +396,7 @@ def print_outputs(run: LocalRun, summary: dict | None, code: int, stream=None) -
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
-    args, rest = p.parse_known_args(argv)
+    args, rest = runfile.parse(p, argv, "launch", known=True)
     cfg = config_from_args(p, args, rest)
     logging.basicConfig(level="WARNING", format="%(message)s")
     try:

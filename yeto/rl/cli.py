@@ -93,7 +93,7 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
 
 def main(argv=None) -> int:
     p = build_parser()
-    cfg = parse_island_args(p, argv)
+    cfg = parse_island_args(p, argv, role="rl")
     rl = rl_config(p.parse_args(argv))
     from yeto.rl.run import run_grpo
 

@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from yeto import net
+from yeto import net, runfile
 from yeto.config import HelpFormatter
 from yeto.io import atomic_write
 from yeto.net import is_loopback
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-log", type=Path, default=None,
                    help="append one JSON line per request (prompt ids, n, version)")
     _add_run_args(p)
+    runfile.add_config_arg(p)
     return p
 
 
@@ -135,7 +136,7 @@ def observe(node, args, port: int) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = runfile.parse(build_parser(), argv, "rollout")
     logging.basicConfig(level=args.log_level.upper(), datefmt="%H:%M:%S",
                         format="%(asctime)s rollout %(message)s")
     from yeto.rollout.engine import stop_token_ids

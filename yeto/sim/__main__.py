@@ -22,6 +22,7 @@ from pathlib import Path
 
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config
+from yeto import runfile
 from yeto.config import ConfigError, IslandConfig, add_island_args
 
 
@@ -93,7 +94,7 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
+    args = runfile.parse(p, argv, "sim")
     try:
         base, syncer, speeds = configs(args)
     except ConfigError as e:
