@@ -219,3 +219,17 @@ def test_external_slots_count_in_the_quorum_and_show_as_waiting(tmp_path, monkey
     assert "waiting for 1 external island " in text
     assert re.search(r"island-0\s+torch\s+4/200\s+2\.500.*training", text)
     assert re.search(r"island-1\s+torch\s+-.*waiting \(external\)", text)
+
+
+def test_join_commands_carry_the_run_file(tmp_path):
+    """`yeto launch --config run.toml --external-islands 1`: the slot's command reads the
+    same run file, and the block says it must be at that path on the other machine."""
+    from yeto.cli.join import JoinSpec, join_block, shell_lines
+
+    config = tmp_path / "run.toml"
+    config.write_text("[run]\nsync_every = 5\n")
+    spec = JoinSpec(address="198.51.100.7:29400", model="hub/model", data="hub/data",
+                    num_learners=2, island_args=["--config", str(config)])
+    block = join_block(spec, "torch", "island-1", 1)
+    assert shell_lines(block)[-1].endswith(f"--output island-1 --config {config}")
+    assert any(line.startswith(f"  # {config}: paths on this machine") for line in block)

@@ -198,7 +198,10 @@ def join_block(spec: JoinSpec, kind: str, learner_id: str, index: int) -> list[s
     if spec.tls_ca is not None:
         lines.append(f"  # TLS: copy {spec.tls_ca} (the syncer's certificate or its CA: public, "
                      "not a secret) to the same path on that machine")
-    local = [p for p in (spec.model, spec.data, spec.eval_data) if p and Path(p).exists()]
+    config = next((b for a, b in zip(spec.island_args, spec.island_args[1:])
+                   if a == "--config"), None)  # the run file: the same settings there
+    local = [p for p in (config, spec.model, spec.data, spec.eval_data)
+             if p and Path(p).exists()]
     if local:
         lines.append(f"  # {', '.join(local)}: paths on this machine; the other machine needs "
                      "the same files there (or use hub ids)")
