@@ -25,9 +25,9 @@ def main(argv=None) -> int:
     known, rest = pre.parse_known_args(argv)
     backend = known.backend or default_backend()
     if "-h" in rest or "--help" in rest:
-        print(f"yeto island [--backend {'|'.join(BACKENDS)}] (default here: "
-              f"{default_backend()}) and the flags of the {backend} island, python -m "
-              f"{BACKENDS[backend].replace('.torch', '')}:\n")
+        print(f"yeto island [--backend {'|'.join(BACKENDS)}] (default: torch when torch, "
+              "transformers and peft are installed, else mlx), then the flags of the "
+              f"{backend} island, python -m {BACKENDS[backend].replace('.torch', '')}:\n")
     learner = importlib.import_module(BACKENDS[backend])
     die_with_threads()  # a dead push or receive thread must not leave a silent island
     return learner.main(rest)
