@@ -128,6 +128,9 @@ class IslandConfig:
         return self
 
 
+D = IslandConfig  # every island flag's default is the field's
+
+
 def add_island_args(p: argparse.ArgumentParser) -> None:
     """The flags both islands take (each backend adds its own few)."""
     _add_model_and_data(p)
@@ -140,7 +143,7 @@ def add_island_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_and_data(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face model dir or hub id (required)")
-    p.add_argument("--model-revision", default=None,
+    p.add_argument("--model-revision", default=D.model_revision,
                    help="branch, tag or commit of a hub --model (default main), pinned to its "
                         "commit before training; local dirs are pinned by a content digest")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -149,16 +152,17 @@ def _add_model_and_data(p: argparse.ArgumentParser) -> None:
                                   "a datasets save_to_disk folder or a hub dataset id; rows are "
                                   "text | messages | conversations (ShareGPT) | Alpaca | "
                                   "prompt/completion (see `yeto data --help`)")
-    p.add_argument("--data-revision", default=None,
+    p.add_argument("--data-revision", default=D.data_revision,
                    help="branch, tag or commit of a hub --data (default main), pinned to a commit")
-    p.add_argument("--data-split", default=None,
+    p.add_argument("--data-split", default=D.data_split,
                    help="split of a folder / hub / saved dataset --data (default train)")
-    p.add_argument("--eval-data", default=None,
+    p.add_argument("--eval-data", default=D.eval_data,
                    help="held-out data (same kinds as --data), evaluated at every sync")
-    p.add_argument("--eval-data-revision", default=None, help="as --data-revision, for --eval-data")
-    p.add_argument("--eval-split", default=None,
+    p.add_argument("--eval-data-revision", default=D.eval_data_revision,
+                   help="as --data-revision, for --eval-data")
+    p.add_argument("--eval-split", default=D.eval_split,
                    help="split of --eval-data (default validation, else test)")
-    p.add_argument("--packing", choices=PACKING, default="document",
+    p.add_argument("--packing", choices=PACKING, default=D.packing,
                    help="document: packed rows never attend to each other (block-diagonal "
                         "mask, positions restart per row); naive: plain causal blocks")
 
@@ -169,48 +173,51 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-solo", action="store_true",
                    help="exit 0 even if the syncer was never reached (the island then trained "
                         "alone); without it, an island that joined no round exits 3")
-    p.add_argument("--learner-id", default="island-0", help="this island's name in the run")
-    p.add_argument("--learner-index", type=int, default=None,
+    p.add_argument("--learner-id", default=D.learner_id, help="this island's name in the run")
+    p.add_argument("--learner-index", type=int, default=D.learner_index,
                    help="which data shard (row i goes to island i mod --num-learners); "
                         "default: the number at the end of --learner-id")
-    p.add_argument("--num-learners", type=int, default=1, help="islands sharing the data")
-    p.add_argument("--seed", type=int, default=0, help="seed for init and batch order")
-    p.add_argument("--max-steps", type=int, default=200, help="optimizer steps to train")
+    p.add_argument("--num-learners", type=int, default=D.num_learners,
+                   help="islands sharing the data")
+    p.add_argument("--seed", type=int, default=D.seed, help="seed for init and batch order")
+    p.add_argument("--max-steps", type=int, default=D.max_steps, help="optimizer steps to train")
 
 
 def _add_training(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
-    p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha (scale alpha/r)")
+    p.add_argument("--lora-r", type=int, default=D.lora_r, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=float, default=D.lora_alpha,
+                   help="LoRA alpha (scale alpha/r)")
     p.add_argument("--lora-freeze-a", action="store_true",
                    help="draw lora_A from --seed on every island and never train or send it: "
                         "exact averaging of B, half the bytes")
-    p.add_argument("--lora-targets", default="auto",
+    p.add_argument("--lora-targets", default=D.lora_targets,
                    help=f"{' | '.join(TARGET_MODES)} | comma list of module names")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per training block")
-    p.add_argument("--batch-size", type=int, default=8, help="blocks per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--eval-blocks", type=int, default=64,
+    p.add_argument("--seq-len", type=int, default=D.seq_len, help="tokens per training block")
+    p.add_argument("--batch-size", type=int, default=D.batch_size, help="blocks per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=D.grad_accum,
+                   help="micro-batches per optimizer step")
+    p.add_argument("--inner-lr", type=float, default=D.inner_lr, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=D.weight_decay, help="AdamW weight decay")
+    p.add_argument("--eval-blocks", type=int, default=D.eval_blocks,
                    help="held-out blocks evaluated per sync (0 = all)")
-    p.add_argument("--slowdown", type=float, default=1.0,
+    p.add_argument("--slowdown", type=float, default=D.slowdown,
                    help="simulate a slower machine: each step takes this many times as "
                         "long (benchmarks of mixed-speed fleets)")
 
 
 def _add_sync(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sync-every", type=int, default=50, metavar="H",
+    p.add_argument("--sync-every", type=int, default=D.sync_every, metavar="H",
                    help="push to the syncer every H optimizer steps")
-    p.add_argument("--wire", choices=codec.ENCODINGS, default="q4",
+    p.add_argument("--wire", choices=codec.ENCODINGS, default=D.wire,
                    help="encoding of pushes (q4 keeps the residual: error feedback)")
-    p.add_argument("--sync-every-seconds", type=float, default=0.0, metavar="T",
+    p.add_argument("--sync-every-seconds", type=float, default=D.sync_every_seconds, metavar="T",
                    help="push every T seconds of wall time instead of every H steps (fleets "
                         "of mixed speed; token weighting lets faster islands count more)")
-    p.add_argument("--merge-alpha", type=float, default=0.0,
+    p.add_argument("--merge-alpha", type=float, default=D.merge_alpha,
                    help="keep this share of the local weights when merged weights arrive "
                         "(Streaming DiLoCo's alpha; 0 = adopt the merge plus the steps "
                         "made since the push)")
-    p.add_argument("--pipeline", type=int, default=1,
+    p.add_argument("--pipeline", type=int, default=D.pipeline,
                    help="fragments in flight at once when the syncer runs --fragments P")
     p.add_argument("--blocking-sync", action="store_true",
                    help="wait for the merged weights after every push (islands then hold "
@@ -218,17 +225,18 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
 
 
 def _add_security_and_output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token", default=None, help=f"syncer token (default: ${net.TOKEN_ENV})")
-    p.add_argument("--tls-ca", type=Path, default=None, help="CA of the syncer's certificate")
-    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
-    p.add_argument("--tls-key", type=Path, default=None, help="client key (mutual TLS)")
-    p.add_argument("--keepalive-s", type=float, default=IslandConfig.keepalive_s, metavar="S",
+    p.add_argument("--token", default=D.token, help=f"syncer token (default: ${net.TOKEN_ENV})")
+    p.add_argument("--tls-ca", type=Path, default=D.tls_ca, help="CA of the syncer's certificate")
+    p.add_argument("--tls-cert", type=Path, default=D.tls_cert,
+                   help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", type=Path, default=D.tls_key, help="client key (mutual TLS)")
+    p.add_argument("--keepalive-s", type=float, default=D.keepalive_s, metavar="S",
                    help="ping the syncer after S idle seconds; no answer within S more and "
                         "the link counts as down: the island trains on offline and reconnects "
                         "(a link that dies without closing its connections)")
-    p.add_argument("--output", type=Path, default=None, help="where the final adapter is saved")
+    p.add_argument("--output", type=Path, default=D.output, help="where the final adapter is saved")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default=D.log_level)
 
 
 def parse_island_args(p: argparse.ArgumentParser, argv=None, role: str = "island"

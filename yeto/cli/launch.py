@@ -42,6 +42,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from syncer.run import Config
 from yeto import net, runfile
 from yeto.cli import join
 from yeto.cli.launch_view import Display
@@ -57,17 +58,19 @@ log = logging.getLogger("yeto.cli.launch")
 OWN_ISLAND_FLAGS = ("--syncer", "--learner-id", "--learner-index", "--num-learners", "--output",
                     "--model", "--data", "--eval-data", "--token", "--tls-ca", "--tls-cert",
                     "--tls-key")
-SYNCER_FLAGS = {  # launch flag -> (syncer flag, type, default, help)
-    "outer_lr": ("--outer-lr", float, None, "outer Nesterov learning rate (syncer default 1.0)"),
-    "outer_momentum": ("--outer-momentum", float, None, "outer momentum (syncer default 0.0)"),
-    "merge": ("--merge", str, None, "mean | uniform | rda (syncer default mean)"),
-    "rounds": ("--rounds", int, None, "rounds to run (syncer default: until islands finish)"),
-    "grace": ("--grace", str, None, "auto | fixed (syncer default auto)"),
-    "grace_ms": ("--grace-ms", int, None, "straggler grace after the quorum's pushes"),
-    "round_timeout_s": ("--round-timeout-s", float, None, "commit a round after this long"),
-    "downlink": ("--downlink", str, None, "encoding of broadcasts: f32 | bf16 | q4"),
-    "fragments": ("--fragments", int, None, "cut the weights into P fragments synced in turn"),
-    "quorum": ("--quorum", int, None, "pushes that commit a round (default: every island)"),
+# launch flags passed on to the syncer: launch flag -> (syncer flag, type, what it does);
+# unset, the syncer's own default (syncer.run.Config) holds
+SYNCER_FLAGS = {
+    "outer_lr": ("--outer-lr", float, "outer Nesterov learning rate"),
+    "outer_momentum": ("--outer-momentum", float, "outer momentum"),
+    "merge": ("--merge", str, "mean | uniform | rda"),
+    "rounds": ("--rounds", int, "rounds to run (0: until the islands finish)"),
+    "grace": ("--grace", str, "auto | fixed"),
+    "grace_ms": ("--grace-ms", int, "straggler grace after the quorum's pushes"),
+    "round_timeout_s": ("--round-timeout-s", float, "commit a round after this long"),
+    "downlink": ("--downlink", str, "encoding of broadcasts: f32 | bf16 | q4"),
+    "fragments": ("--fragments", int, "cut the weights into P fragments synced in turn"),
+    "quorum": ("--quorum", int, "pushes that commit a round"),
 }
 # exit codes of an island stopped by the launcher's signals: 130 (it caught the
 # interrupt), or killed by SIGINT (an interrupt it did not catch), SIGTERM, SIGKILL
@@ -241,8 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dashboard", action="store_true", help="no dashboard")
     p.add_argument("--syncer-args", default="", help="extra flags for the syncer "
                                                      "(python -m syncer --help)")
-    for name, (flag, typ, default, text) in SYNCER_FLAGS.items():
-        p.add_argument(flag, dest=name, type=typ, default=default, help=text)
+    for name, (flag, typ, text) in SYNCER_FLAGS.items():
+        default = "every island" if name == "quorum" else getattr(Config, name)
+        p.add_argument(flag, dest=name, type=typ, default=None,
+                       help=f"{text} (the syncer's default: {default})")
     p.add_argument("--display", choices=("auto", "live", "plain", "none"), default="auto",
                    help="live: a table redrawn in place; plain: a line per round (default: "
                         "live on a terminal)")
@@ -321,7 +326,7 @@ def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> Launc
     except MetricsError as e:
         p.error(str(e))
     syncer_args = shlex.split(args.syncer_args)
-    for name, (flag, _, _, _) in SYNCER_FLAGS.items():
+    for name, (flag, _, _) in SYNCER_FLAGS.items():
         value = getattr(args, name)
         if value is not None and name != "quorum":
             syncer_args += [flag, str(value)]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from yeto.config import IslandConfig, add_island_args, parse_island_args
+from yeto.config import D, IslandConfig, add_island_args, parse_island_args
 from yeto.data import Blocks, attention_mask, is_naive
 from yeto.interop.adapters import (
     PEFT_CONFIG,
@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--data runs/demo/data/train.jsonl --syncer 127.0.0.1:29400 "
                "--learner-id island-1 --num-learners 2 --output runs/island-1")
     add_island_args(p)
-    p.add_argument("--tuning", choices=("lora",), default="lora",
+    p.add_argument("--tuning", choices=("lora",), default=D.tuning,
                    help="the MLX island trains LoRA adapters only")
     return p
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from yeto.config import IslandConfig, add_island_args, parse_island_args
+from yeto.config import D, IslandConfig, add_island_args, parse_island_args
 from yeto.loop import run_island
 from yeto.torch import group as torch_group
 from yeto.torch.loss import evaluate, train_step
@@ -122,10 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                "--data runs/demo/data/train.jsonl --syncer 127.0.0.1:29400 "
                "--learner-id island-0 --num-learners 2 --output runs/island-0")
     add_island_args(p)
-    p.add_argument("--tuning", choices=("lora", "full"), default="lora",
+    p.add_argument("--tuning", choices=("lora", "full"), default=D.tuning,
                    help="train LoRA adapters, or all weights")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--device", default=D.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=D.threads,
+                   help="torch CPU threads (0 = torch default)")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model across the ranks (FSDP2, each decoder "
                         "layer and the root) instead of replicating it (DDP); rank 0 syncs, "
