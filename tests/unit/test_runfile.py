@@ -101,6 +101,10 @@ def test_the_example_run_files_are_read_by_every_program_they_name(name, roles):
         assert island.tuning == "full"
     if name == "lora.toml":
         assert (island.lora_r, island.num_learners, island.syncer) == (8, 2, "127.0.0.1:29400")
+        from yeto.mlx.learner import build_parser as mlx_parser  # the other backend, too
+
+        mlx = parse_island_args(mlx_parser(), ["--config", str(EXAMPLES / name)])
+        assert (mlx.lora_r, mlx.seq_len, mlx.batch_size) == (8, 128, 8)
 
 
 def test_a_joining_island_hears_which_setting_differs():
