@@ -92,9 +92,9 @@ def test_library_defaults_equal_the_cli_defaults():
     run.tape.close()
 
 
-def _readme_syncer_defaults() -> dict[str, str]:
-    """`flag -> default` from the README's syncer flag table."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+def _docs_syncer_defaults() -> dict[str, str]:
+    """`flag -> default` from the syncer flag table of docs/how-it-works.md."""
+    lines = (ROOT / "docs" / "how-it-works.md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| syncer flag"))
     out = {}
     for line in lines[start + 2:]:
@@ -110,8 +110,8 @@ def _readme_syncer_defaults() -> dict[str, str]:
     return out
 
 
-def test_readme_states_the_cli_defaults():
-    readme = _readme_syncer_defaults()
+def test_the_docs_state_the_cli_defaults():
+    readme = _docs_syncer_defaults()
     assert {"--outer-lr", "--outer-momentum", "--grace-ms", "--quorum"} <= set(readme)
     parser = syncer_cli.build_parser()
     defaults = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
