@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +57,10 @@ def _merges(out: Path) -> list[dict]:
 
 
 def test_sim_equals_real(tiny_llama, tiny_task, tmp_path):
-    real = _real_run(tiny_llama, tiny_task, tmp_path / "real")
-    sim, stdout = _sim_run(tiny_llama, tiny_task, tmp_path / "sim")
+    with ThreadPoolExecutor(1) as pool:  # the sim's process beside the real ones
+        simulated = pool.submit(_sim_run, tiny_llama, tiny_task, tmp_path / "sim")
+        real = _real_run(tiny_llama, tiny_task, tmp_path / "real")
+        sim, stdout = simulated.result()
     final = "syncer/final/adapter_model.safetensors"
     a, b = load_file(str(real / final)), load_file(str(sim / final))
     assert a.keys() == b.keys()
@@ -82,21 +85,32 @@ def _sim(*argv) -> str:
     """`python -m yeto.sim ARGV`; returns what it printed. (In a process of its own:
     its islands load models on threads, and this process's later tests saw
     transformers' tied weights come apart after it ran here.)"""
-    r = subprocess.run([sys.executable, "-m", "yeto.sim", *map(str, argv)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
+    return _sims(argv)[0]
 
 
-def _simulated(model: Path, task, out: Path) -> tuple[dict, list[dict]]:
+def _sims(*argvs) -> list[str]:
+    """`_sim` of each argv, the processes running at the same time (on simulated time
+    the load does not change what they compute)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "yeto.sim", *map(str, a)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]
+
+
+def _simulated(model: Path, task, *outs: Path) -> list[tuple[dict, list[dict]]]:
     """Two islands at speeds 1 and 2 syncing every 1.25 simulated seconds (a step at
-    speed 1 costs 0.125 s: sums exact in binary), through `python -m yeto.sim`."""
+    speed 1 costs 0.125 s: sums exact in binary), through `python -m yeto.sim`, once
+    into each of `outs` (at the same time)."""
     args = [a for a in _island_args(model, task) if a != "--blocking-sync"]
-    printed = _sim(*args, "--islands", "2", "--speeds", "1,2", "--step-seconds", "0.125",
-                   "--sync-every-seconds", "1.25", "--max-steps", "40", "--grace-ms", "0",
-                   "--out", out)
-    assert "goodput" in printed
-    return load_file(str(out / "syncer/final/adapter_model.safetensors")), _merges(out)
+    printed = _sims(*([*args, "--islands", "2", "--speeds", "1,2", "--step-seconds", "0.125",
+                       "--sync-every-seconds", "1.25", "--max-steps", "40", "--grace-ms", "0",
+                       "--out", out] for out in outs))
+    assert all("goodput" in p for p in printed)
+    return [(load_file(str(out / "syncer/final/adapter_model.safetensors")), _merges(out))
+            for out in outs]
 
 
 def test_simulated_time_syncs_by_simulated_seconds_and_repeats_exactly(tiny_llama, tiny_task,
@@ -104,8 +118,8 @@ def test_simulated_time_syncs_by_simulated_seconds_and_repeats_exactly(tiny_llam
     """On simulated time an island twice as slow pushes every 5 steps where the fast one
     pushes every 10 (1.25 simulated seconds each), and a second run ends with the same
     weights, bit for bit: the order of events no longer depends on the machine."""
-    first, merges = _simulated(tiny_llama, tiny_task, tmp_path / "one")
-    second, again = _simulated(tiny_llama, tiny_task, tmp_path / "two")
+    (first, merges), (second, again) = _simulated(tiny_llama, tiny_task, tmp_path / "one",
+                                                  tmp_path / "two")
     steps = {(s["learner"], s["steps"]) for m in merges for s in m["responders"]}
     assert steps == {("island-0", 10), ("island-1", 5)}
     assert len(merges) == 4 and [m["responders"] for m in merges] == \
@@ -135,15 +149,12 @@ def test_step_jitter_makes_equal_islands_wait_and_still_repeats(tiny_llama, tiny
     """Two islands of equal speed, blocking sync, --step-jitter 0.5: without jitter they
     end each round at the same instant and nobody waits (goodput 1); with it one waits
     for the other at every round, and a second run repeats the first exactly."""
-    def run(out: Path, *extra: str) -> dict:
-        _sim(*_island_args(tiny_llama, tiny_task), "--islands", "2", "--step-seconds", "0.125",
-             *extra, "--out", out)
-        return json.loads((out / "summary.json").read_text())
-
-    plain = run(tmp_path / "plain")
+    runs = {"plain": [], "one": ["--step-jitter", "0.5"], "two": ["--step-jitter", "0.5"]}
+    _sims(*([*_island_args(tiny_llama, tiny_task), "--islands", "2", "--step-seconds",
+             "0.125", *extra, "--out", tmp_path / name] for name, extra in runs.items()))
+    plain, first, second = (json.loads((tmp_path / name / "summary.json").read_text())
+                            for name in runs)
     assert plain["goodput"] == {"island-0": 1.0, "island-1": 1.0}
-    first = run(tmp_path / "one", "--step-jitter", "0.5")
-    second = run(tmp_path / "two", "--step-jitter", "0.5")
     assert min(first["goodput"].values()) < 1.0
     assert first["simulated_s"] != plain["simulated_s"]
     assert (first["simulated_s"], first["goodput"], first["eval_loss"]) == \

@@ -20,6 +20,15 @@ def _run(args, timeout=600, **kw):
                           timeout=timeout, **kw)
 
 
+def _run_together(*argvs, timeout=600) -> list[subprocess.CompletedProcess]:
+    """`_run` of each argv, the processes running at the same time."""
+    procs = [subprocess.Popen([sys.executable, *a], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in argvs]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs)]
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, tiny_llama):
     out = tmp_path_factory.mktemp("demo")
@@ -125,7 +134,10 @@ def test_unreachable_syncer_is_an_error_unless_solo_is_allowed(tmp_path, tiny_ll
     common = ["-m", "yeto.learner", "--model", str(tiny_llama), "--data", str(train),
               "--syncer", address, "--max-steps", "30", "--sync-every", "10", "--seq-len", "64",
               "--no-progress", "--threads", "1"]
-    r = _run([*common, "--eval-data", str(held_out), "--output", str(tmp_path / "out")])
+    # both at once: each mostly waits out its retries
+    r, solo = _run_together([*common, "--eval-data", str(held_out), "--output",
+                             str(tmp_path / "out")],
+                            [*common, "--allow-solo", "--output", str(tmp_path / "solo")])
     assert r.returncode == 3, r.stderr[-2000:]
     assert "unreachable" in r.stderr and "retrying in" in r.stderr
     assert "training locally" in r.stderr
@@ -135,8 +147,7 @@ def test_unreachable_syncer_is_an_error_unless_solo_is_allowed(tmp_path, tiny_ll
     assert s["step"] == 30 and s["eval_loss"] < s["eval_loss_before"]  # the work is kept
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").exists()
 
-    solo = _run([*common, "--allow-solo", "--output", str(tmp_path / "solo")])  # no eval data
-    assert solo.returncode == 0, solo.stderr[-2000:]
+    assert solo.returncode == 0  # (no eval data), solo.stderr[-2000:]
     assert "trained alone (--allow-solo)" in solo.stderr
     assert "no --eval-data: the held-out loss is not measured" in solo.stderr
     assert "nan" not in solo.stderr
