@@ -11,6 +11,7 @@ tests/unit/test_rl.py, tests/e2e/test_rl.py)."""
 import threading
 import time
 
+import pytest
 from support import wait_until
 
 from yeto.config import IslandConfig
@@ -22,12 +23,13 @@ from yeto.rollout.torch_engine import TorchEngine
 
 
 # ---- the island against real nodes -------------------------------------------------------
-def _node(model_dir, adapter=None, request_log=None):
+def _node(model_dir, adapter=None, request_log=None, adapter_roots=None):
     engine = TorchEngine(model_dir)
     if adapter is not None:
         engine.load_adapter(adapter)
     return RolloutNode(engine, model_name="tiny", request_log=request_log,
-                       eos_ids=stop_token_ids(model_dir, engine.tokenizer))
+                       eos_ids=stop_token_ids(model_dir, engine.tokenizer),
+                       adapter_roots=adapter_roots)
 
 
 def _configs(model_dir, task, urls, **rl):
@@ -78,3 +80,60 @@ def test_a_killed_node_is_skipped_and_used_again_when_back(tiny_llama, tiny_task
             server.shutdown()
             server.server_close()
             node.close()
+
+
+def _ignoring(node, keeps_name: bool):
+    """A reload that says ok and loads nothing: the node then refuses the adapter's
+    name, or (`keeps_name`) takes it and samples its old weights under it."""
+    def reload(body):
+        if keeps_name:
+            node.ctx.aliases = (*node.base_aliases, body["lora_name"])
+        return {"status": "ok"}
+    return reload
+
+
+@pytest.mark.parametrize("keeps_name", [False, True])
+def test_the_trainer_keeps_nodes_current_and_skips_one_that_ignores_reloads(
+        tiny_llama, tiny_task, tmp_path, keeps_name):
+    """--update-nodes: nodes that do not observe the syncer get the trainer's adapter
+    (POST /v1/load_lora_adapter, then sampled by its lora_name); a node that answers
+    the reload but keeps its old weights is reported and skipped after two updates."""
+    from yeto.rl.run import prepare
+
+    folder = tmp_path / "node-adapters"
+    nodes = [_node(tiny_llama, adapter_roots=[tmp_path]) for _ in range(2)]
+    deaf = nodes[1]
+    deaf.reload = _ignoring(deaf, keeps_name)
+    servers = [serve_in_thread(n) for n in nodes]
+    cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1" for _, url in servers],
+                       update_nodes=True, node_adapter_dir=folder)
+    parts = prepare(cfg, rl)
+    trainer, updater = parts.trainer, parts.updater
+    trainer.pool.retry_s = 0.0  # a refusing node is asked again at the next step
+    try:
+        for step in range(1, 7):
+            if step % 2 == 1:
+                updater.update(step - 1)
+            trainer.step(step, -1)
+        good, ignored = trainer.pool.nodes
+        assert nodes[0].scheduler.version == updater.updates == 3  # every update loaded
+        assert nodes[0].ctx.aliases[-1] == good.model == "yeto-step-4"
+        assert (folder / "step-4" / "adapter" / "adapter_model.safetensors").is_file()
+        assert good.served == good.wanted == 3 and not good.stale
+        # told twice, still on its old weights (version 0; or refusing the name: no
+        # answer at all, -1): skipped before the third update
+        assert ignored.stale and ignored.wanted == 2 and deaf.scheduler.version == 0
+        assert ignored.served == (0 if keeps_name else -1)
+        report = {r["url"]: r for r in trainer.pool.report()}
+        assert report[ignored.url]["stale"] and report[ignored.url]["lag"] > 0
+        assert report[good.url]["lag"] == 0
+        groups = good.groups
+        trainer.step(7, -1)  # the ignored node is no longer asked
+        assert good.groups == groups + rl.prompts_per_step
+    finally:
+        trainer.pool.close()
+        for (server, _), node in zip(servers, nodes):
+            server.shutdown()
+            server.server_close()
+            node.close()
+

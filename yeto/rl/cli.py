@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give up when no node answered for this long")
     g.add_argument("--rollout-api-key", default=None, help="the nodes' --api-key")
     g.add_argument("--rollout-model", default=None, help="model field sent to the nodes")
+    g.add_argument("--update-nodes", action="store_true",
+                   help="keep nodes that do not observe the syncer (vLLM, or yeto nodes "
+                        "without --syncer) current: every --sync-every steps save the adapter "
+                        "under --node-adapter-dir and load it on each node "
+                        "(POST /v1/load_lora_adapter); a node that keeps serving older "
+                        "weights is reported and skipped (yeto/rl/direct.py)")
+    g.add_argument("--node-adapter-dir", type=Path, default=None,
+                   help="with --update-nodes: where the adapters for the nodes are saved, "
+                        "a folder every node reads at the same path (default: "
+                        "OUTPUT/node-adapters)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     return p
@@ -88,7 +98,8 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
         warmup_steps=args.warmup_steps, eval_reward=args.eval_reward or None,
         eval_prompts=args.eval_prompts, rollout_timeout=args.rollout_timeout,
         rollout_wait=args.rollout_wait, rollout_api_key=args.rollout_api_key,
-        rollout_model=args.rollout_model)
+        rollout_model=args.rollout_model, update_nodes=args.update_nodes,
+        node_adapter_dir=args.node_adapter_dir)
 
 
 def main(argv=None) -> int:

@@ -54,9 +54,15 @@ class Node:
     groups: int = 0
     last_error: str | None = None
     stats: dict = field(default_factory=dict)
+    # kept current by the trainer (`yeto.rl.direct`): the adapter name it samples with,
+    # the version it was told to load, the version its last reply said it serves
+    model: str | None = None
+    wanted: int = -1
+    served: int = -1
+    stale: bool = False          # it kept serving old weights: skipped for good
 
     def up(self, now: float) -> bool:
-        return now >= self.down_until
+        return now >= self.down_until and not self.stale
 
 
 def base_url(url: str) -> str:
@@ -148,18 +154,21 @@ class RolloutPool:
             part = prompts[lo:lo + per]
             body = dict(params, prompt=[list(p) for p in part], n=g, logprobs=0,
                         return_tokens_as_token_ids=True)
-            if self.model:
-                body["model"] = self.model
+            if node.model or self.model:
+                body["model"] = node.model or self.model
             reply = post_json(f"{node.url}/v1/completions", body, self.timeout_s, self.api_key)
             try:
                 groups += parse_groups(reply, len(part), g, node.url)
             except (KeyError, TypeError, ValueError) as e:
                 raise NodeError(f"malformed reply: {e!r}") from e
+            node.served = served_version(node, reply)
         return groups
 
     def report(self) -> list[dict]:
         return [dict(url=n.url, groups=n.groups, failures=n.total_failures,
-                     up=n.up(time.monotonic()), last_error=n.last_error) for n in self.nodes]
+                     up=n.up(time.monotonic()), last_error=n.last_error, stale=n.stale,
+                     **(dict(lag=n.wanted - n.served) if n.wanted >= 0 else {}))
+                for n in self.nodes]
 
     def close(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
@@ -178,6 +187,18 @@ def post_json(url: str, body: dict, timeout_s: float, api_key: str | None = None
         raise NodeError(f"HTTP {e.code}: {detail}") from e
     except (urllib.error.URLError, OSError, TimeoutError, json.JSONDecodeError) as e:
         raise NodeError(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from e
+
+
+def served_version(node: Node, reply: dict) -> int:
+    """The weights version a reply was sampled with: a yeto node says it
+    (`yeto_version`); a vLLM-style node echoes the adapter name it sampled with, which
+    names the version the trainer last loaded on it."""
+    version = int(reply.get("yeto_version", -1))
+    if version >= 0:
+        return version
+    if node.model is not None and reply.get("model") == node.model:
+        return node.wanted
+    return node.served
 
 
 def parse_groups(reply: dict, n_prompts: int, g: int, node: str) -> list[list[Sample]]:

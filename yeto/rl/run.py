@@ -41,6 +41,7 @@ class Parts:
     weights: object
     trainer: GRPOTrainer
     provenance: dict
+    updater: object = None  # yeto.rl.direct.NodeUpdater with --update-nodes
 
 
 def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
@@ -80,7 +81,19 @@ def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
     record = build_record(source, data_rec, cfg, backend="torch-grpo", eval_data=eval_rec)
     if cfg.output:
         write_provenance(cfg.output, record)
-    return Parts(backend, weights, trainer, record)
+    return Parts(backend, weights, trainer, record, _updater(cfg, rl, backend, pool))
+
+
+def _updater(cfg: IslandConfig, rl: RLConfig, backend, pool):
+    if not rl.update_nodes:
+        return None
+    from yeto.rl.direct import NodeUpdater
+
+    folder = rl.node_adapter_dir or (cfg.output / "node-adapters" if cfg.output else None)
+    if folder is None:
+        raise ValueError("--update-nodes needs --node-adapter-dir or --output: a folder the "
+                         "rollout nodes read the trainer's adapters from")
+    return NodeUpdater(pool, folder, lambda path: backend.save(cfg, path))
 
 
 def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
@@ -104,11 +117,13 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
         except Refused as e:
             log.error("%s", e)
             return EXIT_NOT_FEDERATED
+        if parts.updater is not None:
+            parts.updater.update(0)  # the nodes start from the trainer's weights
         before = trainer.evaluate()
         log.info("held-out reward before training: %.4f", before)
         write_metrics(cfg.output, dict(step=0, eval_reward=finite(before),
                                        version=island.version, time=time.time()))
-        history, failure = train(cfg, trainer, island, stop)
+        history, failure = train(cfg, trainer, island, stop, parts.updater)
         if client is not None:
             island.finish()
     after = trainer.evaluate()
@@ -123,18 +138,22 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
     return exit_code(cfg, island, client)
 
 
-def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop) -> tuple[list[dict], str]:
+def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop, updater=None
+          ) -> tuple[list[dict], str]:
     """The inner loop: a GRPO step, then the island's turn (apply merged Θ, push when
-    due, which evaluates); one metrics line per step. Returns the metrics and, when no
-    rollout node answered (the run then ends early, its work kept), why."""
+    due, which evaluates), then with --update-nodes the nodes' weights; one metrics line
+    per step. Returns the metrics and, when no rollout node answered (the run then ends
+    early, its work kept), why."""
     history = []
     for step in range(1, cfg.max_steps + 1):
         try:
             m = trainer.step(step, island.version)
+            done = island.after_step(m["tokens"], train_loss=m["loss"])
+            if updater is not None and step % cfg.sync_every == 0:
+                updater.update(step)  # the weights as of now: merged Θ included
         except NoNodes as e:
             log.error("%s; stopping: what was trained is saved", e)
             return history, str(e)
-        done = island.after_step(m["tokens"], train_loss=m["loss"])
         m.update(version=island.version, eval_reward=finite(trainer.eval_reward),
                  pushes=island.pushes, time=time.time())
         write_metrics(cfg.output, m)

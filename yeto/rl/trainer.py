@@ -62,6 +62,8 @@ class RLConfig:
     rollout_wait: float = 600.0
     rollout_api_key: str | None = None
     rollout_model: str | None = None
+    update_nodes: bool = False             # keep the nodes current (yeto.rl.direct)
+    node_adapter_dir: Path | None = None   # where; None: OUTPUT/node-adapters
 
 
 def evaluate_reward(model, tokenizer, model_dir, prompts: list[Prompt], reward, max_new: int,

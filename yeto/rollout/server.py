@@ -65,6 +65,7 @@ class RolloutNode:
                                            else adapter_roots)
         self.api_key, self.request_log = api_key, request_log
         self.follower = None  # the observer of a run (yeto.rollout.observer.Follower)
+        self.base_aliases = tuple(aliases)
         self._log_lock = threading.Lock()
         self.started = time.time()
 
@@ -89,6 +90,11 @@ class RolloutNode:
             raise api.ApiError(404, f"adapter directory {path} not found on the node",
                                "NotFoundError", "path")
         version = api.int_field(body, "version", None)
+        name = body.get("lora_name")
+        if name is not None and not (isinstance(name, str) and 0 < len(name) <= 200
+                                     and name.isprintable()):
+            raise api.ApiError(400, "lora_name must be a short printable name",
+                               param="lora_name")
         fixed = self.follower is not None
 
         def load():
@@ -102,7 +108,10 @@ class RolloutNode:
         except AdapterError as e:
             raise api.ApiError(400, f"{e}; the node still serves version "
                                f"{self.scheduler.version}", param="path") from e
-        log.info("adapter %s (%s) loaded as version %d", real, kind, v)
+        if name is not None:  # vLLM's way: requests then ask for the adapter by this name
+            self.ctx.aliases = (*self.base_aliases, name)
+        log.info("adapter %s (%s) loaded as version %d%s", real, kind, v,
+                 f" ({name})" if name else "")
         return {"status": "ok", "format": kind, "yeto_version": v}
 
     def models(self) -> dict:
