@@ -91,9 +91,11 @@ def test_grpo_island_in_a_run_with_an_observer_node(tiny_llama, tiny_task, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.mlx
-def test_demo_rl_reward_rises(tmp_path):
+@pytest.mark.parametrize("nodes", ["torch,mlx", "direct"])  # observers; kept by the trainer
+def test_demo_rl_reward_rises(tmp_path, nodes):
     out = tmp_path / "demo-rl"
-    r = subprocess.run([sys.executable, "-m", "yeto", "demo", "--rl", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "yeto", "demo", "--rl", "--nodes", nodes,
+                        "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -105,3 +107,5 @@ def test_demo_rl_reward_rises(tmp_path):
     for key in ("steps", "seconds", "sync_every"):
         assert s[key]
     assert "held-out reward" in r.stdout
+    if nodes == "direct":  # every node got the trainer's last adapter
+        assert s["node_lag"] == [0, 0], s["node_lag"]

@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", default="reversal_accuracy,exact_match",
                    help="training rewards (comma list, summed); the held-out metric is "
                         "reversal_accuracy")
-    p.add_argument("--nodes", default="torch,mlx", help="rollout node backends")
+    p.add_argument("--nodes", default="torch,mlx",
+                   help="rollout node backends, observing the syncer; 'direct': torch and "
+                        "MLX nodes outside the run, kept current by the trainer "
+                        "(yeto rl --update-nodes)")
     p.add_argument("--eval-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -104,7 +107,7 @@ def start_nodes(args, model: Path, adapter: Path, syncer: str | None) -> list[di
     """The rollout nodes of --nodes, serving `adapter`, observing `syncer` (None: not in
     a run, they serve `adapter` forever)."""
     nodes = []
-    for backend in [b.strip() for b in args.nodes.split(",") if b.strip()]:
+    for backend in _backends(args):
         d = args.out / "nodes"
         port_file = d / f"{backend}.port"
         port_file.unlink(missing_ok=True)
@@ -112,8 +115,11 @@ def start_nodes(args, model: Path, adapter: Path, syncer: str | None) -> list[di
                "--adapter", str(adapter), "--port", "0", "--port-file", str(port_file),
                "--node-id", f"rollout-{backend}",
                "--request-log", str(d / f"{backend}.requests.jsonl")]
-        if syncer:
+        if syncer and not _direct(args):
             cmd += ["--syncer", syncer]
+        if _direct(args):  # the trainer's adapters, under its output
+            (args.out / "rl" / "node-adapters").mkdir(parents=True, exist_ok=True)
+            cmd += ["--adapter-root", str(args.out / "rl" / "node-adapters")]
         if backend == "torch":
             cmd += ["--threads", "1"]
         (d / f"{backend}.requests.jsonl").unlink(missing_ok=True)
@@ -122,6 +128,15 @@ def start_nodes(args, model: Path, adapter: Path, syncer: str | None) -> list[di
     for n in nodes:
         n["url"] = f"http://127.0.0.1:{_wait_port(n['port_file'], n['proc'], n['log'])}/v1"
     return nodes
+
+
+def _direct(args) -> bool:
+    return args.nodes.strip() == "direct"
+
+
+def _backends(args) -> list[str]:
+    spec = "torch,mlx" if _direct(args) else args.nodes
+    return [b.strip() for b in spec.split(",") if b.strip()]
 
 
 def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: str | None,
@@ -141,6 +156,8 @@ def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: 
         cmd += ["--reward", reward.strip()]
     for n in nodes:
         cmd += ["--rollout-url", n["url"]]
+    if _direct(args):
+        cmd += ["--update-nodes"]
     (out / "metrics.jsonl").unlink(missing_ok=True)
     proc = _start(cmd, args.out / "rl.log")
     seen = 0
@@ -240,7 +257,9 @@ def main(argv=None) -> int:
                    eval_via=rl["eval_via"],
                    held_out_prompts_sent_to_nodes=eval_prompts_at_nodes(nodes, held_out, model),
                    staleness_mean=rl["staleness_mean"], logprob_gap_mean=rl["logprob_gap_mean"],
-                   version=rl["version"], nodes=status, grpo_seconds=rl["seconds"])
+                   version=rl["version"], nodes=status, grpo_seconds=rl["seconds"],
+                   node_weights="from the trainer (--update-nodes)" if _direct(args) else
+                   "observing the syncer", node_lag=[n.get("lag") for n in rl["nodes"]])
     atomic_write(args.out / "summary.json", json.dumps(summary, indent=2))
     print(f"\nheld-out reward (greedy, word-level reversal accuracy): "
           f"{summary['reward_before']:.3f} -> {summary['reward_after']:.3f}  "

@@ -147,9 +147,12 @@ def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop, updater=None
     history = []
     for step in range(1, cfg.max_steps + 1):
         try:
-            m = trainer.step(step, island.version)
+            # staleness counts versions of the sampling weights: Θ's commits for nodes
+            # that observe the syncer, the trainer's updates for nodes it keeps current
+            m = trainer.step(step, island.version if updater is None else updater.updates)
             done = island.after_step(m["tokens"], train_loss=m["loss"])
-            if updater is not None and step % cfg.sync_every == 0:
+            if updater is not None and step % cfg.sync_every == 0 and step < cfg.max_steps \
+                    and not (done or stop.is_set()):
                 updater.update(step)  # the weights as of now: merged Θ included
         except NoNodes as e:
             log.error("%s; stopping: what was trained is saved", e)
