@@ -92,10 +92,16 @@ def _sim(*argv) -> str:
 
 
 def _sims(*argvs) -> list[str]:
-    """`_sim` of each argv, one after the other: run at the same time on two cores,
-    three simulated-time sims gave the run without jitter a goodput of 0.9375, not 1
-    (the sim's clock is not yet independent of the machine's load)."""
-    return [_sim(*a) for a in argvs]
+    """`_sim` of each argv, the processes running at the same time: on simulated time
+    the machine's load must not change what they compute (it once did: an island
+    resumed late when another had moved the fleet's time on first)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "yeto.sim", *map(str, a)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]
 
 
 def _simulated(model: Path, task, *outs: Path) -> list[tuple[dict, list[dict]]]:
@@ -117,7 +123,7 @@ def test_simulated_time_syncs_by_simulated_seconds_and_repeats_exactly(tiny_llam
     pushes every 10 (1.25 simulated seconds each), and a second run ends with the same
     weights, bit for bit: the order of events no longer depends on the machine."""
     (first, merges), (second, again) = _simulated(tiny_llama, tiny_task, tmp_path / "one",
-                                                  tmp_path / "two")
+                                                  tmp_path / "two")  # at the same time
     steps = {(s["learner"], s["steps"]) for m in merges for s in m["responders"]}
     assert steps == {("island-0", 10), ("island-1", 5)}
     assert len(merges) == 4 and [m["responders"] for m in merges] == \

@@ -90,7 +90,7 @@ class VirtualClock:
                     del self._owed[name]
             if name in self._started and name not in self._stepping:
                 self._catch_up(name)
-            self._cond.notify_all()
+            self._settle()
 
     def pass_idle_time(self, until: float | None) -> None:
         """Every island waits: move the fleet's time on to `until` (the syncer's next
@@ -177,8 +177,12 @@ class VirtualClock:
         return min(self._stepping, key=lambda n: (self._time[n], n), default=None)
 
     def _settle(self) -> None:
-        """(Under the lock) the fleet's time anew; wakes whoever's turn it is."""
+        """(Under the lock) the fleet's time anew; wakes whoever's turn it is. While a
+        broadcast is owed the fleet's time stands: an island already past it could
+        otherwise carry it on before the islands it wakes are back among the steppers,
+        and they would resume late, as if they had waited (how long, the machine's
+        load would decide)."""
         first = self._first()
-        if first is not None:
+        if first is not None and not self._owed:
             self._fleet = max(self._fleet, self._time[first])
         self._cond.notify_all()

@@ -182,5 +182,8 @@ class LocalClient(SyncerClient):
     def wait(self, timeout: float | None, need_connection: bool = False):
         if self.clock is None:
             return super().wait(timeout, need_connection)
+        got = super().wait(0, need_connection)  # here already: no wait, no stepping aside
+        if got:  # (stepping aside, the island would resume at a fleet time moved on by
+            return got  # an island that resumed first, as if it had waited)
         with self.clock.waiting():
             return super().wait(timeout, need_connection)
