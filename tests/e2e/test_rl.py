@@ -109,3 +109,7 @@ def test_demo_rl_reward_rises(tmp_path, nodes):
     assert "held-out reward" in r.stdout
     if nodes == "direct":  # every node got the trainer's last adapter
         assert s["node_lag"] == [0, 0], s["node_lag"]
+        steps = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").open()
+                 if '"node_lag"' in line]
+        assert len(steps) == s["steps"]  # each step says how far behind each node is
+        assert all(0 <= lag <= 1 for m in steps for lag in m["node_lag"].values())

@@ -159,6 +159,8 @@ def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop, updater=None
             return history, str(e)
         m.update(version=island.version, eval_reward=finite(trainer.eval_reward),
                  pushes=island.pushes, time=time.time())
+        if updater is not None:  # how many trainer updates each node is behind
+            m["node_lag"] = {n.url: n.wanted - n.served for n in trainer.pool.nodes}
         write_metrics(cfg.output, m)
         history.append(m)
         log.info("step %d: reward %.3f, staleness %s, logprob gap %.2e, loss %.4f, version %d",
