@@ -12,7 +12,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +41,11 @@ def test_ctrl_c_stops_everything_with_outputs_saved(tmp_path, tiny_llama, tiny_t
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
-        t0 = time.monotonic()
         for line in proc.stdout:  # wait until training is under way: a merged round
-            lines.append(line)
+            lines.append(line)  # (a hang is bounded by the suite's per-test timeout)
             if line.startswith("round   1:"):
                 break
-            assert time.monotonic() - t0 < 240, "".join(lines)
+        assert lines and lines[-1].startswith("round   1:"), "".join(lines)  # not ended
         proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends
         rest, _ = proc.communicate(timeout=180)
     finally:

@@ -30,11 +30,11 @@ def test_a_second_syncer_on_a_taken_port_exits_naming_it(tmp_path):
 
 
 def test_a_background_thread_that_dies_ends_the_process_loudly():
-    code = ("import threading, time\n"
+    code = ("import threading\n"
             "from yeto.signals import die_with_threads\n"
             "die_with_threads()\n"
             "threading.Thread(target=lambda: 1 / 0, name='committer').start()\n"
-            "time.sleep(120)\n")
+            "threading.Event().wait()\n")  # only the dead thread can end it
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 70 and "committer died" in r.stderr
