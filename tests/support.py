@@ -2,6 +2,8 @@
 backoffs, and a bounded wait on a condition."""
 
 import contextlib
+import subprocess
+import sys
 import time
 
 from syncer.run import Config, Run
@@ -35,3 +37,13 @@ def wait_until(pred, timeout=20.0, interval=0.02) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def run_together(*argvs, cwd=None, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """`python ARGV` for each argv, the processes running at the same time (tests whose
+    processes mostly wait need not wait one after the other)."""
+    procs = [subprocess.Popen([sys.executable, *map(str, a)], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in argvs]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs)]

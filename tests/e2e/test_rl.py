@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.rl import _configs
 from support import wait_until
 
-from yeto.config import IslandConfig
-from yeto.rl.trainer import RLConfig
 from yeto.rollout.engine import stop_token_ids
 from yeto.rollout.server import RolloutNode, serve_in_thread
 from yeto.rollout.torch_engine import TorchEngine
@@ -32,14 +31,6 @@ def _node(model_dir, adapter=None, request_log=None):
         engine.load_adapter(adapter)
     return RolloutNode(engine, model_name="tiny", request_log=request_log,
                        eos_ids=stop_token_ids(model_dir, engine.tokenizer))
-
-
-def _configs(model_dir, task, urls, **rl):
-    train, held_out = task
-    cfg = IslandConfig(model=str(model_dir), data=str(train), eval_data=str(held_out),
-                       inner_lr=1e-3, threads=1, device="cpu", seed=0).check()
-    return cfg, RLConfig(rollout_url=urls, reward=["reversal_accuracy"], group_size=4,
-                         prompts_per_step=4, max_new_tokens=12, eval_prompts=8, **rl)
 
 
 def test_grpo_island_in_a_run_with_an_observer_node(tiny_llama, tiny_task, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file
+from support import run_together
 
 from syncer.spawn import start_syncer
 from syncer.tape import read_tape
@@ -95,13 +96,10 @@ def _sims(*argvs) -> list[str]:
     """`_sim` of each argv, the processes running at the same time: on simulated time
     the machine's load must not change what they compute (it once did: an island
     resumed late when another had moved the fleet's time on first)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "yeto.sim", *map(str, a)], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for a in argvs]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    return [out for out, _ in outs]
+    done = run_together(*(["-m", "yeto.sim", *a] for a in argvs), cwd=ROOT)
+    for r in done:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return [r.stdout for r in done]
 
 
 def _simulated(model: Path, task, *outs: Path) -> list[tuple[dict, list[dict]]]:

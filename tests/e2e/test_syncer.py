@@ -10,34 +10,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from support import make_client
+from helpers.syncer import _join_all, _push, _wait_version
 
 from syncer.spawn import start_syncer
 from syncer.tape import read_tape
-from yeto import codec
-from yeto.transport import PushReply
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _join_all(address, layout, ids, init, **kw):
-    clients = [make_client(address, i, layout, **kw) for i in ids]
-    for c in clients:
-        c.start(init)
-    return clients
-
-
-def _push(c, delta, tokens, base, seq, encoding="f32") -> PushReply:
-    return c.push(codec.encode(delta, encoding), encoding=encoding, base_version=base,
-                  loss_tokens=tokens, steps=3, seq=seq).result(timeout=20)
-
-
-def _wait_version(c, version, timeout=20):
-    """The first broadcast `c` receives at `version` or later (None if none comes)."""
-    got = c.wait_one(timeout=timeout)
-    while got is not None and got.version < version:
-        got = c.wait_one(timeout=timeout)
-    return got
 
 
 BLOCKED = ("torch", "transformers", "peft", "mlx")

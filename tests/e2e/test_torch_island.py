@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
+from support import run_together
 
 from syncer.tape import read_tape
 
@@ -18,15 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(args, timeout=600, **kw):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, **kw)
-
-
-def _run_together(*argvs, timeout=600) -> list[subprocess.CompletedProcess]:
-    """`_run` of each argv, the processes running at the same time."""
-    procs = [subprocess.Popen([sys.executable, *a], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for a in argvs]
-    outs = [p.communicate(timeout=timeout) for p in procs]
-    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
-            for p, (o, e) in zip(procs, outs)]
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +127,10 @@ def test_unreachable_syncer_is_an_error_unless_solo_is_allowed(tmp_path, tiny_ll
               "--syncer", address, "--max-steps", "30", "--sync-every", "10", "--seq-len", "64",
               "--no-progress", "--threads", "1"]
     # both at once: each mostly waits out its retries
-    r, solo = _run_together([*common, "--eval-data", str(held_out), "--output",
-                             str(tmp_path / "out")],
-                            [*common, "--allow-solo", "--output", str(tmp_path / "solo")])
+    r, solo = run_together([*common, "--eval-data", str(held_out), "--output",
+                            str(tmp_path / "out")],
+                           [*common, "--allow-solo", "--output", str(tmp_path / "solo")],
+                           cwd=ROOT)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "unreachable" in r.stderr and "retrying in" in r.stderr
     assert "training locally" in r.stderr

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.island_chunked import RangedWeights
 from support import make_client, running_syncer
 
 from yeto import net
@@ -17,34 +18,7 @@ from yeto.island import Island
 from yeto.layout import Layout
 from yeto.transport import ThetaStream
 
-
 # ---- weights objects ---------------------------------------------------------------
-class FlatWeights:
-    """get/set only (like the MLX LoRA view): the island falls back to whole arrays."""
-
-    def __init__(self, layout, init):
-        self.layout, self.v = layout, init.copy()
-
-    def get(self):
-        return self.v.copy()
-
-    def set(self, flat):
-        self.v = np.array(flat, dtype=np.float32)
-
-
-class RangedWeights(FlatWeights):
-    """A numpy model with range access, counting flushes."""
-
-    flushes = 0
-
-    def read_range(self, lo, hi):
-        return self.v[lo:hi].copy()
-
-    def write_range(self, lo, hi, values):
-        self.v[lo:hi] = values
-
-    def flush(self):
-        self.flushes += 1
 
 
 def test_streamed_broadcasts_over_grpc_end_bit_identical(toy_layout, tmp_state):

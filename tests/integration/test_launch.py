@@ -10,6 +10,8 @@ tests/unit/test_launch.py, tests/e2e/test_launch.py)."""
 
 import sys
 
+from helpers.launch import _external_run
+
 from yeto.cli.local_run import LaunchConfig, LocalRun
 
 
@@ -29,17 +31,6 @@ def test_islands_are_the_island_programs_themselves(tmp_path):
         assert flags["--syncer"] == "127.0.0.1:1234" and flags["--learner-id"] == f"island-{i}"
         assert flags["--num-learners"] == "2" and flags["--max-steps"] == "7"
         assert flags["--eval-data"] == "e" and flags["--output"] == str(tmp_path / f"i{i}")
-
-
-def _external_run(tmp_path, **kw) -> LocalRun:
-    cfg = LaunchConfig(out=tmp_path / "run", backends=["torch"], model="hub/model",
-                       data="hub/data", island_args=["--max-steps", "7"], host="0.0.0.0",
-                       advertise_host="198.51.100.7", external=["any", "mlx"],
-                       backend_args={"mlx": ["--mlx-flag"]}, **kw)
-    run = LocalRun(cfg)
-    run.prepare()
-    run.join_address = "198.51.100.7:29400"
-    return run
 
 
 def test_join_commands_carry_everything_but_the_secret(tmp_path):

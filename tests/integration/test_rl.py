@@ -12,11 +12,10 @@ import threading
 import time
 
 import pytest
+from helpers.rl import _configs
 from support import wait_until
 
-from yeto.config import IslandConfig
 from yeto.rl.grpo import Seq
-from yeto.rl.trainer import RLConfig
 from yeto.rollout.engine import stop_token_ids
 from yeto.rollout.server import RolloutNode, make_server, serve_in_thread
 from yeto.rollout.torch_engine import TorchEngine
@@ -32,12 +31,12 @@ def _node(model_dir, adapter=None, request_log=None, adapter_roots=None):
                        adapter_roots=adapter_roots)
 
 
-def _configs(model_dir, task, urls, **rl):
-    train, held_out = task
-    cfg = IslandConfig(model=str(model_dir), data=str(train), eval_data=str(held_out),
-                       inner_lr=1e-3, threads=1, device="cpu", seed=0).check()
-    return cfg, RLConfig(rollout_url=urls, reward=["reversal_accuracy"], group_size=4,
-                         prompts_per_step=4, max_new_tokens=12, eval_prompts=8, **rl)
+def _close(trainer, servers, nodes) -> None:
+    trainer.pool.close()
+    for (server, _), node in zip(servers, nodes):
+        server.shutdown()
+        server.server_close()
+        node.close()
 
 
 def test_a_killed_node_is_skipped_and_used_again_when_back(tiny_llama, tiny_task):
@@ -75,11 +74,7 @@ def test_a_killed_node_is_skipped_and_used_again_when_back(tiny_llama, tiny_task
         trainer._train(seqs, 5)
         assert trainer._train(seqs, 6)["kl"] > 0  # --kl-coef: the LoRA moved off the base
     finally:
-        trainer.pool.close()
-        for (server, _), node in zip(servers, nodes):
-            server.shutdown()
-            server.server_close()
-            node.close()
+        _close(trainer, servers, nodes)
 
 
 def _ignoring(node, keeps_name: bool):
@@ -131,9 +126,5 @@ def test_the_trainer_keeps_nodes_current_and_skips_one_that_ignores_reloads(
         trainer.step(7, -1)  # the ignored node is no longer asked
         assert good.groups == groups + rl.prompts_per_step
     finally:
-        trainer.pool.close()
-        for (server, _), node in zip(servers, nodes):
-            server.shutdown()
-            server.server_close()
-            node.close()
+        _close(trainer, servers, nodes)
 

@@ -11,6 +11,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from helpers.syncer import _join_all, _push, _wait_version
 from support import make_client, running_syncer, wait_until
 
 from syncer.tape import read_tape
@@ -18,26 +19,6 @@ from yeto import codec
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 from yeto.transport import PushReply, Refused
-
-
-def _join_all(address, layout, ids, init, **kw):
-    clients = [make_client(address, i, layout, **kw) for i in ids]
-    for c in clients:
-        c.start(init)
-    return clients
-
-
-def _push(c, delta, tokens, base, seq, encoding="f32") -> PushReply:
-    return c.push(codec.encode(delta, encoding), encoding=encoding, base_version=base,
-                  loss_tokens=tokens, steps=3, seq=seq).result(timeout=20)
-
-
-def _wait_version(c, version, timeout=20):
-    """The first broadcast `c` receives at `version` or later (None if none comes)."""
-    got = c.wait_one(timeout=timeout)
-    while got is not None and got.version < version:
-        got = c.wait_one(timeout=timeout)
-    return got
 
 
 def test_token_weighted_nesterov_matches_hand_computation(toy_layout, rng, tmp_state):

@@ -13,6 +13,7 @@ import re
 import time
 
 import pytest
+from helpers.launch import _external_run
 
 from yeto.cli import launch, local_run
 from yeto.cli.launch_view import Display, render_table
@@ -151,17 +152,6 @@ def test_the_address_other_machines_dial(monkeypatch):
     monkeypatch.setattr(join, "hostname_address", lambda: None)
     with pytest.raises(join.JoinError, match="--advertise-host"):
         join.advertise_host("0.0.0.0")
-
-
-def _external_run(tmp_path, **kw) -> LocalRun:
-    cfg = LaunchConfig(out=tmp_path / "run", backends=["torch"], model="hub/model",
-                       data="hub/data", island_args=["--max-steps", "7"], host="0.0.0.0",
-                       advertise_host="198.51.100.7", external=["any", "mlx"],
-                       backend_args={"mlx": ["--mlx-flag"]}, **kw)
-    run = LocalRun(cfg)
-    run.prepare()
-    run.join_address = "198.51.100.7:29400"
-    return run
 
 
 def test_without_a_token_launch_makes_one_only_the_user_can_read(tmp_path, monkeypatch):
