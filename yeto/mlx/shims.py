@@ -63,6 +63,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from yeto.mlx.activations import patch_activations
+
 log = logging.getLogger("yeto.mlx.shims")
 
 _MISSING = object()
@@ -732,6 +734,9 @@ def _classes(config: dict):
             model._training = True
         for repair in _MODEL_FIXES.get(config.get("model_type"), ()):
             repair(model, args, config)
+        patched = patch_activations(model, config.get("model_type"), config)
+        if patched:
+            log.debug("activations: %s", "; ".join(patched))
         fix = translate or (_text_only_weights(model) if text_only else None)
         if fix is not None:
             sanitize = getattr(model, "sanitize", lambda w: w)
