@@ -11,3 +11,32 @@ def _configs(model_dir, task, urls, **rl):
                        inner_lr=1e-3, threads=1, device="cpu", seed=0).check()
     return cfg, RLConfig(rollout_url=urls, reward=["reversal_accuracy"], group_size=4,
                          prompts_per_step=4, max_new_tokens=12, eval_prompts=8, **rl)
+
+
+def grpo_policies(model_dir, kl_coef=0.0, clip_eps=0.2, lr=1e-3):
+    """The torch and the MLX GRPO trainer's backend part (`yeto.rl.trainer.Policy`) on
+    `model_dir`, holding the same random, non-zero LoRA weights; each has `.flat()`,
+    its LoRA weights as one vector in `.layout`'s order."""
+    import numpy as np
+
+    from yeto.data.provenance import resolve_model
+    from yeto.rl.run import island_backend, policy_of
+
+    cfg = IslandConfig(model=str(model_dir), data="-", lora_r=4, lora_alpha=8.0,
+                       inner_lr=lr, threads=1, device="cpu", seed=0).check()
+    source = resolve_model(cfg.model, cfg.model_revision, cfg.trust_remote_code)
+    out, flat = [], None
+    for backend in ("torch", "mlx"):
+        rl = RLConfig(rollout_url=[], reward=[], backend=backend, clip_eps=clip_eps,
+                      kl_coef=kl_coef)
+        island = island_backend(cfg, rl)
+        tok = island.load(cfg, source)
+        weights = island.attach(cfg)
+        if flat is None:
+            flat = (np.random.default_rng(0).standard_normal(weights.layout.numel) * 0.05
+                    ).astype(np.float32)
+        weights.set(flat)
+        policy = policy_of(rl, island, tok, source.path)
+        policy.flat, policy.layout = weights.get, weights.layout
+        out.append(policy)
+    return out

@@ -1,6 +1,7 @@
 """`python -m yeto.rl`: a GRPO island (see `yeto.rl.trainer`).
 
-Example (two rollout nodes observing the syncer of the run):
+Example (two rollout nodes observing the syncer of the run; add --backend mlx for an
+MLX trainer):
     python -m yeto.rl --model runs/demo/model --adapter runs/sft/adapter \\
         --data runs/demo/data/train.jsonl --eval-data runs/demo/data/eval.jsonl \\
         --rollout-url http://127.0.0.1:8080/v1 --rollout-url http://127.0.0.1:8081/v1 \\
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_island_args(p)
     p.set_defaults(sync_every=2, max_steps=60, inner_lr=1e-3)
     g = p.add_argument_group("GRPO")
+    g.add_argument("--backend", choices=("torch", "mlx"), default="torch",
+                   help="the trainer's tensor engine: torch (peft; --device, --threads), or "
+                        "mlx (Apple silicon or Linux CPU; imports no torch); the same GRPO "
+                        "step, and the island joins the same runs")
     g.add_argument("--rollout-url", action="append", default=[], required=True,
                    help="a rollout node (OpenAI/vLLM-compatible); repeat for several")
     g.add_argument("--reward", action="append", default=[],
@@ -70,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --update-nodes: where the adapters for the nodes are saved, "
                         "a folder every node reads at the same path (default: "
                         "OUTPUT/node-adapters)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (torch backend)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = default; torch backend)")
     return p
 
 
@@ -89,8 +95,17 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
     if args.group_size < 2:
         raise SystemExit("error: --group-size must be at least 2 (advantages are relative "
                          "within a group)")
+    if args.backend == "mlx":
+        from yeto.mlx import INSTALL_HINT, mlx_available
+
+        if not mlx_available():
+            raise SystemExit(f"error: --backend mlx: {INSTALL_HINT}; or use --backend torch")
+        if args.lora_freeze_a:
+            raise SystemExit("error: --lora-freeze-a is not supported by the MLX backend; drop "
+                             "it, or use --backend torch")
     return RLConfig(
-        rollout_url=args.rollout_url, reward=args.reward, group_size=args.group_size,
+        rollout_url=args.rollout_url, reward=args.reward, backend=args.backend,
+        group_size=args.group_size,
         prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, clip_eps=args.clip_eps,
         kl_coef=args.kl_coef, scale_rewards=not args.no_scale_rewards, adapter=args.adapter,

@@ -1,8 +1,9 @@
-"""GRPO's arithmetic (torch): group-normalised advantages, the trainer's own
-recomputation of completion logprobs, and the clipped policy loss.
+"""GRPO's arithmetic in torch, and the torch edge of the GRPO island (`TorchGRPO`):
+the trainer's own recomputation of completion logprobs, the clipped policy loss, one
+AdamW step, and the engine its held-out reward is sampled with. The MLX twin is
+`yeto.mlx.grpo`; what both share (samples, advantages, batches) is `yeto.rl.seqs`.
 
-For sample i of a group with rewards r: ``A_i = (r_i − mean r) / (std r + eps)``
-(without ``scale``: ``r_i − mean r``, as Dr. GRPO). Per completion token t:
+Per completion token t:
 
     ratio_t = exp(logp_θ(t) − logp_behaviour(t))      behaviour: the node's logprob
     loss_t  = −min(ratio_t·A, clip(ratio_t, 1−ε, 1+ε)·A) + β·KL_t
@@ -13,57 +14,19 @@ and the step's loss is the mean over all completion tokens of the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
 
-import numpy as np
 import torch
 
-
-@dataclass
-class Seq:
-    """One sampled completion to train on."""
-
-    prompt: tuple[int, ...]
-    tokens: list[int]
-    behaviour: list[float]     # the node's logprob of each token
-    advantage: float
-    version: int               # the weights version that sampled it (-1: unknown)
-
-
-def group_advantages(rewards: np.ndarray, scale: bool = True, eps: float = 1e-4) -> np.ndarray:
-    """(prompts, G) rewards -> advantages, normalised within each group."""
-    r = np.asarray(rewards, dtype=np.float64)
-    adv = r - r.mean(axis=1, keepdims=True)
-    if scale:
-        adv = adv / (r.std(axis=1, keepdims=True) + eps)
-    return adv
-
-
-def _batch(seqs: list[Seq], pad_id: int, device):
-    """Right-padded inputs (prompt + completion minus its last token), their mask, and
-    for each completion token the input position that predicts it."""
-    lengths = [len(s.prompt) + len(s.tokens) - 1 for s in seqs]
-    width, t_max = max(lengths), max(len(s.tokens) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    pos = torch.zeros((len(seqs), t_max), dtype=torch.long)
-    tgt = torch.zeros((len(seqs), t_max), dtype=torch.long)
-    tmask = torch.zeros((len(seqs), t_max), dtype=torch.float32)
-    for i, s in enumerate(seqs):
-        full = list(s.prompt) + list(s.tokens[:-1])
-        ids[i, :len(full)] = torch.tensor(full)
-        mask[i, :len(full)] = 1
-        n = len(s.tokens)
-        pos[i, :n] = torch.arange(len(s.prompt) - 1, len(s.prompt) - 1 + n)
-        tgt[i, :n] = torch.tensor(s.tokens)
-        tmask[i, :n] = 1.0
-    return ids.to(device), mask.to(device), pos.to(device), tgt.to(device), tmask.to(device)
+from yeto.rl.seqs import Seq, batch_of, group_advantages  # noqa: F401 - Seq, group_advantages: their old home
 
 
 def completion_logprobs(model, seqs: list[Seq], pad_id: int = 0, device="cpu"):
     """(logprobs (B, T), token mask (B, T)) of each completion token under `model`, in
     float32 (with grad when grad is enabled)."""
-    ids, mask, pos, tgt, tmask = _batch(seqs, pad_id, device)
+    b = batch_of(seqs, pad_id)
+    ids, mask, pos, tgt, tmask = (torch.from_numpy(a).to(device)
+                                  for a in (b.ids, b.mask, b.pos, b.tgt, b.tmask))
     logits = model(input_ids=ids, attention_mask=mask).logits
     picked = logits.gather(1, pos[:, :, None].expand(-1, -1, logits.shape[-1])).float()
     lp = torch.log_softmax(picked, dim=-1).gather(2, tgt[:, :, None])[:, :, 0]
@@ -86,3 +49,70 @@ def policy_loss(new: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: t
     stats = dict(clipped=float((clipped * mask).sum()), ratio=float((ratio.detach() * mask).sum()),
                  kl=float((kl.detach() * mask).sum()))
     return (per_tok * mask).sum(), stats
+
+
+class TorchGRPO:
+    """The torch edge of a GRPO island (`yeto.rl.trainer.Policy`), over the torch
+    island's backend (`yeto.torch.learner.TorchBackend`: peft model, AdamW)."""
+
+    name = "torch"
+
+    def __init__(self, backend, clip_eps: float, kl_coef: float, model_dir):
+        self.backend, self.clip_eps, self.kl_coef = backend, clip_eps, kl_coef
+        self.model_dir = model_dir
+        self.tokenizer = backend.tokenizer
+        self.pad_id = self.tokenizer.pad_token_id or 0
+
+    def zero_grad(self) -> None:
+        self.backend.model.train()
+        self.backend.opt.zero_grad(set_to_none=True)
+
+    def backward(self, seqs: list[Seq], total: int) -> dict:
+        """Add the gradient of (Σ loss over `seqs`' completion tokens) / `total`; returns
+        sums over those tokens: loss, gap (|behaviour − recomputed|), clipped, ratio, kl."""
+        model, device = self.backend.model, self.backend.device
+        new, mask = completion_logprobs(model, seqs, self.pad_id, device)
+        b = batch_of(seqs, self.pad_id)
+        old = torch.from_numpy(b.behaviour).to(device)
+        adv = torch.from_numpy(b.advantage).to(device)
+        ref = None
+        if self.kl_coef:
+            with torch.no_grad(), model.disable_adapter():
+                ref, _ = completion_logprobs(model, seqs, self.pad_id, device)
+        loss, st = policy_loss(new, old, adv, mask, self.clip_eps, self.kl_coef, ref)
+        (loss / total).backward()
+        return dict(st, loss=float(loss.detach()),
+                    gap=float(((new.detach() - old).abs() * mask).sum()))
+
+    def grads(self) -> dict:
+        """Canonical name -> the accumulated gradient (numpy), for checks."""
+        from yeto.torch.weights import TorchWeights
+
+        params = TorchWeights(self.backend.model, "lora").params
+        return {n: p.grad.detach().cpu().numpy().copy() for n, p in params.items()
+                if p.grad is not None}
+
+    def step(self, lr_scale: float, max_grad_norm: float) -> None:
+        """Clip the gradient's norm (0: no clipping) and take one AdamW step at the
+        learning rate times `lr_scale`."""
+        opt = self.backend.opt
+        for group in opt.param_groups:
+            group.setdefault("base_lr", group["lr"])
+            group["lr"] = group["base_lr"] * lr_scale
+        if max_grad_norm:
+            params = [p for p in self.backend.model.parameters() if p.requires_grad]
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+
+    @contextmanager
+    def engine(self):
+        """A rollout engine over the trainer's own weights (eval mode meanwhile)."""
+        from yeto.rollout.torch_engine import TorchEngine
+
+        model = self.backend.model
+        was_training = model.training
+        model.eval()
+        try:
+            yield TorchEngine.wrap(model, self.tokenizer, self.model_dir)
+        finally:
+            model.train(was_training)

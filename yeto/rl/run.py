@@ -4,7 +4,9 @@ The pieces are the SFT island's (`yeto.loop`): logging, the gRPC client
 (`make_client`), `yeto.island.Island` (`make_island`: join, pushes every H steps,
 merged Θ applied at step boundaries, finish, final weights), the clean stop on
 SIGINT/SIGTERM, metrics lines, and the exit codes; the model, LoRA, optimizer and
-saving are `yeto.torch.learner.TorchBackend`'s. The step is `GRPOTrainer.step`.
+saving are the island backend's (`--backend`: `yeto.torch.learner.TorchBackend`, or
+`yeto.mlx.learner.MLXBackend`, which imports no torch). The step is
+`GRPOTrainer.step`, its backend part a `yeto.rl.trainer.Policy`.
 """
 
 from __future__ import annotations
@@ -52,11 +54,10 @@ def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
     from yeto.rl.rewards import combine, load_reward
     from yeto.rollout.adapters import flat_of, read_adapter
     from yeto.rollout.engine import stop_token_ids
-    from yeto.torch.learner import TorchBackend
 
     reward = combine([load_reward(s) for s in rl.reward or ["reversal_accuracy"]])
     source = resolve_model(cfg.model, cfg.model_revision, cfg.trust_remote_code)
-    backend = TorchBackend(cfg)
+    backend = island_backend(cfg, rl)
     tok = backend.load(cfg, source)
     tensors = None
     if rl.adapter is not None:  # start from an adapter: its LoRA shape and weights
@@ -74,14 +75,37 @@ def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
         held_out = held_out[:rl.eval_prompts] if rl.eval_prompts else held_out
     pool = RolloutPool(rl.rollout_url, timeout_s=rl.rollout_timeout, wait_s=rl.rollout_wait,
                        api_key=rl.rollout_api_key, model=rl.rollout_model)
-    trainer = GRPOTrainer(rl, backend, prompts, held_out, reward, pool,
-                          stop_token_ids(source.path, tok), source.path, cfg.seed)
+    trainer = GRPOTrainer(rl, policy_of(rl, backend, tok, source.path), prompts, held_out,
+                          reward, pool, stop_token_ids(source.path, tok), cfg.seed)
     if rl.eval_reward:
         trainer.eval_fn = combine([load_reward(s) for s in rl.eval_reward])
-    record = build_record(source, data_rec, cfg, backend="torch-grpo", eval_data=eval_rec)
+    record = build_record(source, data_rec, cfg, backend=f"{rl.backend}-grpo",
+                          eval_data=eval_rec)
     if cfg.output:
         write_provenance(cfg.output, record)
     return Parts(backend, weights, trainer, record, _updater(cfg, rl, backend, pool))
+
+
+def island_backend(cfg: IslandConfig, rl: RLConfig):
+    """The SFT island's backend of `rl.backend`: model, LoRA, AdamW, saving."""
+    if rl.backend == "mlx":
+        from yeto.mlx.learner import MLXBackend
+
+        return MLXBackend(cfg)
+    from yeto.torch.learner import TorchBackend
+
+    return TorchBackend(cfg)
+
+
+def policy_of(rl: RLConfig, backend, tokenizer, model_dir):
+    """The backend's part of the GRPO step (`yeto.rl.trainer.Policy`)."""
+    if rl.backend == "mlx":
+        from yeto.mlx.grpo import MLXGRPO
+
+        return MLXGRPO(backend, tokenizer, rl.clip_eps, rl.kl_coef, model_dir)
+    from yeto.rl.grpo import TorchGRPO
+
+    return TorchGRPO(backend, rl.clip_eps, rl.kl_coef, model_dir)
 
 
 def _updater(cfg: IslandConfig, rl: RLConfig, backend, pool):

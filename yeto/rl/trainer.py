@@ -1,17 +1,22 @@
 """The GRPO island: an island whose inner step samples from rollout nodes and trains
 on rewards (`python -m yeto.rl`).
 
-It is an ordinary island: the torch backend (`yeto.torch.learner.TorchBackend`:
-model, peft LoRA, AdamW, saving) and the island machinery (`yeto.island.Island`
-through `yeto.loop.make_client` / `make_island`: join, push every H steps, apply
-merged Θ, finish) are the SFT island's. Only the step differs:
+It is an ordinary island: the island machinery (`yeto.island.Island` through
+`yeto.loop.make_client` / `make_island`: join, push every H steps, apply merged Θ,
+finish) and the backend (model, LoRA, AdamW, saving: `yeto.torch.learner.TorchBackend`
+or `yeto.mlx.learner.MLXBackend`, `--backend`) are the SFT island's. Only the step
+differs:
 
 1. the next P prompts go to the rollout nodes, G completions each, groups whole
    and round-robined (`yeto.rl.pool`);
-2. rewards, group-normalised advantages (`yeto.rl.grpo`);
+2. rewards, group-normalised advantages (`yeto.rl.seqs`);
 3. the trainer recomputes each completion's logprobs on its own weights and takes
    one AdamW step on the clipped GRPO loss (groups whose rewards are all equal
    carry no signal and are skipped).
+
+Everything here is backend-free; what a backend does (3., and the engine the
+held-out completions are sampled with) is a `Policy`: `yeto.rl.grpo.TorchGRPO`,
+`yeto.mlx.grpo.MLXGRPO`.
 
 Per step it logs (OUT/metrics.jsonl) the reward, the staleness of the samples (its
 version − the ``yeto_version`` that sampled them) and the mean |behaviour −
@@ -25,15 +30,16 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-from yeto.rl.grpo import Seq, completion_logprobs, group_advantages, policy_loss
 from yeto.rl.pool import RolloutPool
 from yeto.rl.prompts import Prompt
+from yeto.rl.seqs import Seq, group_advantages, warmup_scale
 
 log = logging.getLogger("yeto.island")
 
@@ -44,6 +50,7 @@ class RLConfig:
 
     rollout_url: list[str]
     reward: list[str]
+    backend: str = "torch"                 # torch | mlx: the island's tensor engine
     group_size: int = 8
     prompts_per_step: int = 8
     max_new_tokens: int = 32
@@ -66,50 +73,64 @@ class RLConfig:
     node_adapter_dir: Path | None = None   # where; None: OUTPUT/node-adapters
 
 
-def evaluate_reward(model, tokenizer, model_dir, prompts: list[Prompt], reward, max_new: int,
-                    eos_ids, batch: int = 64) -> float:
-    """Mean reward of greedy completions of `prompts` by `model` itself (in process)."""
+class Policy(Protocol):
+    """The backend's part of a GRPO step and of its held-out evaluation
+    (`yeto.rl.grpo.TorchGRPO`, `yeto.mlx.grpo.MLXGRPO`)."""
+
+    name: str
+    tokenizer: Any
+
+    def zero_grad(self) -> None: ...
+
+    def backward(self, seqs: list[Seq], total: int) -> dict:
+        """Recompute `seqs`' completion logprobs on the trainer's weights and add the
+        gradient of their GRPO loss / `total`; returns sums over their completion tokens
+        of loss, gap (|behaviour − recomputed|), clipped, ratio and kl."""
+
+    def step(self, lr_scale: float, max_grad_norm: float) -> None:
+        """Clip the gradient's norm (0: no clipping), one AdamW step at lr × lr_scale."""
+
+    def engine(self) -> AbstractContextManager:
+        """A `yeto.rollout.generate.Engine` over the trainer's own weights."""
+
+
+def evaluate_reward(engine, tokenizer, prompts: list[Prompt], reward, max_new: int, eos_ids,
+                    batch: int = 64) -> float:
+    """Mean reward of greedy completions of `prompts` by `engine` (in process)."""
     from yeto.rollout.generate import Row, SamplingParams, generate
-    from yeto.rollout.torch_engine import TorchEngine
 
     if not prompts:
         return float("nan")
-    engine = TorchEngine.wrap(model, tokenizer, model_dir)
     params = SamplingParams(max_tokens=max_new, temperature=0.0)
     detok = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    was_training = model.training
-    model.eval()
     scores = []
-    try:
-        for lo in range(0, len(prompts), batch):
-            chunk = prompts[lo:lo + batch]
-            rows = [Row(p.ids, params, np.random.default_rng(0)) for p in chunk]
-            for p, o in zip(chunk, generate(engine, rows, eos_ids, detok)):
-                scores.append(float(reward(o.text, reference=p.reference, prompt=p.text)))
-    finally:
-        model.train(was_training)
+    for lo in range(0, len(prompts), batch):
+        chunk = prompts[lo:lo + batch]
+        rows = [Row(p.ids, params, np.random.default_rng(0)) for p in chunk]
+        for p, o in zip(chunk, generate(engine, rows, eos_ids, detok)):
+            scores.append(float(reward(o.text, reference=p.reference, prompt=p.text)))
     return float(np.mean(scores))
 
 
 class GRPOTrainer:
     """The step and the evaluation of a GRPO island (the syncing is `Island`'s)."""
 
-    def __init__(self, rl: RLConfig, backend, prompts: list[Prompt], held_out: list[Prompt],
-                 reward, pool: RolloutPool, eos_ids, model_dir, seed: int = 0):
-        self.rl, self.backend, self.pool = rl, backend, pool
+    def __init__(self, rl: RLConfig, policy: Policy, prompts: list[Prompt],
+                 held_out: list[Prompt], reward, pool: RolloutPool, eos_ids, seed: int = 0):
+        self.rl, self.policy, self.pool = rl, policy, pool
         self.prompts, self.held_out, self.reward = prompts, held_out, reward
-        self.eos_ids, self.model_dir, self.seed = list(eos_ids), model_dir, seed
+        self.eos_ids, self.seed = list(eos_ids), seed
         self.eval_fn = reward  # the held-out metric (`RLConfig.eval_reward`, else `reward`)
         self.rng = np.random.default_rng(seed)
         self._order: list[int] = []
         self.eval_reward = float("nan")
         self.evals = 0
-        self.pad_id = backend.tokenizer.pad_token_id or 0
 
     def evaluate(self) -> float:
-        b = self.backend
-        self.eval_reward = evaluate_reward(b.model, b.tokenizer, self.model_dir, self.held_out,
-                                           self.eval_fn, self.rl.max_new_tokens, self.eos_ids)
+        with self.policy.engine() as engine:
+            self.eval_reward = evaluate_reward(engine, self.policy.tokenizer, self.held_out,
+                                               self.eval_fn, self.rl.max_new_tokens,
+                                               self.eos_ids)
         self.evals += 1
         return self.eval_reward
 
@@ -155,44 +176,19 @@ class GRPOTrainer:
                     **stats)
 
     def _train(self, seqs: list[Seq], step: int) -> dict:
-        """One AdamW step on the GRPO loss of `seqs` (micro-batched)."""
-        rl, model, opt = self.rl, self.backend.model, self.backend.opt
-        device = self.backend.device
+        """One AdamW step on the GRPO loss of `seqs` (micro-batched), the loss being the
+        mean over all their completion tokens; returns the step's means per token."""
+        rl, policy = self.rl, self.policy
         total = sum(len(s.tokens) for s in seqs)
-        model.train()
-        for group in opt.param_groups:  # linear warmup (AdamW's first steps are noisy)
-            group.setdefault("base_lr", group["lr"])
-            group["lr"] = group["base_lr"] * min(1.0, step / max(1, rl.warmup_steps))
-        opt.zero_grad(set_to_none=True)
-        acc = dict(loss=0.0, gap=0.0, clipped=0.0, ratio=0.0, kl=0.0)
+        policy.zero_grad()
+        acc = dict.fromkeys(("loss", "gap", "clipped", "ratio", "kl"), 0.0)
         for lo in range(0, len(seqs), rl.micro_batch):
-            chunk = seqs[lo:lo + rl.micro_batch]
-            new, mask = completion_logprobs(model, chunk, self.pad_id, device)
-            old = _padded([s.behaviour for s in chunk], new.shape[1], device)
-            adv = torch.tensor([s.advantage for s in chunk], dtype=torch.float32, device=device)
-            ref = None
-            if rl.kl_coef:
-                with torch.no_grad(), model.disable_adapter():
-                    ref, _ = completion_logprobs(model, chunk, self.pad_id, device)
-            loss, st = policy_loss(new, old, adv, mask, rl.clip_eps, rl.kl_coef, ref)
-            (loss / total).backward()
-            acc["loss"] += float(loss.detach())
-            acc["gap"] += float(((new.detach() - old).abs() * mask).sum())
-            for k in ("clipped", "ratio", "kl"):
+            st = policy.backward(seqs[lo:lo + rl.micro_batch], total)
+            for k in acc:
                 acc[k] += st[k]
-        if rl.max_grad_norm:
-            params = [p for p in model.parameters() if p.requires_grad]
-            torch.nn.utils.clip_grad_norm_(params, rl.max_grad_norm)
-        opt.step()
+        policy.step(warmup_scale(step, rl.warmup_steps), rl.max_grad_norm)
         out = {("logprob_gap" if k == "gap" else k): v / total for k, v in acc.items()}
         return dict(out, tokens=total)
-
-
-def _padded(rows: list[list[float]], width: int, device) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out.to(device)
 
 
 def finite(x) -> float | None:

@@ -37,6 +37,18 @@ class MLXEngine(LoRAEngine):
         self.tokenizer = tokenizer
         self.attach(spec)
 
+    @classmethod
+    def wrap(cls, model, tokenizer, model_dir: str | Path) -> MLXEngine:
+        """An engine over a model it does not own (no LoRA of its own, no weights view):
+        for sampling from e.g. a training model in the same process."""
+        from yeto.mlx.shims import read_config
+
+        self = cls.__new__(cls)
+        LoRAEngine.__init__(self, model_dir, LoraSpec())
+        self.model, self.tokenizer, self.layers = model, tokenizer, {}
+        self.hf_config = read_config(self.model_dir)
+        return self
+
     def _attach(self, spec: LoraSpec):
         from mlx.utils import tree_unflatten
 
