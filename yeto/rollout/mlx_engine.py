@@ -1,9 +1,12 @@
 """The MLX rollout engine: the MLX island's model (mlx-lm with yeto's peft-shaped
 `LoRALinear`, float32), sampled with mlx-lm's KV caches.
 
-Each prompt is prefilled alone into mlx-lm's `KVCache`; a batch is merged into
-`BatchKVCache` (left padding, masked; RoPE offsets per row), the layout mlx-lm's
-own batched generation uses. Imports no torch."""
+Each prompt is prefilled alone into the caches mlx-lm makes for the model; a batch
+is merged the way mlx-lm's own batched generation merges them: `KVCache` into
+`BatchKVCache` (left padding, masked; RoPE offsets per row), and the conv and
+recurrent states of hybrid models (`ArraysCache`: LFM2's short convs, mamba
+blocks, gated-delta blocks) stacked as each prompt alone left them, so no padded
+position passes through a convolution or a state update. Imports no torch."""
 
 from __future__ import annotations
 
@@ -82,12 +85,7 @@ class MLXEngine(LoRAEngine):
         return cache, np.array(logits)
 
     def merge(self, caches: list):
-        from mlx_lm.models.cache import BatchKVCache, KVCache
-
-        if not all(isinstance(c, KVCache) for c in caches[0]):
-            raise NotImplementedError("batched MLX rollouts need a model whose every layer has "
-                                      "a plain KV cache (attention-only models)")
-        return [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+        return [_merge_layer([c[i] for c in caches], i) for i in range(len(caches[0]))]
 
     def decode(self, state, tokens: np.ndarray) -> np.ndarray:
         import mlx.core as mx
@@ -104,3 +102,22 @@ class MLXEngine(LoRAEngine):
         for c in state:
             c.filter(idx)
         return state
+
+
+def _merge_layer(rows: list, i: int):
+    """Layer `i`'s cache of a batch, from that layer's cache of each row."""
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache
+
+    def exact(c) -> bool:  # caches whose merge is exact: see the module's docstring
+        if isinstance(c, CacheList):
+            return all(exact(part) for part in c.caches)
+        return type(c) in (KVCache, ArraysCache)
+
+    if not exact(rows[0]):
+        raise NotImplementedError(
+            f"batched MLX rollouts support full-attention KV caches and conv/recurrent "
+            f"state caches; layer {i} keeps a {type(rows[0]).__name__} (sliding-window "
+            f"and other caches are not batched yet)")
+    if isinstance(rows[0], KVCache):
+        return BatchKVCache.merge(rows)
+    return type(rows[0]).merge(rows)

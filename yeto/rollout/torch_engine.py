@@ -1,9 +1,11 @@
 """The torch rollout engine: a Hugging Face causal LM with peft LoRA (the torch
 island's `yeto.torch.model`), sampled with transformers' `DynamicCache`.
 
-Each prompt is prefilled alone; a batch's caches are then left-padded with zero
-keys and values that the attention mask hides, and decoded one token per row per
-step with per-row positions. The engine also wraps a model it does not own
+Each prompt is prefilled alone; a batch's caches are then merged
+(`yeto.rollout.torch_cache`: keys and values left-padded with zeros that the
+attention mask hides, the conv and recurrent states of hybrid models such as LFM2
+stacked as each prompt left them), and decoded one token per row per step with
+per-row positions. The engine also wraps a model it does not own
 (`TorchEngine.wrap`): the GRPO island evaluates its own weights this way."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from yeto.rollout import torch_cache
 from yeto.rollout.adapters import LoraSpec
 from yeto.rollout.engine import LoRAEngine
 
@@ -79,32 +82,19 @@ class TorchEngine(LoRAEngine):
 
     @torch.inference_mode()
     def prefill(self, prompt: Sequence[int]):
-        from transformers.cache_utils import DynamicCache
-
-        cache = DynamicCache()
+        cache = torch_cache.new_cache(self._lm.config)
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         out = self._lm(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         return (cache, len(prompt)), out.logits[0, -1].float().cpu().numpy()
 
     @torch.inference_mode()
     def merge(self, caches: list) -> _Batch:
-        from transformers.cache_utils import DynamicCache
-
-        length = max(n for _, n in caches)
-        padded: dict[int, list] = {}
-        for cache, n in caches:  # rows of one prompt share its cache: pad it once
-            if id(cache) not in padded:
-                pad = (0, 0, length - n, 0)
-                padded[id(cache)] = [(torch.nn.functional.pad(layer.keys, pad),
-                                      torch.nn.functional.pad(layer.values, pad))
-                                     for layer in cache.layers]
-        rows = [padded[id(c)] for c, _ in caches]
-        data = [(torch.cat([r[i][0] for r in rows]), torch.cat([r[i][1] for r in rows]))
-                for i in range(len(rows[0]))]
+        cache = torch_cache.merge([c for c, _ in caches], [n for _, n in caches])
         lengths = torch.tensor([n for _, n in caches], device=self.device)
+        length = int(lengths.max())
         mask = (torch.arange(length, device=self.device)[None, :]
                 >= (length - lengths)[:, None]).long()
-        return _Batch(DynamicCache(ddp_cache_data=data), mask, lengths.clone())
+        return _Batch(cache, mask, lengths.clone())
 
     @torch.inference_mode()
     def decode(self, state: _Batch, tokens: np.ndarray) -> np.ndarray:
@@ -118,7 +108,6 @@ class TorchEngine(LoRAEngine):
 
     def filter(self, state: _Batch, keep: list[int]) -> _Batch:
         idx = torch.tensor(keep, device=self.device)
-        for layer in state.cache.layers:
-            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+        torch_cache.select(state.cache, idx)
         state.mask, state.pos = state.mask[idx], state.pos[idx]
         return state
