@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from yeto.targets import TargetError, is_attention, is_moe, select_targets
+from yeto.targets import TargetError, is_attention, is_moe, select_experts, select_targets
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -35,7 +35,7 @@ ARCHS = {
 }
 
 
-#: leaf names chosen by (attention, all-linear); None = refused
+#: leaf names chosen by (attention, all-linear)
 EXPECTED = {
     "llama": ({"q_proj", "k_proj", "v_proj", "o_proj"},
               {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
@@ -52,7 +52,10 @@ EXPECTED = {
     "lfm2": ({"q_proj", "k_proj", "v_proj", "self_attn.out_proj"},
              {"q_proj", "k_proj", "v_proj", "self_attn.out_proj", "conv.in_proj",
               "conv.out_proj", "w1", "w2", "w3"}),
-    "qwen3_moe": ({"q_proj", "k_proj", "v_proj", "o_proj"}, None),
+    # its experts are fused weights, not linears: all-linear's linears are attention
+    # (the experts: yeto.targets.select_experts, tests/unit/test_moe_targets.py)
+    "qwen3_moe": ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"q_proj", "k_proj", "v_proj",
+                                                             "o_proj"}),
     "recurrent_gemma": ({"q_proj", "k_proj", "v_proj", "o_proj"},
                         {"q_proj", "k_proj", "v_proj", "o_proj", "linear_x", "linear_y",
                          "linear_out", "gate_proj", "up_proj", "down_proj"}),
@@ -98,15 +101,11 @@ def test_selection_on_real_architectures(meta_models, arch):
     else:
         with pytest.raises(TargetError, match="no attention projections: try all-linear"):
             select_targets(paths, "attention", config)
-    if every is None:
-        with pytest.raises(TargetError, match="--lora-targets attention"):
-            select_targets(paths, "all-linear", config)
-    else:
-        chosen = select_targets(paths, "all-linear", config)
-        assert _short(chosen, every) == every
-        assert not any(p.startswith("lm_head") or "embed" in p for p in chosen)
-        auto = select_targets(paths, "auto", config)
-        assert auto == chosen  # dense: auto = all-linear
+    chosen = select_targets(paths, "all-linear", config)
+    assert _short(chosen, every) == every
+    assert not any(p.startswith("lm_head") or "embed" in p for p in chosen)
+    auto = select_targets(paths, "auto", config)
+    assert auto == chosen  # dense: auto = all-linear (qwen3_moe: attention, both)
 
 
 def test_explicit_lists_match_like_peft(meta_models):
@@ -154,8 +153,8 @@ def test_moe_policy(meta_models, caplog):
     line = " ".join(r.getMessage() for r in caplog.records)
     assert "mixture-of-experts model: --lora-targets auto adapts attention only" in line
     assert "--lora-targets all-linear" in line
-    with pytest.raises(TargetError) as e:
-        select_targets(paths, "all-linear", config)
+    with pytest.raises(TargetError) as e:  # experts asked for, none that both islands adapt
+        select_experts([], "all-linear", config, paths)
     assert "mixture-of-experts" in str(e.value) and "--lora-targets attention" in str(e.value)
 
 

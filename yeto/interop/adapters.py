@@ -96,19 +96,24 @@ _LORA_DEFAULTS: dict[str, Any] = {
 
 
 def peft_adapter_config(base_model: str, r: int, alpha: float, target_modules,
-                        lora_dropout: float = 0.0) -> str:
+                        lora_dropout: float = 0.0, target_parameters=None) -> str:
     """adapter_config.json text: what peft's ``save_pretrained`` writes for
     ``LoraConfig(r, lora_alpha, target_modules, lora_dropout, bias="none",
     task_type="CAUSAL_LM")`` on a model loaded from ``base_model``, the settings of
     every yeto island. The one producer of this file (torch island, MLX island,
     `MLXDiLoCo`, `mlx_to_peft`); imports neither torch nor peft, so every island
     writes the same text. ``target_modules`` is written sorted (peft writes its set
-    in hash order)."""
-    if isinstance(target_modules, str):
-        raise TypeError("target_modules must be a list of module names, not a string")
+    in hash order). ``target_parameters``: the fused expert weights adapted with
+    peft's ``target_parameters`` (`yeto.targets.select_experts`), written sorted as
+    yeto passes them to peft; ``target_modules`` is then null when empty, as peft
+    writes it."""
+    if isinstance(target_modules, str) or isinstance(target_parameters, str):
+        raise TypeError("target_modules / target_parameters must be lists of paths, not a string")
+    modules = sorted(target_modules or [])
     out = dict(_LORA_DEFAULTS, base_model_name_or_path=str(base_model), r=int(r),
                lora_alpha=alpha, lora_dropout=lora_dropout,
-               target_modules=sorted(target_modules))
+               target_modules=modules or (None if target_parameters else []),
+               target_parameters=sorted(target_parameters) if target_parameters else None)
     return json.dumps(out, indent=2, sort_keys=True)
 
 

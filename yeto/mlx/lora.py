@@ -43,8 +43,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from yeto.layout import Layout
+from yeto.mlx.experts import ExpertLoRA, fused_experts, refusal
 from yeto.mlx.hf_paths import HFPaths, Origin, get_module, linear_paths
-from yeto.targets import peft_key
+from yeto.targets import TargetError, expert_lora_module, peft_key, routers, select_experts
 
 __all__ = ["DeltaLoRA", "LoRALinear", "LoRAWeights", "Origin", "attach_lora", "canonical_mlx_name",
            "get_module", "hf_module_paths", "hf_origins", "linear_paths", "lora_layers"]
@@ -207,8 +208,15 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
                          "float32/bf16 Hugging Face checkpoint instead of an MLX-quantized one")
     model.freeze()
     paths = HFPaths(model, hf_weight_names, config)
+    found, refused = fused_experts(model, paths)
     where = paths.select(targets, config)
-    chosen = sorted([*where, *paths.deltas])
+    beside = routers(where, found)  # the router of fused experts stays frozen
+    where = {hf: mp for hf, mp in where.items() if hf not in beside}
+    params = select_experts([*found, *(f"{m}.weight" for m in refused)], targets, config,
+                            paths.candidates())
+    if params and refused:
+        raise TargetError(refusal(next(iter(refused.values()))))
+    chosen = sorted([*where, *paths.deltas, *params])
     keys = dict(zip(chosen, mx.random.split(mx.random.key(seed), len(chosen))))
     layers: dict[str, nn.Module] = {}
     placed: list[tuple[str, nn.Module]] = []
@@ -223,6 +231,14 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
                                 shape=delta.shape, r=r, alpha=alpha, rng=keys[hf], hf_path=hf)
             layers.setdefault(hf, wrapper)
             placed.append((module, wrapper))
+    for param in params:
+        name = expert_lora_module(param, params)
+        for part in found[param].parts:
+            wrapper = ExpertLoRA(get_module(model, part.module), part.rows, layers.get(name),
+                                 shape=found[param].shape, r=r, alpha=alpha, key=keys[param],
+                                 hf_path=name)
+            layers.setdefault(name, wrapper)
+            placed.append((part.module, wrapper))
     model.update_modules(tree_unflatten(placed))
     layers = dict(sorted(layers.items()))
     mx.eval([(x.lora_A.weight, x.lora_B.weight) for x in layers.values()])
@@ -233,7 +249,7 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{module path: layer that holds LoRA factors} of a model with LoRA attached
     (`LoRALinear`, and the first `DeltaLoRA` of each Hugging Face linear)."""
     return {p: m for p, m in model.named_modules()
-            if isinstance(m, (LoRALinear, DeltaLoRA)) and "lora_A" in m}
+            if isinstance(m, (LoRALinear, DeltaLoRA, ExpertLoRA)) and "lora_A" in m}
 
 
 _PEFT_PREFIX = "base_model.model."

@@ -11,7 +11,13 @@ import torch
 from yeto import frozen
 from yeto.data.provenance import ModelSource, resolve_model
 from yeto.interop.adapters import PEFT_CONFIG, PEFT_WEIGHTS, peft_adapter_config
-from yeto.targets import select_targets
+from yeto.targets import (
+    TargetError,
+    expert_lora_module,
+    is_fused_expert,
+    select_experts,
+    select_targets,
+)
 
 
 def load_base(model: str | ModelSource, dtype=torch.float32, *, revision: str | None = None,
@@ -73,25 +79,44 @@ def _targets_as_given():
         conversion.convert_peft_config_for_transformers = original
 
 
+def expert_param_paths(model: torch.nn.Module) -> list[str]:
+    """Parameter paths of the fused expert weights (`yeto.targets.is_fused_expert`:
+    transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    return [f"{m}.{n}" for m, module in model.named_modules()
+            for n, p in module.named_parameters(recurse=False)
+            if is_fused_expert(f"{m}.{n}", p.ndim)]
+
+
 def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
                 freeze_a: bool = False):
-    """peft LoRA on the shared target selection (`yeto.targets.select_targets`).
-    Conv1D targets get peft's ``fan_in_fan_out=True``: lora_A stays (r, in) and
-    lora_B (out, r), and the forward adds ``scale·B·A·x`` as for a linear (only a
-    merge transposes the delta into Conv1D's (in, out) weight). With `freeze_a`,
-    every lora_A is drawn from `seed` by `yeto.frozen` (the same bits on every
-    island and backend) and never trained, so only lora_B is synced and the merge
-    is exact."""
+    """peft LoRA on the shared target selection (`yeto.targets.select_targets`,
+    `yeto.targets.select_experts`). Conv1D targets get peft's ``fan_in_fan_out=True``:
+    lora_A stays (r, in) and lora_B (out, r), and the forward adds ``scale·B·A·x``
+    as for a linear (only a merge transposes the delta into Conv1D's (in, out)
+    weight). Fused expert weights get peft's ``target_parameters`` (one
+    ``ParamWrapper`` each: lora_A (r·E, in), lora_B (out, r·E), per expert e the
+    weight W_e + scale·B_e·A_e). With `freeze_a`, every lora_A is drawn from `seed`
+    by `yeto.frozen` (the same bits on every island and backend) and never
+    trained, so only lora_B is synced and the merge is exact."""
     from peft import LoraConfig, get_peft_model
 
-    chosen = select_targets(linear_paths(model), targets, model.config.to_dict())
+    config = model.config.to_dict()
+    linears, fused = linear_paths(model), expert_param_paths(model)
+    chosen = select_targets(linears, targets, config, experts=fused)
+    params = select_experts(fused, targets, config, linears)
     modules = dict(model.named_modules())
     fan_in_fan_out = any(is_conv1d(modules[p]) for p in chosen)
+    if fan_in_fan_out and params:  # pragma: no cover - no transformers model has both
+        raise TargetError("peft cannot adapt fused expert weights in a model with Conv1D "
+                          "linears (fan_in_fan_out); leave the experts out, e.g. "
+                          "--lora-targets attention")
     torch.manual_seed(seed)  # same init on every island with the same seed
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=chosen, lora_dropout=0.0,
-                     bias="none", task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=chosen or None,
+                     target_parameters=params or None, lora_dropout=0.0, bias="none",
+                     task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
     with _targets_as_given():
         model = get_peft_model(model, cfg)
+    _check_expert_names(model, params)
     if freeze_a:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -100,6 +125,20 @@ def attach_lora(model, r: int, alpha: float, targets: str, seed: int,
                     p.copy_(torch.from_numpy(frozen.frozen_lora_a(key, tuple(p.shape), seed)))
                     p.requires_grad_(False)
     return model
+
+
+def _check_expert_names(model, params: list[str]) -> None:
+    """peft names each fused weight's LoRA by how it nested the wrappers; the MLX
+    island derives the same names from `yeto.targets.expert_lora_module`."""
+    got = {canonical_name(n, "lora").removeprefix("base_model.model.").removesuffix(
+        ".lora_A.weight") for n, _ in model.named_parameters()
+        if n.endswith("lora_A.default.weight")}
+    want = {expert_lora_module(p, params) for p in params}
+    if not want <= got:
+        raise TargetError(f"peft named the fused expert LoRA {sorted(got)}, not "
+                          f"{sorted(want - got)} (yeto.targets.expert_lora_module): this "
+                          "model registers its expert weights in another order; leave the "
+                          "experts out, e.g. --lora-targets attention")
 
 
 def canonical_name(param_name: str, tuning: str) -> str:
@@ -124,7 +163,8 @@ def export_files(model, tuning: str, frozen_seed: int | None = None) -> tuple[st
         return "model.safetensors", {"config.json": model.config.to_json_string()}
     cfg = model.peft_config["default"]
     files = {PEFT_CONFIG: peft_adapter_config(cfg.base_model_name_or_path, cfg.r, cfg.lora_alpha,
-                                              cfg.target_modules, cfg.lora_dropout)}
+                                              cfg.target_modules or [], cfg.lora_dropout,
+                                              target_parameters=cfg.target_parameters)}
     if frozen_seed is not None:
         shapes = {canonical_name(n, "lora"): tuple(p.shape) for n, p in model.named_parameters()
                   if ".lora_A." in n}
