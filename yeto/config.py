@@ -191,7 +191,11 @@ def _add_training(p: argparse.ArgumentParser) -> None:
                    help="draw lora_A from --seed on every island and never train or send it: "
                         "exact averaging of B, half the bytes")
     p.add_argument("--lora-targets", default=D.lora_targets,
-                   help=f"{' | '.join(TARGET_MODES)} | comma list of module names")
+                   help=f"{' | '.join(TARGET_MODES)} | comma list of module names. auto: "
+                        "every linear of a dense model, attention only in a mixture-of-"
+                        "experts model; all-linear (or an entry naming experts, e.g. "
+                        "q_proj,experts) also adapts the experts, fused ones included "
+                        "(routers stay frozen)")
     p.add_argument("--seq-len", type=int, default=D.seq_len, help="tokens per training block")
     p.add_argument("--batch-size", type=int, default=D.batch_size, help="blocks per micro-batch")
     p.add_argument("--grad-accum", type=int, default=D.grad_accum,
