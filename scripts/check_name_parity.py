@@ -15,7 +15,11 @@ output says so.
         [--lora-r 16] [--numeric-layers N] [--no-logits]
 
 Prints one row per tensor, then as the last line `parity: OK, N tensors, max |dlogit|
-X` (exit 0), or the first mismatch (exit 1). A model the islands cannot both build
+X` (exit 0), or the first mismatch (exit 1). LoRA tensors on mixture-of-experts
+experts (fused expert weights with ``--lora-targets all-linear`` or ``experts``) are
+counted (`N tensors (M on experts)`), and their adapter is also compared alone
+(every other LoRA tensor zero), so an expert LoRA applied differently cannot hide
+behind the attention adapter. A model the islands cannot both build
 exits 2 with the reason. `--mlx-lora-r` / `--mlx-lora-targets` check an MLX island
 configured differently from the torch one (names only).
 """
@@ -93,20 +97,27 @@ def main(argv=None) -> int:
     if not rep.names_ok:
         print(f"parity: MISMATCH at {rep.first_mismatch or 'the layout fingerprint'}")
         return 1
+    experts = f" ({rep.n_expert_tensors} on experts)" if rep.n_expert_tensors else ""
     if rep.max_dlogit is None:
-        print(f"parity: OK, {rep.n_tensors} tensors (names only)")
+        print(f"parity: OK, {rep.n_tensors} tensors{experts} (names only)")
         return 0
     if not args.quiet:
         where = (f"first {rep.numeric_layers} layers" if rep.numeric_layers else "whole model")
         print(f"logits ({where}): max |dlogit| {rep.max_dlogit:.3g}, max |logit| "
               f"{rep.max_logit:.3g}, adapter moves logits by up to {rep.adapter_effect:.3g}, "
               f"without the adapter max |dlogit| {rep.base_dlogit:.3g}")
+        if rep.expert_dlogit is not None:
+            print(f"experts ({rep.n_expert_tensors} tensors) alone: adapter moves logits by up "
+                  f"to {rep.expert_effect:.3g}, max |dlogit| {rep.expert_dlogit:.3g}")
     if not rep.logits_ok(rel_tol):
-        print(f"parity: MISMATCH in logits: max |dlogit| {rep.max_dlogit:.3g} > {rel_tol:g} x "
+        worst = max(rep.max_dlogit, rep.expert_dlogit or 0.0)
+        alone = " (the expert adapter alone)" if worst > rep.max_dlogit else ""
+        print(f"parity: MISMATCH in logits{alone}: max |dlogit| {worst:.3g} > {rel_tol:g} x "
               f"max |logit| {rep.max_logit:.3g}")
         return 1
     where = f" (logits of the first {rep.numeric_layers} layers)" if rep.numeric_layers else ""
-    print(f"parity: OK, {rep.n_tensors} tensors, max |dlogit| {rep.max_dlogit:.3g}{where}")
+    print(f"parity: OK, {rep.n_tensors} tensors{experts}, max |dlogit| "
+          f"{rep.max_dlogit:.3g}{where}")
     return 0
 
 
