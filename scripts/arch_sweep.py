@@ -9,13 +9,20 @@ canonical LoRA names, shapes and flat order, then the logits of both islands' mo
 with the same seeded non-zero adapter on the same token ids.
 
     python scripts/arch_sweep.py [--only llama,lfm2] [--jobs 2] [--timeout 120]
-        [--markdown PATH] [--lora-targets auto]
+        [--variants N --seed S] [--markdown PATH] [--lora-targets auto]
 
-One row per architecture: ``ok`` with max |dlogit| and max |logit|, or why not, with
-whose problem it is:
+``--variants N`` checks, instead of each architecture's preset, N other configs of it
+drawn from seed S (`yeto.testing.variants`: layer kinds and their interleaving, widths,
+heads, MLP widths, RoPE variants, biases, tied embeddings), each one that transformers
+builds and runs.
+
+One row per architecture (per variant): ``ok`` with max |dlogit| and max |logit|, or
+why not, with whose problem it is:
 
   ours/config    the config or weight translation of yeto.mlx.shims (mlx-lm cannot
                  build or load the model)
+  mlx-lm         (also) a config mlx-lm cannot represent, refused by yeto.mlx.shims
+                 with the field and value (UnsupportedConfig)
   ours/targets   LoRA target selection or canonical names (yeto.targets, yeto.mlx)
   ours/logits    names agree, the base models' logits do not (not yet explained)
   ours/?         the check timed out or crashed its worker
@@ -27,9 +34,8 @@ A failure whose cause was checked to be outside yeto is listed in `KNOWN` with t
 cause; it is used only while the check fails, so a fixed upstream bug shows as ok.
 Then a count by status, and ``RESULT ok=N of M``.
 
-A row is ``ok`` when max |dlogit| <= 1e-4 x max |logit| (`yeto.interop.parity.REL_TOL`;
-`LOOSER` lists the architectures held to a looser bound, and why). Each architecture
-runs in a worker subprocess with a time limit, so one hang or crash does not stop the
+A row is ``ok`` when max |dlogit| <= 1e-4 x max |logit| (`yeto.interop.parity.REL_TOL`).
+Each check runs in a worker subprocess with a time limit, so one hang or crash does not stop the
 sweep (the worker is replaced).
 """
 
@@ -53,50 +59,40 @@ sys.path.insert(0, str(ROOT))
 # for architectures its settings cannot make a valid tiny model of; each says why.
 OVERRIDES: dict[str, dict] = {}
 
-# Architectures held to a looser logit bound than REL_TOL, with the reason. GELU: the
-# two libraries use different GELU formulas for the same checkpoint (exact erf vs the
-# tanh approximation, up to 4.7e-4 apart per activation); swapping the formula in the
-# mlx-lm module brings max |dlogit| to ~1e-6 (checked for each of these).
-_GELU = "mlx-lm's {} uses {} GELU, transformers {} ({}); bound 2e-3"
-LOOSER: dict[str, tuple[float, str]] = {
-    "gemma": (2e-3, _GELU.format("gemma.py", "exact", "the tanh form", "gelu_pytorch_tanh")),
-    "starcoder2": (2e-3, _GELU.format("starcoder2.py", "exact", "the tanh form",
-                                      "gelu_pytorch_tanh")),
-    "gpt_bigcode": (2e-3, _GELU.format("gpt_bigcode.py", "exact", "the tanh form",
-                                       "gelu_pytorch_tanh")),
-    "gpt_neox": (2e-3, _GELU.format("gpt_neox.py", "tanh-approximate", "exact",
-                                    "hidden_act=gelu, as in Pythia")),
-}
-
-# Failures verified to be outside yeto, by architecture: (owner, reason). Used only
-# when the check fails, so a fixed upstream bug shows up as ok.
-KNOWN: dict[str, tuple[str, str]] = {
-    "olmo": ("mlx-lm", "mlx-lm's olmo.py calls sys.exit unless the ai2-olmo package (hf_olmo) "
+# Failures verified to be outside yeto, by architecture: (owner, the stage it fails at,
+# reason). Used only when the check fails at that stage, so a fixed upstream bug shows
+# up as ok and another failure of a variant is not taken for it.
+KNOWN: dict[str, tuple[str, str, str]] = {
+    "olmo": ("mlx-lm", "mlx-import",
+        "mlx-lm's olmo.py calls sys.exit unless the ai2-olmo package (hf_olmo) "
              "is installed; it reads the original OLMo checkpoint layout"),
-    "jamba": ("mlx-lm", "mlx-lm's jamba.py renormalises the top-k router weights (softmax "
+    "jamba": ("mlx-lm", "logits",
+        "mlx-lm's jamba.py renormalises the top-k router weights (softmax "
               "over the chosen experts); transformers' Jamba keeps the top-k of the softmax "
               "over all experts, unnormalised (base logits already differ)"),
-    "minicpm3": ("mlx-lm", "mlx-lm's SuScaledRoPE (minicpm3.py) always uses long_factor; "
+    "minicpm3": ("mlx-lm", "logits", "mlx-lm's SuScaledRoPE (minicpm3.py) always uses long_factor; "
                  "transformers' longrope uses short_factor up to "
                  "original_max_position_embeddings (base logits differ; equal factors agree "
                  "to 3e-5)"),
-    "bitnet": ("mlx-lm", "mlx-lm's bitnet.py loads only packed ternary checkpoints "
+    "bitnet": ("mlx-lm", "mlx-load", "mlx-lm's bitnet.py loads only packed ternary checkpoints "
                "(weight_scale per BitLinear); transformers writes unpacked BitNet weights, "
                "and LoRA on packed layers is not supported anyway"),
-    "gpt_oss": ("mlx-lm", "mlx-lm's YarnRoPE (rope_utils.py) always truncates the yarn "
+    "gpt_oss": ("mlx-lm", "adapter", "mlx-lm's YarnRoPE (rope_utils.py) always truncates the yarn "
                 "correction range; gpt-oss checkpoints say truncate=false, which transformers "
                 "honours (with default RoPE the logits agree to 3e-7)"),
-    "minimax": ("mlx-lm", "mlx-lm's minimax.py is MiniMax-M2 (full attention, QK-norm, "
+    "minimax": ("mlx-lm", "mlx-load", "mlx-lm's minimax.py is MiniMax-M2 (full attention, QK-norm, "
                 "rotary_dim); transformers' minimax is MiniMax-Text-01 (lightning linear-attention "
                 "layers), another architecture under the same model type"),
-    "bailing_hybrid": ("mlx-lm", "mlx-lm's bailing_hybrid.py has lightning linear attention "
+    "bailing_hybrid": ("mlx-lm", "mlx-load",
+        "mlx-lm's bailing_hybrid.py has lightning linear attention "
                        "(g_proj + GroupRMSNorm, group_norm_size); transformers' bailing_hybrid "
                        "has gated delta-rule attention (BailingHybridDeltaAttention): another "
                        "architecture under the same model type"),
-    "nanochat": ("mlx-lm", "mlx-lm's nanochat.py hard-codes RMSNorm eps 1e-5 (also in its "
+    "nanochat": ("mlx-lm", "logits",
+        "mlx-lm's nanochat.py hard-codes RMSNorm eps 1e-5 (also in its "
                  "QK-norm) and ignores rms_norm_eps (transformers' default 1e-6); with 1e-5 in "
                  "the config the logits agree to 6e-7"),
-    "gemma3n": ("transformers", "Gemma3nForConditionalGeneration needs timm and pillow for "
+    "gemma3n": ("transformers", "tiny", "Gemma3nForConditionalGeneration needs timm and pillow for "
                 "its vision tower (not installed), so no tiny model is written"),
 }
 
@@ -132,15 +128,25 @@ def versions() -> dict[str, str]:
 
 
 # ---- one architecture (in a worker) -------------------------------------------------
-def check_arch(arch: str, targets: str, r: int) -> dict:
+def check_arch(arch: str, targets: str, r: int, variant: int | None = None,
+               seed: int = 0) -> dict:
     from yeto.interop import parity
     from yeto.testing.archs import tiny_model
 
     t0 = time.perf_counter()
-    row = {"arch": arch}
+    row: dict = {"arch": arch, "variant": variant}
     try:
+        overrides = dict(OVERRIDES.get(arch, {}))
+        if variant is not None:
+            from yeto.testing.variants import valid_variant
+
+            try:
+                drawn, row["config"], _ = valid_variant(arch, seed, variant)
+            except ValueError as e:
+                raise parity.ParityError("tiny", str(e)) from e
+            overrides.update(drawn)
         with tempfile.TemporaryDirectory(prefix=f"sweep-{arch}-") as d:
-            tiny_model(arch, d, overrides=OVERRIDES.get(arch))
+            tiny_model(arch, d, overrides=overrides or None)
             rep = parity.check(d, r=r, alpha=2.0 * r, targets=targets)
         row.update(n=rep.n_tensors, dlogit=rep.max_dlogit, logit=rep.max_logit,
                    effect=rep.adapter_effect, base_dlogit=rep.base_dlogit)
@@ -183,9 +189,10 @@ def worker(targets: str, r: int) -> None:
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
-        arch = line.strip()
-        if arch:
-            out.write(json.dumps(check_arch(arch, targets, r)) + "\n")
+        if line.strip():
+            task = json.loads(line)
+            out.write(json.dumps(check_arch(task["arch"], targets, r, task.get("variant"),
+                                            task.get("seed", 0))) + "\n")
             out.flush()
 
 
@@ -205,24 +212,25 @@ class Worker:
             self.lines.put(line)
         self.lines.put(None)
 
-    def ask(self, arch: str, timeout: float) -> dict:
+    def ask(self, task: dict, timeout: float) -> dict:
+        arch = {"arch": task["arch"], "variant": task.get("variant")}
         deadline = time.monotonic() + timeout
         try:
             if not self.ready:  # the first answer waits for the imports too
                 line = self.lines.get(timeout=max(60.0, timeout))
                 if line is None:
-                    return {"arch": arch, "stage": "crash", "error": "worker did not start"}
+                    return {**arch, "stage": "crash", "error": "worker did not start"}
                 self.ready = True
                 deadline = time.monotonic() + timeout
-            self.proc.stdin.write(arch + "\n")
+            self.proc.stdin.write(json.dumps(task) + "\n")
             self.proc.stdin.flush()
             line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
         except queue.Empty:
-            return {"arch": arch, "stage": "timeout", "error": f"no answer in {timeout:.0f} s"}
+            return {**arch, "stage": "timeout", "error": f"no answer in {timeout:.0f} s"}
         except (BrokenPipeError, OSError) as e:
-            return {"arch": arch, "stage": "crash", "error": f"worker gone: {e}"}
+            return {**arch, "stage": "crash", "error": f"worker gone: {e}"}
         if line is None:
-            return {"arch": arch, "stage": "crash",
+            return {**arch, "stage": "crash",
                     "error": f"worker died (exit {self.proc.wait()})"}
         return json.loads(line)
 
@@ -235,12 +243,13 @@ class Worker:
             self.proc.wait()
 
 
-def run_sweep(archs: list[str], jobs: int, timeout: float, targets: str, r: int,
+def run_sweep(tasks: list[dict], jobs: int, timeout: float, targets: str, r: int,
               on_row=None) -> list[dict]:
+    """One row per task ({"arch", "variant", "seed"}), in the order of ``tasks``."""
     todo: queue.Queue = queue.Queue()
-    for a in archs:
-        todo.put(a)
-    rows: dict[str, dict] = {}
+    for i, t in enumerate(tasks):
+        todo.put((i, t))
+    rows: dict[int, dict] = {}
     lock = threading.Lock()
 
     def lane() -> None:
@@ -248,39 +257,37 @@ def run_sweep(archs: list[str], jobs: int, timeout: float, targets: str, r: int,
         try:
             while True:
                 try:
-                    arch = todo.get_nowait()
+                    i, task = todo.get_nowait()
                 except queue.Empty:
                     return
-                row = w.ask(arch, timeout)
+                row = w.ask(task, timeout)
                 if row.get("stage") in ("timeout", "crash") or not w.alive():
                     w.stop()
                     w = Worker(targets, r)
                 with lock:
-                    rows[arch] = classify(row)
+                    rows[i] = classify(row)
                     if on_row:
-                        on_row(rows[arch])
+                        on_row(rows[i])
         finally:
             w.stop()
 
-    threads = [threading.Thread(target=lane) for _ in range(max(1, min(jobs, len(archs))))]
+    threads = [threading.Thread(target=lane) for _ in range(max(1, min(jobs, len(tasks))))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return [rows[a] for a in archs]
+    return [rows[i] for i in range(len(tasks))]
 
 
 def classify(row: dict) -> dict:
     """Fill ``status`` (ok / the owner of the failure) and ``reason``."""
     arch, stage = row["arch"], row.get("stage")
     if stage is None:
-        bound, why = LOOSER.get(arch, (None, ""))
-        from yeto.interop.parity import REL_TOL
+        from yeto.interop.parity import REL_TOL as bound
 
-        bound = bound or REL_TOL
         rel = row["dlogit"] / max(row["logit"], 1e-30)
         if rel <= bound:
-            row.update(status="ok", reason=why)
+            row.update(status="ok", reason="")
             return row
         stage = "logits"
         row["error"] = (f"max |dlogit| {row['dlogit']:.3g} > {bound:g} x max |logit| "
@@ -291,8 +298,11 @@ def classify(row: dict) -> dict:
             stage = "adapter"  # the base models agree: how an adapted layer is applied
     owner = STAGE_OWNER.get(stage, "ours/logits" if stage in ("forward", "logits") else "?")
     reason = f"{stage}: {row.get('error', '')}"
-    if arch in KNOWN:
-        owner, why = KNOWN[arch]
+    known = KNOWN.get(arch)
+    if "UnsupportedConfig" in row.get("error", ""):
+        owner = "mlx-lm"  # refused by yeto.mlx.shims: the message names field and value
+    elif known is not None and (known[1] == stage or {known[1], stage} <= {"logits", "adapter"}):
+        owner, _, why = known
         reason = f"{why} [{reason}]"
     elif stage in ("timeout", "crash"):
         owner = "ours/?"
@@ -300,22 +310,25 @@ def classify(row: dict) -> dict:
     return row
 
 
+def label(row: dict) -> str:
+    """``arch`` for a preset, ``arch#v`` for variant v."""
+    return row["arch"] if row.get("variant") is None else f"{row['arch']}#{row['variant']}"
+
+
 def fmt_row(row: dict) -> str:
+    config = f"  [{row['config']}]" if row.get("config") else ""
     if row["status"] == "ok":
-        extra = f"  ({row['reason']})" if row.get("reason") else ""
-        return (f"{row['arch']:<20} ok            n={row['n']:<4} max|dlogit| "
-                f"{row['dlogit']:.2e}  max|logit| {row['logit']:.2f}{extra}")
-    return f"{row['arch']:<20} {row['status']:<13} {row['reason']}"
+        return (f"{label(row):<20} ok            n={row['n']:<4} max|dlogit| "
+                f"{row['dlogit']:.2e}  max|logit| {row['logit']:.2f}{config}")
+    return f"{label(row):<20} {row['status']:<13} {row['reason']}{config}"
 
 
 def summary(rows: list[dict]) -> str:
-    """Rows by status, e.g. ``ok 73 (4 with a looser bound), mlx-lm 7, transformers 1``."""
+    """Rows by status, e.g. ``ok 73, mlx-lm 7, transformers 1``."""
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    looser = sum(r["status"] == "ok" and bool(r.get("reason")) for r in rows)
-    parts = [f"{k} {v}" + (f" ({looser} with a looser bound)" if k == "ok" and looser else "")
-             for k, v in sorted(counts.items(), key=lambda kv: (kv[0] != "ok", kv[0]))]
+    parts = [f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (kv[0] != "ok", kv[0]))]
     return "by status: " + ", ".join(parts)
 
 
@@ -324,16 +337,18 @@ def markdown(rows: list[dict], result: str, cmd: str) -> str:
     lines = ["## Architecture sweep: torch island vs MLX island", "",
              "Tiny random-weight models, LoRA on every target `auto` picks, the same seeded "
              "non-zero adapter in both islands, the same token ids; `ok` when max |dlogit| "
-             "≤ 1e-4 × max |logit| (or the looser bound its reason states). Status other "
+             "≤ 1e-4 × max |logit|. Status other "
              "than `ok` says whose the failure is: `ours/...` (yeto), `mlx-lm`, "
              "`transformers`.", "",
              "Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + f". Command: `{cmd}`.",
-             "", "| architecture | status | tensors | max abs dlogit | max abs logit | reason |",
-             "|---|---|---|---|---|---|"]
+             "", "| architecture | variant | status | tensors | max abs dlogit | max abs logit "
+             "| reason |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r["status"] == "ok"
         reason = r.get("reason", "").replace("|", "\\|")
-        lines.append(f"| {r['arch']} | {r['status']} | {r.get('n', '') if ok else ''} | "
+        variant = "preset" if r.get("variant") is None else f"{r['variant']}: {r.get('config', '')}"
+        lines.append(f"| {r['arch']} | {variant} | {r['status']} | "
+                     f"{r.get('n', '') if ok else ''} | "
                      f"{format(r['dlogit'], '.2e') if ok else ''} | "
                      f"{format(r['logit'], '.2f') if ok else ''} | {reason} |")
     lines += ["", summary(rows), "", f"`{result}`", ""]
@@ -345,7 +360,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma list of model types to check")
     p.add_argument("--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)),
                    help="worker processes")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per check")
+    p.add_argument("--variants", type=int, default=0,
+                   help="check N configs drawn per architecture instead of its preset")
+    p.add_argument("--seed", type=int, default=0, help="seed the --variants draws come from")
     p.add_argument("--lora-targets", default="auto")
     p.add_argument("--lora-r", type=int, default=4)
     p.add_argument("--markdown", default=None, help="write the table as markdown to PATH")
@@ -365,7 +383,9 @@ def main(argv=None) -> int:
         archs = wanted
     print(f"{len(archs)} architectures in transformers and mlx-lm; "
           + ", ".join(f"{k} {x}" for k, x in versions().items()), flush=True)
-    rows = run_sweep(archs, args.jobs, args.timeout, args.lora_targets, args.lora_r,
+    variants = range(args.variants) if args.variants > 0 else [None]
+    tasks = [{"arch": a, "variant": v, "seed": args.seed} for a in archs for v in variants]
+    rows = run_sweep(tasks, args.jobs, args.timeout, args.lora_targets, args.lora_r,
                      on_row=lambda r: print(fmt_row(r), flush=True))
     ok = sum(r["status"] == "ok" for r in rows)
     result = f"RESULT ok={ok} of {len(rows)}"

@@ -23,6 +23,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from yeto.mlx.errors import UnsupportedConfig
+
 #: transformers activation name (``transformers.activations.ACT2CLS``) -> the MLX
 #: function computing exactly the same formula (`_function` resolves the name)
 ACTIVATIONS: dict[str, str] = {
@@ -84,7 +86,7 @@ ACTIVATION_SITES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-class ActivationError(ValueError):
+class ActivationError(UnsupportedConfig):
     """A config names an activation no MLX function computes."""
 
 

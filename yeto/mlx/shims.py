@@ -64,6 +64,9 @@ from pathlib import Path
 from typing import Any
 
 from yeto.mlx.activations import patch_activations
+from yeto.mlx.errors import UnsupportedConfig
+from yeto.mlx.rope import fix_rope
+from yeto.mlx.structure import reconcile
 
 log = logging.getLogger("yeto.mlx.shims")
 
@@ -85,7 +88,9 @@ def _rope_dict(rope: dict) -> dict[str, Any]:
         out["rope_theta"] = rope["rope_theta"]
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in (None, "default"):
-        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        # "type" too: older mlx-lm files (nemotron.py, phi3.py, qwen2_moe.py) read that key
+        out["rope_scaling"] = {**{k: v for k, v in rope.items() if k != "rope_theta"},
+                               "type": kind}
     if "partial_rotary_factor" in rope:
         out["partial_rotary_factor"] = rope["partial_rotary_factor"]
     return out
@@ -273,7 +278,68 @@ def _translate(config: dict[str, Any], args_cls, hf, parent: dict | None = None
             put(name, config["text_config"].get(name))  # moved into text_config
     if "rope_scaling" in fields and fields["rope_scaling"][0] and "rope_scaling" not in have:
         out["rope_scaling"] = None  # plain RoPE; exaone4's ModelArgs requires the field
+    _periodic(have, fields, out, args_cls)
+    _head_dim_check(have, fields, args_cls)
     return out
+
+
+def _where(args_cls) -> str:
+    return f"mlx-lm's {getattr(args_cls, '__module__', 'mlx_lm').rsplit('.', 1)[-1]}.py"
+
+
+def _fit(n: int, special: list[bool], rule) -> int | None:
+    """The smallest period v in 1..n+1 with rule(v, i) == special[i] for every layer."""
+    return next((v for v in range(1, n + 2) if all(rule(v, i) == s for i, s in enumerate(special))),
+                None)
+
+
+# mlx-lm field -> (transformers list, which entries it marks, mlx-lm's rule for layer i)
+_PERIODS = {
+    "full_attention_interval": ("layer_types", lambda t: t == _FULL,
+                                lambda v, i: (i + 1) % v == 0),
+    "sliding_window_pattern": ("layer_types", lambda t: t != _SLIDING,
+                               lambda v, i: (i + 1) % v == 0),
+}
+
+
+def _periodic(have: dict, fields: dict, out: dict, args_cls) -> None:
+    """mlx-lm fields that place layers of a kind periodically (every v-th layer global,
+    the first k dense then MoE every f-th), set so that they give transformers' per-layer
+    lists, or `UnsupportedConfig` where no period does."""
+    for name, (key, marks, rule) in _PERIODS.items():
+        types = have.get(key)
+        if name not in fields or not isinstance(types, list) or "str" in fields[name][1]:
+            continue
+        v = _fit(len(types), [marks(t) for t in types], rule)
+        if v is None:
+            raise UnsupportedConfig(
+                f"{key}={types}: {_where(args_cls)} places these layers periodically ({name}); "
+                "this interleaving has no period")
+        out[name] = have[name] = v
+    mlp = _mlp_types(have)
+    if mlp is not None and "first_k_dense_replace" in fields and "moe_layer_freq" in fields \
+            and "int" in fields["moe_layer_freq"][1]:
+        sparse = [t != "dense" for t in mlp]
+        k = sparse.index(True) if any(sparse) else len(mlp)
+        f = _fit(len(mlp), sparse, lambda v, i: i >= k and i % v == 0)
+        if f is None:
+            raise UnsupportedConfig(
+                f"mlp_layer_types={mlp}: {_where(args_cls)} has dense layers first, then MoE "
+                "every moe_layer_freq-th layer; this order cannot be represented")
+        out["first_k_dense_replace"], out["moe_layer_freq"] = k, f
+
+
+def _head_dim_check(have: dict, fields: dict, args_cls) -> None:
+    """A head width mlx-lm cannot hold: its ModelArgs has no head_dim and it computes
+    hidden_size / num_attention_heads."""
+    hd, hidden, heads = have.get("head_dim"), have.get("hidden_size"), have.get(
+        "num_attention_heads")
+    if ("head_dim" in fields or not all(isinstance(x, int) for x in (hd, hidden, heads))
+            or "kv_lora_rank" in have or hd * heads == hidden):
+        return
+    raise UnsupportedConfig(
+        f"head_dim={hd}: {_where(args_cls)} computes the head width as hidden_size / "
+        f"num_attention_heads = {hidden / heads:g} (it reads no head_dim)")
 
 
 def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -709,9 +775,23 @@ def _recurrent_gemma_eps(model, args, config: dict) -> None:
             getattr(block, name).eps = args.rms_norm_eps
 
 
+def _gpt_neox_width(model, args, config: dict) -> None:
+    """mlx_lm/models/gpt_neox.py builds the MLP 4 x hidden wide (as in Pythia); transformers
+    reads intermediate_size (any width)."""
+    import mlx.nn as nn
+
+    width = config.get("intermediate_size")
+    for layer in getattr(model.model, "h", []):
+        mlp = layer.mlp
+        if width and mlp.dense_h_to_4h.weight.shape[0] != width:
+            mlp.dense_h_to_4h = nn.Linear(args.hidden_size, width)
+            mlp.dense_4h_to_h = nn.Linear(width, args.hidden_size)
+
+
 # model type -> settings of the built mlx-lm model that mlx-lm leaves at a constant where
 # the checkpoint's config says otherwise (applied before the weights load)
-_MODEL_FIXES = {"glm": (_glm_rope,), "recurrent_gemma": (_recurrent_gemma_eps,)}
+_MODEL_FIXES = {"glm": (_glm_rope,), "recurrent_gemma": (_recurrent_gemma_eps,),
+                "gpt_neox": (_gpt_neox_width,)}
 
 
 def _classes(config: dict):
@@ -728,22 +808,41 @@ def _classes(config: dict):
     text_only = bool(config.get(_TEXT_ONLY))
 
     def build(args):
-        model = model_cls(args)
+        try:
+            model = model_cls(args)
+        except (ValueError, IndexError) as e:
+            kinds = _one_kind(config)
+            if kinds is None:
+                raise
+            raise UnsupportedConfig(
+                f"{kinds[0]}: only {kinds[1]!r} layers: {_where(model_cls)} needs a layer of "
+                f"each kind ({type(e).__name__}: {e})") from e
         if "_no_grad" not in vars(model):
             model._no_grad = set()
             model._training = True
         for repair in _MODEL_FIXES.get(config.get("model_type"), ()):
             repair(model, args, config)
         patched = patch_activations(model, config.get("model_type"), config)
+        patched += fix_rope(model, args, config)
         if patched:
-            log.debug("activations: %s", "; ".join(patched))
+            log.debug("built model: %s", "; ".join(patched))
         fix = translate or (_text_only_weights(model) if text_only else None)
-        if fix is not None:
-            sanitize = getattr(model, "sanitize", lambda w: w)
-            object.__setattr__(model, "sanitize", lambda w: sanitize(fix(w, args)))
+        sanitize = getattr(model, "sanitize", lambda w: w)
+        object.__setattr__(model, "sanitize", lambda w: reconcile(
+            model, sanitize(fix(w, args) if fix is not None else w)))
         return model
 
     return build, args_cls
+
+
+def _one_kind(config: dict) -> tuple[str, str] | None:
+    """(list, kind) when a per-layer list of the config has one kind only."""
+    for level in (config, config.get("text_config")):
+        for key in ("layer_types", "mlp_layer_types"):
+            types = level.get(key) if isinstance(level, dict) else None
+            if isinstance(types, list) and len(types) > 1 and len(set(map(str, types))) == 1:
+                return key, str(types[0])
+    return None
 
 
 class MaskCache:
