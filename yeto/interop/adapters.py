@@ -40,6 +40,7 @@ import numpy as np
 
 from yeto import frozen
 from yeto.io import atomic_save, atomic_write
+from yeto.targets import expert_lora_module
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -164,13 +165,19 @@ def peft_to_mlx(peft_dir: str | Path, out_dir: str | Path,
     tensors, cfg = read_peft_adapter(peft_dir)
     _check_peft_config(cfg, peft_dir)
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    factors = _peft_factors(tensors, r, peft_dir)
-    num_layers, keys = _block_coverage(sorted(factors), _num_blocks(base_model, cfg),
+    experts = _expert_modules(cfg)
+    factors = _peft_factors({k: v for k, v in tensors.items() if _module(k) not in experts},
+                            r, peft_dir, allow_empty=bool(experts))
+    switch = _switch_factors(tensors, experts, base_model, cfg, peft_dir)
+    num_layers, keys = _block_coverage(sorted([*factors, *switch]),
+                                       _num_blocks(base_model, cfg),
                                        _layer_types(base_model, cfg))
     out_tensors: dict[str, np.ndarray] = {}
     for module, (a, b) in factors.items():
         out_tensors[f"{module}.lora_a"] = np.ascontiguousarray(a.T)
         out_tensors[f"{module}.lora_b"] = np.ascontiguousarray(b.T)
+    for module, (a, b) in switch.items():  # LoRASwitchLinear: (E, r, in), (E, out, r)
+        out_tensors[f"{module}.lora_a"], out_tensors[f"{module}.lora_b"] = a, b
     config = {
         "fine_tune_type": "lora",
         "model": cfg.get("base_model_name_or_path"),
@@ -186,11 +193,63 @@ def peft_to_mlx(peft_dir: str | Path, out_dir: str | Path,
     return out
 
 
+def _module(peft_key: str) -> str | None:
+    m = _PEFT_KEY.match(peft_key)
+    return m["module"] if m else None
+
+
+def _expert_modules(cfg: dict) -> dict[str, str]:
+    """{module path peft saves a fused expert weight's LoRA under: the weight's path}
+    (`yeto.targets.expert_lora_module`), from ``target_parameters``."""
+    params = [str(p) for p in cfg.get("target_parameters") or []]
+    return {expert_lora_module(p, params): p for p in params}
+
+
+def _switch_factors(tensors: dict[str, np.ndarray], experts: dict[str, str], base_model,
+                    cfg: dict, where) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """peft's LoRA on fused expert weights as mlx-lm ``LoRASwitchLinear`` factors,
+    {MLX module path: (lora_a, lora_b)} (`yeto.mlx.experts.mlx_lm_factors`). Which
+    ``SwitchLinear`` holds which rows is read from the mlx-lm model itself, so this
+    needs mlx-lm and the local base model."""
+    if not experts:
+        return {}
+    base = base_model if base_model is not None else cfg.get("base_model_name_or_path")
+    if not base or not (Path(str(base)) / "config.json").is_file():
+        raise AdapterConversionError(
+            f"{where}: LoRA on fused expert weights converts to mlx-lm only with the local "
+            "base model (where mlx-lm keeps the experts): pass base_model=PATH, e.g. "
+            "yeto convert ADAPTER --to mlx --base-model runs/demo/model")
+    try:
+        from yeto.mlx.experts import mlx_lm_factors, model_experts
+    except ImportError as e:
+        raise AdapterConversionError(f"{where}: LoRA on fused expert weights converts to mlx-lm "
+                                     f"only where mlx-lm is installed ({e})") from e
+    found, refused = model_experts(Path(str(base)))
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for module, param in experts.items():
+        a = tensors.get(f"base_model.model.{module}.lora_A.weight")
+        b = tensors.get(f"base_model.model.{module}.lora_B.weight")
+        if a is None or b is None:
+            raise AdapterConversionError(f"{where}: target_parameters names {param}, but the "
+                                         f"adapter has no lora_A/lora_B under {module}")
+        if param not in found:
+            why = next(iter(refused.values()), "mlx-lm keeps no SwitchLinear for it")
+            raise AdapterConversionError(f"{where}: {param}: {why}")
+        try:
+            out.update(mlx_lm_factors(a, b, found[param]))
+        except ValueError as e:
+            raise AdapterConversionError(f"{where}: {e}") from e
+    return out
+
+
 def _check_peft_config(cfg: dict, where) -> None:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterConversionError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LoRA; "
                                      "only LoRA adapters convert to mlx-lm")
     for key, allowed, what in _REFUSED:
+        if key == "target_parameters" and all(
+                str(p).rsplit(".", 2)[-2:-1] == ["experts"] for p in cfg.get(key) or []):
+            continue  # fused expert weights: mlx-lm's LoRASwitchLinear (`_switch_factors`)
         if key in cfg and cfg[key] not in allowed:
             raise AdapterConversionError(
                 f"{where}: {what} is set ({key}={cfg[key]!r}); mlx-lm's LoRA cannot express it "
@@ -200,7 +259,7 @@ def _check_peft_config(cfg: dict, where) -> None:
         raise AdapterConversionError(f"{where}: adapter_config.json lacks a valid r / lora_alpha")
 
 
-def _peft_factors(tensors: dict[str, np.ndarray], r: int, where
+def _peft_factors(tensors: dict[str, np.ndarray], r: int, where, allow_empty: bool = False
                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     parts: dict[str, dict[str, np.ndarray]] = {}
     for name, t in tensors.items():
@@ -224,7 +283,7 @@ def _peft_factors(tensors: dict[str, np.ndarray], r: int, where
                 f"{where}: {module} has rank {a.shape[0]}, the config says r={r}; per-module "
                 "ranks do not convert to mlx-lm (one rank for all layers)")
         out[module] = (a, b)
-    if not out:
+    if not out and not allow_empty:
         raise AdapterConversionError(f"{where}: the adapter holds no LoRA tensors")
     return out
 

@@ -340,13 +340,28 @@ def convert(src: Path, dest: Path, to: str, base_model: str | None = None,
 
 
 # ---- verify -----------------------------------------------------------------------------
+def load_with_mlx_lm_adapter(base_model: str | Path, mlx_dir: str | Path):
+    """What ``mlx_lm.load(base_model, adapter_path=mlx_dir)`` does (mlx-lm's
+    ``load_adapters`` on the loaded model), with yeto's config translation for
+    checkpoints transformers 5 wrote (`yeto.mlx.shims.load_model`, float32), which
+    mlx-lm alone may not read (e.g. a tiny qwen3_moe's config)."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    from yeto.mlx.shims import load_model
+
+    model, _ = load_model(base_model)
+    model = load_adapters(model, str(mlx_dir))
+    model.eval()
+    return model
+
+
 def verify(peft_dir: Path, mlx_dir: Path, base_model: str, seq_len: int = 24,
            batch: int = 2, seed: int = 0) -> float:
     """Max |Δ| between the logits of the base model with the peft adapter
     (``peft.PeftModel.from_pretrained``) and with the mlx-lm adapter
-    (``mlx_lm.load(base, adapter_path=...)``), both in float32, on a fixed batch."""
+    (mlx-lm's own adapter loading, `load_with_mlx_lm_adapter`), both in float32, on
+    a fixed batch."""
     import mlx.core as mx
-    import mlx_lm
     import numpy as np
     import torch
     from peft import PeftModel
@@ -358,8 +373,7 @@ def verify(peft_dir: Path, mlx_dir: Path, base_model: str, seq_len: int = 24,
     peft_model = PeftModel.from_pretrained(model, str(peft_dir)).eval()
     with torch.no_grad():
         want = peft_model(input_ids=torch.from_numpy(ids)).logits.float().numpy()
-    mlx_model, _ = mlx_lm.load(str(base_model), adapter_path=str(mlx_dir))
-    mlx_model.set_dtype(mx.float32)
+    mlx_model = load_with_mlx_lm_adapter(base_model, mlx_dir)
     got = np.asarray(mlx_model(mx.array(ids)).astype(mx.float32))
     return float(np.abs(got - want).max())
 

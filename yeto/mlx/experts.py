@@ -183,7 +183,7 @@ class ExpertLoRA(nn.Module):
 
     def __init__(self, base: nn.Module, rows: np.ndarray, owner: ExpertLoRA | None = None, *,
                  shape: tuple[int, int, int] = (0, 0, 0), r: int = 0, alpha: float = 0.0,
-                 key: mx.array | None = None, hf_path: str | None = None):
+                 key: mx.array | None = None, hf_path: str | None = None, param: str = ""):
         super().__init__()
         base.freeze()
         self.base_layer = base
@@ -191,6 +191,8 @@ class ExpertLoRA(nn.Module):
         self.freeze(keys=["rows"], recurse=False)
         self.owner = None if owner is None else _Ref(owner)
         self.hf_path = hf_path if owner is None else None
+        #: the transformers fused weight this adapts (``mlp.experts.gate_up_proj``)
+        self.param = param
         if owner is None:
             n_exp, out, n_in = shape
             self.lora_A = nn.Linear(n_in, r * n_exp, bias=False)
@@ -218,3 +220,35 @@ class ExpertLoRA(nn.Module):
         z = mx.gather_mm(z, b.swapaxes(-1, -2), rhs_indices=indices,
                          sorted_indices=sorted_indices)
         return y + (o.scaling * z).astype(y.dtype)
+
+
+# ---- adapter files ------------------------------------------------------------
+def model_experts(model_dir) -> tuple[dict[str, Fused], dict[str, str]]:
+    """`fused_experts` of the mlx-lm model in ``model_dir`` (loaded lazily: shapes
+    and the marker trace only)."""
+    from yeto.mlx.hf_paths import HFPaths
+    from yeto.mlx.learner import hf_weight_names
+    from yeto.mlx.shims import load_model, read_config
+
+    model, _ = load_model(model_dir, lazy=True)
+    return fused_experts(model, HFPaths(model, hf_weight_names(model_dir), read_config(model_dir)))
+
+
+def mlx_lm_factors(a: np.ndarray, b: np.ndarray, fused: Fused
+                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """peft's lora_A (r·E, in) / lora_B (out, r·E) of a fused expert weight as
+    mlx-lm's ``LoRASwitchLinear`` factors of each part: {MLX module path: (lora_a
+    (E, r, in), lora_b (E, rows, r))}, so that lora_b[e] @ lora_a[e] is rows of
+    peft's B_e·A_e (same scale)."""
+    n_exp, out, n_in = fused.shape
+    if a.shape[1] != n_in or b.shape[0] != out or a.shape[0] != b.shape[1] or \
+            a.shape[0] % n_exp:
+        raise ValueError(f"{fused.param}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not "
+                         f"fit {n_exp} experts of ({out}, {n_in})")
+    r = a.shape[0] // n_exp
+    lora_a = a.reshape(n_exp, r, n_in)
+    per_expert = b.reshape(out, r, n_exp).transpose(2, 0, 1)  # (E, out, r)
+    return {p.module: (np.ascontiguousarray(lora_a),
+                       np.ascontiguousarray(np.take_along_axis(per_expert, p.rows[..., None],
+                                                               axis=1)))
+            for p in fused.parts}

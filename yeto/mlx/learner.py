@@ -168,10 +168,13 @@ def make_optimizer(lr: float, weight_decay: float):
 
 
 # ---- outputs ----------------------------------------------------------------
-def export_files(base_model: str, r: int, alpha: float, targets) -> tuple[str, dict[str, str]]:
+def export_files(base_model: str, r: int, alpha: float, targets,
+                 target_parameters=None) -> tuple[str, dict[str, str]]:
     """The weights file name and adapter_config.json the syncer writes beside its
-    final weights: the same content the torch island sends for the same flags."""
-    return PEFT_WEIGHTS, {PEFT_CONFIG: peft_adapter_config(base_model, r, alpha, targets)}
+    final weights: the same content the torch island sends for the same flags
+    (``target_parameters``: adapted fused expert weights)."""
+    return PEFT_WEIGHTS, {PEFT_CONFIG: peft_adapter_config(base_model, r, alpha, targets,
+                                                           target_parameters=target_parameters)}
 
 
 def save_outputs(out: Path, tensors: dict[str, np.ndarray], config_text: str,
@@ -216,7 +219,10 @@ class MLXBackend:
         return self.weights
 
     def export_files(self, cfg: IslandConfig) -> tuple[str, dict[str, str]]:
-        return export_files(str(self.model_dir), cfg.lora_r, cfg.lora_alpha, sorted(self.layers))
+        from yeto.mlx.lora import adapter_targets
+
+        modules, params = adapter_targets(self.layers)
+        return export_files(str(self.model_dir), cfg.lora_r, cfg.lora_alpha, modules, params)
 
     def train_step(self, micro_batches) -> tuple[float, int]:
         return train_step(self.model, self.opt, micro_batches, self.loss_and_grad)

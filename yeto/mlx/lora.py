@@ -47,7 +47,8 @@ from yeto.mlx.experts import ExpertLoRA, fused_experts, refusal
 from yeto.mlx.hf_paths import HFPaths, Origin, get_module, linear_paths
 from yeto.targets import TargetError, expert_lora_module, peft_key, routers, select_experts
 
-__all__ = ["DeltaLoRA", "LoRALinear", "LoRAWeights", "Origin", "attach_lora", "canonical_mlx_name",
+__all__ = ["DeltaLoRA", "ExpertLoRA", "LoRALinear", "LoRAWeights", "Origin", "adapter_targets",
+           "attach_lora", "canonical_mlx_name",
            "get_module", "hf_module_paths", "hf_origins", "linear_paths", "lora_layers"]
 
 
@@ -236,13 +237,20 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
         for part in found[param].parts:
             wrapper = ExpertLoRA(get_module(model, part.module), part.rows, layers.get(name),
                                  shape=found[param].shape, r=r, alpha=alpha, key=keys[param],
-                                 hf_path=name)
+                                 hf_path=name, param=param)
             layers.setdefault(name, wrapper)
             placed.append((part.module, wrapper))
     model.update_modules(tree_unflatten(placed))
     layers = dict(sorted(layers.items()))
     mx.eval([(x.lora_A.weight, x.lora_B.weight) for x in layers.values()])
     return layers
+
+
+def adapter_targets(layers: Mapping[str, nn.Module]) -> tuple[list[str], list[str]]:
+    """(target_modules, target_parameters) of peft's config for `attach_lora`'s
+    layers: the adapted linears' module paths, the fused expert weights' paths."""
+    params = sorted(m.param for m in layers.values() if isinstance(m, ExpertLoRA))
+    return sorted(p for p, m in layers.items() if not isinstance(m, ExpertLoRA)), params
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

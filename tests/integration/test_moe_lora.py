@@ -1,0 +1,129 @@
+"""LoRA on fused mixture-of-experts weights (issue 32): the torch island (peft's
+``target_parameters``) and the MLX island (`yeto.mlx.experts.ExpertLoRA` on mlx-lm's
+SwitchLinear) adapt the same expert weights under the same names and compute the same
+function; the adapter files load in peft and in mlx-lm. Tiny qwen3_moe and mixtral
+models (`yeto.testing.archs`), built once per module."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[mlx]')")
+pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
+
+from yeto.interop import parity  # noqa: E402
+from yeto.testing import archs  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+ARCHS = ("qwen3_moe", "mixtral")
+#: per layer: gate_up_proj and down_proj, lora_A and lora_B each
+EXPERT_TENSORS = archs.TINY_LAYERS * 2 * 2
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {a: archs.tiny_model(a, root / a) for a in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_lora_names_and_logits_agree(moe_models, arch):
+    rep = parity.check(moe_models[arch], r=4, alpha=8.0, targets="all-linear")
+    assert rep.names_ok, rep.first_mismatch
+    assert rep.n_expert_tensors == EXPERT_TENSORS
+    assert rep.expert_effect > 0.1  # the expert adapter alone moves the logits ...
+    assert rep.logits_ok(), (rep.max_dlogit, rep.expert_dlogit, rep.max_logit)  # ... alike
+    names = [r.split()[1] for r in rep.rows[1:]]
+    assert "model.layers.0.mlp.experts.base_layer.lora_B.weight" in names  # gate_up_proj
+    assert "model.layers.0.mlp.experts.lora_A.weight" in names  # down_proj, peft's nesting
+    assert not any(".mlp.gate." in n for n in names)  # the router stays frozen
+
+
+def test_experts_entry_alone_and_auto(moe_models):
+    d = moe_models["qwen3_moe"]
+    only = parity.names(d, r=2, alpha=4.0, targets="experts.down_proj")
+    assert only.names_ok and only.n_tensors == only.n_expert_tensors == archs.TINY_LAYERS * 2
+    auto = parity.names(d, r=2, alpha=4.0, targets="auto")
+    assert auto.names_ok and auto.n_expert_tensors == 0  # auto: attention only on MoE
+
+
+def _adapted(d, targets="all-linear", seed=3):
+    """Both islands' models with the same non-zero adapter, and the torch logits."""
+    tm, tw = parity.torch_lora(d, 4, 8.0, targets, meta=False)
+    mm, mw = parity.mlx_lora(d, 4, 8.0, targets, lazy=False)
+    flat = parity.adapter_vector(tw.layout, seed)
+    tw.set(flat)
+    mw.set(flat)
+    ids = parity.token_ids(256, seed)
+    return tm, mm, mw, ids, parity._torch_logits(tm, ids)
+
+
+def test_mlx_island_adapter_loads_in_peft_and_mlx_lm(moe_models, tmp_path):
+    """The MLX island's output (peft adapter + its mlx-lm copy) gives the torch
+    island's logits through peft.PeftModel.from_pretrained and mlx-lm's adapter
+    loading (LoRASwitchLinear, per expert lora_a (E, r, in), lora_b (E, out, r))."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from yeto.interop.export import load_with_mlx_lm_adapter
+    from yeto.mlx.learner import export_files, save_outputs
+    from yeto.mlx.lora import adapter_targets, lora_layers
+
+    d = moe_models["qwen3_moe"]
+    tm, mm, mw, ids, want = _adapted(d)
+    modules, params = adapter_targets({m.hf_path: m for m in lora_layers(mm).values()})
+    assert len(params) == 2 * archs.TINY_LAYERS and all(".experts." in p for p in params)
+    _, files = export_files(str(d), 4, 8.0, modules, params)
+    save_outputs(tmp_path, mw.tensors(), files["adapter_config.json"], d)
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["target_parameters"] == params
+    base = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    effect = np.abs(want - parity._torch_logits(base, ids)).max()  # before peft wraps it
+    peft_logits = parity._torch_logits(PeftModel.from_pretrained(base, str(tmp_path / "adapter")),
+                                       ids)
+    assert np.array_equal(peft_logits, want)  # the same tensors into the same peft model
+    mlx_cfg = json.loads((tmp_path / "mlx" / "adapter_config.json").read_text())
+    assert "mlp.switch_mlp.gate_proj" in mlx_cfg["lora_parameters"]["keys"]
+    mlx_model = load_with_mlx_lm_adapter(d, tmp_path / "mlx")
+    got = parity._mlx_logits(mlx_model, ids)
+    assert effect > 0.1 and np.abs(got - want).max() <= parity.REL_TOL * np.abs(want).max()
+
+
+@pytest.mark.slow  # ~3 s more; qwen3_moe's files are checked by default
+def test_torch_adapter_converts_for_mixtral(moe_models, tmp_path):
+    """A torch island's adapter (peft's own save_pretrained) on mixtral (mlx-lm's
+    block_sparse_moe.switch_mlp; w1/w3 fused into gate_up_proj) converts exactly."""
+    from yeto.interop.adapters import peft_to_mlx
+    from yeto.interop.export import load_with_mlx_lm_adapter
+
+    d = moe_models["mixtral"]
+    tm, _, _, ids, want = _adapted(d, seed=5)
+    tm.save_pretrained(tmp_path / "peft")
+    peft_to_mlx(tmp_path / "peft", tmp_path / "mlx", base_model=d)
+    got = parity._mlx_logits(load_with_mlx_lm_adapter(d, tmp_path / "mlx"), ids)
+    assert np.abs(got - want).max() <= parity.REL_TOL * np.abs(want).max()
+
+
+def test_frozen_a_on_expert_weights(moe_models):
+    """--lora-freeze-a (torch island): expert lora_A (r·E, in) drawn from the seed like
+    any other, frozen; only lora_B is trained and synced."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from yeto import frozen
+    from yeto.torch.model import attach_lora, canonical_name
+
+    base = AutoModelForCausalLM.from_pretrained(str(moe_models["qwen3_moe"]), dtype=torch.float32)
+    model = attach_lora(base, 4, 8.0, "experts", seed=7, freeze_a=True)
+    params = dict(model.named_parameters())
+    a_names = [n for n in params if ".experts." in n and ".lora_A." in n]
+    assert len(a_names) == 2 * archs.TINY_LAYERS
+    for n in a_names:
+        p = params[n]
+        assert not p.requires_grad and p.shape[0] == 4 * 4  # r x experts
+        want = frozen.frozen_lora_a(canonical_name(n, "lora"), tuple(p.shape), 7)
+        assert np.array_equal(p.detach().numpy(), want)
+    assert all(params[n.replace("lora_A", "lora_B")].requires_grad for n in a_names)
