@@ -2,36 +2,20 @@
 trained by a torch island and an MLX island together: adapters bit-identical to the
 syncer's, as for llama (tests/e2e/test_mlx_island.py)."""
 
-import json
-import shutil
-
 import pytest
 
 pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[mlx]')")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
 
+from helpers.archs import model_with_tokenizer  # noqa: E402
 from mixed import mixed_run  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def _model_with_tokenizer(arch: str, tiny_llama, dest):
-    """A tiny random `arch` model sized to the fixture tokenizer (copied beside it)."""
-    from yeto.testing.archs import tiny_model
-
-    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
-    tiny_model(arch, dest, seed=0, overrides={"vocab_size": vocab, "pad_token_id": 0,
-                                              "bos_token_id": 1, "eos_token_id": 2})
-    for name in TOKENIZER_FILES:
-        shutil.copy(tiny_llama / name, dest / name)
-    return dest
-
 
 @pytest.mark.parametrize("arch", ["lfm2", "qwen3_moe"])
 def test_torch_and_mlx_islands_train_arch_together(arch, tiny_llama, tiny_task, tmp_path):
-    model = _model_with_tokenizer(arch, tiny_llama, tmp_path / "model")
+    model = model_with_tokenizer(arch, tiny_llama, tmp_path / "model")
     summaries = mixed_run(model, tiny_task, tmp_path, steps=6, sync_every=3, seq_len=32,
                           batch_size=2, inner_lr="1e-3", lora_r=4)
     for s in summaries.values():
