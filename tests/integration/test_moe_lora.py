@@ -80,6 +80,11 @@ def test_mlx_island_adapter_loads_in_peft_and_mlx_lm(moe_models, tmp_path):
     save_outputs(tmp_path, mw.tensors(), files["adapter_config.json"], d)
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["target_parameters"] == params
+    tm.save_pretrained(tmp_path / "torch")  # what peft itself writes for the torch island
+    want_cfg = json.loads((tmp_path / "torch" / "adapter_config.json").read_text())
+    for c in (cfg, want_cfg):  # peft shortens target_modules to leaf names, in set order
+        c.pop("base_model_name_or_path"), c.pop("target_modules")
+    assert cfg == want_cfg
     base = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
     effect = np.abs(want - parity._torch_logits(base, ids)).max()  # before peft wraps it
     peft_logits = parity._torch_logits(PeftModel.from_pretrained(base, str(tmp_path / "adapter")),
