@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers.rl import _configs
 from support import wait_until
@@ -82,15 +83,63 @@ def test_grpo_island_in_a_run_with_an_observer_node(tiny_llama, tiny_task, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.mlx
-@pytest.mark.parametrize("nodes", ["torch,mlx", "direct"])  # observers; kept by the trainer
-def test_demo_rl_reward_rises(tmp_path, nodes):
+def test_a_torch_and_an_mlx_grpo_island_in_one_run(tiny_llama, tiny_task, tmp_path):
+    """Mixed fleet: `yeto rl --backend torch` and `yeto rl --backend mlx` as processes,
+    one syncer (quorum 2), one rollout node: every round merges both islands' pushes,
+    and both end holding the syncer's final adapter bit for bit."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
+    from safetensors.numpy import load_file
+    from support import run_together
+
+    from syncer.spawn import start_syncer
+
+    node = _node(tiny_llama)
+    server, url = serve_in_thread(node)
+    train, held_out = tiny_task
+    try:
+        with start_syncer(["--quorum", "2", "--state-dir", str(tmp_path / "s")],
+                          cwd=ROOT) as syncer:
+            runs = run_together(*[
+                ["-m", "yeto", "rl", "--backend", backend, "--model", tiny_llama,
+                 "--data", train, "--eval-data", held_out, "--syncer", syncer.address,
+                 "--learner-id", f"grpo-{backend}", "--learner-index", i, "--num-learners", 2,
+                 "--rollout-url", url + "/v1", "--max-steps", 4, "--sync-every", 2,
+                 "--group-size", 4, "--prompts-per-step", 4, "--max-new-tokens", 12,
+                 "--eval-prompts", 4, "--wire", "f32", "--threads", 1, "--no-progress",
+                 "--output", tmp_path / backend]
+                for i, backend in enumerate(("torch", "mlx"))], cwd=ROOT, timeout=600)
+            for r in runs:
+                assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        server.shutdown()
+        server.server_close()
+        node.close()
+    final = load_file(str(tmp_path / "s" / "final" / "adapter_model.safetensors"))
+    for backend in ("torch", "mlx"):
+        s = json.loads((tmp_path / backend / "summary.json").read_text())
+        assert s["final"] and s["pushes"] == 2 and s["version"] >= 2, (backend, s)
+        mine = load_file(str(tmp_path / backend / "adapter" / "adapter_model.safetensors"))
+        assert mine.keys() == final.keys(), backend
+        assert all(np.array_equal(mine[k], final[k]) for k in mine), backend
+    tape = [json.loads(line) for line in (tmp_path / "s" / "tape.jsonl").open()]
+    merges = [t for t in tape if "responders" in t]
+    assert merges and all({r["learner"] for r in t["responders"]} ==
+                          {"grpo-torch", "grpo-mlx"} for t in merges), merges
+
+
+@pytest.mark.slow
+@pytest.mark.mlx
+@pytest.mark.parametrize("nodes,trainer", [("torch,mlx", "torch"), ("direct", "torch"),
+                                           ("direct", "mlx")])  # observers; kept by the trainer
+def test_demo_rl_reward_rises(tmp_path, nodes, trainer):
     out = tmp_path / "demo-rl"
     r = subprocess.run([sys.executable, "-m", "yeto", "demo", "--rl", "--nodes", nodes,
-                        "--out", str(out)],
+                        "--trainer", trainer, "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["reward_after"] > s["reward_before"] + 0.05, s
+    assert s["trainer"] == trainer
     assert s["held_out_prompts_sent_to_nodes"] == 0
     assert s["eval_via"].startswith("trainer")
     assert {n["backend"] for n in s["nodes"]} == {"torch", "mlx"}

@@ -9,8 +9,8 @@ def _configs(model_dir, task, urls, **rl):
     train, held_out = task
     cfg = IslandConfig(model=str(model_dir), data=str(train), eval_data=str(held_out),
                        inner_lr=1e-3, threads=1, device="cpu", seed=0).check()
-    return cfg, RLConfig(rollout_url=urls, reward=["reversal_accuracy"], group_size=4,
-                         prompts_per_step=4, max_new_tokens=12, eval_prompts=8, **rl)
+    rl = dict(dict(group_size=4, prompts_per_step=4, max_new_tokens=12, eval_prompts=8), **rl)
+    return cfg, RLConfig(rollout_url=urls, reward=["reversal_accuracy"], **rl)
 
 
 def grpo_policies(model_dir, kl_coef=0.0, clip_eps=0.2, lr=1e-3):

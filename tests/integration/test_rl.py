@@ -8,9 +8,11 @@ Here: the checks through in-process servers, training or the sim (the others:
 tests/unit/test_rl.py, tests/e2e/test_rl.py)."""
 
 
+import json
 import threading
 import time
 
+import numpy as np
 import pytest
 from helpers.rl import _configs
 from support import wait_until
@@ -128,3 +130,40 @@ def test_the_trainer_keeps_nodes_current_and_skips_one_that_ignores_reloads(
     finally:
         _close(trainer, servers, nodes)
 
+
+
+@pytest.mark.mlx
+def test_the_mlx_grpo_island_joins_pushes_and_takes_theta(tiny_llama, tiny_task, tmp_path):
+    """`yeto rl --backend mlx` on the island machinery: it joins a real syncer, pushes at
+    every sync, takes each merged Θ, and ends holding the syncer's final Θ exactly."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
+    from safetensors.numpy import load_file
+    from support import running_syncer
+
+    from yeto.rl.run import run_grpo
+
+    node = _node(tiny_llama)
+    server, url = serve_in_thread(node)
+    out = tmp_path / "rl"
+    try:
+        with running_syncer(quorum=1, state_dir=tmp_path / "s") as (run, address):
+            cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], backend="mlx",
+                               eval_prompts=2)
+            cfg.syncer, cfg.sync_every, cfg.max_steps, cfg.wire = address, 1, 2, "f32"
+            cfg.output, cfg.progress, cfg.blocking_sync = out, False, True
+            assert run_grpo(cfg, rl) == 0
+            theta = run.theta.copy()
+    finally:
+        server.shutdown()
+        server.server_close()
+        node.close()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final"] and summary["pushes"] == 2 and summary["version"] >= 2
+    assert json.loads((out / "provenance.json").read_text())["backend"] == "mlx-grpo"
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [m["version"] for m in steps] == [1, 2] and all(m["tokens"] > 0 for m in steps)
+    mine = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    final = load_file(str(tmp_path / "s" / "final" / "adapter_model.safetensors"))
+    assert mine.keys() == final.keys() and all(np.array_equal(mine[k], final[k]) for k in mine)
+    assert np.array_equal(np.concatenate([final[s.name].ravel() for s in node.engine.layout.specs]),
+                          theta)

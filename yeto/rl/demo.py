@@ -4,9 +4,9 @@
 2. a short SFT warm start (`python -m yeto.learner`, one island, no syncer), so
    that reward is not zero at the start of RL;
 3. a syncer, two rollout nodes observing it (one torch, one MLX; `python -m
-   yeto.rollout --syncer`), and a GRPO island (`python -m yeto.rl --syncer`) that
-   samples from both and pushes every --sync-every steps; every merged Θ reaches
-   both nodes over the wire;
+   yeto.rollout --syncer`), and a GRPO island (`python -m yeto.rl --syncer`; torch, or
+   MLX with --trainer mlx) that samples from both and pushes every --sync-every steps;
+   every merged Θ reaches both nodes over the wire;
 4. held-out reward before and after (greedy, on the island's own weights), and a
    check that no held-out prompt ever went to a node (their request logs).
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout node backends, observing the syncer; 'direct': torch and "
                         "MLX nodes outside the run, kept current by the trainer "
                         "(yeto rl --update-nodes)")
+    p.add_argument("--trainer", choices=("torch", "mlx"), default="torch",
+                   help="the GRPO island's backend (yeto rl --backend): torch, or mlx (the "
+                        "MLX island as the trainer; no torch in its process)")
     p.add_argument("--eval-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -151,7 +154,8 @@ def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: 
            "--prompts-per-step", str(args.prompts_per_step), "--inner-lr", str(args.inner_lr),
            "--temperature", str(args.temperature), "--eval-prompts", str(args.eval_prompts),
            "--warmup-steps", str(args.warmup_steps), "--eval-reward", "reversal_accuracy",
-           "--seed", str(args.seed), "--threads", "1", "--output", str(out), "--no-progress"]
+           "--seed", str(args.seed), "--threads", "1", "--output", str(out), "--no-progress",
+           "--backend", args.trainer]
     for reward in args.reward.split(","):
         cmd += ["--reward", reward.strip()]
     for n in nodes:
@@ -250,7 +254,8 @@ def main(argv=None) -> int:
         for n in nodes:
             _stop(n["proc"])
     summary = dict(reward_before=rl["reward_before"], reward_after=rl["reward_after"],
-                   steps=rl["steps"], seconds=round(time.monotonic() - t0, 1),
+                   trainer=args.trainer, steps=rl["steps"],
+                   seconds=round(time.monotonic() - t0, 1),
                    sync_every=args.sync_every, sync_cadence=f"every {args.sync_every} steps",
                    sft_steps=args.sft_steps, group_size=args.group_size,
                    prompts_per_step=args.prompts_per_step, eval_prompts=rl["eval_prompts"],
@@ -263,7 +268,7 @@ def main(argv=None) -> int:
     atomic_write(args.out / "summary.json", json.dumps(summary, indent=2))
     print(f"\nheld-out reward (greedy, word-level reversal accuracy): "
           f"{summary['reward_before']:.3f} -> {summary['reward_after']:.3f}  "
-          f"({summary['steps']} GRPO steps, weights to the nodes every {args.sync_every} "
-          f"steps, {summary['seconds']:.0f} s)")
+          f"({summary['steps']} GRPO steps on the {args.trainer} trainer, weights to the nodes "
+          f"every {args.sync_every} steps, {summary['seconds']:.0f} s)")
     print(f"summary: {args.out / 'summary.json'}")
     return 0
