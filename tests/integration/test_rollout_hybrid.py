@@ -76,9 +76,10 @@ def _rows(n: int, max_tokens: int):
 def _hybrid_state(backend: str, state) -> bool:
     """Whether a merged batch state holds conv or recurrent states."""
     if backend == "mlx":
-        from mlx_lm.models.cache import ArraysCache
+        from mlx_lm.models.cache import ArraysCache, CacheList
 
-        return any(isinstance(c, ArraysCache) and c.batch_size > 1 for c in state)
+        parts = [p for c in state for p in (c.caches if isinstance(c, CacheList) else [c])]
+        return any(isinstance(c, ArraysCache) and c.batch_size > 1 for c in parts)
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in state.cache.layers)
