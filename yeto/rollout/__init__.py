@@ -10,7 +10,10 @@ weights sampled them (``yeto_version``). With ``--syncer`` it joins a run as an
 - `generate`: the batched sampling loop, written once (numpy sampling, per-row
   seeds, stops, logprobs at temperature 1); a backend supplies prefill / merge /
   decode over its own KV cache;
-- `torch_engine`, `mlx_engine`: the two backends (peft-named LoRA on both);
+- `torch_engine`, `mlx_engine`: the two backends (peft-named LoRA on both), batched
+  for attention-only and hybrid models (conv / state-space blocks beside attention:
+  LFM2, Granite-4.0-H, Falcon-H1, Qwen3-Next, ...); `torch_cache`: transformers'
+  caches of single prompts merged into a batch;
 - `adapters`: a peft or mlx-lm adapter directory read as peft tensors;
 - `scheduler`: one worker thread owns the engine; requests queued together run as
   one batch, and new weights are applied only between batches, so every request

@@ -4,14 +4,16 @@ A backend (`yeto.rollout.torch_engine.TorchEngine`, `yeto.rollout.mlx_engine.MLX
 supplies four calls over its own KV cache:
 
     prefill(prompt ids) -> (cache, logits of the last position (V,))
-    merge([cache per row]) -> state     rows of one batch, left-padded in the cache
+    merge([cache per row]) -> state     rows of one batch: keys left-padded, conv and
+                                        recurrent states (hybrid models) stacked
     decode(state, tokens (B,)) -> logits (B, V)   one token per row, cache extended
     filter(state, keep [row index]) -> state      drop finished rows
 
 Each distinct prompt is prefilled once and its cache shared by all rows that ask
 for it (the G completions of a GRPO group), so no prompt is ever padded: pad
-positions exist only as masked keys, never as queries, and the numbers of a row do
-not depend on the others in its batch.
+positions exist only as masked keys, never as queries nor as inputs of a conv or
+state-space layer, and the numbers of a row do not depend on the others in its
+batch.
 
 Sampling is numpy, batched, with each row's own seed: temperature, top-k, top-p
 (a Gumbel-max draw, see `choose`).
