@@ -14,6 +14,9 @@ flat vector (`LoRAWeights`) is in `yeto.layout` canonical order: names alone
 decide fragments, as on the torch island. `LoRAWeights` is also the view
 `MLXDiLoCo` takes of an mlx-lm model with mlx-lm's own (transposed) LoRA layers.
 
+Fused mixture-of-experts weights (mlx-lm's ``SwitchLinear``) get
+`yeto.mlx.experts.ExpertLoRA`, in the layout of peft's ``ParamWrapper``.
+
 Which linears get LoRA is decided by `yeto.targets.select_targets` from the
 Hugging Face config and the Hugging Face module paths, the same call the torch
 island makes. mlx-lm's module tree is not always the Hugging Face one (gpt2's
@@ -200,9 +203,14 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
     (`yeto.targets.select_targets`) is made on those paths, and a chosen HF linear
     that mlx-lm splits, fuses, reorders or loads into another kind of layer is
     refused. A chosen HF linear that mlx-lm loads into other layers made of its
-    elements only (deepseek's ``kv_b_proj``) gets `DeltaLoRA` wrappers. Without
+    elements only (deepseek's ``kv_b_proj``) gets `DeltaLoRA` wrappers. Fused
+    expert weights chosen by `yeto.targets.select_experts` (``all-linear``,
+    entries naming ``experts``) get `yeto.mlx.experts.ExpertLoRA` on the
+    ``SwitchLinear`` layers that hold them, under peft's names
+    (`yeto.targets.expert_lora_module`); their router stays frozen. Without
     ``hf_weight_names``, MLX paths are taken as HF paths. Returns {Hugging Face
-    module path: the layer that holds its lora_A and lora_B}."""
+    module path (peft's, for expert weights): the layer that holds its lora_A and
+    lora_B}."""
     quantized = _quantized_in_blocks(model)
     if quantized:
         raise ValueError(f"the MLX model has quantized linears (e.g. {quantized[0]}); load the "
@@ -213,10 +221,7 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
     where = paths.select(targets, config)
     beside = routers(where, found)  # the router of fused experts stays frozen
     where = {hf: mp for hf, mp in where.items() if hf not in beside}
-    params = select_experts([*found, *(f"{m}.weight" for m in refused)], targets, config,
-                            paths.candidates())
-    if params and refused:
-        raise TargetError(refusal(next(iter(refused.values()))))
+    params = _chosen_experts(found, refused, targets, config, paths.candidates())
     chosen = sorted([*where, *paths.deltas, *params])
     keys = dict(zip(chosen, mx.random.split(mx.random.key(seed), len(chosen))))
     layers: dict[str, nn.Module] = {}
@@ -232,18 +237,38 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
                                 shape=delta.shape, r=r, alpha=alpha, rng=keys[hf], hf_path=hf)
             layers.setdefault(hf, wrapper)
             placed.append((module, wrapper))
-    for param in params:
-        name = expert_lora_module(param, params)
-        for part in found[param].parts:
-            wrapper = ExpertLoRA(get_module(model, part.module), part.rows, layers.get(name),
-                                 shape=found[param].shape, r=r, alpha=alpha, key=keys[param],
-                                 hf_path=name, param=param)
-            layers.setdefault(name, wrapper)
-            placed.append((part.module, wrapper))
+    placed += _expert_wrappers(model, {p: found[p] for p in params}, r, alpha, keys, layers)
     model.update_modules(tree_unflatten(placed))
     layers = dict(sorted(layers.items()))
     mx.eval([(x.lora_A.weight, x.lora_B.weight) for x in layers.values()])
     return layers
+
+
+def _chosen_experts(found: dict, refused: dict[str, str], targets: str, config: dict,
+                    candidates: list[str]) -> list[str]:
+    """The fused expert weights `yeto.targets.select_experts` picks; refused when
+    the model has ``SwitchLinear`` layers `yeto.mlx.experts` cannot map."""
+    params = select_experts([*found, *(f"{m}.weight" for m in refused)], targets, config,
+                            candidates)
+    if params and refused:
+        raise TargetError(refusal(next(iter(refused.values()))))
+    return params
+
+
+def _expert_wrappers(model: nn.Module, fused: dict, r: int, alpha: float, keys: dict,
+                     layers: dict[str, nn.Module]) -> list[tuple[str, nn.Module]]:
+    """`ExpertLoRA` on every ``SwitchLinear`` part of the chosen fused weights (the
+    first part of each holds the factors, under peft's name, into ``layers``)."""
+    placed = []
+    for param, spec in fused.items():
+        name = expert_lora_module(param, fused)
+        for part in spec.parts:
+            wrapper = ExpertLoRA(get_module(model, part.module), part.rows, layers.get(name),
+                                 shape=spec.shape, r=r, alpha=alpha, key=keys[param],
+                                 hf_path=name, param=param)
+            layers.setdefault(name, wrapper)
+            placed.append((part.module, wrapper))
+    return placed
 
 
 def adapter_targets(layers: Mapping[str, nn.Module]) -> tuple[list[str], list[str]]:
@@ -282,6 +307,11 @@ def canonical_mlx_name(name: str, paths: Mapping[str, str] | None = None) -> tup
             module = name[:-len(suffix)]
             return peft_key(paths.get(module, module), which), True
     return name, False
+
+
+def transpose_3d(name: str, value: mx.array) -> bool:
+    """An mlx-lm LoRA factor (``lora_a``/``lora_b``) with an experts axis."""
+    return name.endswith((".lora_a", ".lora_b")) and value.ndim == 3
 
 
 def _walk(root, parts: list[str]):
@@ -333,7 +363,14 @@ class LoRAWeights:
         if isinstance(source, nn.Module):
             known = {p: m.hf_path for p, m in lora_layers(source).items() if m.hf_path}
             known.update(paths or {})
-            for name, _ in tree_flatten(source.trainable_parameters()):
+            for name, value in tree_flatten(source.trainable_parameters()):
+                if transpose_3d(name, value):
+                    raise ValueError(
+                        f"{name} {list(value.shape)} is a factor of mlx-lm's LoRASwitchLinear "
+                        "(LoRA on SwitchLinear experts), which has no peft name here; attach "
+                        "LoRA with yeto.mlx.lora.attach_lora(model, config, r, alpha, "
+                        "'all-linear', hf_weight_names=...) instead, or leave the experts out "
+                        "of mlx-lm's lora keys")
                 canonical, transpose = canonical_mlx_name(name, known)
                 self._slots[canonical] = _Slot(source, name, transpose)
         else:
