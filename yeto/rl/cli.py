@@ -75,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --update-nodes: where the adapters for the nodes are saved, "
                         "a folder every node reads at the same path (default: "
                         "OUTPUT/node-adapters)")
+    g.add_argument("--async-rollouts", action="store_true",
+                   help="draw the next step's samples from the rollout nodes while this step "
+                        "trains (one step ahead, in a background thread), so sampling and "
+                        "training overlap; samples are then up to one version older "
+                        "(yeto/rl/overlap.py)")
+    g.add_argument("--max-staleness", type=int, default=None,
+                   help="drop a batch sampled on weights more than N versions behind the "
+                        "trainer's, and draw its prompts again (counted as stale_dropped); "
+                        "default 1 with --async-rollouts, no bound without")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (torch backend)")
     g.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0 = default; torch backend)")
@@ -92,6 +101,13 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
     for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
+    if args.max_staleness is not None and args.max_staleness < 0:
+        raise SystemExit("error: --max-staleness must be 0 or more (0: only samples from "
+                         "the trainer's current weights)")
+    if args.async_rollouts and args.update_nodes:
+        raise SystemExit("error: --async-rollouts does not work with --update-nodes yet (a "
+                         "batch drawn ahead would judge a node stale); use nodes that observe "
+                         "the syncer (python -m yeto.rollout --syncer ...), or drop one flag")
     if args.group_size < 2:
         raise SystemExit("error: --group-size must be at least 2 (advantages are relative "
                          "within a group)")
@@ -114,7 +130,8 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
         eval_prompts=args.eval_prompts, rollout_timeout=args.rollout_timeout,
         rollout_wait=args.rollout_wait, rollout_api_key=args.rollout_api_key,
         rollout_model=args.rollout_model, update_nodes=args.update_nodes,
-        node_adapter_dir=args.node_adapter_dir)
+        node_adapter_dir=args.node_adapter_dir, async_rollouts=args.async_rollouts,
+        max_staleness=args.max_staleness)
 
 
 def main(argv=None) -> int:

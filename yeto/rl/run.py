@@ -27,6 +27,7 @@ from yeto.loop import (
     setup_logging,
     write_metrics,
 )
+from yeto.rl.overlap import StaleRollouts
 from yeto.rl.pool import NoNodes
 from yeto.rl.trainer import GRPOTrainer, RLConfig, finite
 from yeto.signals import GracefulStop, ignore_signals
@@ -155,6 +156,7 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
     summary = summarize(cfg, rl, island, client, trainer, history, before, after, t_start)
     if cfg.output:
         save(cfg, parts, summary)
+    trainer.sampler.close()
     trainer.pool.close()
     ignore_signals()
     if failure:
@@ -178,7 +180,7 @@ def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop, updater=None
             if updater is not None and step % cfg.sync_every == 0 and step < cfg.max_steps \
                     and not (done or stop.is_set()):
                 updater.update(step)  # the weights as of now: merged Θ included
-        except NoNodes as e:
+        except (NoNodes, StaleRollouts) as e:
             log.error("%s; stopping: what was trained is saved", e)
             return history, str(e)
         m.update(version=island.version, eval_reward=finite(trainer.eval_reward),
@@ -208,6 +210,7 @@ def summarize(cfg, rl, island, client, trainer, history, before, after, t_start)
         group_size=rl.group_size, prompts_per_step=rl.prompts_per_step,
         staleness_mean=sum(stale) / len(stale) if stale else None,
         logprob_gap_mean=sum(gaps) / len(gaps) if gaps else None,
+        stale_dropped=trainer.sampler.dropped, async_rollouts=rl.async_rollouts,
         train_reward_first=history[0]["reward"] if history else None,
         train_reward_last=history[-1]["reward"] if history else None,
         nodes=trainer.pool.report(), bytes_up=client.bytes_up if client else 0,

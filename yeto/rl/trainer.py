@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from yeto.rl import overlap
 from yeto.rl.pool import RolloutPool
 from yeto.rl.prompts import Prompt
 from yeto.rl.seqs import Seq, group_advantages, warmup_scale
@@ -71,6 +72,8 @@ class RLConfig:
     rollout_model: str | None = None
     update_nodes: bool = False             # keep the nodes current (yeto.rl.direct)
     node_adapter_dir: Path | None = None   # where; None: OUTPUT/node-adapters
+    async_rollouts: bool = False           # draw step t+1's batch while t trains (overlap)
+    max_staleness: int | None = None       # drop batches staler than this (None: keep all)
 
 
 class Policy(Protocol):
@@ -125,6 +128,7 @@ class GRPOTrainer:
         self._order: list[int] = []
         self.eval_reward = float("nan")
         self.evals = 0
+        self.sampler = overlap.sampler_for(rl, pool, self._next_prompts, seed)
 
     def evaluate(self) -> float:
         with self.policy.engine() as engine:
@@ -150,12 +154,9 @@ class GRPOTrainer:
 
     def step(self, step: int, version: int) -> dict:
         """One GRPO step: sample, score, train. Returns its metrics."""
-        rl, batch = self.rl, self._next_prompts()
-        t0 = time.perf_counter()
-        params = dict(max_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                      seed=self.seed * 1_000_003 + step)
-        groups = self.pool.sample([p.ids for p in batch], rl.group_size, params)
-        t_roll = time.perf_counter() - t0
+        rl = self.rl
+        drawn, fetch = self.sampler.take(step, version)  # drawn now, or ahead (yeto.rl.overlap)
+        batch, groups, t_roll = drawn.prompts, drawn.groups, drawn.seconds
         rewards = np.array([[float(self.reward(s.text, reference=p.reference, prompt=p.text))
                              for s in g] for p, g in zip(batch, groups)])
         adv = group_advantages(rewards, rl.scale_rewards)
@@ -173,7 +174,7 @@ class GRPOTrainer:
                     sample_versions=sorted({s.version for s in seqs}),
                     completion_len=float(np.mean([len(s.tokens) for s in seqs])),
                     rollout_s=round(t_roll, 3), train_s=round(time.perf_counter() - t1, 3),
-                    **stats)
+                    **fetch, **stats)
 
     def _train(self, seqs: list[Seq], step: int) -> dict:
         """One AdamW step on the GRPO loss of `seqs` (micro-batched), the loss being the

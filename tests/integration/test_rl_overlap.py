@@ -1,0 +1,51 @@
+"""Asynchronous rollouts (`--async-rollouts`, `yeto.rl.overlap`) in a GRPO island
+against a real rollout node in this process: the next step's batch is sampled while
+the step trains, its staleness is measured against the trainer's version when it is
+trained, and a batch over --max-staleness is dropped and drawn again on newer weights.
+
+Here: the checks through in-process servers and training (the sampler's logic alone:
+tests/unit/test_rl_overlap.py)."""
+
+
+import numpy as np
+from helpers.rl import _configs
+from support import wait_until
+
+from yeto.rollout.engine import stop_token_ids
+from yeto.rollout.server import RolloutNode, serve_in_thread
+from yeto.rollout.torch_engine import TorchEngine
+
+
+def test_an_async_grpo_island_trains_and_drops_what_is_too_stale(tiny_llama, tiny_task):
+    from yeto.rl.run import prepare
+
+    engine = TorchEngine(tiny_llama)
+    node = RolloutNode(engine, model_name="tiny",
+                       eos_ids=stop_token_ids(tiny_llama, engine.tokenizer))
+    server, url = serve_in_thread(node)
+    cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
+                       max_staleness=0)
+    parts = prepare(cfg, rl)
+    trainer, weights = parts.trainer, parts.weights
+    start = weights.get().copy()
+    try:
+        m1 = trainer.step(1, 0)
+        assert m1["sample_versions"] == [0] and m1["stale_dropped"] == 0
+        # step 2's batch was drawn while step 1 trained: the node served it on version 0
+        assert wait_until(lambda: node.scheduler.requests == 2, 120)
+        node.scheduler.offer(weights.get().copy(), 1)  # then Θ version 1 reaches the node
+        m2 = trainer.step(2, 1)  # one version behind the trainer: over the bound 0
+        assert m2["stale_dropped"] == 1 and node.scheduler.requests >= 3
+        assert m2["sample_versions"] == [1] and m2["staleness"] == 0  # drawn again, fresh
+        m3 = trainer.step(3, 1)  # drawn during step 2, on version 1: kept
+        assert m3["stale_dropped"] == 0 and m3["sample_versions"] == [1]
+        assert trainer.sampler.dropped == 1
+        trained = [m for m in (m1, m2, m3) if m["tokens"]]
+        assert trained and all(np.isfinite(m["loss"]) for m in trained)
+        assert not np.array_equal(weights.get(), start)  # the LoRA moved
+    finally:
+        trainer.sampler.close()
+        trainer.pool.close()
+        server.shutdown()
+        server.server_close()
+        node.close()
