@@ -140,8 +140,11 @@ def test_the_mlx_grpo_island_joins_pushes_and_takes_theta(tiny_llama, tiny_task,
     from safetensors.numpy import load_file
     from support import running_syncer
 
+    import torch
+
     from yeto.rl.run import run_grpo
 
+    torch.set_num_threads(1)  # the node's, as a torch trainer in this process sets it
     node = _node(tiny_llama)
     server, url = serve_in_thread(node)
     out = tmp_path / "rl"
