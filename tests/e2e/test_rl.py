@@ -81,12 +81,20 @@ def test_grpo_island_in_a_run_with_an_observer_node(tiny_llama, tiny_task, tmp_p
     node.close()
 
 
+# `yeto rl`; the MLX island with torch and peft unimportable (`pip install "yeto[mlx]"`)
+LAUNCH = {"torch": ["-m", "yeto", "rl"],
+          "mlx": ["-c", "import sys, runpy\n"
+                        "for m in ('torch', 'peft'): sys.modules[m] = None\n"
+                        "sys.argv = ['yeto', 'rl', *sys.argv[1:]]\n"
+                        "runpy.run_module('yeto', run_name='__main__')\n"]}
+
+
 @pytest.mark.slow
 @pytest.mark.mlx
 def test_a_torch_and_an_mlx_grpo_island_in_one_run(tiny_llama, tiny_task, tmp_path):
-    """Mixed fleet: `yeto rl --backend torch` and `yeto rl --backend mlx` as processes,
-    one syncer (quorum 2), one rollout node: every round merges both islands' pushes,
-    and both end holding the syncer's final adapter bit for bit."""
+    """Mixed fleet: `yeto rl --backend torch` and `yeto rl --backend mlx` (without torch)
+    as processes, one syncer (quorum 2), one rollout node: every round merges both
+    islands' pushes, and both end holding the syncer's final adapter bit for bit."""
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
     from safetensors.numpy import load_file
     from support import run_together
@@ -100,7 +108,7 @@ def test_a_torch_and_an_mlx_grpo_island_in_one_run(tiny_llama, tiny_task, tmp_pa
         with start_syncer(["--quorum", "2", "--state-dir", str(tmp_path / "s")],
                           cwd=ROOT) as syncer:
             runs = run_together(*[
-                ["-m", "yeto", "rl", "--backend", backend, "--model", tiny_llama,
+                [*LAUNCH[backend], "--backend", backend, "--model", tiny_llama,
                  "--data", train, "--eval-data", held_out, "--syncer", syncer.address,
                  "--learner-id", f"grpo-{backend}", "--learner-index", i, "--num-learners", 2,
                  "--rollout-url", url + "/v1", "--max-steps", 4, "--sync-every", 2,
