@@ -1,5 +1,6 @@
 """`yeto island`: a torch or an MLX island (`--backend`), the same program and flags as
-``python -m yeto.learner`` / ``python -m yeto.mlx.learner``; `yeto rl`: the GRPO island."""
+``python -m yeto.learner`` / ``python -m yeto.mlx.learner``; `yeto rl`: the GRPO island, torch
+or MLX by its own `--backend` (``python -m yeto.rl``; torch is its default)."""
 
 from __future__ import annotations
 
