@@ -12,31 +12,36 @@ Part 1, throughput (in process, same weights, measured interleaved): completion
 tokens per second of a node over HTTP (requests sent at once, batched by the node,
 EOS ignored so every row has M tokens) against the bare generate of the same workload.
 
-Part 2, cadence (as `yeto demo --rl`: real processes, a syncer, rollout nodes
-observing it, a GRPO island pushing every H steps; "never": no syncer, the nodes
-serve the warm start forever): held-out reward (greedy, the island's own weights)
-after the same number of GRPO steps.
+Part 2, cadence (in this process: scripts/_rl_cadence.py): GRPO from an SFT warm
+start, the trainer sampling through yeto's real pool and an in-process torch rollout
+node (HTTP on loopback) whose weights are refreshed from the trainer every H steps
+("never": it keeps the warm start), each cadence with sampling synchronous and
+asynchronous (--async-rollouts, --max-staleness). Per arm, over seeds: held-out
+reward (greedy, the trainer's own weights) before and after, wall time of the GRPO
+steps, staleness in versions and in trainer steps, the behaviour-recomputed logprob
+gap, stale batches dropped. Each (arm, seed) result is cached under OUT/cadence/, so
+an interrupted run resumes (--fresh redoes them).
 
 The last line is `RESULT ratio=<torch node tok/s / transformers generate tok/s> ...`
-with the MLX ratio and the reward of each cadence.
+with the MLX ratio and the reward change of each cadence arm.
 
-    python scripts/bench_rollout.py                 # both parts (minutes)
-    python scripts/bench_rollout.py --quick         # throughput only, small workload
+    python scripts/bench_rollout.py                     # both parts
+    python scripts/bench_rollout.py --parts cadence     # the cadence table only
+    python scripts/bench_rollout.py --quick             # small workloads, two short arms
 """
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from _bench import ROOT, interleaved, parser, result_line
 
 from yeto.cli.display import markdown_table, print_table
+
+SFT_STEPS = 100  # the warm start: held-out reward neither near 0 nor at 1 (BENCHMARKS.md)
 
 
 def _args():
@@ -46,18 +51,27 @@ def _args():
     p.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="M: tokens per completion")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--cadences", default="1,2,5,never", help="sync cadences to compare")
-    p.add_argument("--steps", type=int, default=60, help="GRPO steps per cadence")
-    p.add_argument("--prompts-per-step", type=int, default=16, help="GRPO prompts per step")
-    p.add_argument("--sft-steps", type=int, default=80)
-    p.add_argument("--nodes", default="torch,mlx", help="rollout nodes in part 2")
-    p.add_argument("--inner-lr", type=float, default=1e-3)
-    p.add_argument("--temperature", type=float, default=0.5)
-    p.add_argument("--eval-prompts", type=int, default=100)
-    p.add_argument("--seeds", default="0",
-                   help="seeds of part 2 (warm start, prompt order, sampling): each cadence "
-                        "runs once per seed, the table shows the mean and spread")
     p.add_argument("--parts", default="throughput,cadence")
+    g = p.add_argument_group("part 2, cadence (each arm's result cached under OUT/cadence)")
+    g.add_argument("--cadences", default="1,2,5,10,never",
+                   help="steps between the node's weight refreshes; 'never': the warm start")
+    g.add_argument("--modes", default="sync,async",
+                   help="sync: each step's batch drawn when it starts; async: drawn while the "
+                        "previous step trains (--async-rollouts)")
+    g.add_argument("--max-staleness", type=int, default=1, help="the async arms' bound")
+    g.add_argument("--steps", type=int, default=300, help="GRPO steps per run")
+    g.add_argument("--prompts-per-step", type=int, default=8, help="GRPO prompts per step")
+    g.add_argument("--cadence-max-tokens", type=int, default=16, help="tokens per completion")
+    g.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="SFT warm-start steps")
+    g.add_argument("--inner-lr", type=float, default=1e-3)
+    g.add_argument("--warmup-steps", type=int, default=10)
+    g.add_argument("--temperature", type=float, default=0.5)
+    g.add_argument("--reward", default="reversal_accuracy", help="training rewards, comma list")
+    g.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts (greedy)")
+    g.add_argument("--seeds", default="0,1,2",
+                   help="seeds (warm start, prompt order, sampling): every arm runs once per "
+                        "seed; the table shows the mean and the spread")
+    g.add_argument("--fresh", action="store_true", help="ignore cached arm results")
     return p.parse_args()
 
 
@@ -169,34 +183,21 @@ def throughput(args, model_dir: Path, adapter: Path, data: Path) -> dict:
     return out
 
 
-# ---- part 2: cadence ----------------------------------------------------------------------
-def cadence_arm(args, cadence: str, seed: int, model: Path, adapter: Path, data) -> dict:
-    """One GRPO run: nodes observing a syncer and pushes every H steps, or "never"."""
-    from syncer.spawn import start_syncer
-    from yeto.rl import demo
+# ---- part 2: cadence (scripts/_rl_cadence.py) ---------------------------------------------
+def cadence_table(args, model: Path, adapters: dict, data, seeds: list[int]) -> dict:
+    import _rl_cadence
 
-    out = args.out / f"seed{seed}" / f"cadence-{cadence}"
-    ns = SimpleNamespace(out=out, nodes=args.nodes, max_steps=args.steps,
-                         sync_every=args.steps if cadence == "never" else int(cadence),
-                         group_size=args.group_size, prompts_per_step=args.prompts_per_step,
-                         inner_lr=args.inner_lr, temperature=args.temperature,
-                         warmup_steps=10, reward="reversal_accuracy,exact_match",
-                         eval_prompts=args.eval_prompts, seed=seed)
-    nodes = []
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    try:
-        if cadence == "never":  # no syncer: the nodes keep the warm start
-            nodes = demo.start_nodes(ns, model, adapter, syncer=None)
-            summary = demo.run_grpo(ns, model, adapter, data, None, nodes)
-        else:
-            with start_syncer(["--quorum", "1"], log=out / "syncer.log") as syncer:
-                nodes = demo.start_nodes(ns, model, adapter, syncer.address)
-                summary = demo.run_grpo(ns, model, adapter, data, syncer.address, nodes)
-    finally:
-        for n in nodes:
-            demo._stop(n["proc"])
-    return dict(summary, wall=time.monotonic() - t0)
+    if args.quick:  # a smoke run of the path: two arms, a few steps, one seed
+        args.cadences, args.steps, args.eval_prompts = "1,never", 6, 16
+        args.group_size, args.prompts_per_step = 4, 4
+    rows, headers, kv = _rl_cadence.table(args, model, adapters, data, seeds)
+    print(f"\ncadence: GRPO on word reversal in this process, {args.steps} steps, "
+          f"G={args.group_size} x {args.prompts_per_step} prompts, T={args.temperature}, "
+          f"lr {args.inner_lr}, SFT warm start {args.sft_steps} steps, one torch node, "
+          f"seeds {args.seeds} (mean ± standard deviation over seeds)")
+    print_table(headers, rows)
+    print(markdown_table(headers, rows))
+    return kv
 
 
 def main() -> int:
@@ -205,6 +206,8 @@ def main() -> int:
     from yeto.testing.tiny import make_tiny_model
 
     args.out = args.out.resolve()
+    if args.quick:
+        args.sft_steps, args.seeds = 20, args.seeds.split(",")[0]
     model = make_tiny_model(args.out / "model")
     data = make_task(args.out / "data")
     seeds = [int(x) for x in args.seeds.split(",")]
@@ -225,7 +228,7 @@ def main() -> int:
         ratio = t["node"] / t["bare"]
         kv.update(torch_node_tok_s=t["node"], torch_generate_tok_s=t["bare"],
                   mlx_ratio=m["node"] / m["bare"] if m else "n/a")
-    if "cadence" in args.parts and not args.quick:
+    if "cadence" in args.parts:
         kv.update(cadence_table(args, model, adapters, data, seeds))
     print(result_line(ratio, **kv))
     return 0
@@ -234,43 +237,8 @@ def main() -> int:
 def warm(args, model: Path, train: Path, seed: int) -> Path:
     from yeto.rl import demo
 
-    ns = SimpleNamespace(out=args.out / f"seed{seed}", seed=seed,
-                         sft_steps=20 if args.quick else args.sft_steps)
+    ns = SimpleNamespace(out=args.out / f"seed{seed}", seed=seed, sft_steps=args.sft_steps)
     return demo.warm_start(ns, model, train)
-
-
-def _mean(xs) -> float:
-    return sum(xs) / len(xs)
-
-
-def _spread(xs) -> str:
-    return f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""
-
-
-def cadence_table(args, model: Path, adapters: dict, data, seeds: list[int]) -> dict:
-    rows, kv = [], {}
-    for cadence in [c.strip() for c in args.cadences.split(",") if c.strip()]:
-        runs = [cadence_arm(args, cadence, seed, model, adapters[seed], data) for seed in seeds]
-        before, after = [r["reward_before"] for r in runs], [r["reward_after"] for r in runs]
-        change = [a - b for a, b in zip(after, before)]
-        stale = [r["staleness_mean"] for r in runs if r["staleness_mean"] is not None]
-        gaps = [r["logprob_gap_mean"] for r in runs if r["logprob_gap_mean"]]
-        label = "never" if cadence == "never" else f"every {cadence}"
-        rows.append([label, runs[0]["steps"], f"{_mean(before):.3f} -> {_mean(after):.3f}",
-                     f"{_mean(change):+.3f}{_spread(change)}",
-                     f"{_mean(stale):+.2f}" if stale else "-",
-                     f"{_mean(gaps):.3f}" if gaps else "-",
-                     f"{_mean([r['wall'] for r in runs]):.0f} s"])
-        kv[f"reward_{cadence}"] = _mean(after)
-        (args.out / "cadence.json").write_text(json.dumps(rows, indent=1))
-    headers = ["weights to nodes", "steps", "held-out reward", "change", "staleness",
-               "|logprob gap|", "time"]
-    print(f"\ncadence: GRPO on word reversal, {args.steps} steps, G={args.group_size} x "
-          f"{args.prompts_per_step} prompts, T={args.temperature}, nodes {args.nodes}, "
-          f"seeds {args.seeds} (mean; ± the spread over seeds)")
-    print_table(headers, rows)
-    print(markdown_table(headers, rows))
-    return kv
 
 
 if __name__ == "__main__":
