@@ -2,9 +2,11 @@
 and MLX: the rows of one batch, prompts of different lengths, sample what each row
 samples alone: the same token ids, logprobs within 1e-5.
 
-LFM2 (short-conv blocks: a conv state) and Granite-4.0-H (granitemoehybrid: mamba2
-blocks, a conv and an SSM state) by default; Falcon-H1, Nemotron-H, Qwen3-Next,
-Qwen3.5, LFM2-MoE and longer generations under ``-m slow``. The models are
+LFM2 (short-conv blocks: a conv state), Granite-4.0-H (granitemoehybrid: mamba2
+blocks, a conv and an SSM state) and Mamba (no attention at all: the batch has no
+keys, and no padding mask goes to its mixers) by default; eleven more hybrids and
+longer generations under ``-m slow``. Each row's logprobs are also checked against
+one forward over the whole sequence without a cache. The models are
 `yeto.testing.servable`'s tiny random-weight ones, with a random LoRA on top."""
 
 import json
@@ -20,7 +22,9 @@ from yeto.testing.servable import servable_model
 TOL = 1e-5
 #: 11 tokens, 2 (shorter than every conv kernel here: 3 and 4), 5
 PROMPTS = [[40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [7, 9], [300, 301, 302, 5, 6]]
-SLOW_ARCHS = ["falcon_h1", "nemotron_h", "qwen3_next", "qwen3_5", "lfm2_moe"]
+ARCHS = ["lfm2", "granitemoehybrid", "mamba"]
+SLOW_ARCHS = ["falcon_h1", "nemotron_h", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2_moe",
+              "mamba2", "falcon_mamba", "jamba", "kimi_linear", "olmo_hybrid"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,14 +126,14 @@ def _batched_equals_alone(engine, backend: str, n: int, max_tokens: int) -> None
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_batched_rows_sample_what_they_sample_alone(arch, backend, build):
     _batched_equals_alone(_engine(backend, build(arch)), backend, n=2, max_tokens=6)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", *SLOW_ARCHS])
+@pytest.mark.parametrize("arch", [*ARCHS, *SLOW_ARCHS])
 def test_long_batches_sample_what_they_sample_alone(arch, backend, build):
     _batched_equals_alone(_engine(backend, build(arch)), backend, n=4, max_tokens=40)
 

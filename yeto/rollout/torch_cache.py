@@ -94,6 +94,13 @@ def merge(caches: list[DynamicCache], lengths: list[int]) -> DynamicCache:
     return batch
 
 
+def has_keys(cache: DynamicCache) -> bool:
+    """Whether any layer of `cache` holds keys (so a padding mask means something to
+    the model). Pure state-space models (Mamba, Falcon-Mamba) hand a 2-D mask
+    straight to their mixers, which would broadcast one decode step over it."""
+    return any(_has_kv(layer) for layer in cache.layers)
+
+
 def select(cache: DynamicCache, idx: torch.Tensor) -> None:
     """Keep only rows `idx` (a 1-D index tensor) of every layer, in place."""
     for layer in cache.layers:

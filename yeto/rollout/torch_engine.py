@@ -25,7 +25,8 @@ from yeto.rollout.engine import LoRAEngine
 @dataclass
 class _Batch:
     cache: object            # transformers DynamicCache, batch of rows
-    mask: torch.Tensor       # (B, length) 1 = real key, 0 = padding
+    mask: torch.Tensor | None  # (B, length) 1 = real key, 0 = padding; None: no keys
+    #                            (state-space models, whose layers would misread it)
     pos: torch.Tensor        # (B,) position of each row's next token
 
 
@@ -94,13 +95,14 @@ class TorchEngine(LoRAEngine):
         length = int(lengths.max())
         mask = (torch.arange(length, device=self.device)[None, :]
                 >= (length - lengths)[:, None]).long()
-        return _Batch(cache, mask, lengths.clone())
+        return _Batch(cache, mask if torch_cache.has_keys(cache) else None, lengths.clone())
 
     @torch.inference_mode()
     def decode(self, state: _Batch, tokens: np.ndarray) -> np.ndarray:
         ids = torch.from_numpy(tokens).long().to(self.device)[:, None]
-        ones = torch.ones(ids.shape[0], 1, dtype=state.mask.dtype, device=self.device)
-        state.mask = torch.cat([state.mask, ones], dim=1)
+        if state.mask is not None:
+            ones = torch.ones(ids.shape[0], 1, dtype=state.mask.dtype, device=self.device)
+            state.mask = torch.cat([state.mask, ones], dim=1)
         out = self._lm(input_ids=ids, attention_mask=state.mask, position_ids=state.pos[:, None],
                        cache=state.cache, use_cache=True)
         state.pos = state.pos + 1
@@ -109,5 +111,6 @@ class TorchEngine(LoRAEngine):
     def filter(self, state: _Batch, keep: list[int]) -> _Batch:
         idx = torch.tensor(keep, device=self.device)
         torch_cache.select(state.cache, idx)
-        state.mask, state.pos = state.mask[idx], state.pos[idx]
+        state.mask = None if state.mask is None else state.mask[idx]
+        state.pos = state.pos[idx]
         return state
