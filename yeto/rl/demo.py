@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/demo-rl"), help="output folder")
     p.add_argument("--arch", default="llama", help="tiny model architecture")
     p.add_argument("--sft-steps", type=int, default=80, help="SFT warm-start steps")
-    p.add_argument("--max-steps", type=int, default=80, help="GRPO steps")
+    p.add_argument("--max-steps", type=int, default=120, help="GRPO steps")
     p.add_argument("--sync-every", type=int, default=2, help="GRPO steps between pushes")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=16)
