@@ -166,3 +166,12 @@ def test_a_node_serves_lfm2_batched(build):
         ids = [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]
         assert ids == alone.token_ids
         assert np.abs(np.array(c["logprobs"]["token_logprobs"]) - alone.logprobs).max() <= TOL
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_a_model_it_cannot_batch_is_refused_up_front(backend, build):
+    """RecurrentGemma keeps sliding-window attention beside its recurrent blocks, which
+    neither engine batches: the engine refuses it when built (the node exits with the
+    reason), not at the first request."""
+    with pytest.raises(ValueError, match=r"layer \d+ keeps a .*another engine"):
+        _engine(backend, build("recurrent_gemma"))

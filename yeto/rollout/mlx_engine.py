@@ -38,6 +38,7 @@ class MLXEngine(LoRAEngine):
 
             tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.tokenizer = tokenizer
+        check_batchable(self.model)
         self.attach(spec)
 
     @classmethod
@@ -104,20 +105,34 @@ class MLXEngine(LoRAEngine):
         return state
 
 
+def _exact(c) -> bool:
+    """Whether merging caches like `c` is exact (see the module's docstring)."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+
+    if isinstance(c, CacheList):
+        return all(_exact(part) for part in c.caches)
+    return type(c) in (KVCache, ArraysCache)
+
+
+def check_batchable(model) -> None:
+    """Refuse (ValueError) a model whose caches the engine cannot batch exactly."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    for i, c in enumerate(make_prompt_cache(model)):
+        if not _exact(c):
+            raise ValueError(
+                f"this model cannot be sampled in batches on MLX yet: layer {i} keeps a "
+                f"{type(c).__name__} (batched are full-attention KV caches and conv / "
+                f"state-space states, not sliding windows); serve it with another engine "
+                f"(e.g. vLLM)")
+
+
 def _merge_layer(rows: list, i: int):
     """Layer `i`'s cache of a batch, from that layer's cache of each row."""
-    from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache
+    from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    def exact(c) -> bool:  # caches whose merge is exact: see the module's docstring
-        if isinstance(c, CacheList):
-            return all(exact(part) for part in c.caches)
-        return type(c) in (KVCache, ArraysCache)
-
-    if not exact(rows[0]):
-        raise NotImplementedError(
-            f"batched MLX rollouts support full-attention KV caches and conv/recurrent "
-            f"state caches; layer {i} keeps a {type(rows[0]).__name__} (sliding-window "
-            f"and other caches are not batched yet)")
+    if not _exact(rows[0]):
+        raise ValueError(f"layer {i}: a {type(rows[0]).__name__} cannot be batched yet")
     if isinstance(rows[0], KVCache):
         return BatchKVCache.merge(rows)
     return type(rows[0]).merge(rows)

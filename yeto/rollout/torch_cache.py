@@ -28,7 +28,8 @@ from transformers.cache_utils import (
 
 
 def new_cache(config) -> DynamicCache:
-    """An empty cache for one prompt of a model with this config."""
+    """An empty cache for one prompt of a model with this config; ValueError for a
+    model whose cache cannot be batched exactly."""
     cache = DynamicCache(config=config)
     if not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
         return DynamicCache()  # attention only: every layer keeps all its keys
@@ -41,10 +42,11 @@ def _check_kind(layer, i: int) -> None:
     kv_ok = type(layer) in (DynamicLayer, DummyLayer) or isinstance(layer, LinearAttentionLayer)
     sliding = getattr(layer, "is_sliding", False)
     if not kv_ok or sliding:
-        raise NotImplementedError(
-            f"batched torch rollouts of hybrid models support full attention, conv and "
-            f"recurrent layers; layer {i} keeps a {type(layer).__name__} (sliding or "
-            f"indexed attention beside linear attention is not batched yet)")
+        raise ValueError(
+            f"this model cannot be sampled in batches on torch yet: layer {i} keeps a "
+            f"{type(layer).__name__} beside conv / state-space layers (batched are full "
+            f"attention, conv and state-space layers, not sliding or indexed attention "
+            f"in a hybrid); serve it with another engine (e.g. vLLM)")
 
 
 def _has_kv(layer) -> bool:

@@ -43,6 +43,7 @@ class TorchEngine(LoRAEngine):
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.model = base.to(self.device).eval()
+        torch_cache.new_cache(base.config)  # refuses a model it cannot batch, up front
         self.attach(spec)
 
     @classmethod
