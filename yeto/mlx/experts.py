@@ -102,7 +102,8 @@ class _Mapper:
             self.refused[path] = (f"{path} is a quantized SwitchLinear; load the float32/bf16 "
                                   "checkpoint instead of an MLX-quantized one")
             return
-        arr = None if self.trace is None else (self.trace.out or {}).get(f"{path}.weight")
+        # taken out of the trace, so its markers are freed once this layer is mapped
+        arr = None if self.trace is None else self.trace.take(f"{path}.weight")
         tensors = None if arr is None else self.trace.sources(arr)
         if not tensors:
             self.refused[path] = f"mlx-lm's {path} holds no per-expert checkpoint tensors"

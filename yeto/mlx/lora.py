@@ -217,10 +217,13 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
                          "float32/bf16 Hugging Face checkpoint instead of an MLX-quantized one")
     model.freeze()
     paths = HFPaths(model, hf_weight_names, config)
-    found, refused = fused_experts(model, paths)
+    # the marker trace of stacked experts costs memory: only when experts may be chosen
+    found, refused = ({}, {}) if targets.strip() in ("auto", "attention") else \
+        fused_experts(model, paths)
     where = paths.select(targets, config)
-    beside = routers(where, found)  # the router of fused experts stays frozen
+    beside = routers([*where, *paths.deltas], found)  # the router of fused experts stays frozen
     where = {hf: mp for hf, mp in where.items() if hf not in beside}
+    paths.deltas = {hf: d for hf, d in paths.deltas.items() if hf not in beside}
     params = _chosen_experts(found, refused, targets, config, paths.candidates())
     chosen = sorted([*where, *paths.deltas, *params])
     keys = dict(zip(chosen, mx.random.split(mx.random.key(seed), len(chosen))))
