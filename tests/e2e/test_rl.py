@@ -138,7 +138,7 @@ def test_a_torch_and_an_mlx_grpo_island_in_one_run(tiny_llama, tiny_task, tmp_pa
 @pytest.mark.slow
 @pytest.mark.mlx
 @pytest.mark.parametrize("nodes,trainer", [("torch,mlx", "torch"), ("direct", "torch"),
-                                           ("torch,mlx", "mlx")])  # observers; kept by the trainer
+                                           ("torch,mlx", "mlx")])  # torch,mlx: observer nodes
 def test_demo_rl_reward_rises(tmp_path, nodes, trainer):
     out = tmp_path / "demo-rl"
     r = subprocess.run([sys.executable, "-m", "yeto", "demo", "--rl", "--nodes", nodes,

@@ -4,8 +4,10 @@
 - `prompts`: RL prompts (token ids, text, reference) from the data formats;
 - `pool`: rollout nodes (`python -m yeto.rollout`, or any vLLM-compatible server)
   as a pool: groups round-robined, failed nodes skipped and reused;
-- `grpo`: advantages, logprob recomputation, the clipped loss;
-- `trainer`: the GRPO step and the held-out reward (greedy, own weights);
+- `seqs`: samples, group-normalised advantages, padded batches (backend-free);
+- `grpo`: the torch part of a step (logprob recomputation, the clipped loss, AdamW;
+  `TorchGRPO`); its MLX twin is `yeto.mlx.grpo.MLXGRPO` (`--backend mlx`);
+- `trainer`: the GRPO step and the held-out reward (greedy, own weights), backend-free;
 - `run`: the island (`yeto.island.Island` syncing, as every island);
 - `demo`: `yeto demo --rl`.
 """
