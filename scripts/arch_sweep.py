@@ -88,10 +88,6 @@ KNOWN: dict[str, tuple[str, str, str]] = {
                        "(g_proj + GroupRMSNorm, group_norm_size); transformers' bailing_hybrid "
                        "has gated delta-rule attention (BailingHybridDeltaAttention): another "
                        "architecture under the same model type"),
-    "nanochat": ("mlx-lm", "logits",
-        "mlx-lm's nanochat.py hard-codes RMSNorm eps 1e-5 (also in its "
-                 "QK-norm) and ignores rms_norm_eps (transformers' default 1e-6); with 1e-5 in "
-                 "the config the logits agree to 6e-7"),
     "gemma3n": ("transformers", "tiny", "Gemma3nForConditionalGeneration needs timm and pillow for "
                 "its vision tower (not installed), so no tiny model is written"),
 }

@@ -66,3 +66,126 @@ def test_mixture_of_experts_layer_list():
     cfg = _tiny_config("exaone_moe")
     out = config_overrides(cfg)
     assert out["is_moe_layer"] == [t != "dense" for t in cfg["mlp_layer_types"]]
+
+
+# ---- exact activations (yeto.mlx.activations) ------------------------------------------
+def test_every_activation_is_transformers_formula():
+    """Each ACTIVATIONS entry computes transformers' ACT2FN function to float32 rounding."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from transformers.activations import ACT2FN
+
+    from yeto.mlx.activations import ACTIVATIONS, _function
+
+    x = np.linspace(-12, 12, 2001, dtype=np.float32)
+    for name, mlx_name in ACTIVATIONS.items():
+        want = ACT2FN[name](torch.from_numpy(x)).numpy()
+        got = np.array(_function(mlx_name)(mx.array(x)))
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-6), name
+
+
+def test_activation_sites_name_one_hard_coded_call():
+    """Every site in the table exists in mlx-lm and calls exactly one known activation."""
+    import importlib
+    import inspect
+
+    from yeto.mlx.activations import ACTIVATION_SITES, called
+
+    for kind, (_, classes) in ACTIVATION_SITES.items():
+        module = importlib.import_module(f"mlx_lm.models.{kind}")
+        found = {n: c for m in (module, *[v for v in vars(module).values()
+                                          if inspect.ismodule(v) and "mlx_lm" in v.__name__])
+                 for n, c in vars(m).items() if inspect.isclass(c)}
+        for name in classes:
+            assert name in found, f"{kind}: no class {name} in mlx-lm"
+            assert called(found[name]) is not None, f"{kind}.{name}"
+
+
+def _mlx_model(arch: str, **overrides):
+    from yeto.mlx.shims import _classes
+
+    cfg = _tiny_config(arch, **overrides)
+    cfg = {**cfg, **config_overrides(cfg)}
+    build, args_cls = _classes(cfg)
+    return build(args_cls.from_dict(cfg))
+
+
+@pytest.mark.parametrize("arch,act,expected", [
+    ("gemma", "gelu_pytorch_tanh", "gelu_approx"),   # mlx-lm: exact gelu
+    ("gpt_neox", "gelu", "gelu"),                    # mlx-lm: the tanh form
+    ("llama", "gelu", "gelu"),                       # mlx-lm: swiglu (silu gate)
+])
+def test_the_config_activation_is_what_the_mlp_computes(arch, act, expected):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+
+    model = _mlx_model(arch, hidden_act=act)
+    mlp = next(m for _, m in model.named_modules() if type(m).__name__ == "MLP")
+    x = mx.random.normal((2, 3, archs.TINY["hidden_size"]), key=mx.random.key(0))
+    fn = getattr(nn, expected)
+    if arch == "gpt_neox":
+        want = mlp.dense_4h_to_h(fn(mlp.dense_h_to_4h(x)))
+    else:
+        want = mlp.down_proj(fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert np.allclose(np.array(mlp(x)), np.array(want), rtol=1e-6, atol=1e-7)
+
+
+def test_an_activation_mlx_cannot_compute_is_refused_by_name():
+    from yeto.mlx.activations import ActivationError
+
+    with pytest.raises(ActivationError, match=r"hidden_act='xielu'"):
+        _mlx_model("llama", hidden_act="xielu")
+
+
+# ---- configs other than the presets ------------------------------------------------------
+def test_one_kind_of_layer_only():
+    """exaone4 with no sliding layer: no pattern (mlx-lm looks for an "L" in any)."""
+    cfg = _tiny_config("exaone4", layer_types=["full_attention"] * 6)
+    assert config_overrides(cfg)["sliding_window_pattern"] is None
+    model = _mlx_model("exaone4", layer_types=["full_attention"] * 6)
+    assert model.model.swa_idx is None
+
+
+def test_layer_patterns_are_fitted_or_built_layer_by_layer():
+    lin, full = "linear_attention", "full_attention"
+    cfg = _tiny_config("qwen3_next", layer_types=[lin, lin, full, lin, lin, full])
+    assert config_overrides(cfg)["full_attention_interval"] == 3
+    for types in ([lin] * 6, [full, lin, lin, lin, lin, full]):  # one kind; no period
+        cfg = _tiny_config("qwen3_next", layer_types=types)
+        out = config_overrides(cfg)
+        assert out["yeto_layer_kinds"] == {"full_attention_interval": [t == full for t in types]}
+        model = _mlx_model("qwen3_next", layer_types=types)
+        assert [not x.is_linear for x in model.layers] == [t == full for t in types]
+        assert model.model.fa_idx == (0 if full in types else None)
+
+
+def test_mlp_width_not_a_multiple_of_the_hidden_size():
+    """mlx-lm's gpt_neox.py builds the MLP 4 x hidden; the config's width is built."""
+    model = _mlx_model("gpt_neox", intermediate_size=72)
+    assert model.model.h[0].mlp.dense_h_to_4h.weight.shape == (72, 64)
+
+
+def test_a_head_width_mlx_lm_cannot_hold_is_refused_by_name():
+    from yeto.mlx.errors import UnsupportedConfig
+
+    cfg = _tiny_config("mixtral", head_dim=32)
+    with pytest.raises(UnsupportedConfig, match=r"head_dim=32: mlx-lm's mixtral.py needs"):
+        config_overrides(cfg)
+
+
+def test_rope_scaling_reaches_a_plain_rope_module():
+    """mlx-lm's gemma.py builds nn.RoPE whatever the scaling; llama3 and longrope replace it."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    from yeto.mlx.rope import LongRoPE
+
+    rope = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model = _mlx_model("gemma", rope_parameters=rope)
+    assert isinstance(model.model.layers[0].self_attn.rope, Llama3RoPE)
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
+    model = _mlx_model("gemma", rope_parameters=rope)
+    assert isinstance(model.model.layers[0].self_attn.rope, LongRoPE)

@@ -24,6 +24,7 @@ import types
 from typing import Any
 
 from yeto.mlx.errors import UnsupportedConfig
+from yeto.mlx.rebind import Namespace, call_code, with_globals
 
 #: transformers activation name (``transformers.activations.ACT2CLS``) -> the MLX
 #: function computing exactly the same formula (`_function` resolves the name)
@@ -128,53 +129,25 @@ def wanted(model_type: str, config: dict[str, Any]) -> str | None:
 def called(cls) -> str | None:
     """The one `CALLED` activation a module class's ``__call__`` calls (None: none, or
     more than one)."""
-    owner = next((c for c in cls.__mro__ if "__call__" in vars(c)), None)
-    code = getattr(vars(owner)["__call__"], "__code__", None) if owner else None
+    code = call_code(cls)
     found = set(code.co_names) & set(CALLED) if code is not None else set()
     return found.pop() if len(found) == 1 else None
-
-
-_SUBCLASSES: dict[tuple[type, str, str], type] = {}
 
 
 def _bind(cls, name: str, target: str) -> type:
     """A subclass of ``cls`` whose ``__call__`` is its own code with the activation
     ``name`` bound to the MLX function ``target`` (a gated ``swiglu(gate, x)`` to
     ``target(gate) * x``)."""
-    key = (cls, name, target)
-    if key in _SUBCLASSES:
-        return _SUBCLASSES[key]
     fn = _function(target)
     new = (lambda gate, x: fn(gate) * x) if name in _GATED else fn
     owner = next(c for c in cls.__mro__ if "__call__" in vars(c))
-    call = vars(owner)["__call__"]
-    scope = dict(call.__globals__)
+    scope = vars(owner)["__call__"].__globals__
     if name in scope and not isinstance(scope[name], types.ModuleType):
-        scope[name] = new                     # swiglu(...), relu_squared(...)
-    else:                                     # nn.gelu(...): the module it is read from
-        for ref in call.__code__.co_names:
-            mod = scope.get(ref)
-            if isinstance(mod, types.ModuleType) and hasattr(mod, name):
-                scope[ref] = _Namespace(mod, {name: new})
-    body = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__,
-                              call.__closure__)
-    body.__kwdefaults__ = call.__kwdefaults__
-    sub = type(cls.__name__, (cls,), {"__call__": body, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
-    _SUBCLASSES[key] = sub
-    return sub
-
-
-class _Namespace(types.ModuleType):
-    """A module (``mlx.nn``) with some names replaced."""
-
-    def __init__(self, module: types.ModuleType, replaced: dict[str, Any]):
-        super().__init__(module.__name__)
-        self._module = module
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, attr: str):
-        return getattr(self._module, attr)
+        replaced = {name: new}                 # swiglu(...), relu_squared(...)
+    else:                                      # nn.gelu(...): the module it is read from
+        replaced = {ref: Namespace(scope[ref], {name: new}) for ref in call_code(cls).co_names
+                    if isinstance(scope.get(ref), types.ModuleType) and hasattr(scope[ref], name)}
+    return with_globals(cls, replaced, key=("activation", name, target))
 
 
 def patch_activations(model, model_type: str, config: dict[str, Any]) -> list[str]:
@@ -188,7 +161,7 @@ def patch_activations(model, model_type: str, config: dict[str, Any]) -> list[st
     done: dict[str, str] = {}
     for _, module in model.named_modules():
         cls = type(module)
-        if cls.__name__ not in classes or cls in _SUBCLASSES.values():
+        if cls.__name__ not in classes or vars(cls).get("_yeto_rebound"):
             continue
         name = called(cls)
         if name is None or CALLED[name] == target:

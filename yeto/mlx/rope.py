@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from yeto.mlx.errors import UnsupportedConfig
+
 
 class LongRoPE(nn.Module):
     """transformers' longrope: inverse frequencies ``1 / (ext · base^(2i/d))`` with
@@ -26,9 +28,10 @@ class LongRoPE(nn.Module):
     else max / original positions)."""
 
     def __init__(self, dims: int, base: float, scaling: dict[str, Any],
-                 max_position_embeddings: int | None):
+                 max_position_embeddings: int | None, traditional: bool = False):
         super().__init__()
         self.dims = dims
+        self.traditional = traditional
         self.original = int(scaling["original_max_position_embeddings"])
         factor = scaling.get("factor") or (max_position_embeddings or self.original) / self.original
         scale = scaling.get("attention_factor")
@@ -44,7 +47,8 @@ class LongRoPE(nn.Module):
         end = (offset if isinstance(offset, int) else int(mx.max(offset).item())) + x.shape[-2]
         freqs = self._short if end <= self.original else self._long
         return mx.fast.rope(x.at[..., :self.dims].multiply(self.scale), self.dims,
-                            traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs)
+                            traditional=self.traditional, base=None, scale=1.0, offset=offset,
+                            freqs=freqs)
 
 
 def _scaling(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -55,10 +59,14 @@ def _scaling(config: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+_MAX_POSITIONS = ("max_position_embeddings", "max_seq_len", "n_positions", "n_ctx")
+
+
 def _max_positions(config: dict[str, Any]) -> int | None:
     for level in (config.get("text_config"), config):
-        if isinstance(level, dict) and level.get("max_position_embeddings"):
-            return int(level["max_position_embeddings"])
+        for key in _MAX_POSITIONS:
+            if isinstance(level, dict) and level.get(key):
+                return int(level[key])
     return None
 
 
@@ -80,18 +88,26 @@ def _replacement(old, scaling: dict, config: dict):
     if type(old) is not nn.RoPE:
         return None
     if kind == "longrope":
-        return LongRoPE(old.dims, old.base, scaling, max_pos)
+        return LongRoPE(old.dims, old.base, scaling, max_pos, old.traditional)
     if kind == "linear" and not math.isclose(old.scale, 1.0):
         return None  # the model file applied the linear factor itself
     return initialize_rope(old.dims, old.base, old.traditional, scaling, max_pos)
 
 
+def _expected(kind: str) -> tuple[str, ...]:
+    """Class names a RoPE module may have for a scaling type (mlx-lm's and ours)."""
+    return {"linear": ("RoPE",), "dynamic": ("DynamicNTKScalingRoPE",),
+            "llama3": ("Llama3RoPE",), "longrope": ("LongRoPE",)}.get(kind, (kind,))
+
+
 def fix_rope(model, args, config: dict[str, Any]) -> list[str]:
     """Replace the RoPE modules that ignore the config's scaling (see the module
-    docstring); returns the module paths replaced."""
+    docstring); returns the module paths replaced. A RoPE module of the model file's
+    own class that does not apply the scaling is refused (`UnsupportedConfig`)."""
     scaling = _scaling(config)
     if scaling is None:
         return []
+    kind = scaling.get("rope_type", scaling.get("type"))
     done = []
     for path, module in model.named_modules():
         for name, child in list(module.children().items()):
@@ -101,4 +117,15 @@ def fix_rope(model, args, config: dict[str, Any]) -> list[str]:
             if new is not None:
                 setattr(module, name, new)
                 done.append(f"{path}.{name}" if path else name)
+            elif _is_rope(child) and not any(
+                    e.lower() in type(child).__name__.lower() for e in _expected(kind)):
+                raise UnsupportedConfig(
+                    f"rope_parameters.rope_type={kind!r}: mlx-lm's "
+                    f"{type(child).__module__.rsplit('.', 1)[-1]}.py rotates with its own "
+                    f"{type(child).__name__}, which does not apply {kind} scaling")
     return done
+
+
+def _is_rope(module) -> bool:
+    name = type(module).__name__
+    return "RoPE" in name or "Rotary" in name

@@ -63,8 +63,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from yeto.mlx import layer_kinds
 from yeto.mlx.activations import patch_activations
 from yeto.mlx.errors import UnsupportedConfig
+from yeto.mlx.rebind import Namespace, rebind
 from yeto.mlx.rope import fix_rope
 from yeto.mlx.structure import reconcile
 
@@ -188,9 +190,14 @@ def _text_args_class(module, text_config: dict, own_first: bool = False):
     qwen3_5 ``TextModelArgs``, gemma3n ``TextConfig``)."""
     from mlx_lm.models.base import BaseModelArgs
 
-    own = next((obj for name, obj in vars(module).items()
+    # its own module's, else that of the module its Model derives from (qwen3_5_moe.py's
+    # Model is qwen3_5.py's, built from qwen3_5.TextModelArgs)
+    homes = [module] + [importlib.import_module(c.__module__)
+                        for c in getattr(module, "Model", object).__mro__[1:]
+                        if c.__module__.startswith("mlx_lm.models.")]
+    own = next((obj for home in homes for name, obj in vars(home).items()
                 if inspect.isclass(obj) and issubclass(obj, BaseModelArgs) and "Text" in name
-                and obj.__module__ == module.__name__), None)
+                and obj.__module__ == home.__name__), None)
     if own is not None and own_first:
         return own
     kind = text_config.get("model_type")
@@ -280,6 +287,8 @@ def _translate(config: dict[str, Any], args_cls, hf, parent: dict | None = None
         out["rope_scaling"] = None  # plain RoPE; exaone4's ModelArgs requires the field
     _periodic(have, fields, out, args_cls)
     _head_dim_check(have, fields, args_cls)
+    if "text_config" not in fields and have.get("model_type") in _CHECKS:
+        _CHECKS[have["model_type"]](have, args_cls)
     return out
 
 
@@ -294,27 +303,44 @@ def _fit(n: int, special: list[bool], rule) -> int | None:
 
 
 # mlx-lm field -> (transformers list, which entries it marks, mlx-lm's rule for layer i)
+def _moe_marks(c: dict) -> list[bool] | None:
+    """Llama 4's ``moe_layers`` (indices) as one flag per layer."""
+    n, moe = c.get("num_hidden_layers"), c.get("moe_layers")
+    return [i in moe for i in range(n)] if isinstance(moe, list) and isinstance(n, int) else None
+
+
+def _kind_marks(key: str, marks):
+    return lambda c: ([marks(t) for t in c[key]] if isinstance(c.get(key), list) and c[key]
+                      else None)
+
+
+# mlx-lm field -> (the list transformers reads, as flags per layer; mlx-lm's rule for
+# whether layer i is flagged under the field's value v)
 _PERIODS = {
-    "full_attention_interval": ("layer_types", lambda t: t == _FULL,
+    "full_attention_interval": (_kind_marks("layer_types", lambda t: t == _FULL),
                                 lambda v, i: (i + 1) % v == 0),
-    "sliding_window_pattern": ("layer_types", lambda t: t != _SLIDING,
+    "sliding_window_pattern": (_kind_marks("layer_types", lambda t: t != _SLIDING),
                                lambda v, i: (i + 1) % v == 0),
+    "interleave_moe_layer_step": (_moe_marks, lambda v, i: i % v == v - 1),
 }
 
 
 def _periodic(have: dict, fields: dict, out: dict, args_cls) -> None:
     """mlx-lm fields that place layers of a kind periodically (every v-th layer global,
     the first k dense then MoE every f-th), set so that they give transformers' per-layer
-    lists, or `UnsupportedConfig` where no period does."""
-    for name, (key, marks, rule) in _PERIODS.items():
-        types = have.get(key)
-        if name not in fields or not isinstance(types, list) or "str" in fields[name][1]:
+    lists; where no period in range does, the kinds go under `layer_kinds.KEY` for
+    `layer_kinds.rebuild_layers` (and the period is set to 1, a value the model file can
+    index with)."""
+    kinds: dict[str, list[bool]] = {}
+    for name, (marks_of, rule) in _PERIODS.items():
+        marks = marks_of(have)
+        if name not in fields or marks is None or "str" in fields[name][1]:
             continue
-        v = _fit(len(types), [marks(t) for t in types], rule)
-        if v is None:
-            raise UnsupportedConfig(
-                f"{key}={types}: {_where(args_cls)} places these layers periodically ({name}); "
-                "this interleaving has no period")
+        v = _fit(len(marks), marks, rule)
+        if v is None and "layer_types" in fields:
+            continue  # the model file reads the list itself (gemma4_text.py)
+        if v is None or v > len(marks):
+            kinds[name], v = marks, 1
         out[name] = have[name] = v
     mlp = _mlp_types(have)
     if mlp is not None and "first_k_dense_replace" in fields and "moe_layer_freq" in fields \
@@ -323,23 +349,52 @@ def _periodic(have: dict, fields: dict, out: dict, args_cls) -> None:
         k = sparse.index(True) if any(sparse) else len(mlp)
         f = _fit(len(mlp), sparse, lambda v, i: i >= k and i % v == 0)
         if f is None:
-            raise UnsupportedConfig(
-                f"mlp_layer_types={mlp}: {_where(args_cls)} has dense layers first, then MoE "
-                "every moe_layer_freq-th layer; this order cannot be represented")
+            kinds["first_k_dense_replace"], k, f = sparse, 0, 1
         out["first_k_dense_replace"], out["moe_layer_freq"] = k, f
+    if kinds:
+        out[layer_kinds.KEY] = have[layer_kinds.KEY] = kinds
+
+
+# mlx-lm files that read head_dim but reshape the attention output to hidden_size
+_HIDDEN_IS_HEADS = {"exaone"}
+
+
+def _llama4_layers(have: dict, args_cls) -> None:
+    """mlx_lm/models/llama4.py hard-codes Llama 4's layer plan: chunked attention with
+    RoPE in every layer but each 4th, which attends globally without RoPE (and it
+    takes the global mask from layer 3's cache); transformers reads ``layer_types`` and
+    ``no_rope_layers`` (1 = rotate)."""
+    n = have.get("num_hidden_layers")
+    if isinstance(n, int) and n < 4:
+        raise UnsupportedConfig(f"num_hidden_layers={n}: {_where(args_cls)} needs at least 4 "
+                                "layers (it takes the global mask from layer 3's cache)")
+    plan = [(i + 1) % 4 != 0 for i in range(n if isinstance(n, int) else 0)]
+    for key, flags in (("no_rope_layers", have.get("no_rope_layers")),
+                       ("layer_types", [t == "chunked_attention" for t in have["layer_types"]]
+                        if isinstance(have.get("layer_types"), list) else None)):
+        if isinstance(flags, list) and [bool(f) for f in flags] != plan:
+            raise UnsupportedConfig(
+                f"{key}={have[key]}: {_where(args_cls)} rotates and chunks attention in every "
+                "layer but each 4th (layers 3, 7, ...), which attends globally without RoPE")
+
+
+# model type -> a check of a config the model file cannot represent
+_CHECKS = {"llama4": _llama4_layers, "llama4_text": _llama4_layers}
 
 
 def _head_dim_check(have: dict, fields: dict, args_cls) -> None:
-    """A head width mlx-lm cannot hold: its ModelArgs has no head_dim and it computes
-    hidden_size / num_attention_heads."""
+    """A head width mlx-lm cannot hold: its ModelArgs has no head_dim (or it reshapes
+    the attention output to hidden_size), so heads x head_dim must be hidden_size."""
     hd, hidden, heads = have.get("head_dim"), have.get("hidden_size"), have.get(
         "num_attention_heads")
-    if ("head_dim" in fields or not all(isinstance(x, int) for x in (hd, hidden, heads))
+    if (("head_dim" in fields and have.get("model_type") not in _HIDDEN_IS_HEADS)
+            or "text_config" in fields  # a composite: its text model's arguments decide
+            or not all(isinstance(x, int) for x in (hd, hidden, heads))
             or "kv_lora_rank" in have or hd * heads == hidden):
         return
     raise UnsupportedConfig(
-        f"head_dim={hd}: {_where(args_cls)} computes the head width as hidden_size / "
-        f"num_attention_heads = {hidden / heads:g} (it reads no head_dim)")
+        f"head_dim={hd}: {_where(args_cls)} needs num_attention_heads x head_dim = "
+        f"hidden_size ({heads} x {hd} != {hidden})")
 
 
 def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -410,9 +465,9 @@ def _sliding_window_pattern(config: dict, annotation: str) -> Any:
     if types is None:
         return None
     if "str" in annotation:
-        if isinstance(current, str):
-            return None
-        return "".join("L" if t == _SLIDING else "G" for t in types)
+        pattern = "".join("L" if t == _SLIDING else "G" for t in types)
+        # no sliding layer: None (exaone4.py looks for an "L" in any pattern it is given)
+        return _NONE if "L" not in pattern else pattern
     if current is not None:
         return None
     full = [i for i, t in enumerate(types) if t != _SLIDING]
@@ -429,7 +484,11 @@ def _full_attn_idxs(c: dict, _annotation: str) -> list[int] | None:
     """lfm2.py builds attention where ``full_attn_idxs`` says; transformers reads
     ``layer_types``, so that decides (the two can disagree in a config)."""
     types = _layer_types(c)
-    return None if types is None else [i for i, t in enumerate(types) if t == _FULL]
+    if types is None:
+        return None
+    # no attention layer: an index past the end (lfm2.py reads the list's first entry;
+    # layer_kinds.repair_indices then points it at layer 0, whose mask no layer uses)
+    return [i for i, t in enumerate(types) if t == _FULL] or [len(types)]
 
 
 def _per_layer(c: dict, key: str) -> Any:
@@ -616,11 +675,9 @@ _FORCED: dict[str, dict[str, Any]] = {
 # ---- checkpoint layouts ---------------------------------------------------------------
 def _gpt2_weights(weights: dict, args=None) -> dict:
     """mlx_lm/models/gpt2.py reads the original GPT-2 layout (``h.0.attn...``);
-    transformers writes ``transformer.h.0.attn...`` (and the tied ``lm_head``)."""
+    transformers writes ``transformer.h.0.attn...``."""
     out = {}
-    for k, v in weights.items():
-        if k == "lm_head.weight":
-            continue  # GPT-2 ties it to wte, which mlx-lm uses as the head
+    for k, v in weights.items():  # an untied lm_head: yeto.mlx.structure
         out[k[len("transformer."):] if k.startswith("transformer.") else k] = v
     return out
 
@@ -742,9 +799,25 @@ def _longcat_weights(weights: dict, args) -> dict:
             if not ((m := expert.search(k)) and int(m[1]) >= args.n_routed_experts)}
 
 
+_OFFSET_NORM = re.compile(r"(\.input_layernorm|\.post_attention_layernorm|\.q_norm|\.k_norm"
+                          r"|(^|\.)(model|language_model)\.norm)\.weight$")
+
+
+def _offset_norms(weights: dict, args=None) -> dict:
+    """mlx_lm/models/qwen3_5.py adds 1 to the (1 + w) RMSNorm
+    weights transformers writes only when it sees a transformers-layout conv1d weight;
+    a checkpoint without linear-attention layers has none, so the weights (always
+    transformers-written here) are shifted before."""
+    if any("conv1d.weight" in k for k in weights):
+        return weights
+    return {k: v + 1.0 if _OFFSET_NORM.search(k) and v.ndim == 1 else v
+            for k, v in weights.items()}
+
+
 # model type -> translation of the transformers-written weights, before mlx-lm's sanitize
 _WEIGHTS = {"gpt2": _gpt2_weights, "gpt_oss": _gpt_oss_weights,
-            "kimi_linear": _kimi_linear_weights, "qwen3_5_moe": _stacked_experts,
+            "kimi_linear": _kimi_linear_weights, "qwen3_5": _offset_norms,
+            "qwen3_5_moe": lambda w, a=None: _offset_norms(_stacked_experts(w, a), a),
             "olmo_hybrid": _olmo_hybrid_weights, "nanochat": _nanochat_weights,
             "longcat_flash": _longcat_weights,
             # mlx_lm/models/mimo_v2_flash.py names the attention sinks attention_sink_bias
@@ -788,10 +861,33 @@ def _gpt_neox_width(model, args, config: dict) -> None:
             mlp.dense_4h_to_h = nn.Linear(width, args.hidden_size)
 
 
+def _gemma3_embed_scale(model, args, config: dict) -> None:
+    """mlx_lm/models/gemma3_text.py rounds the embedding scale sqrt(hidden_size) to
+    bfloat16 (as Gemma's own code does); transformers computes it in the model's dtype,
+    1e-3 apart where bfloat16 cannot hold the root (hidden 48, 96). Rounded to the
+    model's dtype here too (float32 -> exact; bfloat16 -> as before)."""
+    import mlx.core as mx
+
+    rebind(model, "mlx_lm.models.gemma3_text",
+           {"mx": Namespace(mx, {"bfloat16": mx.float32})}, key="gemma3-scale")
+
+
+def _nanochat_eps(model, args, config: dict) -> None:
+    """mlx_lm/models/nanochat.py normalises with eps 1e-5 everywhere (its rms_norm);
+    transformers' NanoChat with the config's rms_norm_eps (default 1e-6)."""
+    import mlx.core as mx
+
+    eps = config.get("rms_norm_eps")
+    if eps is not None:
+        rebind(model, "mlx_lm.models.nanochat",
+               {"rms_norm": lambda x: mx.fast.rms_norm(x, None, eps)}, key=("nanochat", eps))
+
+
 # model type -> settings of the built mlx-lm model that mlx-lm leaves at a constant where
 # the checkpoint's config says otherwise (applied before the weights load)
 _MODEL_FIXES = {"glm": (_glm_rope,), "recurrent_gemma": (_recurrent_gemma_eps,),
-                "gpt_neox": (_gpt_neox_width,)}
+                "gpt_neox": (_gpt_neox_width,), "gemma3": (_gemma3_embed_scale,),
+                "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,)}
 
 
 def _classes(config: dict):
@@ -810,19 +906,21 @@ def _classes(config: dict):
     def build(args):
         try:
             model = model_cls(args)
-        except (ValueError, IndexError) as e:
-            kinds = _one_kind(config)
-            if kinds is None:
-                raise
-            raise UnsupportedConfig(
-                f"{kinds[0]}: only {kinds[1]!r} layers: {_where(model_cls)} needs a layer of "
-                f"each kind ({type(e).__name__}: {e})") from e
+        except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
+            raise _unbuildable(config, model_cls, e) from e
         if "_no_grad" not in vars(model):
             model._no_grad = set()
             model._training = True
         for repair in _MODEL_FIXES.get(config.get("model_type"), ()):
             repair(model, args, config)
-        patched = patch_activations(model, config.get("model_type"), config)
+        try:
+            patched = layer_kinds.rebuild_layers(model, config)
+        except (ValueError, TypeError) as e:
+            raise UnsupportedConfig(
+                f"layer kinds {config.get(layer_kinds.KEY)}: {_where(model_cls)} places them "
+                f"periodically and its layers cannot be rebuilt one by one ({e})") from e
+        patched += layer_kinds.repair_indices(model)
+        patched += patch_activations(model, config.get("model_type"), config)
         patched += fix_rope(model, args, config)
         if patched:
             log.debug("built model: %s", "; ".join(patched))
@@ -832,7 +930,51 @@ def _classes(config: dict):
             model, sanitize(fix(w, args) if fix is not None else w)))
         return model
 
-    return build, args_cls
+    return build, _CheckedArgs(args_cls, model_cls, config)
+
+
+def _unbuildable(config: dict, model_cls, e: Exception) -> Exception:
+    """mlx-lm refused to build its arguments or model from the config: an
+    `UnsupportedConfig` that names what the config asks (one layer kind only, a RoPE
+    type) or quotes mlx-lm's own check (an assertion or ValueError raised in mlx-lm's
+    code, "hidden_size must be divisible by num_heads"); anything else is ``e`` itself."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    in_mlx_lm = bool(frames) and "mlx_lm" in Path(frames[-1].filename).parts
+    where, cause = _where(model_cls), f"({type(e).__name__}: {e})"
+    kinds = _one_kind(config)
+    text = str(e)
+    if kinds is not None and (isinstance(e, IndexError) or "not in list" in text
+                              or "substring not found" in text):
+        return UnsupportedConfig(f"{kinds[0]}: only {kinds[1]!r} layers: {where} needs a "
+                                 f"layer of each kind {cause}")
+    scaling = next((c.get("rope_scaling") for c in (config, config.get("text_config"))
+                    if isinstance(c, dict) and isinstance(c.get("rope_scaling"), dict)), None)
+    if scaling is not None and (any(f.filename.endswith("rope_utils.py") for f in frames)
+                                or "rope" in text.lower()):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        return UnsupportedConfig(f"rope_parameters.rope_type={kind!r}: {where} cannot build "
+                                 f"that RoPE {cause}")
+    if in_mlx_lm and isinstance(e, (AssertionError, ValueError)) and text:
+        return UnsupportedConfig(f"{where} refuses this config: {text}")
+    return e
+
+
+class _CheckedArgs:
+    """mlx-lm's ModelArgs class, its refusals said as `_unbuildable` says them."""
+
+    def __init__(self, args_cls, model_cls, config: dict):
+        self.args_cls, self.model_cls, self.config = args_cls, model_cls, config
+
+    def from_dict(self, params: dict):
+        try:
+            return self.args_cls.from_dict(params)
+        except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
+            raise _unbuildable(self.config, self.model_cls, e) from e
+
+    def __getattr__(self, name: str):
+        return getattr(self.args_cls, name)
 
 
 def _one_kind(config: dict) -> tuple[str, str] | None:

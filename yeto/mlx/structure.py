@@ -27,11 +27,20 @@ HEADS = ("lm_head.weight", "embed_out.weight")  # gpt_neox's is embed_out
 EMBEDDINGS = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
 
 
-class UntiedEmbedding(nn.Embedding):
-    """An embedding whose ``as_linear`` uses its own head matrix (``head``)."""
+class UntiedEmbedding:
+    """Mixed into an embedding's own class: ``as_linear`` uses its head matrix (``head``)."""
 
     def as_linear(self, x):
         return x @ self["head"].T
+
+
+_UNTIED: dict[type, type] = {}
+
+
+def _untied(cls: type) -> type:
+    if cls not in _UNTIED:
+        _UNTIED[cls] = type(cls.__name__, (UntiedEmbedding, cls), {"__module__": cls.__module__})
+    return _UNTIED[cls]
 
 
 def _module(model, path: str):
@@ -58,9 +67,11 @@ def _biases(model, weights: dict, params: dict) -> None:
 
 def _embedding_of(model, prefix: str, shape) -> str | None:
     """The path of the model's embedding under ``prefix`` whose matrix has ``shape``."""
-    return next((p for p, m in model.named_modules() if p.startswith(prefix)
-                 and isinstance(m, nn.Embedding) and tuple(m.weight.shape) == tuple(shape)),
-                None)
+    found = [p for p, m in model.named_modules() if p.startswith(prefix)
+             and isinstance(m, nn.Embedding) and tuple(m.weight.shape) == tuple(shape)]
+    # the token embedding, not a position one of the same shape (gpt2's wpe)
+    found.sort(key=lambda p: not f"{p}.weight".endswith(EMBEDDINGS))
+    return found[0] if found else None
 
 
 def _head(model, weights: dict, params: dict) -> None:
@@ -72,7 +83,7 @@ def _head(model, weights: dict, params: dict) -> None:
         if path is not None:
             emb = _module(model, path)
             if not isinstance(emb, UntiedEmbedding):  # (a replay on loaded weights: as is)
-                emb.__class__ = UntiedEmbedding
+                emb.__class__ = _untied(type(emb))
                 emb["head"] = mx.zeros(weights[key].shape, dtype=emb.weight.dtype)
             weights[f"{path}.head"] = weights.pop(key)
     for key in [k for k in params if k.endswith(HEADS) and k not in weights]:
@@ -88,6 +99,6 @@ def reconcile(model, weights: dict) -> dict:
     """The model changed to hold what ``weights`` (sanitized) holds (module docstring);
     returns ``weights`` (the head renamed where it moved into the embedding)."""
     params = dict(tree_flatten(model.parameters()))
+    _head(model, weights, params)  # first: a tied head copied in may have a bias to drop
     _biases(model, weights, params)
-    _head(model, weights, params)
     return weights

@@ -214,7 +214,10 @@ def tiny_config(arch: str, overrides: dict | None = None):
     ``overrides`` (a dict value for a sub-config name overrides inside it)."""
     from transformers import AutoConfig
 
-    extra = {**TINY_OVERRIDES.get(arch, {}), **(overrides or {})}
+    extra = dict(TINY_OVERRIDES.get(arch, {}))
+    for key, value in (overrides or {}).items():  # a sub-config's settings merge
+        both = isinstance(value, dict) and isinstance(extra.get(key), dict)
+        extra[key] = {**extra[key], **value} if both else value
     return AutoConfig.for_model(arch, **_shrink(AutoConfig.for_model(arch), extra))
 
 

@@ -50,6 +50,12 @@ def _layer_lists(c: dict, rng, out: dict, desc: list[str]) -> None:
     for name, value in c.items():
         if not (isinstance(value, list) and len(value) == old and value):
             continue
+        if name.endswith("layers") and all(isinstance(v, int) for v in value) \
+                and value == sorted(set(value)):  # layer indices (llama4's moe_layers)
+            out[name] = sorted(int(i) for i in rng.choice(n, int(rng.integers(n + 1)),
+                                                          replace=False))
+            desc.append(f"{name}={out[name]}")
+            continue
         kinds = sorted({repr(v) for v in value})
         if len(kinds) > 1 and rng.random() < 1 / 3:
             kinds = [_pick(rng, kinds)]
