@@ -6,22 +6,16 @@ Here: the checks that need no process, server or training (the others:
 tests/integration/test_island_chunked.py)."""
 
 
-import threading
-from concurrent.futures import Future
-
 import numpy as np
 import pytest
 import torch
-from helpers.island_chunked import FlatWeights, RangedWeights
+from helpers.island_chunked import OUTER_LR, FakeSyncer, FlatWeights, RangedWeights
 
 from yeto import codec
 from yeto.island import Island
 from yeto.layout import Layout
 from yeto.torch.weights import TorchWeights
-from yeto.transport import PushReply, Received, Refused, ThetaStream
-
-OUTER_LR = 0.7
-
+from yeto.transport import Received, ThetaStream
 
 # ---- weights objects ---------------------------------------------------------------
 
@@ -46,79 +40,6 @@ def small_model():
 
 def torch_weights():
     return TorchWeights(small_model(), "full")
-
-
-# ---- an in-memory syncer -------------------------------------------------------------
-class FakeSyncer:
-    """The Transport interface over a scripted syncer: Θ ← Θ − lr·decoded per push, the
-    broadcast arriving `delay` steps later (at once to a waiting island); pushes whose seq
-    is in `refuse` are refused. Records every payload."""
-
-    address = "fake"
-
-    def __init__(self, layout, fragments=1, delay=2, refuse=(), stream=None):
-        self.layout = layout.with_fragments(fragments)
-        self.num_fragments, self.delay, self.refuse = fragments, delay, set(refuse)
-        self.stream = stream  # piece size: hand broadcasts over as ThetaStreams
-        self.connected = threading.Event()
-        self.connected.set()
-        self.generation, self.acked_seq, self.fatal, self.last_error = 1, -1, None, None
-        self.bytes_up = self.bytes_down = 0
-        self.wait_s = 0.0
-        self.clock = 0
-        self.pending: list[tuple[int, Received]] = []
-        self.payloads: list[bytes] = []
-        self.version = {}
-
-    def start(self, initial):
-        self.theta = np.array(initial, dtype=np.float32)
-        for f in range(self.num_fragments):
-            self.version[f] = 0
-            self._queue(f, final=False, due=0)
-
-    def _queue(self, f, final, due):
-        frag = self.layout.fragments[f]
-        theta = self.theta[frag.start:frag.stop].copy()
-        if self.stream:
-            s = ThetaStream(theta.size, depth=1 << 20)
-            for lo in range(0, theta.size, self.stream):
-                s.put(theta[lo:lo + self.stream])
-            s.end()
-            theta = s
-        self.pending.append((due, Received(self.version[f], f, final, theta)))
-
-    def take(self):
-        now = [r for due, r in self.pending if due <= self.clock]
-        self.pending = [(d, r) for d, r in self.pending if d > self.clock]
-        return now
-
-    def wait(self, timeout=None, need_connection=False):
-        if not self.pending:
-            return []
-        self.clock = max(self.clock, min(d for d, _ in self.pending))
-        return self.take()
-
-    def push(self, payload, *, encoding, base_version, loss_tokens, steps, seq, fragment=0,
-             numel=None, train_loss=float("nan"), eval_loss=float("nan")):
-        self.payloads.append(bytes(payload))
-        fut = Future()
-        if seq in self.refuse:
-            fut.set_exception(Refused(f"push {seq} refused (scripted)"))
-            return fut
-        frag = self.layout.fragments[fragment]
-        delta = codec.decode(payload, encoding, frag.numel)
-        self.theta[frag.start:frag.stop] -= np.float32(OUTER_LR) * delta
-        self.version[fragment] += 1
-        self._queue(fragment, final=False, due=self.clock + self.delay)
-        fut.set_result(PushReply(True, "accepted"))
-        return fut
-
-    def finish(self):
-        for f in range(self.num_fragments):
-            self._queue(f, final=True, due=self.clock)
-
-    def close(self):
-        pass
 
 
 def run(weights, *, steps=24, fragments=1, delay=2, refuse=(), stream=None, chunk=64,

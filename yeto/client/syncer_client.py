@@ -57,6 +57,9 @@ class SyncerClient:
                                      keepalive_s=keepalive_s, channel=channel)
         self.receiver = BroadcastReceiver(self.connection)
         self.sender = PushSender(self.connection, layout.numel, sender)
+        # pushes go out on the sender's own thread (not `sender`'s, e.g. yeto.sim's
+        # inline one): the island then encodes them in the background too
+        self.background_pushes = sender is None
 
     # ---- what the transport keeps up to date (yeto.transport.Transport) ----
     @property

@@ -11,8 +11,8 @@ goes out with the next push.
 from __future__ import annotations
 
 import os
-import queue
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,52 +47,104 @@ class DeltaEncoder:
         self.anchor: np.ndarray | None = None
 
     def encode(self, frag: Fragment, w) -> Encoder:
-        """anchor − local plus the residual of fragment `frag`, encoded chunk by chunk
-        from `w` (an open pass over the weights); the anchor moves to local. The weights
-        are read in order (a sharded backend gathers them in turn); the pieces are
-        encoded by `threads` threads (numpy lets go of the GIL), each on its own slice
-        of the payload, residual and anchor, so the bytes are those of one thread. On a
-        CodecError (non-finite weights) the pieces already encoded are carried back, so
-        nothing is lost, and it re-raises."""
+        """`stage` then `encode_staged`, in the caller's thread."""
+        return self.encode_staged(self.stage(frag, w))
+
+    def stage(self, frag: Fragment, w) -> Staged:
+        """The part of a push the training loop waits for: for each chunk of fragment
+        `frag`, read from `w` (an open pass over the weights), x = residual + (anchor −
+        local) goes into the residual (with an f32 wire and no residual: into the
+        payload itself), and the anchor moves to local. What is left
+        (`encode_staged`) reads neither the weights nor the anchor, so it runs while
+        training goes on and broadcasts are applied. The values are those a whole
+        encode computes (the same float operations, in the same order).
+
+        The weights are read in order (a sharded backend gathers them in turn); the
+        arithmetic runs on `threads` threads (numpy lets go of the GIL). A non-finite x
+        raises CodecError: the chunks staged before it stay staged (their work exact in
+        the residual, the anchor moved past them), the rest is left as it was."""
+        self.feedback.done()  # (here, in the training thread: it may drop the residual)
         enc = Encoder(self.wire, frag.numel)
+        into = self.feedback.residual  # None: an f32 wire with nothing carried
         done: list[tuple[int, int]] = []
         n = min(self.threads, -(-frag.numel // self.chunk))
-        scratch: queue.SimpleQueue = queue.SimpleQueue()  # one per piece in flight
-        for _ in range(n + 1 if n > 1 else 1):
-            scratch.put(_Scratch(min(self.chunk, frag.numel)))
         with _Workers(n) as workers:
             try:
                 for lo, hi in ranges(frag.start, frag.stop, self.chunk):
                     local = w.read(lo, hi)
-                    workers.submit(self._piece, enc, frag.start, lo, hi, local, scratch)
+                    workers.submit(self._stage_piece, enc, into, frag.start, lo, hi, local)
                     done += workers.finished()
                 done += workers.drain()
             except CodecError:
                 done += workers.drain(errors=False)
-                for lo, hi in done:
-                    self.carry(enc, frag.start, lo, hi)
+                if into is None:  # staged into the payload: back into a residual
+                    for lo, hi in done:
+                        self.carry(enc, frag.start, lo, hi)
                 raise
-        self.feedback.done()
+        return Staged(frag, enc, into)
+
+    def _stage_piece(self, enc: Encoder, into: np.ndarray | None, start: int, lo: int,
+                     hi: int, local: np.ndarray) -> tuple[int, int]:
+        """One piece of `stage`, a q4 chunk at a time (in the CPU cache)."""
+        with codec.spare_scratch() as s:
+            for a, b in ranges(lo, hi, s.chunk):
+                mine = local[a - lo:b - lo]
+                x = np.subtract(self.anchor[a:b], mine, out=s.work[:b - a])
+                if into is not None:
+                    np.add(into[a:b], x, out=x)
+                if not (np.isfinite(x.min()) and np.isfinite(x.max())):
+                    if into is None:
+                        self.carry(enc, start, lo, a)
+                    raise CodecError(f"the weights hold non-finite values (near element "
+                                     f"{a}): nothing of them is pushed")
+                if into is None:
+                    enc.put(a - start, x)
+                else:
+                    into[a:b] = x
+                self.anchor[a:b] = mine
+        return lo, hi
+
+    def encode_staged(self, staged: Staged) -> Encoder:
+        """The staged values into the payload, with the new residual (x − what the
+        wire carries) in their place: the part of a push that may run on a
+        background thread. On a CodecError the pieces already encoded are carried back
+        (the rest still holds x), so nothing is lost, and it re-raises."""
+        frag, enc, into = staged.frag, staged.enc, staged.into
+        if into is not None:
+            done: list[tuple[int, int]] = []
+            n = min(self.threads, -(-frag.numel // self.chunk))
+            with _Workers(n) as workers:
+                try:
+                    for lo, hi in ranges(frag.start, frag.stop, self.chunk):
+                        workers.submit(self._encode_piece, enc, into, frag.start, lo, hi)
+                        done += workers.finished()
+                    done += workers.drain()
+                except CodecError:
+                    done += workers.drain(errors=False)
+                    for lo, hi in done:
+                        self.carry(enc, frag.start, lo, hi)
+                    raise
         return enc
 
-    def _piece(self, enc: Encoder, start: int, lo: int, hi: int, local: np.ndarray,
-               scratch: queue.SimpleQueue) -> tuple[int, int]:
-        """One piece, a q4 chunk at a time: its values stay in the CPU cache from the
-        difference to the residual and the anchor's move. A CodecError carries the
-        chunks already encoded back (as for whole pieces) and leaves the rest as it was."""
-        s = scratch.get()
-        try:
-            for a, b in ranges(lo, hi, s.codec.chunk):
-                mine = local[a - lo:b - lo]
-                x = np.subtract(self.anchor[a:b], mine, out=s.x[:b - a])
+    def _encode_piece(self, enc: Encoder, into: np.ndarray, start: int, lo: int,
+                      hi: int) -> tuple[int, int]:
+        """One piece of `encode_staged`, a q4 chunk at a time: its values stay in the
+        CPU cache from the encode to the residual. A CodecError carries the chunks
+        already encoded back and leaves the rest as it was."""
+        with codec.spare_scratch() as s:
+            for a, b in ranges(lo, hi, s.chunk):
+                x = into[a:b]
                 try:
-                    self.feedback.encode_piece(x, enc, a - start, a, s.codec)
+                    dec = enc.put(a - start, x, s, decoded=self.wire != "f32")
                 except CodecError:
                     self.carry(enc, start, lo, a)
                     raise
-                self.anchor[a:b] = mine
-        finally:
-            scratch.put(s)
+                if self.wire == "f32":
+                    x[...] = 0.0
+                else:
+                    if dec is None:
+                        dec = enc.decoded(a - start, b - start, s)
+                    np.subtract(x, dec, out=x)
         return lo, hi
 
     def carry(self, enc: Encoder, start: int, lo: int, hi: int) -> None:
@@ -102,13 +154,15 @@ class DeltaEncoder:
             self.feedback.carry(a, enc.decoded(a - start, b - start))
 
 
-class _Scratch:
-    """What one piece of a push's encode works in: its difference and the codec's
-    buffers (a thread holds one while it encodes a piece)."""
+@dataclass
+class Staged:
+    """A push staged by `DeltaEncoder.stage`: its fragment, its payload (filled by
+    `encode_staged`, or already, with an f32 wire and no residual) and the residual
+    array its values wait in (None: they are in the payload)."""
 
-    def __init__(self, n: int):
-        self.x = np.empty(min(n, codec.CHUNK), dtype=np.float32)
-        self.codec = codec.Scratch(self.x.size)
+    frag: Fragment
+    enc: Encoder
+    into: np.ndarray | None
 
 
 class _Workers:
@@ -161,3 +215,16 @@ class _Workers:
                 first = f.exception()
         if first is not None and errors:
             raise first
+
+
+class Inline(Executor):
+    """An executor that runs each call in the caller's thread, at once (a push encoded
+    and sent before the training loop goes on)."""
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the future carries it, as an executor's
+            f.set_exception(e)
+        return f

@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 
 from yeto.codec import Q4_BLOCK
 from yeto.island.applier import Applier
-from yeto.island.encoder import DeltaEncoder, default_threads
-from yeto.island.ledger import PushLedger
+from yeto.island.encoder import DeltaEncoder, Inline, default_threads
+from yeto.island.ledger import PUSH_TIMEOUT_S, PushLedger
 from yeto.island.schedule import Schedule
 from yeto.island.weights import WeightPasses
 from yeto.layout import Fragment
@@ -26,7 +28,10 @@ CHUNK = 1 << 20  # values per piece of a pass over the weights (4 MiB of f32)
 class Island:
     """An island over `weights` (a `yeto.loop.Weights`) and `client` (None: a single
     island, which pushes nothing). `on_sync()` evaluates before each push and returns
-    the eval loss; `on_apply(got)` follows each applied broadcast."""
+    the eval loss; `on_apply(got)` follows each applied broadcast. `overlap`: a push's
+    encode and send run on a background thread while training goes on (the training
+    loop waits only for `DeltaEncoder.stage`); default: when the transport sends in
+    the background (`background_pushes`; `yeto.sim` on simulated time does not)."""
 
     def __init__(self, weights, *, client: Transport | None,
                  sync_every: int = 50, sync_every_seconds: float = 0.0, wire: str = "q4",
@@ -36,7 +41,7 @@ class Island:
                  start_timeout_s: float | None = None, connect_grace_s: float = 5.0,
                  finish_timeout_s: float = 1800.0, offline_give_up_s: float = 60.0,
                  chunk: int = CHUNK, threads: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, overlap: bool | None = None):
         if sync_every < 1:
             raise ValueError("sync_every must be >= 1")
         if not 0.0 <= merge_alpha < 1.0:
@@ -52,6 +57,11 @@ class Island:
         self.applier = Applier(self.encoder, merge_alpha, int(chunk))
         self.schedule = Schedule(sync_every, sync_every_seconds, clock)
         self.blocking, self.pipeline = blocking, max(1, pipeline)
+        if overlap is None:
+            overlap = bool(getattr(client, "background_pushes", False))
+        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="yeto-push-encode")
+                         if overlap and client is not None else Inline())
+        self.blocked_s: list[float] = []  # per push: seconds the training loop waited
         self.on_sync, self.on_apply = on_sync, on_apply
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
         self.finish_timeout_s, self.offline_give_up_s = finish_timeout_s, offline_give_up_s
@@ -142,11 +152,15 @@ class Island:
             self.eval_loss = float(self.on_sync())
         if not self.client.connected.is_set() or f not in self.versions:
             return  # offline: the work stays in anchor − local for a later push
-        frag = self.fragments[f]
+        frag, t0 = self.fragments[f], time.perf_counter()
         with self.passes.open() as w:
-            encoded = self.encoder.encode(frag, w)
-        self.ledger.send(frag, f, encoded, self.versions[f], self.train_loss, self.eval_loss)
-        if self.blocking:
+            staged = self.encoder.stage(frag, w)
+        push = self.ledger.send(frag, f, lambda: self.encoder.encode_staged(staged),
+                                self.versions[f], self.train_loss, self.eval_loss, self.executor)
+        self.blocked_s.append(time.perf_counter() - t0)
+        if self.blocking:  # its reply first: a refused push has no Θ to wait for
+            futures.wait([push.future], timeout=PUSH_TIMEOUT_S)
+            self._settle()
             while self.ledger.in_flight(f) and not self.finished:
                 if not self._wait_and_apply():
                     break
@@ -167,14 +181,14 @@ class Island:
         self._settle()
         return bool(got)
 
-    def _settle(self, wait: bool = False) -> None:
-        self.ledger.settle(self.fragments, wait)
+    def _settle(self, wait: bool = False, only: set[int] | None = None) -> None:
+        self.ledger.settle(self.fragments, wait, only)
 
     # ---- apply ------------------------------------------------------------
     def _apply_all(self, received: list[Received]) -> None:
         if not received:
             return
-        self._settle(wait=True)
+        self._settle(wait=True, only={got.fragment for got in received})
         applied = []
         with self.passes.open() as w:
             for got in received:
@@ -215,6 +229,7 @@ class Island:
                 log.warning("no final weights from the syncer; keeping local weights")
             return self.finished
         finally:
+            self.executor.shutdown(wait=True)
             self.client.close()
 
     def _wind_down(self, finish_sent: int) -> tuple[int, bool]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import Future
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from yeto.codec import Encoder
@@ -21,6 +23,7 @@ from yeto.layout import Fragment
 from yeto.transport import Lost, Refused, Transport, TransportError
 
 log = logging.getLogger("yeto.island")
+PUSH_TIMEOUT_S = 300.0  # the longest a settle waits for one push's reply
 
 
 @dataclass(eq=False)
@@ -28,11 +31,12 @@ class Push:
     fragment: int
     seq: int
     generation: int
-    encoded: Encoder             # the payload sent (a refusal carries it back)
-    tokens: int
+    encoded: Encoder | None      # the payload sent (a refusal carries it back); None
+    tokens: int                  # until its encode is done
     steps: int
-    future: Future
+    future: Future               # the reply: done once encoded, sent and answered
     accepted: bool | None = None  # None until the reply (or its loss) is known
+    encode_s: float = 0.0        # seconds its encode took (on the background thread)
 
 
 class PushLedger:
@@ -46,6 +50,7 @@ class PushLedger:
         self.steps: dict[int, int] = {}
         self.seq = 0
         self.pushes = 0
+        self.encode_s: list[float] = []  # per push: seconds its encode took
 
     def count(self, fragments: int, loss_tokens: int) -> None:
         """One optimizer step of `loss_tokens` tokens, for every fragment."""
@@ -57,20 +62,39 @@ class PushLedger:
         """Fragment `f` holds steps not pushed yet."""
         return self.steps.get(f, 0) > 0
 
-    def send(self, frag: Fragment, f: int, encoded: Encoder, base_version: int,
-             train_loss: float, eval_loss: float) -> None:
-        """Push fragment `f`'s work since its last push, as `encoded`."""
+    def send(self, frag: Fragment, f: int, encode: Callable[[], Encoder], base_version: int,
+             train_loss: float, eval_loss: float, executor: Executor) -> Push:
+        """Push fragment `f`'s work since its last push: `encode()` (the rest of a staged
+        encode, `DeltaEncoder.encode_staged`) then the transport's push, both on
+        `executor` (a background thread, or the caller's); the counters move to the
+        push at once. The push's future resolves to the syncer's reply."""
         self.seq = max(self.seq, self.client.acked_seq + 1)
         tokens, steps = self.tokens.get(f, 0), self.steps.get(f, 0)
-        fut = self.client.push(encoded.payload, encoding=self.encoder.wire,
-                               base_version=base_version, fragment=f, numel=frag.numel,
-                               loss_tokens=tokens, steps=steps, seq=self.seq,
-                               train_loss=_nan(train_loss), eval_loss=_nan(eval_loss))
-        self.pushed.append(Push(f, self.seq, self.client.generation, encoded, tokens, steps,
-                                fut))
+        p = Push(f, self.seq, self.client.generation, None, tokens, steps, Future())
+        self.pushed.append(p)
         self.seq += 1
         self.pushes += 1
         self.tokens[f] = self.steps[f] = 0
+        header = dict(encoding=self.encoder.wire, base_version=base_version, fragment=f,
+                      numel=frag.numel, loss_tokens=tokens, steps=steps, seq=p.seq,
+                      train_loss=_nan(train_loss), eval_loss=_nan(eval_loss))
+        executor.submit(self._deliver, p, encode, header)
+        return p
+
+    def _deliver(self, p: Push, encode: Callable[[], Encoder], header: dict) -> None:
+        """Encode, then hand the payload to the transport; its reply (or error)
+        resolves `p.future`, as does an error of the encode."""
+        t0 = time.perf_counter()
+        try:
+            p.encoded = encode()
+            p.encode_s = time.perf_counter() - t0
+            self.encode_s.append(p.encode_s)
+            p.generation = self.client.generation
+            sent = self.client.push(p.encoded.payload, **header)
+        except BaseException as e:  # noqa: BLE001 - the push's future carries it
+            p.future.set_exception(e)
+            return
+        sent.add_done_callback(lambda done: _settle_future(done, p.future))
 
     def in_flight(self, f: int | None = None) -> list[Push]:
         return [p for p in self.pushed if p.accepted is not False and f in (None, p.fragment)]
@@ -79,10 +103,14 @@ class PushLedger:
         """Θ of fragment `f` arrived: the syncer holds its pushes (or never will)."""
         self.pushed = [p for p in self.pushed if p.fragment != f]
 
-    def settle(self, fragments: list[Fragment], wait: bool = False) -> None:
-        """Learn the fate of pushes in flight; carry forward those the syncer does not hold."""
+    def settle(self, fragments: list[Fragment], wait: bool = False,
+               only: set[int] | None = None) -> None:
+        """Learn the fate of pushes in flight (`wait`: of those of the fragments in
+        `only`, all by default, waiting for their replies); carry forward those the
+        syncer does not hold."""
         for p in self.pushed:
-            if p.accepted is None and (wait or p.future.done()):
+            waits = wait and (only is None or p.fragment in only)
+            if p.accepted is None and (waits or p.future.done()):
                 p.accepted = self._outcome(p)
         gen, acked = self.client.generation, self.client.acked_seq
         for p in self.pushed:  # the syncer restarted from a round saved before this push
@@ -106,7 +134,7 @@ class PushLedger:
         """True: the syncer holds the push; False: it does not (redo its work);
         None: unknown until the next join says (`acked_seq`)."""
         try:
-            return p.future.result(timeout=300).kept
+            return p.future.result(timeout=PUSH_TIMEOUT_S).kept
         except Refused as e:
             log.warning("push %d refused: %s", p.seq, e)
             return False
@@ -116,8 +144,19 @@ class PushLedger:
             log.warning("push %d: no reply (%s); the rejoin will tell", p.seq, e)
             return None
         except (TransportError, TimeoutError) as e:
+            if p.encoded is None:  # still encoding: it goes out when done
+                log.warning("push %d still encoding after %.0f s", p.seq, PUSH_TIMEOUT_S)
+                return None
             log.warning("push %d not delivered (%s)", p.seq, e)
             return False
+
+
+def _settle_future(done: Future, into: Future) -> None:
+    """`into` resolves as `done` did."""
+    if done.exception() is not None:
+        into.set_exception(done.exception())
+    else:
+        into.set_result(done.result())
 
 
 def _nan(x: float) -> float:

@@ -1,0 +1,111 @@
+"""The push leaves the training loop at once (issue 34): the island stages a push
+(residual + anchor − local, the anchor moved, in the training thread) and encodes and
+sends it on a background thread while training goes on; every step is pushed exactly
+once, and the bytes are those of a push encoded in the training thread.
+
+Here: a scripted transport (tests/helpers/island_chunked.py); the same island over a
+real syncer: tests/integration/test_async_push.py."""
+
+import numpy as np
+import pytest
+from helpers.island_chunked import FakeSyncer, HeldSyncer, RangedWeights
+
+from yeto import codec
+from yeto.island import Island
+from yeto.layout import Layout
+
+
+def _layout(n=3000):
+    return Layout.from_shapes({"a": (n // 3,), "b": (n // 3,), "c": (n - 2 * (n // 3),)})
+
+
+def _train(island, weights, syncer, steps):
+    """`steps` steps toward a target; returns the sum of the steps' own changes."""
+    target = np.linspace(-1, 1, weights.layout.numel, dtype=np.float32)
+    work = np.zeros(weights.layout.numel)
+    for _ in range(steps):
+        before = weights.v.copy()
+        weights.v -= np.float32(0.05) * (weights.v - target)
+        work += weights.v - before
+        syncer.clock += 1
+        island.after_step(10, train_loss=1.0)
+    return work
+
+
+def test_island_keeps_stepping_while_its_push_is_held_in_the_transport():
+    layout = _layout()
+    weights = RangedWeights(layout, np.zeros(layout.numel, np.float32))
+    syncer = HeldSyncer(layout, delay=100)
+    island = Island(weights, client=syncer, sync_every=4, chunk=256)
+    island.start()
+    syncer.gate.clear()
+    _train(island, weights, syncer, 4)  # step 4 pushes: staged, handed to the background
+    assert syncer.entered.wait(HeldSyncer.HOLD_S), "the push never reached the transport"
+    _train(island, weights, syncer, 3)  # the push is still held: training goes on
+    assert island.step == 7
+    assert [p.seq for p in island.ledger.in_flight(0)] == [0]
+    assert not island.ledger.in_flight(0)[0].future.done() and not syncer.payloads
+    syncer.gate.set()
+    assert island.ledger.in_flight(0)[0].future.result(HeldSyncer.HOLD_S).accepted
+    assert len(syncer.payloads) == 1 and island.ledger.encode_s and island.blocked_s
+    assert island.finish()
+
+
+def _run(overlap, *, fragments=1, refuse=(), wire="q4", steps=24):
+    layout = _layout()
+    weights = RangedWeights(layout, np.zeros(layout.numel, np.float32))
+    syncer = HeldSyncer(layout, fragments=fragments, delay=1, refuse=refuse)
+    island = Island(weights, client=syncer, sync_every=4, chunk=256, threads=2,
+                    blocking=True, wire=wire, overlap=overlap)
+    island.start()
+    _train(island, weights, syncer, steps)
+    assert island.finish()
+    return syncer.payloads, weights.v.copy(), island
+
+
+@pytest.mark.parametrize("options", [dict(), dict(fragments=3), dict(refuse={2}),
+                                     dict(wire="bf16"), dict(wire="f32", refuse={1})])
+def test_overlapped_push_is_bit_identical_to_the_push_in_the_training_thread(options):
+    """Blocking sync (each push waits for its Θ): the same pushes, byte for byte, and
+    the same final weights, whether the encode runs in the background or inline; a
+    refused push is carried into the next the same way."""
+    inline, w_inline, a = _run(False, **options)
+    overlapped, w_overlapped, b = _run(True, **options)
+    assert len(inline) == len(overlapped) >= 6
+    assert all(x == y for x, y in zip(inline, overlapped))
+    assert w_inline.tobytes() == w_overlapped.tobytes()
+    assert b.executor is not a.executor and a.pushes == b.pushes
+
+
+def test_every_step_is_pushed_exactly_once_while_pushes_overlap_training():
+    """Non-blocking: Θ arrives while training goes on. The steps' own changes add up
+    to what was pushed (Σ decoded pushes + the residual left, with the sign of
+    anchor − local) plus what is not pushed yet (local − anchor): no step lost, none
+    pushed twice."""
+    layout = _layout()
+    weights = RangedWeights(layout, np.zeros(layout.numel, np.float32))
+    syncer = HeldSyncer(layout, delay=1)
+    island = Island(weights, client=syncer, sync_every=4, chunk=256, overlap=True)
+    island.start()
+    work = _train(island, weights, syncer, 22)
+    island.ledger.settle(island.fragments, wait=True)
+    pushed = sum(codec.decode(p, "q4", layout.numel).astype(np.float64)
+                 for p in syncer.payloads)
+    pushed += island.encoder.feedback.residual
+    assert len(syncer.payloads) == 5
+    np.testing.assert_allclose(work, -pushed + (weights.v - island.encoder.anchor), atol=1e-5)
+    assert island.finish()
+
+
+def test_non_finite_weights_stop_the_push_in_the_training_thread_when_overlapped():
+    layout = Layout.from_shapes({"a": (256,)})
+    w = RangedWeights(layout, np.zeros(256, np.float32))
+    syncer = HeldSyncer(layout)
+    island = Island(w, client=syncer, sync_every=1, chunk=64, overlap=True)
+    island.start()
+    w.v[:] = 0.5
+    w.v[200] = np.nan
+    with pytest.raises(codec.CodecError):
+        island.after_step(1)
+    assert not syncer.entered.is_set() and not island.ledger.pushed
+    assert island.ledger.owes(0)  # the step stays owed: the next push carries it
