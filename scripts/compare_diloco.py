@@ -77,13 +77,16 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+from _diloco_arms import CANDIDATES, CELLS, Arm, Regime, candidate_of, cell_of, plan  # noqa: E402
 
 from syncer.spawn import SyncerStartError, start_syncer  # noqa: E402
 from yeto.cli.display import markdown_table, table_text  # noqa: E402
@@ -92,232 +95,6 @@ from yeto.io import atomic_write  # noqa: E402
 PY = sys.executable
 EVAL_EVERY = 50  # held-out loss every this many steps on islands without a syncer
 DATA_VERSION = 1  # bump when the prepared data change
-
-
-# ---------------------------------------------------------------- arms
-
-
-@dataclass(frozen=True)
-class Regime:
-    name: str              # "lora" or "full"
-    tuning: str            # learner --tuning
-    pretrain: bool         # tiny base pretrained (LoRA SFT) or random init (from scratch)
-    data: str              # "task" (synthetic chat) or "stdlib" (Python source text)
-    steps: int             # N: single-island steps of the token budget
-    batch: int             # b: blocks per island step
-    seq_len: int
-    inner_lr: float
-    lora_r: int = 16
-    sim: bool = False      # DiLoCo arms through python -m yeto.sim (one process)
-    eval_blocks: int = 0   # held-out blocks evaluated (0 = all); islands evaluate at syncs
-
-
-@dataclass(frozen=True)
-class Arm:
-    regime: str
-    name: str
-    kind: str              # single | dp | diloco | nomerge | mixed
-    k: int = 1
-    steps: int = 0         # per island
-    batch: int = 0         # per island step
-    H: int = 0
-    wire: str = "q4"
-    outer_lr: float = 1.0  # plain averaging; see NESTEROV
-    outer_momentum: float = 0.0
-    merge: str = "mean"
-    downlink: str = "f32"
-    extra: tuple[str, ...] = ()          # flags for every island
-    syncer_extra: tuple[str, ...] = ()   # flags for the syncer (e.g. --fragments P)
-    per_island: tuple[tuple[str, ...], ...] = ()  # extra flags per island
-    island_steps: tuple[int, ...] = ()    # max-steps per island (mixed arms)
-    ref: str | None = None  # synchronous reference arm (same regime) for `ratio`
-
-    @property
-    def key(self) -> str:
-        return f"{self.regime}:{self.name}"
-
-    def steps_of(self, i: int) -> int:
-        return self.island_steps[i] if self.island_steps else self.steps
-
-
-def diloco(rg: Regime, k: int, H: int, wire: str = "q4", *, suffix: str = "",
-           **kw) -> Arm:
-    return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=rg.steps // k,
-               batch=rg.batch, H=H, wire=wire, ref=f"dp{k}", **kw)
-
-
-NESTEROV = dict(outer_lr=0.7, outer_momentum=0.9)  # the DiLoCo paper's outer step
-
-
-def lora_arms(rg: Regime) -> list[Arm]:
-    single = Arm(rg.name, "single", "single", steps=rg.steps, batch=rg.batch, ref="dp4")
-    dp = [Arm(rg.name, f"dp{k}", "dp", k=k, steps=rg.steps // k, batch=rg.batch * k,
-              ref=f"dp{k}") for k in (2, 4)]
-    base = diloco(rg, 4, 50)
-    h10 = diloco(rg, 4, 10)
-    h100 = diloco(rg, 4, 100)
-    blocking = ("--blocking-sync",)
-    frozen = dict(extra=("--lora-freeze-a",))
-    arms = [single, *dp]
-    arms += [diloco(rg, k, H, w) for k in (2, 4) for H in (10, 50) for w in ("f32", "q4")]
-    arms += [Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
-                 ref=f"dp{k}") for k in (2, 4)]
-    arms += [
-        # outer rules (the grid above averages: outer lr 1, momentum 0)
-        replace(base, name=base.name + "-nest", **NESTEROV),
-        replace(h10, name=h10.name + "-nest", **NESTEROV),
-        replace(base, name=base.name + "-rda", merge="rda"),
-        replace(base, name=base.name + "-rda-nest", merge="rda", **NESTEROV),
-        replace(base, name=base.name + "-m05", outer_lr=0.7, outer_momentum=0.5),
-        replace(base, name=base.name + "-o04", outer_lr=0.4, outer_momentum=0.9),
-        # downlink, longer H
-        replace(base, name=base.name + "-dq4", downlink="q4"),
-        h100, replace(h100, name=h100.name + "-dq4", downlink="q4"),
-        # LoRA merge mode: A frozen from the shared seed, only B trained and sent
-        # (dp4-frozenA: the synchronous arm with A frozen too, so the capacity lost by
-        # freezing A is told apart from what the merge loses)
-        replace(dp[1], name="dp4-frozenA", ref="dp4", **frozen),
-        replace(base, name=base.name + "-frozenA", **frozen),
-        replace(base, name=base.name + "-frozenA-nest", **frozen, **NESTEROV),
-        replace(h100, name=h100.name + "-dq4-frozenA", downlink="q4", **frozen),
-        # Streaming DiLoCo: P fragments in turn, the same total bytes, 1/P per round
-        *[replace(base, name=f"{base.name}-P{p}", syncer_extra=("--fragments", str(p)))
-          for p in (2, 4)],
-        # --blocking-sync: each island waits for the merged weights after its push
-        # (exact DiLoCo); by default islands train on and fold their newer steps in
-        replace(base, name=base.name + "-blk", extra=blocking),
-        replace(base, name=base.name + "-nest-blk", extra=blocking, **NESTEROV),
-        replace(h10, name=h10.name + "-blk", extra=blocking),
-        replace(h10, name=h10.name + "-nest-blk", extra=blocking, **NESTEROV),
-    ]
-    return arms + mixed_arms(rg)
-
-
-def mixed_arms(rg: Regime) -> list[Arm]:
-    """Two islands, island-1 at --slowdown 3, on one wall-clock budget W = the time the
-    slow island takes for S steps (S = N/4, as many as a k=4 island makes). Budgets are
-    set by max-steps per island, proportional to what each island can do in W under its
-    sync rule:
-      mixed-time:  sync every T seconds; the fast island does 3S steps, the slow S.
-      mixed-steps: sync every H steps; a round needs both pushes (quorum 2) and an
-                   island holds one push in flight, so the fast island can be at most
-                   one push (H steps) ahead of the slow one: S + H steps, the slow S.
-    Wall seconds are measured and printed, so the budgets can be checked."""
-    S, H = rg.steps // 4, 50
-    slow = ((), ("--slowdown", "3"))
-    # T: about the slow island's time for H steps (3x a ~45 ms step at L=64, b=8)
-    T = 7
-    return [
-        Arm(rg.name, "mixed-steps", "mixed", k=2, steps=S, batch=rg.batch, H=H,
-            island_steps=(S + H, S), per_island=slow, ref="mixed-steps"),
-        Arm(rg.name, "mixed-time", "mixed", k=2, steps=S, batch=rg.batch, H=H,
-            island_steps=(3 * S, S), extra=("--sync-every-seconds", str(T)),
-            per_island=slow, ref="mixed-steps"),
-    ]
-
-
-def full_arms(rg: Regime) -> list[Arm]:
-    """The DiLoCo paper's Table 2 shape, k = 4, from scratch, full weights."""
-    k = 4
-    return [
-        Arm(rg.name, "single", "single", steps=rg.steps // k, batch=rg.batch, ref=f"dp{k}"),
-        Arm(rg.name, "single-same-tokens", "single", steps=rg.steps, batch=rg.batch,
-            ref=f"dp{k}"),
-        Arm(rg.name, f"dp{k}", "dp", k=k, steps=rg.steps // k, batch=rg.batch * k,
-            ref=f"dp{k}"),
-        diloco(rg, k, 50), diloco(rg, k, 50, "f32"), diloco(rg, k, 10),
-        replace(diloco(rg, k, 50), name="diloco4-H50-q4-nest", **NESTEROV),
-        replace(diloco(rg, k, 10), name="diloco4-H10-q4-nest", **NESTEROV),
-        replace(diloco(rg, k, 50), name="diloco4-H50-q4-m05", outer_lr=0.7, outer_momentum=0.5),
-        replace(diloco(rg, k, 10), name="diloco4-H10-q4-m05", outer_lr=0.7, outer_momentum=0.5),
-        replace(diloco(rg, k, 50), name="diloco4-H50-q4-nest-blk", extra=("--blocking-sync",),
-                **NESTEROV),
-        replace(diloco(rg, k, 50), name="diloco4-H50-q4-rda", merge="rda"),
-        replace(diloco(rg, k, 10), name="diloco4-H10-q4-rda", merge="rda"),
-        replace(diloco(rg, k, 10), name="diloco4-H10-q4-blk", extra=("--blocking-sync",)),
-        Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
-            ref=f"dp{k}"),
-    ]
-
-
-def long_arms(rg: Regime) -> list[Arm]:
-    """DiLoCo's own regime: S inner steps per island in every arm (>= 100 rounds at
-    H = 50), the sweeps at that fixed per-island budget (the paper's Table 3 shape),
-    dp<k> with the same total tokens. Listed most telling first: arms run in order."""
-    S, b = rg.steps, rg.batch
-    nest_dq4 = dict(downlink="q4", **NESTEROV)
-
-    def dp(k: int) -> Arm:
-        return Arm(rg.name, f"dp{k}", "dp", k=k, steps=S, batch=b * k, ref=f"dp{k}")
-
-    def d(k: int, H: int, wire: str = "q4", suffix: str = "-dq4-nest", **kw) -> Arm:
-        kw = kw if suffix != "-dq4-nest" else nest_dq4  # other suffixes state their flags
-        return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=S,
-                   batch=b, H=H, wire=wire, ref=f"dp{k}", **kw)
-
-    def grid(k: int) -> list[Arm]:  # outer lr {0.4, 0.7, 1.0} x momentum {0, 0.5, 0.9}
-        cells = {(4, 9): "-dq4-o04", (7, 5): "-dq4-m05", (10, 0): "-dq4"}  # named before
-        return [replace(d(k, 50, suffix=cells.get((lr, m), f"-dq4-lr{lr:02d}m{m:02d}"),
-                          downlink="q4", outer_lr=lr / 10, outer_momentum=m / 10),
-                        ref="single" if k == 1 else f"dp{k}")
-                for lr, m in itertools.product((4, 7, 10), (0, 5, 9)) if (lr, m) != (7, 9)]
-
-    main = [dp(4), d(4, 50), d(4, 50, suffix=""), d(4, 50, suffix="-dq4", downlink="q4"),
-            d(4, 50, "f32", suffix="-nest", **NESTEROV),
-            d(4, 50, "bf16", suffix="-nest", **NESTEROV)]
-    o04 = dict(downlink="q4", outer_lr=0.4, outer_momentum=0.9)
-    single = Arm(rg.name, "single", "single", steps=S, batch=b, ref="single")
-    # fragments and merge rules against the plain-averaging q4/q4 arm (uniform is not
-    # run: islands of equal batch carry equal tokens, so it equals mean)
-    fragments_and_merge = [
-        d(4, 50, suffix="-dq4-P2", downlink="q4", syncer_extra=("--fragments", "2")),
-        d(4, 50, suffix="-dq4-P4", downlink="q4", syncer_extra=("--fragments", "4")),
-        d(4, 50, suffix="-dq4-rda", downlink="q4", merge="rda")]
-    if not rg.pretrain:  # from scratch: the main arms, the best warm ones at H = 100, and
-        plain = dict(suffix="-dq4", downlink="q4")  # the k and H sweeps with the best rule
-        arms = main + [
-            d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
-            d(4, 100, **plain), single, replace(d(1, 50, **plain), ref="single"),
-            dp(2), d(2, 50, **plain), dp(8), d(8, 50, **plain),
-            d(4, 10, **plain), d(4, 250, **plain), d(4, 1000, **plain),
-            *fragments_and_merge, *grid(4)]
-        return list({a.name: a for a in arms}.values())
-    arms = main + [
-        single, replace(d(1, 50), ref="single"),
-        dp(2), d(2, 50), dp(8), d(8, 50),
-        d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
-        d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
-        d(4, 100, "f32", suffix="-nest", **NESTEROV),
-        # the wire cross under Nesterov: uplink f32/bf16/q4 x downlink f32/q4
-        d(4, 50, suffix="-nest", **NESTEROV), d(4, 50, "f32"), d(4, 50, "bf16"),
-        *grid(4), *fragments_and_merge,
-        *grid(2), *grid(8), *grid(1),  # the outer grid per k (k = 4 above; k = 1 to single)
-    ]
-    return list({a.name: a for a in arms}.values())  # each once, where it first appears
-
-
-# arms a --quick run makes by default (any other can be picked with --arms)
-QUICK_ARMS = "lora:single,lora:dp4,lora:diloco4-H50-q4,lora:diloco4-H50-f32"
-
-
-def plan(mode: str) -> tuple[dict[str, Regime], list[Arm], list[int]]:
-    if mode == "smoke":
-        rg = Regime("lora", "lora", True, "task", steps=24, batch=4, seq_len=64, inner_lr=3e-3,
-                    lora_r=8)
-        arms = [Arm("lora", "single", "single", steps=24, batch=4, ref="single"),
-                replace(diloco(rg, 2, 6), ref="single")]
-        return {"lora": rg}, arms, [0]
-    if mode == "long":  # full weights, stdlib source, >= 100 rounds through yeto.sim
-        warm = Regime("warm", "full", True, "stdlib", steps=5000, batch=4, seq_len=32,
-                      inner_lr=1e-3, sim=True, eval_blocks=128)
-        scratch = replace(warm, name="scratch", pretrain=False)
-        return {"warm": warm, "scratch": scratch}, long_arms(warm) + long_arms(scratch), [0, 1]
-    quick = mode == "quick"
-    lora = Regime("lora", "lora", True, "task", steps=800 if quick else 1600, batch=8,
-                  seq_len=64, inner_lr=3e-3)
-    full = Regime("full", "full", False, "stdlib", steps=800 if quick else 1200, batch=8,
-                  seq_len=128, inner_lr=2e-3)
-    return {"lora": lora, "full": full}, lora_arms(lora) + full_arms(full), [0, 1]
 
 
 # ---------------------------------------------------------------- data
@@ -406,8 +183,10 @@ class ArmFailed(RuntimeError):
 def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
     """What an arm's result depends on (its name and reference arm do not count)."""
     drop = {"name", "ref"} | ({"syncer_extra"} if not arm.syncer_extra else set())
+    if arm.outer == "nesterov":  # the rule earlier caches ran: their digests hold
+        drop.add("outer")
     if arm.kind not in ("diloco", "mixed"):  # no syncer: the outer settings do not apply
-        drop |= {"H", "wire", "outer_lr", "outer_momentum", "merge", "downlink"}
+        drop |= {"H", "wire", "outer", "outer_lr", "outer_momentum", "merge", "downlink"}
     what = {k: v for k, v in asdict(arm).items() if k not in drop}
     return {"arm": what, "regime": asdict(rg), "seed": seed, "data": DATA_VERSION}
 
@@ -475,8 +254,9 @@ def island_args(arm: Arm, rg: Regime, seed: int, paths) -> list[str]:
 
 
 def syncer_args(arm: Arm) -> list[str]:
-    return ["--outer-lr", str(arm.outer_lr), "--outer-momentum", str(arm.outer_momentum),
-            "--merge", arm.merge, "--downlink", arm.downlink, *arm.syncer_extra]
+    return ["--outer", arm.outer, "--outer-lr", str(arm.outer_lr),
+            "--outer-momentum", str(arm.outer_momentum), "--merge", arm.merge,
+            "--downlink", arm.downlink, *arm.syncer_extra]
 
 
 def island_cmd(arm: Arm, rg: Regime, seed: int, paths, i: int, n_proc: int, address: str,
@@ -646,7 +426,7 @@ def print_tables(rows: dict[str, Row], regimes: dict[str, Regime], md: bool = Fa
             bpt = row.mean("bytes_per_token_ratio")
             ratio = statistics.fmean(row.ratios.values()) if row.ratios else math.nan
             steps = "/".join(str(s) for s in a.island_steps) if a.island_steps else str(a.steps)
-            outer = (f"{a.merge} {a.outer_lr:g}/{a.outer_momentum:g}"
+            outer = (f"{a.merge} {_rule(a)}{a.outer_lr:g}/{a.outer_momentum:g}"
                      if a.kind in ("diloco", "mixed") else "-")
             body.append([
                 a.name, a.k, a.H or "-",
@@ -669,6 +449,10 @@ def print_tables(rows: dict[str, Row], regimes: dict[str, Regime], md: bool = Fa
               f"seeds {','.join(map(str, seeds))}")
         print(markdown_table(headers, body) if md else
               table_text(headers, body, right=RIGHT_COLUMNS))
+
+
+def _rule(a: Arm) -> str:
+    return "" if a.outer == "nesterov" else a.outer.removeprefix("nesterov-") + " "
 
 
 def print_grids(rows: dict[str, Row], md: bool = False) -> None:
@@ -702,6 +486,7 @@ def _h50_arms(rows: dict[str, Row], regime: str, k: int) -> list[Row]:
     return [r for r in rows.values()
             if r.arm.regime == regime and r.arm.kind == "diloco" and r.arm.k == k
             and r.arm.H == 50 and r.arm.merge == "mean" and not r.arm.syncer_extra
+            and r.arm.outer == "nesterov"
             and r.ratios]
 
 
@@ -834,6 +619,75 @@ def goal_lines(rows: dict[str, Row]) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------- outer rules (--rules)
+
+# each regime's goal (issue 33): ratio to dp<k> at most, bytes per token fewer at least;
+# a rule meets the goal when it meets the short and warm cells (scratch: reported)
+RULE_TARGETS = {"short": (1.03, 0), "warm": (1.00, 400), "scratch": (1.00, 400)}
+REQUIRED = ("short", "warm")
+
+
+def _rule_rows(rows: dict[str, Row]) -> dict[tuple, Row]:
+    """(candidate, cell) -> its row, for the measured arms of the rules table."""
+    out = {}
+    for r in rows.values():
+        cand, cell = candidate_of(r.arm), cell_of(r.arm)
+        if cand and cell and r.ratios:
+            out[(cand, cell)] = r
+    return out
+
+
+def _cell_name(cell: tuple) -> str:
+    return f"{cell[0]}:k{cell[1]}:H{cell[2]}"
+
+
+def print_rules(rows: dict[str, Row], md: bool) -> None:
+    """Candidates by cells: the ratio to dp<k> ± half the range (seeds), "not run" where
+    no seed ran; the bytes per token fewer than an all-reduce under each cell."""
+    by = _rule_rows(rows)
+    if not by:
+        return
+    cands = list(dict.fromkeys(c for c in CANDIDATES if any(k[0] == c for k in by)))
+    body = [[f"{c} ({'/'.join(map(str, CANDIDATES[c]))})",
+             *[_grid_cell(by[(c, cell)]) if (c, cell) in by else "not run" for cell in CELLS]]
+            for c in cands]
+    fewer = [next((f"{1 / r.mean('bytes_per_token_ratio'):,.0f}x" for (_, cl), r in by.items()
+                   if cl == cell), "-") for cell in CELLS]
+    body.append(["bytes fewer than all-reduce", *fewer])
+    print("\n== outer rules: ratio to dp<k> ± half the range (seeds), q4 both ways")
+    print(markdown_table(["rule (outer/lr/momentum)", *map(_cell_name, CELLS)], body) if md
+          else table_text(["rule", *map(_cell_name, CELLS)], body))
+
+
+def rules_goal_lines(rows: dict[str, Row]) -> list[str]:
+    """Per candidate and cell: its ratio, spread, bytes and goal; then per candidate
+    whether it meets every required cell (n/a while a required cell has no run)."""
+    by, out = _rule_rows(rows), []
+    for cand in CANDIDATES:
+        verdicts = {}
+        for cell in CELLS:
+            r = by.get((cand, cell))
+            if r is None:
+                continue
+            v = list(r.ratios.values())
+            ratio, fewer = statistics.fmean(v), 1 / r.mean("bytes_per_token_ratio")
+            at_most, at_least = RULE_TARGETS[cell[0]]
+            verdicts[cell] = ok = ratio <= at_most and fewer >= at_least
+            out.append(f"RESULT goal=outer_rule rule={cand} cell={_cell_name(cell)} "
+                       f"met={'yes' if ok else 'no'} ratio={ratio:.4f}+-"
+                       f"{(max(v) - min(v)) / 2:.4f} fewer_bytes={fewer:.0f} seeds={len(v)} "
+                       f"target_ratio={at_most:g} target_fewer={at_least}")
+        if not verdicts:
+            continue
+        missing = [_cell_name(c) for c in CELLS if c[0] in REQUIRED and c not in verdicts]
+        met = "n/a" if missing else "yes" if all(
+            ok for c, ok in verdicts.items() if c[0] in REQUIRED) else "no"
+        out.append(f"RESULT goal=one_rule rule={cand} met={met} "
+                   + (f"missing={','.join(missing)} " if missing else "")
+                   + f"cells={len(verdicts)}/{len(CELLS)}")
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -843,9 +697,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
-                      help="reduced table: LoRA regime, half the budget, single, dp4 and "
-                           "DiLoCo k=4 H=50 on q4 and f32, 2 seeds (about 10 minutes on 2 "
-                           "CPU cores)")
+                      help="the default outer rule's short LoRA cell (k=4, H=50, 8 rounds, "
+                           "q4 both ways) and dp4, 3 seeds, and the default's goal lines "
+                           "(cells of the --rules table it did not run say so); shares "
+                           "--rules' cache")
+    mode.add_argument("--rules", action="store_true",
+                      help="the outer-rule candidates (scripts/_diloco_arms.py) in three "
+                           "regimes: short LoRA (8 rounds), long warm (k=4 and 8, H=100), "
+                           "long from scratch (k=4, H=50 and 100), q4 both ways, 3 seeds, "
+                           "each cell's ratio to data-parallel on the same tokens")
     mode.add_argument("--long", action="store_true",
                       help="DiLoCo's own regime: full weights on stdlib source, warm start "
                            "(the briefly pretrained tiny model) and from scratch, 5000 inner "
@@ -855,13 +715,15 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--smoke", action="store_true",
                       help="2 arms, a few steps, 1 seed (< 60 s): checks the plumbing")
     p.add_argument("--out", type=Path, default=None,
-                   help="cache and run folder (default runs/compare, runs/compare-quick, "
-                        "runs/compare-smoke)")
+                   help="cache and run folder (default runs/compare, runs/compare-rules "
+                        "(--rules and --quick), runs/compare-long, runs/compare-smoke)")
     p.add_argument("--arms", default=None,
                    help="comma list of glob patterns over regime:arm names, e.g. "
-                        "'lora:diloco4*,full:*' (default: all; with --quick: "
-                        f"{QUICK_ARMS})")
-    p.add_argument("--seeds", default=None, help="comma list of seeds (default 0,1)")
+                        "'lora:diloco4*,full:*' (default: all of the mode's)")
+    p.add_argument("--seeds", default=None,
+                   help="comma list of seeds (default 0,1; --rules and --quick 0,1,2)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="(arm, seed) runs at once, each its own processes")
     p.add_argument("--fresh", action="store_true", help="ignore cached results")
     p.add_argument("--report-only", action="store_true",
                    help="print the tables from cached results; run nothing")
@@ -873,48 +735,61 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     mode_name = ("smoke" if args.smoke else "quick" if args.quick else "long" if args.long
-                 else "full")
-    out = (args.out or ROOT / "runs" / ("compare" if mode_name == "full"
+                 else "rules" if args.rules else "full")
+    out = (args.out or ROOT / "runs" / ("compare" if mode_name == "full" else "compare-rules"
+                                        if mode_name == "quick"
                                         else f"compare-{mode_name}")).resolve()
     regimes, arms, seeds = plan(mode_name)
     if args.seeds:
         seeds = [int(s) for s in args.seeds.split(",")]
-    arms = choose(arms, args.arms or (QUICK_ARMS if mode_name == "quick" else "*"))
+    arms = choose(arms, args.arms or "*")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: dict[str, Row] = {a.key: Row(a) for a in arms}
-    skipped: list[str] = []
-    paths: dict[str, tuple] = {}
-    t_start = time.monotonic()
-    for arm in arms:
-        rg = regimes[arm.regime]
-        for seed in seeds:
-            cfg = config_of(arm, rg, seed)
-            digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
-            cache = out / "results" / arm.regime / f"{digest}.json"
-            saved = None if args.fresh else cached(cache, digest)
-            if saved is not None:
-                rows[arm.key].results[seed] = saved
-                continue
-            if args.report_only:
-                continue
-            if arm.regime not in paths:
-                paths[arm.regime] = prepare(out, rg)
-            print(f"[{time.monotonic() - t_start:6.0f}s] running {arm.key} seed {seed} ...",
-                  flush=True)
-            run_dir = out / "runs" / arm.regime / arm.name / f"seed{seed}"
-            try:
-                res = run_arm(arm, rg, seed, paths[arm.regime], run_dir, args.arm_timeout)
-            except ArmFailed as e:
-                print(f"  FAILED: {e}", flush=True)
-                skipped.append(f"{arm.key} seed {seed} (failed)")
-                continue
-            print(f"  eval {res['eval_loss']:.4f} (before {res['eval_loss_before']:.4f}), "
-                  f"{res.get('rounds', 0)} rounds, {res['wall_s']:.0f}s", flush=True)
-            rows[arm.key].results[seed] = res
-            atomic_write(cache, json.dumps({"digest": digest, "arm": arm.name, "config": cfg,
-                                            "result": res}, indent=1))
+    todo = []  # (arm, seed, cache path, digest) not cached yet
+    for arm, seed in itertools.product(arms, seeds):
+        cfg = config_of(arm, regimes[arm.regime], seed)
+        digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+        cache = out / "results" / arm.regime / f"{digest}.json"
+        saved = None if args.fresh else cached(cache, digest)
+        if saved is not None:
+            rows[arm.key].results[seed] = saved
+        elif not args.report_only:
+            todo.append((arm, seed, cache, digest))
+    skipped = run_all(todo, regimes, rows, out, args)
     report(rows, regimes, skipped, args.markdown)
     return 0
+
+
+def run_all(todo: list, regimes: dict[str, Regime], rows: dict[str, Row], out: Path,
+            args) -> list[str]:
+    """Run each (arm, seed) of `todo`, --jobs at a time, in order; cache each result.
+    Returns the failed ones."""
+    paths = {name: prepare(out, regimes[name]) for name in {a.regime for a, *_ in todo}}
+    t_start, skipped = time.monotonic(), []
+
+    def one(item) -> None:
+        arm, seed, cache, digest = item
+        print(f"[{time.monotonic() - t_start:6.0f}s] running {arm.key} seed {seed} ...",
+              flush=True)
+        run_dir = out / "runs" / arm.regime / arm.name / f"seed{seed}"
+        try:
+            res = run_arm(arm, regimes[arm.regime], seed, paths[arm.regime], run_dir,
+                          args.arm_timeout)
+        except ArmFailed as e:
+            print(f"  FAILED: {e}", flush=True)
+            skipped.append(f"{arm.key} seed {seed} (failed)")
+            return
+        print(f"  {arm.key} seed {seed}: eval {res['eval_loss']:.4f} (before "
+              f"{res['eval_loss_before']:.4f}), {res.get('rounds', 0)} rounds, "
+              f"{res['wall_s']:.0f}s", flush=True)
+        rows[arm.key].results[seed] = res
+        atomic_write(cache, json.dumps({"digest": digest, "arm": arm.name,
+                                        "config": config_of(arm, regimes[arm.regime], seed),
+                                        "result": res}, indent=1))
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(one, todo))
+    return skipped
 
 
 def choose(arms: list[Arm], pick: str) -> list[Arm]:
@@ -951,7 +826,11 @@ def report(rows: dict[str, Row], regimes: dict[str, Regime], skipped: list[str],
         print(f"skipped: {s}")
     print()
     long_mode = any(rg.name in ("warm", "scratch") for rg in regimes.values())
-    goals = long_goal_lines(rows) if long_mode else goal_lines(rows)
+    if "short" in regimes:  # --rules, --quick
+        print_rules(rows, md)
+        goals = rules_goal_lines(rows)
+    else:
+        goals = long_goal_lines(rows) if long_mode else goal_lines(rows)
     for line in result_lines(rows) + goals:
         print(line)
 

@@ -15,9 +15,13 @@ from yeto import codec
 def add_round_args(p) -> None:
     """Add the outer loop's flags to a parser or argument group."""
     p.add_argument("--outer", choices=tuple(OPTIMIZERS), default=Config.outer,
-                   help="the outer optimizer: nesterov (m <- mu m + g; step lr (g + mu m)); "
-                        "nesterov-bc (its momentum term bias-corrected, so the first rounds "
-                        "are not under-stepped by an empty buffer; syncer/strategy.py)")
+                   help="the outer optimizer, with --outer-lr and --outer-momentum: nesterov "
+                        "(m <- mu m + g; step lr (g + mu m)); nesterov-bc (its momentum term "
+                        "bias-corrected); nesterov-warmup (from plain averaging to lr, mu over "
+                        "the first 20 rounds); nesterov-agree (between plain averaging and lr, "
+                        "mu by the cosine of g and m); nesterov-restart (m emptied when g "
+                        "points against it). Each rule, its source and its arithmetic: "
+                        "syncer/strategy.py")
     p.add_argument("--outer-lr", type=float, default=Config.outer_lr,
                    help="outer Nesterov learning rate (1 with momentum 0 = plain averaging, "
                         "the default). For long runs (100+ rounds) from a pretrained model, "

@@ -154,6 +154,7 @@ class MergeAccumulator:
         first), on a few threads. Returns the sum's buffer (scratch afterwards: `reuse`
         it). Raises NonFinite if Θ or m came out non-finite."""
         divisor, g = self._prepare(), self._buffer()
+        outer.begin(g, m, t)  # the whole round, for rules that look at it (g up to 1/divisor)
         divide, factor = True, None
         if self.rule.rescales:
             def by_divisor(lo: int, hi: int) -> None:

@@ -61,8 +61,15 @@ def merge_rule(name: str) -> Mean:
 
 # ---- outer optimizers ---------------------------------------------------------------------
 class Nesterov:
-    """m ← μm + g;  Θ ← Θ − lr·(g + μm). lr 1 with μ 0 is plain averaging (the
-    default: BENCHMARKS.md, "What the evidence says, and the defaults")."""
+    """m ← μm + g;  Θ ← Θ − lr·(g + μm): DiLoCo's outer step (Douillard et al., "DiLoCo:
+    Distributed Low-Communication Training of Language Models", arXiv 2311.08105). lr 1
+    with μ 0 is plain averaging (the default: BENCHMARKS.md, "What the evidence says, and
+    the defaults"). SNOO (Kallusky et al., arXiv 2510.15830) is this same update on one
+    worker's pseudo-gradient (k = 1), and Lookahead (Zhang et al., arXiv 1907.08610) is
+    it with μ 0, lr = Lookahead's α: neither is a separate rule here.
+
+    A subclass changes the step through `coefficients` (per round, from the fragment's
+    outer step count t) and, where it needs to see the whole round, `begin`."""
 
     name = "nesterov"
 
@@ -74,6 +81,17 @@ class Nesterov:
         """Whether the run keeps (and saves) a momentum buffer m."""
         return self.momentum != 0
 
+    def begin(self, g: np.ndarray, m: np.ndarray | None, t: int) -> None:
+        """Called once per round and fragment before `step` runs over its chunks, with the
+        whole fragment's merged change (up to a positive factor) and momentum, before
+        either changes. Nothing here; rules that look at the round override it. Any state
+        it keeps must follow from (g, m, t): m and t are saved, so a resumed run steps
+        the same."""
+
+    def coefficients(self, t: int) -> tuple[float, float, float]:
+        """(lr, μ, w) of round t: m ← μm + g; Θ ← Θ − lr·(g + w·m)."""
+        return self.lr, self.momentum, self.momentum
+
     def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, t: int = 1) -> None:
         """One outer step, in place on theta and m; g is used as scratch (no full-size
         temporaries). `t`: this fragment's outer step count, from 1. With momentum 0,
@@ -83,31 +101,108 @@ class Nesterov:
                 g *= np.float32(self.lr)
             theta -= g
             return
-        m *= np.float32(self.momentum)
+        lr, mu, w = self.coefficients(t)
+        m *= np.float32(mu)
         m += g
-        g *= np.float32(self.lr)
+        if lr != 1.0:
+            g *= np.float32(lr)
         theta -= g
-        np.multiply(m, np.float32(self.lr * self._momentum_weight(t)), out=g)
+        np.multiply(m, np.float32(lr * w), out=g)
         theta -= g
-
-    def _momentum_weight(self, t: int) -> float:
-        return self.momentum
 
 
 class BiasCorrectedNesterov(Nesterov):
     """Nesterov with the momentum term bias-corrected, as Adam corrects its first
-    moment: Θ ← Θ − lr·(g + μ·m / (1 − μᵗ)). For a steady g, m = g·(1 − μᵗ)/(1 − μ)
-    after t steps: the correction gives every round the step lr·g/(1 − μ) that plain
-    Nesterov reaches only after many rounds, so an empty buffer no longer under-steps
-    the first ones (issue 33's short runs)."""
+    moment (Kingma & Ba, "Adam: A Method for Stochastic Optimization", arXiv 1412.6980):
+    Θ ← Θ − lr·(g + μ·m / (1 − μᵗ)). For a steady g, m = g·(1 − μᵗ)/(1 − μ) after t
+    steps: the correction gives every round the step lr·g/(1 − μ) that plain Nesterov
+    reaches only after many rounds, so an empty buffer no longer under-steps the first
+    ones (issue 33's short runs)."""
 
     name = "nesterov-bc"
 
-    def _momentum_weight(self, t: int) -> float:
-        return self.momentum / (1.0 - self.momentum ** max(1, t))
+    def coefficients(self, t: int) -> tuple[float, float, float]:
+        return self.lr, self.momentum, self.momentum / (1.0 - self.momentum ** max(1, t))
 
 
-OPTIMIZERS = {o.name: o for o in (Nesterov, BiasCorrectedNesterov)}
+class WarmupNesterov(Nesterov):
+    """Nesterov whose lr and μ warm up from plain averaging (lr 1, μ 0) to (lr, μ) over
+    the first WARMUP rounds: with s = min(1, (t − 1)/WARMUP), lr_t = 1 + (lr − 1)·s and
+    μ_t = μ·s. Round 1 is plain averaging, round WARMUP + 1 on is Nesterov (lr, μ).
+    Sources: learning-rate warm-up (Goyal et al., "Accurate, Large Minibatch SGD",
+    arXiv 1706.02677) and a momentum that grows over the first steps (Sutskever et
+    al., "On the importance of initialization and momentum in deep learning", ICML
+    2013, PMLR 28(3):1139, no arXiv version). Here the warm-up moves from the rule that
+    wins short runs to the one that wins long ones (issue 33)."""
+
+    name = "nesterov-warmup"
+    WARMUP = 20  # rounds
+
+    def coefficients(self, t: int) -> tuple[float, float, float]:
+        s = min(1.0, (max(1, t) - 1) / self.WARMUP)
+        mu = self.momentum * s
+        return 1.0 + (self.lr - 1.0) * s, mu, mu
+
+
+class AgreementNesterov(Nesterov):
+    """Nesterov whose step moves between plain averaging and (lr, μ) with the agreement
+    of the round's merged change g with the momentum m (the pseudo-gradients before
+    it): s = max(0, cos(g, m)), lr_t = 1 + (lr − 1)·s, μ_t = μ·s. An empty m (round 1)
+    gives s = 0, plain averaging; m is then g itself, so round 2's s is the cosine of
+    two successive pseudo-gradients. Source: issue 33's candidate (an outer lr adapted
+    from the agreement of successive pseudo-gradients); the test is the one of adaptive
+    restart (O'Donoghue & Candès, "Adaptive Restart for Accelerated Gradient Schemes",
+    arXiv 1204.3982), made continuous. No state beyond m and t: s is computed from
+    them each round."""
+
+    name = "nesterov-agree"
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0):
+        super().__init__(lr, momentum)
+        self.agreement = 0.0  # s of the round being stepped
+
+    def begin(self, g: np.ndarray, m: np.ndarray | None, t: int) -> None:
+        self.agreement = max(0.0, cosine(g, m)) if m is not None else 0.0
+
+    def coefficients(self, t: int) -> tuple[float, float, float]:
+        s = self.agreement
+        mu = self.momentum * s
+        return 1.0 + (self.lr - 1.0) * s, mu, mu
+
+
+class RestartNesterov(Nesterov):
+    """Nesterov with gradient-based adaptive restart (O'Donoghue & Candès, "Adaptive
+    Restart for Accelerated Gradient Schemes", arXiv 1204.3982, §3.2): when the round's
+    merged change g points against the momentum (g·m < 0: the last steps overshot),
+    m is emptied before m ← μm + g, so the step is lr·(1 + μ)·g. No state beyond m:
+    the test is made on g and m each round."""
+
+    name = "nesterov-restart"
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0):
+        super().__init__(lr, momentum)
+        self.restart = False  # for the round being stepped
+
+    def begin(self, g: np.ndarray, m: np.ndarray | None, t: int) -> None:
+        self.restart = m is not None and cosine(g, m) < 0
+
+    def coefficients(self, t: int) -> tuple[float, float, float]:
+        return self.lr, 0.0 if self.restart else self.momentum, self.momentum  # μ 0: m ← g
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """cos(a, b), 0 when either is zero (f64 sums over f32 chunks: no full-size copy)."""
+    dot = na = nb = 0.0
+    for lo in range(0, a.size, 1 << 20):
+        x, y = a[lo:lo + (1 << 20)], b[lo:lo + (1 << 20)]
+        dot += float(np.dot(x, y))
+        na += float(np.dot(x, x))
+        nb += float(np.dot(y, y))
+    return dot / float(np.sqrt(na * nb)) if na > 0 and nb > 0 else 0.0
+
+
+OPTIMIZERS = {o.name: o for o in (Nesterov, BiasCorrectedNesterov, WarmupNesterov,
+                                  AgreementNesterov, RestartNesterov)}
 
 
 def outer_optimizer(name: str, lr: float, momentum: float) -> Nesterov:

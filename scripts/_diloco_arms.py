@@ -1,0 +1,302 @@
+"""The arms of `scripts/compare_diloco.py` as data: each regime (what is trained, on
+what, for how long) and each arm (k islands, H, wire, outer rule), and which arms each
+mode runs (`plan`). The runner, the caching and the report live in compare_diloco.py.
+
+Mode `--rules` (issue 33) crosses the outer-rule candidates (`CANDIDATES`, each a
+`syncer.strategy` rule with its lr and momentum) with three regimes, q4 both ways, each
+cell's ratio to data-parallel on the same tokens:
+  short    LoRA SFT on the synthetic chat task, k = 4, H = 50: 8 rounds (400 steps per
+           island), the regime where outer momentum lost (dp4: one island, 4x batch)
+  warm     full weights on stdlib source from the briefly pretrained tiny base, 5000
+           steps per island, k = 4 and 8 at H = 100 (50 rounds; the bytes goal, >= 400x
+           fewer than an all-reduce, needs H = 100 at k = 4)
+  scratch  the same from random init, k = 4, H = 50 (100 rounds) and H = 100
+DiLoCo arms run through `python -m yeto.sim` (one process per arm), dp arms as one
+island process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str              # "lora" or "full"
+    tuning: str            # learner --tuning
+    pretrain: bool         # tiny base pretrained (LoRA SFT) or random init (from scratch)
+    data: str              # "task" (synthetic chat) or "stdlib" (Python source text)
+    steps: int             # N: single-island steps of the token budget
+    batch: int             # b: blocks per island step
+    seq_len: int
+    inner_lr: float
+    lora_r: int = 16
+    sim: bool = False      # DiLoCo arms through python -m yeto.sim (one process)
+    eval_blocks: int = 0   # held-out blocks evaluated (0 = all); islands evaluate at syncs
+
+
+@dataclass(frozen=True)
+class Arm:
+    regime: str
+    name: str
+    kind: str              # single | dp | diloco | nomerge | mixed
+    k: int = 1
+    steps: int = 0         # per island
+    batch: int = 0         # per island step
+    H: int = 0
+    wire: str = "q4"
+    outer_lr: float = 1.0  # plain averaging; see NESTEROV
+    outer_momentum: float = 0.0
+    outer: str = "nesterov"  # the syncer's --outer (syncer.strategy.OPTIMIZERS)
+    merge: str = "mean"
+    downlink: str = "f32"
+    extra: tuple[str, ...] = ()          # flags for every island
+    syncer_extra: tuple[str, ...] = ()   # flags for the syncer (e.g. --fragments P)
+    per_island: tuple[tuple[str, ...], ...] = ()  # extra flags per island
+    island_steps: tuple[int, ...] = ()    # max-steps per island (mixed arms)
+    ref: str | None = None  # synchronous reference arm (same regime) for `ratio`
+
+    @property
+    def key(self) -> str:
+        return f"{self.regime}:{self.name}"
+
+    def steps_of(self, i: int) -> int:
+        return self.island_steps[i] if self.island_steps else self.steps
+
+
+def diloco(rg: Regime, k: int, H: int, wire: str = "q4", *, suffix: str = "",
+           **kw) -> Arm:
+    return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=rg.steps // k,
+               batch=rg.batch, H=H, wire=wire, ref=f"dp{k}", **kw)
+
+
+NESTEROV = dict(outer_lr=0.7, outer_momentum=0.9)  # the DiLoCo paper's outer step
+
+
+def lora_arms(rg: Regime) -> list[Arm]:
+    single = Arm(rg.name, "single", "single", steps=rg.steps, batch=rg.batch, ref="dp4")
+    dp = [Arm(rg.name, f"dp{k}", "dp", k=k, steps=rg.steps // k, batch=rg.batch * k,
+              ref=f"dp{k}") for k in (2, 4)]
+    base = diloco(rg, 4, 50)
+    h10 = diloco(rg, 4, 10)
+    h100 = diloco(rg, 4, 100)
+    blocking = ("--blocking-sync",)
+    frozen = dict(extra=("--lora-freeze-a",))
+    arms = [single, *dp]
+    arms += [diloco(rg, k, H, w) for k in (2, 4) for H in (10, 50) for w in ("f32", "q4")]
+    arms += [Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
+                 ref=f"dp{k}") for k in (2, 4)]
+    arms += [
+        # outer rules (the grid above averages: outer lr 1, momentum 0)
+        replace(base, name=base.name + "-nest", **NESTEROV),
+        replace(h10, name=h10.name + "-nest", **NESTEROV),
+        replace(base, name=base.name + "-rda", merge="rda"),
+        replace(base, name=base.name + "-rda-nest", merge="rda", **NESTEROV),
+        replace(base, name=base.name + "-m05", outer_lr=0.7, outer_momentum=0.5),
+        replace(base, name=base.name + "-o04", outer_lr=0.4, outer_momentum=0.9),
+        # downlink, longer H
+        replace(base, name=base.name + "-dq4", downlink="q4"),
+        h100, replace(h100, name=h100.name + "-dq4", downlink="q4"),
+        # LoRA merge mode: A frozen from the shared seed, only B trained and sent
+        # (dp4-frozenA: the synchronous arm with A frozen too, so the capacity lost by
+        # freezing A is told apart from what the merge loses)
+        replace(dp[1], name="dp4-frozenA", ref="dp4", **frozen),
+        replace(base, name=base.name + "-frozenA", **frozen),
+        replace(base, name=base.name + "-frozenA-nest", **frozen, **NESTEROV),
+        replace(h100, name=h100.name + "-dq4-frozenA", downlink="q4", **frozen),
+        # Streaming DiLoCo: P fragments in turn, the same total bytes, 1/P per round
+        *[replace(base, name=f"{base.name}-P{p}", syncer_extra=("--fragments", str(p)))
+          for p in (2, 4)],
+        # --blocking-sync: each island waits for the merged weights after its push
+        # (exact DiLoCo); by default islands train on and fold their newer steps in
+        replace(base, name=base.name + "-blk", extra=blocking),
+        replace(base, name=base.name + "-nest-blk", extra=blocking, **NESTEROV),
+        replace(h10, name=h10.name + "-blk", extra=blocking),
+        replace(h10, name=h10.name + "-nest-blk", extra=blocking, **NESTEROV),
+    ]
+    return arms + mixed_arms(rg)
+
+
+def mixed_arms(rg: Regime) -> list[Arm]:
+    """Two islands, island-1 at --slowdown 3, on one wall-clock budget W = the time the
+    slow island takes for S steps (S = N/4, as many as a k=4 island makes). Budgets are
+    set by max-steps per island, proportional to what each island can do in W under its
+    sync rule:
+      mixed-time:  sync every T seconds; the fast island does 3S steps, the slow S.
+      mixed-steps: sync every H steps; a round needs both pushes (quorum 2) and an
+                   island holds one push in flight, so the fast island can be at most
+                   one push (H steps) ahead of the slow one: S + H steps, the slow S.
+    Wall seconds are measured and printed, so the budgets can be checked."""
+    S, H = rg.steps // 4, 50
+    slow = ((), ("--slowdown", "3"))
+    # T: about the slow island's time for H steps (3x a ~45 ms step at L=64, b=8)
+    T = 7
+    return [
+        Arm(rg.name, "mixed-steps", "mixed", k=2, steps=S, batch=rg.batch, H=H,
+            island_steps=(S + H, S), per_island=slow, ref="mixed-steps"),
+        Arm(rg.name, "mixed-time", "mixed", k=2, steps=S, batch=rg.batch, H=H,
+            island_steps=(3 * S, S), extra=("--sync-every-seconds", str(T)),
+            per_island=slow, ref="mixed-steps"),
+    ]
+
+
+def full_arms(rg: Regime) -> list[Arm]:
+    """The DiLoCo paper's Table 2 shape, k = 4, from scratch, full weights."""
+    k = 4
+    return [
+        Arm(rg.name, "single", "single", steps=rg.steps // k, batch=rg.batch, ref=f"dp{k}"),
+        Arm(rg.name, "single-same-tokens", "single", steps=rg.steps, batch=rg.batch,
+            ref=f"dp{k}"),
+        Arm(rg.name, f"dp{k}", "dp", k=k, steps=rg.steps // k, batch=rg.batch * k,
+            ref=f"dp{k}"),
+        diloco(rg, k, 50), diloco(rg, k, 50, "f32"), diloco(rg, k, 10),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-nest", **NESTEROV),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-nest", **NESTEROV),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-m05", outer_lr=0.7, outer_momentum=0.5),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-m05", outer_lr=0.7, outer_momentum=0.5),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-nest-blk", extra=("--blocking-sync",),
+                **NESTEROV),
+        replace(diloco(rg, k, 50), name="diloco4-H50-q4-rda", merge="rda"),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-rda", merge="rda"),
+        replace(diloco(rg, k, 10), name="diloco4-H10-q4-blk", extra=("--blocking-sync",)),
+        Arm(rg.name, f"nomerge{k}", "nomerge", k=k, steps=rg.steps // k, batch=rg.batch,
+            ref=f"dp{k}"),
+    ]
+
+
+def long_arms(rg: Regime) -> list[Arm]:
+    """DiLoCo's own regime: S inner steps per island in every arm (>= 100 rounds at
+    H = 50), the sweeps at that fixed per-island budget (the paper's Table 3 shape),
+    dp<k> with the same total tokens. Listed most telling first: arms run in order."""
+    S, b = rg.steps, rg.batch
+    nest_dq4 = dict(downlink="q4", **NESTEROV)
+
+    def dp(k: int) -> Arm:
+        return Arm(rg.name, f"dp{k}", "dp", k=k, steps=S, batch=b * k, ref=f"dp{k}")
+
+    def d(k: int, H: int, wire: str = "q4", suffix: str = "-dq4-nest", **kw) -> Arm:
+        kw = kw if suffix != "-dq4-nest" else nest_dq4  # other suffixes state their flags
+        return Arm(rg.name, f"diloco{k}-H{H}-{wire}{suffix}", "diloco", k=k, steps=S,
+                   batch=b, H=H, wire=wire, ref=f"dp{k}", **kw)
+
+    def grid(k: int) -> list[Arm]:  # outer lr {0.4, 0.7, 1.0} x momentum {0, 0.5, 0.9}
+        cells = {(4, 9): "-dq4-o04", (7, 5): "-dq4-m05", (10, 0): "-dq4"}  # named before
+        return [replace(d(k, 50, suffix=cells.get((lr, m), f"-dq4-lr{lr:02d}m{m:02d}"),
+                          downlink="q4", outer_lr=lr / 10, outer_momentum=m / 10),
+                        ref="single" if k == 1 else f"dp{k}")
+                for lr, m in itertools.product((4, 7, 10), (0, 5, 9)) if (lr, m) != (7, 9)]
+
+    main = [dp(4), d(4, 50), d(4, 50, suffix=""), d(4, 50, suffix="-dq4", downlink="q4"),
+            d(4, 50, "f32", suffix="-nest", **NESTEROV),
+            d(4, 50, "bf16", suffix="-nest", **NESTEROV)]
+    o04 = dict(downlink="q4", outer_lr=0.4, outer_momentum=0.9)
+    single = Arm(rg.name, "single", "single", steps=S, batch=b, ref="single")
+    # fragments and merge rules against the plain-averaging q4/q4 arm (uniform is not
+    # run: islands of equal batch carry equal tokens, so it equals mean)
+    fragments_and_merge = [
+        d(4, 50, suffix="-dq4-P2", downlink="q4", syncer_extra=("--fragments", "2")),
+        d(4, 50, suffix="-dq4-P4", downlink="q4", syncer_extra=("--fragments", "4")),
+        d(4, 50, suffix="-dq4-rda", downlink="q4", merge="rda")]
+    if not rg.pretrain:  # from scratch: the main arms, the best warm ones at H = 100, and
+        plain = dict(suffix="-dq4", downlink="q4")  # the k and H sweeps with the best rule
+        arms = main + [
+            d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
+            d(4, 100, **plain), single, replace(d(1, 50, **plain), ref="single"),
+            dp(2), d(2, 50, **plain), dp(8), d(8, 50, **plain),
+            d(4, 10, **plain), d(4, 250, **plain), d(4, 1000, **plain),
+            *fragments_and_merge, *grid(4)]
+        return list({a.name: a for a in arms}.values())
+    arms = main + [
+        single, replace(d(1, 50), ref="single"),
+        dp(2), d(2, 50), dp(8), d(8, 50),
+        d(4, 100), d(4, 100, suffix="-dq4", downlink="q4"), d(4, 250), d(4, 1000), d(4, 10),
+        d(4, 50, suffix="-dq4-o04", **o04), d(4, 100, suffix="-dq4-o04", **o04),
+        d(4, 100, "f32", suffix="-nest", **NESTEROV),
+        # the wire cross under Nesterov: uplink f32/bf16/q4 x downlink f32/q4
+        d(4, 50, suffix="-nest", **NESTEROV), d(4, 50, "f32"), d(4, 50, "bf16"),
+        *grid(4), *fragments_and_merge,
+        *grid(2), *grid(8), *grid(1),  # the outer grid per k (k = 4 above; k = 1 to single)
+    ]
+    return list({a.name: a for a in arms}.values())  # each once, where it first appears
+
+
+def plan(mode: str) -> tuple[dict[str, Regime], list[Arm], list[int]]:
+    if mode == "smoke":
+        rg = Regime("lora", "lora", True, "task", steps=24, batch=4, seq_len=64, inner_lr=3e-3,
+                    lora_r=8)
+        arms = [Arm("lora", "single", "single", steps=24, batch=4, ref="single"),
+                replace(diloco(rg, 2, 6), ref="single")]
+        return {"lora": rg}, arms, [0]
+    if mode in ("rules", "quick"):  # quick: the default rule's short cell, and dp4
+        regimes, arms = rules_plan()
+        if mode == "quick":
+            arms = [a for a in arms if a.regime == "short"
+                    and (a.kind == "dp" or candidate_of(a) == DEFAULT)]
+        return regimes, arms, [0, 1, 2]
+    if mode == "long":  # full weights, stdlib source, >= 100 rounds through yeto.sim
+        warm = Regime("warm", "full", True, "stdlib", steps=5000, batch=4, seq_len=32,
+                      inner_lr=1e-3, sim=True, eval_blocks=128)
+        scratch = replace(warm, name="scratch", pretrain=False)
+        return {"warm": warm, "scratch": scratch}, long_arms(warm) + long_arms(scratch), [0, 1]
+    lora = Regime("lora", "lora", True, "task", steps=1600, batch=8, seq_len=64,
+                  inner_lr=3e-3)
+    full = Regime("full", "full", False, "stdlib", steps=1200, batch=8, seq_len=128,
+                  inner_lr=2e-3)
+    return {"lora": lora, "full": full}, lora_arms(lora) + full_arms(full), [0, 1]
+
+
+# ---------------------------------------------------------------- outer rules (issue 33)
+
+# name -> (--outer, --outer-lr, --outer-momentum); the arm's suffix is "-name" ("" for avg,
+# so the arm names of earlier tables hold)
+CANDIDATES = {
+    "avg": ("nesterov", 1.0, 0.0),            # plain averaging
+    "o04": ("nesterov", 0.4, 0.9),            # the best long warm cell of the outer grid
+    "bc": ("nesterov-bc", 0.4, 0.9),
+    "warmup": ("nesterov-warmup", 0.4, 0.9),
+    "agree": ("nesterov-agree", 0.4, 0.9),
+    "restart": ("nesterov-restart", 0.4, 0.9),
+}
+DEFAULT = "avg"  # the syncer's default rule (syncer.run.Config); --quick runs it
+# the cells of the rules table: (regime, k, H)
+CELLS = (("short", 4, 50), ("warm", 4, 100), ("warm", 8, 100), ("scratch", 4, 50),
+         ("scratch", 4, 100))
+
+
+def rule_arm(rg: Regime, k: int, H: int, cand: str, steps: int) -> Arm:
+    outer, lr, mu = CANDIDATES[cand]
+    suffix = "" if cand == "avg" else f"-{cand}"
+    return Arm(rg.name, f"diloco{k}-H{H}-q4-dq4{suffix}", "diloco", k=k, steps=steps,
+               batch=rg.batch, H=H, downlink="q4", outer=outer, outer_lr=lr,
+               outer_momentum=mu, ref=f"dp{k}")
+
+
+def rules_plan() -> tuple[dict[str, Regime], list[Arm]]:
+    """The regimes and arms of `--rules`: dp<k> first, then every candidate per cell."""
+    short = Regime("short", "lora", True, "task", steps=1600, batch=8, seq_len=64,
+                   inner_lr=3e-3, sim=True)
+    warm = Regime("warm", "full", True, "stdlib", steps=5000, batch=4, seq_len=32,
+                  inner_lr=1e-3, sim=True, eval_blocks=128)  # as --long: caches agree
+    regimes = {"short": short, "warm": warm, "scratch": replace(warm, name="scratch",
+                                                                 pretrain=False)}
+    arms: list[Arm] = []
+    for name, k, H in CELLS:
+        rg = regimes[name]
+        per_island = rg.steps // k if name == "short" else rg.steps  # short: same tokens
+        arms.append(Arm(name, f"dp{k}", "dp", k=k, steps=per_island, batch=rg.batch * k,
+                        ref=f"dp{k}"))
+        arms += [rule_arm(rg, k, H, c, per_island) for c in CANDIDATES]
+    return regimes, list({a.key: a for a in arms}.values())
+
+
+def cell_of(arm: Arm) -> tuple[str, int, int] | None:
+    """The rules-table cell a DiLoCo arm belongs to, None for another arm."""
+    cell = (arm.regime, arm.k, arm.H)
+    return cell if arm.kind == "diloco" and cell in CELLS else None
+
+
+def candidate_of(arm: Arm) -> str | None:
+    """The candidate an arm runs (by its outer rule, lr and momentum), None if none."""
+    flags = (arm.outer, arm.outer_lr, arm.outer_momentum)
+    return next((c for c, f in CANDIDATES.items() if f == flags), None)
