@@ -5,6 +5,7 @@ function; the adapter files load in peft and in mlx-lm. Tiny qwen3_moe and mixtr
 models (`yeto.testing.archs`), built once per module."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -111,6 +112,18 @@ def test_mlx_island_adapter_loads_in_peft_and_mlx_lm(moe_models, tmp_path):
     mlx_model = load_with_mlx_lm_adapter(d, tmp_path / "mlx")
     got = parity._mlx_logits(mlx_model, ids)
     assert effect > 0.1 and np.abs(got - want).max() <= parity.REL_TOL * np.abs(want).max()
+    # plain mlx_lm.load, on a config that says num_experts, head_dim and rope_theta at
+    # the top, as Qwen3-MoE checkpoints do (transformers 5 writes them elsewhere)
+    import mlx_lm
+
+    plain = tmp_path / "plain"
+    shutil.copytree(d, plain)
+    config = json.loads((plain / "config.json").read_text())
+    config.update(num_experts=4, head_dim=16, rope_theta=config["rope_parameters"]["rope_theta"])
+    (plain / "config.json").write_text(json.dumps(config))
+    mlx_model, _ = mlx_lm.load(str(plain), adapter_path=str(tmp_path / "mlx"))
+    got = parity._mlx_logits(mlx_model, ids)
+    assert np.abs(got - want).max() <= parity.REL_TOL * np.abs(want).max()
 
 
 @pytest.mark.slow  # ~3 s more; qwen3_moe's files are checked by default
