@@ -60,3 +60,56 @@ def test_q4_vs_f32_goal_compares_the_seeds_both_arms_ran():
     assert lines == [
         "RESULT goal=long_q4_vs_f32 arm=warm:H50 wire=q4/q4 met=no gap=+5.00% seeds=1",
         "RESULT goal=long_q4_vs_f32 arm=warm:H50 wire=q4/f32 met=yes gap=+0.20% seeds=1"]
+
+
+def test_the_rules_table_and_goal_lines_say_what_ran(capsys):
+    """--rules: each candidate's cells (ratio to dp<k> over the seeds both ran, ± half the
+    range), "not run" where nothing ran, and a rule meets the goal only with every short
+    and warm cell measured and met (n/a, naming the missing cells, before that)."""
+    import compare_diloco as cd
+
+    regimes, arms, seeds = cd.plan("rules")
+    assert seeds == [0, 1, 2] and set(regimes) == {"short", "warm", "scratch"}
+    rows = {a.key: cd.Row(a) for a in arms}
+    bytes_fewer = {"short": 0.01, "warm": 1 / 500}  # bytes per token ratio
+
+    def put(key: str, losses, bpt=1.0):
+        rows[key].results = {s: {"eval_loss": x, "bytes_per_token_ratio": bpt}
+                             for s, x in enumerate(losses)}
+
+    for key in ("short:dp4", "warm:dp4", "warm:dp8"):
+        put(key, (2.0, 2.0, 2.0))
+    put("short:diloco4-H50-q4-dq4", (2.02, 2.04, 2.06), bytes_fewer["short"])
+    put("short:diloco4-H50-q4-dq4-o04", (2.3, 2.3, 2.3), bytes_fewer["short"])
+    put("warm:diloco4-H100-q4-dq4-o04", (1.98, 2.0, 2.02), bytes_fewer["warm"])
+    put("warm:diloco8-H100-q4-dq4-o04", (1.9, 1.9, 1.9), bytes_fewer["warm"])
+    cd.attach_ratios(rows)
+    cd.print_rules(rows, md=True)
+    out = capsys.readouterr().out
+    assert "| avg (nesterov/1.0/0.0) | 1.0200 ± 0.0100 (3) | not run |" in out
+    assert "| o04 (nesterov/0.4/0.9) | 1.1500 ± 0.0000 (3) | 1.0000 ± 0.0100 (3) | " \
+           "0.9500 ± 0.0000 (3) | not run | not run |" in out
+    assert "bc (" not in out  # no cell ran
+    lines = cd.rules_goal_lines(rows)
+    assert ("RESULT goal=outer_rule rule=avg cell=short:k4:H50 met=yes ratio=1.0200+-0.0100 "
+            "fewer_bytes=100 seeds=3 target_ratio=1.03 target_fewer=0") in lines
+    assert ("RESULT goal=one_rule rule=avg met=n/a missing=warm:k4:H100,warm:k8:H100 "
+            "cells=1/5") in lines
+    assert "RESULT goal=one_rule rule=o04 met=no cells=3/5" in lines  # short: 1.15 > 1.03
+    assert any(x.startswith("RESULT goal=outer_rule rule=o04 cell=warm:k4:H100 met=yes ")
+               for x in lines)
+
+
+def test_quick_runs_the_syncers_default_rule():
+    """--quick runs the short cell of `DEFAULT`, which must be the rule, lr and momentum a
+    syncer gets without flags."""
+    import _diloco_arms as arms
+    import compare_diloco as cd
+
+    from syncer.run import Config
+
+    assert arms.CANDIDATES[arms.DEFAULT] == (Config.outer, Config.outer_lr,
+                                             Config.outer_momentum)
+    _, quick, _ = cd.plan("quick")
+    assert [(a.key, a.kind) for a in quick][0] == ("short:dp4", "dp")
+    assert [cd.candidate_of(a) for a in quick[1:]] == [arms.DEFAULT]
