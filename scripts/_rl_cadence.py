@@ -162,9 +162,16 @@ def table(args, model: Path, adapters: dict, data, seeds: list[int]) -> tuple[li
     """Every (cadence, mode) arm over `seeds`: the table's rows, headers and RESULT keys."""
     rows, kv = [], {}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for cadence in [c.strip() for c in args.cadences.split(",") if c.strip()]:
+    cadences = [c.strip() for c in args.cadences.split(",") if c.strip()]
+    done = {}  # the modes of one (cadence, seed) run one after the other: similar load
+    for cadence in cadences:
+        for s in seeds:
+            for mode in modes:
+                done[cadence, mode, s] = cached_arm(args, cadence, mode, s, model, adapters[s],
+                                                    data)
+    for cadence in cadences:
         for mode in modes:
-            runs = [cached_arm(args, cadence, mode, s, model, adapters[s], data) for s in seeds]
+            runs = [done[cadence, mode, s] for s in seeds]
             before = [r["reward_before"] for r in runs]
             after = [r["reward_after"] for r in runs]
             change = [a - b for a, b in zip(after, before)]
