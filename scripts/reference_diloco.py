@@ -29,6 +29,12 @@ Where yeto means to differ, an option makes the reference do the same:
   --overlap D      the island that trains on while its round commits: a replica makes D
                    more steps before Θᵗ arrives and keeps them,
                    θᵢ ← Θᵗ + (θᵢ now − θᵢ at its push)
+and one changes no mathematics, only float32 rounding:
+  --yeto-rounding  the Nesterov step with its operations in the order of yeto's syncer
+                   (`syncer.strategy.Nesterov`: m ← μm + Δ, Θ ← Θ − lr·Δ − (lr·μ)·m)
+                   instead of torch's SGD (Θ ← Θ − lr·(Δ + μm)): the two round
+                   differently in the last bit, and training amplifies that round by
+                   round, so long runs match yeto bit for bit only with it
 
 With --yeto each case also runs through `yeto.sim` (k islands and the syncer, in this
 process) with the same settings (`--blocking-sync` unless --overlap, f32 both ways
@@ -83,6 +89,7 @@ class Case:
     token_weights: bool = False
     q4: bool = False
     overlap: int = 0
+    yeto_rounding: bool = False
     seed: int = 3
     threads: int = 1
 
@@ -223,8 +230,10 @@ class Wire:
         return {n: torch.from_numpy(v.copy()) for n, v in self.layout.unflatten(got).items()}
 
 
-def run_reference(case: Case) -> Trace:
-    """Algorithm 1 (with the options of `Case`); see the module's docstring."""
+def run_reference(case: Case, settle=None) -> Trace:
+    """Algorithm 1 (with the options of `Case`); see the module's docstring.
+    `settle(t, i, replicas)`, if given, is called after replica i's inner steps of
+    round t, before its δ is taken (scripts/compare_torchft.py models torchft with it)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -232,8 +241,9 @@ def run_reference(case: Case) -> Trace:
     tok = AutoTokenizer.from_pretrained(case.model)
     replicas = [Replica(case, i, tok) for i in range(case.islands)]
     theta = {n: torch.nn.Parameter(p) for n, p in replicas[0].weights().items()}
-    outer = torch.optim.SGD(list(theta.values()), lr=case.outer_lr,
-                            momentum=case.outer_momentum, nesterov=case.outer_momentum > 0)
+    outer = (SyncerRounding if case.yeto_rounding else torch.optim.SGD)(
+        list(theta.values()), lr=case.outer_lr, momentum=case.outer_momentum,
+        nesterov=case.outer_momentum > 0)
     wire = Wire({n: tuple(p.shape) for n, p in theta.items()}, case.islands) if case.q4 \
         else None
     trace = Trace(thetas={"0": _snapshot(theta)})
@@ -244,6 +254,8 @@ def run_reference(case: Case) -> Trace:
         for i, r in enumerate(replicas):
             tokens = ahead[i] + r.train(t * case.sync_every)
             trace.tokens.setdefault(names[i], []).append(tokens)
+            if settle is not None:
+                settle(t, i, replicas)
             delta = {n: theta[n].detach() - p.detach() for n, p in r.params.items()}
             deltas.append(wire.send(i, delta) if wire else delta)
             weights.append(float(tokens) if case.token_weights else 1.0)
@@ -272,6 +284,35 @@ def outer_step(outer, theta: dict, deltas: list[dict], weights: list[float]) -> 
         p.grad = g / total
     outer.step()
     outer.zero_grad(set_to_none=True)
+
+
+class SyncerRounding:
+    """torch's SGD with nesterov=True, its float32 operations in the order of yeto's
+    syncer (`syncer.strategy.Nesterov.step`): m ← μm + g; Θ ← Θ − lr·g; Θ ← Θ − (lr·μ)·m
+    (torch: Θ ← Θ − lr·(g + μm)). With momentum 0: Θ ← Θ − lr·g, as torch."""
+
+    def __init__(self, params: list, lr: float, momentum: float, nesterov: bool):
+        import torch
+
+        self.params, self.lr, self.momentum = params, np.float32(lr), np.float32(momentum)
+        self.lr_momentum = np.float32(lr * momentum)  # one product, as the syncer takes it
+        self.m = [torch.zeros_like(p) for p in params] if momentum and nesterov else None
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                g = p.grad
+                if self.m is not None:
+                    self.m[i].mul_(self.momentum).add_(g)
+                p.sub_(g * self.lr)
+                if self.m is not None:
+                    p.sub_(self.m[i] * self.lr_momentum)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
 
 
 def evaluate(case: Case, replica: Replica, tokenizer) -> float:
@@ -406,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each δ through yeto's q4 wire with error feedback")
     p.add_argument("--overlap", type=int, default=0, metavar="D",
                    help="replicas train D steps on while a round commits, and keep them")
+    p.add_argument("--yeto-rounding", action="store_true",
+                   help="the Nesterov step's float32 operations in yeto's syncer's order "
+                        "(the same step, other rounding)")
     p.add_argument("--yeto", action="store_true",
                    help="also run the case(s) through yeto.sim and compare")
     p.add_argument("--case", action="append", default=[], metavar="NAME:KEY=VALUE,...",
