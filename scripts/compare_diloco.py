@@ -53,8 +53,13 @@ Goals (each reported with met=yes|no)
   - Regime full (from scratch): diloco4 <= dp4, both below the single island (the
     DiLoCo paper's Table 2 baseline: one island, as many steps, 1/k of the tokens).
 
+Goals of --rules (issue 33; the arms: scripts/_diloco_arms.py), per outer rule
+  - short LoRA (8 rounds) <= 1.03 x dp4; long warm k = 4 and 8 <= 1.00 x dp<k> at >= 400x
+    fewer bytes per token; from scratch reported against the same goal.
+
 Usage
-  python scripts/compare_diloco.py --quick        # reduced table, < 10 min on 2 cores
+  python scripts/compare_diloco.py --quick        # the default rule's short cell, 3 seeds
+  python scripts/compare_diloco.py --rules --jobs 2   # every outer rule x regime, 3 seeds
   python scripts/compare_diloco.py                # every arm, 2 seeds (about an hour+)
   python scripts/compare_diloco.py --arms 'lora:diloco4*' --seeds 0,1
   python scripts/compare_diloco.py --smoke --out /tmp/cmp   # 2 arms, a few steps
