@@ -110,6 +110,7 @@ def run_arm(args, cfg: dict, model: Path, adapter: Path, data) -> dict:
     node.scheduler.version = version = 0
     published = {0: 0}  # version -> the trainer step whose weights it is
     history = []
+    trainer.sampler.last_step = cfg["steps"]
     try:
         before = trainer.evaluate()
         t0 = time.perf_counter()

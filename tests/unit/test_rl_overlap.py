@@ -89,7 +89,7 @@ def test_ahead_draws_the_next_step_while_this_one_trains_in_step_order():
         batch, info = sampler.take(1, 0)
         assert batch.step == 1 and batch.prompts == ["prompt-1"] and info["stale_dropped"] == 0
         # step 1 is in the trainer's hands; the draw of step 2 has started in the thread
-        assert source.started(2)
+        assert sampler.pending_step == 2 and source.started(2)
         got: list = []
         taker = _take(sampler, 2, 0, got)
         source.release(2)
@@ -99,6 +99,13 @@ def test_ahead_draws_the_next_step_while_this_one_trains_in_step_order():
         assert {c[2] for c in source.calls} == {"yeto-rollout-ahead"}
         with pytest.raises(ValueError, match="in order"):
             sampler.take(5, 0)  # step 3 is being drawn
+        sampler.last_step = 4  # the run's last step: nothing is drawn past it
+        source.release(3)
+        sampler.take(3, 0)
+        assert sampler.pending_step == 4
+        source.release(4)
+        sampler.take(4, 0)
+        assert sampler.pending_step is None
     finally:
         source.open()
         sampler.close()

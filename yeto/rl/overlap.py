@@ -102,6 +102,7 @@ class Sampler:
         self.draw, self.versions, self.ahead = draw, versions, ahead
         self.max_staleness, self.wait_s, self.max_redraws = max_staleness, wait_s, max_redraws
         self.dropped = 0  # stale batches dropped over the run
+        self.last_step: int | None = None  # ahead: nothing is drawn past it (None: no end)
         self._pending: tuple[int, int] | None = None  # the job asked for, not yet taken
         self._jobs: queue.Queue = queue.Queue(maxsize=1)
         self._done: queue.Queue = queue.Queue(maxsize=1)
@@ -140,9 +141,14 @@ class Sampler:
                      "dropped, drawing its prompts again", step, lag, self.max_staleness)
             self._ask(step, batch.attempt + 1)
         waited = time.perf_counter() - t0
-        if self.ahead:
+        if self.ahead and (self.last_step is None or step < self.last_step):
             self._ask(step + 1, 0)
         return batch, dict(stale_dropped=dropped, rollout_wait_s=round(waited, 3))
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose batch is asked for and not yet taken (ahead: being drawn)."""
+        return self._pending[0] if self._pending is not None else None
 
     def close(self) -> None:
         """Stop the thread (a draw in flight finishes on its own, its batch unused)."""

@@ -171,6 +171,7 @@ def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop, updater=None
     per step. Returns the metrics and, when no rollout node answered (the run then ends
     early, its work kept), why."""
     history = []
+    trainer.sampler.last_step = cfg.max_steps  # --async-rollouts: no draw past the end
     for step in range(1, cfg.max_steps + 1):
         try:
             # staleness counts versions of the sampling weights: Θ's commits for nodes
