@@ -68,6 +68,7 @@ Usage
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import hashlib
 import itertools
@@ -315,6 +316,10 @@ def summarize(arm: Arm, rg: Regime, run_dir: Path, wall: float) -> dict:
     params = _params(islands[0] / "log.txt")
     losses = [s["eval_loss"] for s in summ]
     steps = [s["step"] for s in summ]
+    stopped = [i for i, st in enumerate(steps) if st < arm.steps_of(i)]
+    if stopped and arm.kind != "mixed":  # stopped early (a signal): not a result
+        raise ArmFailed(f"{arm.key}: island-{stopped[0]} stopped at step {steps[stopped[0]]} "
+                        f"of {arm.steps_of(stopped[0])}; see {run_dir}")
     tokens = sum(st * arm.batch * rg.seq_len for st in steps)
     res = dict(eval_loss=statistics.fmean(losses), eval_losses=losses,
                eval_loss_before=summ[0]["eval_loss_before"], steps=steps,
@@ -774,16 +779,20 @@ def run_all(todo: list, regimes: dict[str, Regime], rows: dict[str, Row], out: P
 
     def one(item) -> None:
         arm, seed, cache, digest = item
-        print(f"[{time.monotonic() - t_start:6.0f}s] running {arm.key} seed {seed} ...",
-              flush=True)
         run_dir = out / "runs" / arm.regime / arm.name / f"seed{seed}"
-        try:
-            res = run_arm(arm, regimes[arm.regime], seed, paths[arm.regime], run_dir,
-                          args.arm_timeout)
-        except ArmFailed as e:
-            print(f"  FAILED: {e}", flush=True)
-            skipped.append(f"{arm.key} seed {seed} (failed)")
-            return
+        with claimed(run_dir) as mine:  # another runner on the same --out has it
+            if not mine or cached(cache, digest) is not None:
+                print(f"  {arm.key} seed {seed}: run by another runner, skipped", flush=True)
+                return
+            print(f"[{time.monotonic() - t_start:6.0f}s] running {arm.key} seed {seed} ...",
+                  flush=True)
+            try:
+                res = run_arm(arm, regimes[arm.regime], seed, paths[arm.regime], run_dir,
+                              args.arm_timeout)
+            except ArmFailed as e:
+                print(f"  FAILED: {e}", flush=True)
+                skipped.append(f"{arm.key} seed {seed} (failed)")
+                return
         print(f"  {arm.key} seed {seed}: eval {res['eval_loss']:.4f} (before "
               f"{res['eval_loss_before']:.4f}), {res.get('rounds', 0)} rounds, "
               f"{res['wall_s']:.0f}s", flush=True)
@@ -795,6 +804,34 @@ def run_all(todo: list, regimes: dict[str, Regime], rows: dict[str, Row], out: P
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(one, todo))
     return skipped
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path):
+    """Yields whether this process holds `run_dir`'s claim (a file with its pid, made
+    exclusively; taken over from a pid that no longer runs), so runners sharing an --out
+    never run one (arm, seed) twice at once."""
+    claim = run_dir.parent / f"{run_dir.name}.claim"
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                os.kill(int(claim.read_text() or 0), 0)
+                yield False  # its owner runs
+                return
+            except (ProcessLookupError, ValueError, FileNotFoundError):
+                claim.unlink(missing_ok=True)  # a dead runner's: take it over
+                continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        try:
+            yield True
+        finally:
+            claim.unlink(missing_ok=True)
+        return
+    yield False
 
 
 def choose(arms: list[Arm], pick: str) -> list[Arm]:
