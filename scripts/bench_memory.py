@@ -76,13 +76,25 @@ def proc_kib(pid: int, field: str) -> int | None:
     return None
 
 
+def proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process (/proc/PID/stat; None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class PeakWatch:
-    """Polls a process's VmHWM until it exits; `peak` is the last value read."""
+    """Polls a process's VmHWM until it exits; `peak` is the last value read.
+    `cpu` holds (wall time, CPU seconds) samples of it, one per poll."""
 
     def __init__(self, pid: int, every_s: float = 0.01):
         self.pid, self.every_s = pid, every_s
         self.baseline = proc_kib(pid, "VmRSS") or 0
         self.peak = proc_kib(pid, "VmHWM") or 0
+        self.cpu: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -95,7 +107,16 @@ class PeakWatch:
         v = proc_kib(self.pid, "VmHWM")
         if v is not None:
             self.peak = max(self.peak, v)
+        c = proc_cpu_s(self.pid)
+        if c is not None:
+            self.cpu.append((time.time(), c))
         return self.peak
+
+    def cpu_between(self, t0: float, t1: float) -> float:
+        """CPU seconds the process spent between wall times t0 and t1 (the samples
+        nearest inside)."""
+        inside = [c for t, c in self.cpu if t0 <= t <= t1]
+        return inside[-1] - inside[0] if len(inside) > 1 else float("nan")
 
     def stop(self) -> int:
         self._stop.set()
@@ -528,9 +549,14 @@ def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> d
     if not all(d["final"] for d in done) or done[0]["weights_sha256"] != done[1]["weights_sha256"]:
         raise RuntimeError("the islands did not end with the same final weights")
     islands_cpu = [d["cpu_s"] for d in done]
+    per_round = _round_seconds(recs, rounds)
+    for r in per_round:
+        r["syncer_cpu"] = watch.cpu_between(r.pop("start"), r.pop("end"))
     return dict(syncer_peak_kib=syncer_peak, island_peak_kib=[d["peak_rss_kib"] for d in done],
-                round_s=_round_seconds(recs, rounds),
-                cpu_s=[children_cpu - sum(islands_cpu), *islands_cpu], wall_s=wall)
+                round_s=per_round, cpu_s=[children_cpu - sum(islands_cpu), *islands_cpu],
+                wall_s=wall,  # the pushes after each island's first (which touches every page)
+                blocked_s=[b for d in done for b in d["blocked_s"][1:]],
+                encode_s=[e for d in done for e in d["encode_s"][1:]])
 
 
 def _children_cpu_s() -> float:
@@ -557,12 +583,39 @@ def _round_seconds(recs: list[list[dict]], rounds: int) -> list[dict]:
         start, sent = min(times("push", r)), max(times("sent", r))
         replied, applied = max(times("replied", r)), max(times("applied", r))
         out.append(dict(total=applied - start, encode=sent - start, merge=replied - sent,
-                        bcast=applied - replied))
+                        bcast=applied - replied, start=start, end=applied))
     return out
 
 
+def memcpy_rate(nbytes: int = 256 << 20, repeat: int = 5) -> float:
+    """Bytes moved (read + written) per second by a one-thread copy of `nbytes`
+    between two buffers already in memory: the best of `repeat`."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def round_floor_bytes(numel: int, islands: int, momentum: bool = False) -> int:
+    """The bytes one round makes the syncer read and write, at the least: each q4 push
+    read from its socket into memory (read + write), decoded and summed (the first
+    push writes the sum, the others read and write it), the outer step (the sum and
+    Θ read, Θ written; m read and written with momentum), and the f32 broadcast read
+    from Θ into each island's socket (read + write)."""
+    push, vec = codec.encoded_size("q4", numel), 4 * numel
+    receive = islands * 2 * push
+    merge = islands * push + vec + (islands - 1) * 2 * vec
+    step = 3 * vec + (2 * vec if momentum else 0)
+    broadcast = islands * 2 * vec
+    return receive + merge + step + broadcast
+
+
 def half_billion_main(args) -> int:
-    numel = int(args.params or 5e8)
+    numel = int(args.params or (5e7 if args.quick else 5e8))
     rounds = max(3, args.rounds)  # the first touches every buffer: the median is of the rest
     avail = mem_available_gib()
     print(f"{numel:,} f32 parameters, 2 synthetic islands"
@@ -570,6 +623,7 @@ def half_billion_main(args) -> int:
           f"quorum 2, no state dir, blocking sync every step; {avail:.1f} GiB available "
           "before the run")
     up = codec.encoded_size("q4", numel)
+    copy_rate = memcpy_rate()
     before = raw_grpc(up, 4 * numel, streams=2)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
         run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands)
@@ -593,12 +647,33 @@ def half_billion_main(args) -> int:
                  ["round (median after the first): first push encode to both applied",
                   round_s, ""]],
                 right=[1, 2])
-    print_table(["round", "total s", "islands encode", "push + merge + step", "broadcast + apply"],
-                [[i + 1, r["total"], r["encode"], r["merge"], r["bcast"]]
-                 for i, r in enumerate(run["round_s"])], right=range(5))
-    print(f"RESULT half_billion_peak_gib={total_gib:.2f} round_s={round_s:.2f} raw_s={raw:.2f} "
-          f"round_over_raw={round_s / raw:.2f} params={numel}")
+    print_table(["round", "total s", "islands encode", "push + merge + step", "broadcast + apply",
+                 "syncer CPU s"],
+                [[i + 1, r["total"], r["encode"], r["merge"], r["bcast"], r["syncer_cpu"]]
+                 for i, r in enumerate(run["round_s"])], right=range(6))
+    cpu, blocked, encode = _floor_table(run, numel, copy_rate)
+    print(f"RESULT cpu_over_floor={cpu:.2f} island_blocked_s={blocked:.3f} "
+          f"encode_s={encode:.3f} half_billion_peak_gib={total_gib:.2f} round_s={round_s:.2f} "
+          f"raw_s={raw:.2f} round_over_raw={round_s / raw:.2f} params={numel}")
     return 0
+
+
+def _floor_table(run: dict, numel: int, copy_rate: float) -> tuple[float, float, float]:
+    """The syncer's CPU seconds per round against the floor (`round_floor_bytes` at
+    `copy_rate`), and the islands' push: seconds the training loop waited for it
+    (`Island.blocked_s`) and seconds its encode took on the background thread. Returns
+    (CPU ÷ floor, blocked, encode): medians over the rounds after the first."""
+    floor_s = round_floor_bytes(numel, 2) / copy_rate
+    cpu = statistics.median(r["syncer_cpu"] for r in run["round_s"][1:])
+    blocked, encode = statistics.median(run["blocked_s"]), statistics.median(run["encode_s"])
+    print_table(["what", "seconds"],
+                [[f"memcpy: {copy_rate / 1e9:.1f} GB/s moved (read + written, one thread)", ""],
+                 [f"floor: {round_floor_bytes(numel, 2) / 1e9:.2f} GB a round at that rate",
+                  floor_s],
+                 ["syncer CPU per round (median after the first)", cpu],
+                 ["island: training loop waiting for its push (median)", blocked],
+                 ["island: the push's encode, background (median)", encode]], right=[1])
+    return cpu / floor_s, blocked, encode
 
 
 if __name__ == "__main__":

@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     island.finish()
     record("done", version=island.version, final=island.finished, step=island.step,
            weights_sha256=hashlib.sha256(model.w).hexdigest(), peak_rss_kib=peak_rss_kib(),
-           cpu_s=sum(os.times()[:2]))
+           cpu_s=sum(os.times()[:2]), blocked_s=island.blocked_s,
+           encode_s=island.ledger.encode_s)
     return 0
 
 

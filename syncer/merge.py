@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from syncer import strategy
+from syncer.staging import StagedSum
 from yeto import codec
 from yeto.codec import buffers, chunked
 
@@ -64,6 +65,7 @@ class MergeAccumulator:
         self.count = 0
         self.deferred: list[DeferredPush] = []  # only with clipping (clip_factor > 0)
         self.clip_scales: list[float] = []
+        self.staging: StagedSum | None = None  # a push summed as it arrives (syncer.staging)
 
     def weight_for(self, loss_tokens: int) -> float:
         return self.rule.weight(loss_tokens)
@@ -84,9 +86,13 @@ class MergeAccumulator:
         (rule weight, its norm as received, the scale it was summed with). Validates
         first, so a bad payload raises CodecError and leaves the accumulator untouched."""
         w = self.weight_for(loss_tokens)
-        if not isinstance(payload, buffers.SpilledPayload):  # those are checked as written
+        if isinstance(payload, StagedSum) and payload.demoted:  # summed whole after all
+            payload = payload.payload()
+        if not isinstance(payload, (buffers.SpilledPayload, StagedSum)):  # checked as written
             codec.validate(payload, encoding, self.numel, self.max_abs)
-        if self.clip_factor > 0:  # kept as received (compressed) until the round commits
+        if isinstance(payload, StagedSum):  # summed as it arrived: folded in now
+            norm, scale = self._fold(payload, w, norm_limit)
+        elif self.clip_factor > 0:  # kept as received (compressed) until the round commits
             norm = chunked.norm(payload, encoding, self.numel)
             scale = _bound_scale(norm, norm_limit)
             self.deferred.append(DeferredPush(payload, encoding, w, norm, scale))
@@ -111,6 +117,24 @@ class MergeAccumulator:
             self.norm_sum += weight * scale * norm
             self.fresh = False
         return norm, scale
+
+    def _fold(self, staged: StagedSum, w: float, norm_limit: float | None) -> tuple[float, float]:
+        """A push staged into this round's fresh sum (`syncer.staging`) becomes its
+        first summand: the weight it was summed with is `w`."""
+        if staged.acc is not self or self.staging is not staged or not self.fresh or self.count:
+            raise codec.CodecError("a staged push can only be folded into the round it "
+                                   "was staged into, first")
+        weight = self._buffer_weight(w)
+        norm, scale = staged.fold(norm_limit)
+        self.norm_sum += weight * scale * norm
+        self.fresh, self.staging = False, None
+        return norm, scale
+
+    def staging_buffer(self) -> np.ndarray:
+        """The sum buffer a push stages into (it stays fresh until folded)."""
+        buf = self._buffer()
+        self.fresh = True
+        return buf
 
     def _buffer_weight(self, w: float) -> float:
         """The weight a validated push is summed with now (see the class docstring)."""

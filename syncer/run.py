@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from syncer import commit, finish, intake, members, persist, state, strategy
+from syncer import commit, finish, intake, members, persist, staging, state, strategy
 from syncer.bounds import Bounds, NormHistory
 from syncer.broadcast import Broadcast, Downlink
 from syncer.errors import Reject
@@ -196,6 +196,7 @@ class Run:
             self.bytes_in += len(payload)
             if h.seed:
                 return intake.seed(self, member, payload)
+            staging.take_turn(self, h, payload)  # a whole push never waits for a stager
             intake.check_delta(self, h)
             rnd = self.open[h.fragment]
             if h.seq <= member.last_seq:

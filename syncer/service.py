@@ -16,7 +16,7 @@ from concurrent import futures
 
 import grpc
 
-from syncer import intake
+from syncer import intake, staging
 from syncer.admission import UNARY_WORKERS, Exhausted, Streams
 from syncer.broadcast import Subscription
 from syncer.errors import Reject
@@ -150,6 +150,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         its size); a small one to a buffer. Both are pooled: back in their pool once
         merged, for the next push. Either is kept instead while the run holds pushes
         until the round commits (clipping).
+        The first push of a round is also summed as it arrives (`syncer.staging`).
         The seed's buffer becomes Θ."""
         keep = h.seed or self.run.cfg.clip_factor > 0
         if not h.seed and h.payload_bytes >= self.spill_min_bytes:
@@ -158,9 +159,10 @@ class SyncerService(pb_grpc.SyncerServicer):
         else:
             buf = None if keep else self.pool.get(h.payload_bytes)
             done = None if keep else (lambda: self.pool.put(buf))
+        staged = None if keep else staging.claim(self.run, h, buf)  # summed as it arrives
         try:
             try:
-                payload = _receive(h, first, rest, buf, intake.max_abs(self.run, h))
+                payload = _receive(h, first, rest, staged or buf, intake.max_abs(self.run, h))
             except OSError as e:  # the spill file: a full or vanished disk
                 raise Reject("exhausted", f"the syncer could not write the push from "
                              f"{h.learner_id} to its spill file: {e}; free disk space in "
@@ -168,6 +170,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                              "retries") from None
             return self.run.push(h, payload)
         finally:
+            if staged is not None:
+                staging.release(self.run, staged)
             if done is not None:
                 done()
 

@@ -114,7 +114,8 @@ def test_a_push_that_cannot_be_spilled_is_lost_retryably_and_changes_nothing(toy
         a.start(np.zeros(n, np.float32))
         assert a.wait_one(timeout=20).version == 0
         payload = codec.encode(np.full(n, 0.25, np.float32), "q4")
-        push = dict(encoding="q4", base_version=0, loss_tokens=5, steps=1, seq=0)
+        # 0 loss tokens: not summed as it arrives (syncer.staging), so it is spilled
+        push = dict(encoding="q4", base_version=0, loss_tokens=0, steps=1, seq=0)
         digest = run.state_digest()
         state.rename(tmp_path / "away")
         with pytest.raises(Lost, match="RESOURCE_EXHAUSTED.*spill file"):

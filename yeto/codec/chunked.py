@@ -112,14 +112,22 @@ def decode_add_norm(payload, encoding: str, numel: int, acc: np.ndarray | None,
     w32 = np.float32(weight)
 
     def one(lo: int, hi: int) -> float:
-        v = fmt.decode(chunk_payload(mv, encoding, numel, lo, hi), encoding, hi - lo)
-        square = _square_sum(v)
-        if acc is not None:
-            v *= w32
-            fmt.add_to(acc[lo:hi], v, assign)
-        return square
+        return decode_add_square(chunk_payload(mv, encoding, numel, lo, hi), encoding,
+                                 hi - lo, None if acc is None else acc[lo:hi], w32, assign)
 
     return float(np.sqrt(sum(each_chunk(numel, one))))
+
+
+def decode_add_square(piece, encoding: str, n: int, acc: np.ndarray | None,
+                      weight: np.float32, assign: bool = False) -> float:
+    """One chunk of `decode_add_norm`: acc += weight * decode(piece) (`assign`: =), and
+    Σ decode(piece)² as a float (the chunk's term of the norm)."""
+    v = fmt.decode(piece, encoding, n)
+    square = _square_sum(v)
+    if acc is not None:
+        v *= weight
+        fmt.add_to(acc, v, assign)
+    return square
 
 
 def norm(payload, encoding: str, numel: int) -> float:

@@ -1,0 +1,163 @@
+"""A push summed into its round as its bytes arrive, folded in at its last byte.
+
+The first push of a round (nothing summed yet: the sum buffer is "fresh", which every
+reader of the round takes as holding nothing) is decoded chunk by chunk straight into
+the round's sum buffer while it streams in (`StagedSum`, the `into` of the push's
+`yeto.codec.receiver.PayloadReceiver`, so each piece is validated before it is
+summed): that buffer is the push's staging area. At its last byte, once the run has
+accepted it (caller, round, duplicates, staleness: `syncer.run.Run.push`), it is
+folded in at once (`MergeAccumulator.add`: its norm is known from the chunks' squares,
+the norm bound scales it, and the buffer stops being fresh). A push broken mid-stream
+(short, overlong, a bad value, the island gone) or refused at its end lets the buffer
+go still fresh: the round's state is what it was, bit for bit (`syncer.persist.digest`
+reads no fresh sum), and the next push overwrites it.
+
+The staged push's bytes also go where a whole push's would (its spill file or pooled
+buffer). The other pushes of the round arrive whole there and are summed at their
+last byte as before; one that completes while a push still stages into its round
+does not wait for it (a silent island would hold the round): it takes the buffer, and
+the staged push goes on as a whole one (`demote`), summed from its own bytes at its
+last byte. No round commits while a push stages into it: it has no responder yet. So
+the round's sum is, bit for bit, the sum of the whole payloads in the order the run
+accepted them (a staged push in range assigns w·Δ exactly as the first whole push
+would), and memory is unchanged: no push is held decoded beside the sum.
+
+Not staged: seeds, rounds with `--clip-factor` (pushes are kept until the commit),
+pushes with 0 loss tokens (their weight depends on the pushes after them), a round
+whose sum is not fresh, or any push while a commit waits for its save."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from yeto.codec import CHUNK, Q4_BLOCK, CodecError
+from yeto.codec import format as fmt
+from yeto.codec.chunked import ITEM, decode_add_square
+
+
+class StagedSum:
+    """A push of `numel` values in `encoding`, decoded as its bytes arrive into `acc`'s
+    sum buffer with weight `weight` (assigned: the buffer holds nothing yet), its bytes
+    kept in `keep` too (a `SpilledPayload`, or a uint8 array of the payload's size).
+    Holds the bytes of at most one chunk of values (and a q4 payload's block scales,
+    which lead it), and Σ of the chunks' squared values for the push's norm."""
+
+    def __init__(self, acc, encoding: str, numel: int, weight: float, keep):
+        self.acc, self.encoding, self.numel, self.keep = acc, encoding, numel, keep
+        self.lock = threading.Lock()  # one chunk's decode, or the demotion
+        self.demoted = False  # another push took the buffer: this one is a whole push
+        self.weight = np.float32(weight)
+        self.size = fmt.encoded_size(encoding, numel)
+        self.head = 4 * -(-numel // Q4_BLOCK) if encoding == "q4" else 0
+        self.buf = acc.staging_buffer()
+        self.scales = bytearray()  # q4: the block scales, whole
+        self.body = bytearray()    # received bytes of values not decoded yet
+        self.n = self.lo = 0       # bytes received; values decoded
+        self.squares = 0.0         # Σ over decoded chunks of Σ v², in chunk order
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write(self, piece) -> None:
+        """The next bytes of the payload (validated by the receiver): kept, and every
+        chunk of values they complete is decoded into the sum buffer."""
+        view = memoryview(piece).cast("B")
+        if isinstance(self.keep, np.ndarray):
+            self.keep[self.n:self.n + len(view)] = np.frombuffer(view, np.uint8)
+        else:
+            self.keep.write(view)
+        with self.lock:
+            if not self.demoted:
+                self._stage(view)
+            else:
+                self.n += len(view)
+
+    def payload(self):
+        """The push's bytes as received (summed whole, once demoted)."""
+        return self.keep
+
+    def demote(self) -> None:
+        """Another push takes the sum buffer: stop decoding into it."""
+        with self.lock:
+            self.demoted = True
+            self.scales, self.body = bytearray(), bytearray()
+
+    def _stage(self, view: memoryview) -> None:
+        if self.n < self.head:
+            take = min(len(view), self.head - self.n)
+            self.scales += view[:take]
+            view, self.n = view[take:], self.n + take
+        self.body += view
+        self.n += len(view)
+        while self.lo < self.numel:
+            hi = min(self.lo + CHUNK, self.numel)
+            need = self._body_bytes(self.lo, hi)
+            if len(self.body) < need or self.n < self.head:
+                return
+            self._decode(self.lo, hi, need)
+            self.lo = hi
+
+    def _body_bytes(self, lo: int, hi: int) -> int:
+        if self.encoding == "q4":
+            return (-(-hi // Q4_BLOCK) - lo // Q4_BLOCK) * (Q4_BLOCK // 2)
+        return ITEM[self.encoding] * (hi - lo)
+
+    def _decode(self, lo: int, hi: int, need: int) -> None:
+        body = bytes(self.body[:need])
+        if self.encoding == "q4":
+            b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
+            body = bytes(self.scales[4 * b0:4 * b1]) + body
+        self.squares += decode_add_square(body, self.encoding, hi - lo, self.buf[lo:hi],
+                                          self.weight, assign=True)
+        del self.body[:need]
+
+    def fold(self, norm_limit: float | None) -> tuple[float, float]:
+        """The push is accepted: (its norm, the norm bound's scale); a push over the
+        bound is scaled down in the buffer. Raises CodecError if it is not whole."""
+        if self.lo != self.numel:
+            raise CodecError(f"push ended after {self.lo} of {self.numel} values")
+        norm = float(np.sqrt(self.squares))
+        scale = norm_limit / norm if norm_limit is not None and norm > norm_limit else 1.0
+        if scale < 1.0:
+            for lo in range(0, self.numel, CHUNK):
+                self.buf[lo:lo + CHUNK] *= np.float32(scale)
+        return norm, scale
+
+
+def claim(run, h, keep) -> StagedSum | None:
+    """A `StagedSum` for push `h` into its fragment's open round, its bytes kept in
+    `keep` too, when it may stage there (see the module docstring), else None (it
+    arrives whole into `keep`)."""
+    if h.seed or run.cfg.clip_factor > 0:
+        return None
+    with run.cond:
+        rnd = run.open.get(h.fragment)
+        if rnd is None or run.pending is not None or run.finished or run.fatal:
+            return None
+        acc = rnd.acc
+        weight = acc.weight_for(h.loss_tokens)
+        if acc.staging is not None or acc.count or not acc.fresh or weight <= 0:
+            return None
+        acc.staging = StagedSum(acc, h.encoding, h.numel, weight, keep)
+        return acc.staging
+
+
+def release(run, staged: StagedSum) -> None:
+    """The staged push's stream is over (folded or not): its round is free again."""
+    with run.cond:
+        if staged.acc.staging is staged:
+            staged.acc.staging = None
+        run.cond.notify_all()
+
+
+def take_turn(run, h, payload) -> None:
+    """(Under the run's lock, as push `h` is summed) a push that is not the one staging
+    into its fragment's open round takes that round's buffer: the stager goes on as
+    a whole push. Nobody waits for a push still arriving."""
+    rnd = None if h.seed else run.open.get(h.fragment)
+    if rnd is None or rnd.acc.staging is None or rnd.acc.staging is payload:
+        return
+    rnd.acc.staging.demote()
+    rnd.acc.staging = None

@@ -1,0 +1,152 @@
+"""The syncer sums a round's first push as it arrives (`syncer.staging`, issue 34):
+the round's sum is, bit for bit, the sum of the whole payloads in the order the run
+accepted them, and a push broken mid-stream leaves the state as it was.
+
+Here: the accumulator and the run in this process, bytes fed as a stream would bring
+them (the same over gRPC: tests/integration/test_faults.py's bad pushes, and every
+integration run, stage their rounds' first pushes)."""
+
+import numpy as np
+import pytest
+
+from syncer import staging
+from syncer.merge import MergeAccumulator
+from syncer.messages import PushHeader
+from syncer.run import Config, Run
+from syncer.staging import StagedSum
+from syncer.strategy import Nesterov
+from yeto import codec
+from yeto.codec.receiver import PayloadReceiver
+from yeto.layout import Layout
+
+N = 3 * codec.CHUNK + 1000  # chunks and a tail that is not a whole q4 block
+PIECE = 70_001  # bytes per message: pieces end anywhere, mid-value and mid-block
+
+
+def _payloads(encoding, k=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [codec.encode((rng.standard_normal(N) * 1e-3).astype(np.float32), encoding)
+            for _ in range(k)]
+
+
+def _stream(staged, payload, upto=None):
+    """Feed `payload` (its first `upto` bytes) into `staged` through a receiver."""
+    rx = PayloadReceiver(staged.encoding, staged.numel, into=staged)
+    data = memoryview(payload)[:upto]
+    for lo in range(0, len(data), PIECE):
+        rx.add(data[lo:lo + PIECE])
+    return rx
+
+
+@pytest.mark.parametrize("encoding", ["q4", "f32", "bf16"])
+def test_arrival_order_sum_equals_commit_time_sum_bit_for_bit(encoding):
+    pushes, tokens = _payloads(encoding), [30, 10, 60]
+    staged_acc, whole_acc = MergeAccumulator(N), MergeAccumulator(N)
+    staged = StagedSum(staged_acc, encoding, N, staged_acc.weight_for(tokens[0]),
+                       np.empty(len(pushes[0]), np.uint8))
+    staged_acc.staging = staged
+    _stream(staged, pushes[0]).finish()
+    got = [staged_acc.add(staged, encoding, tokens[0])]
+    got += [staged_acc.add(p, encoding, t) for p, t in zip(pushes[1:], tokens[1:])]
+    want = [whole_acc.add(p, encoding, t) for p, t in zip(pushes, tokens)]
+    assert got == want
+    assert staged_acc.summed().tobytes() == whole_acc.summed().tobytes()
+    assert (staged_acc.count, staged_acc.total_weight, staged_acc.norm_sum) == \
+        (whole_acc.count, whole_acc.total_weight, whole_acc.norm_sum)
+    thetas = [np.linspace(-1, 1, N, dtype=np.float32) for _ in range(2)]
+    for acc, theta in zip((staged_acc, whole_acc), thetas):
+        acc.step_outer(Nesterov(0.7, 0.0), theta, None)
+    assert thetas[0].tobytes() == thetas[1].tobytes()
+
+
+def test_a_staged_push_over_the_norm_bound_is_scaled_to_it():
+    push = _payloads("q4", 1)[0]
+    acc = MergeAccumulator(N)
+    staged = StagedSum(acc, "q4", N, 5.0, np.empty(len(push), np.uint8))
+    acc.staging = staged
+    _stream(staged, push).finish()
+    norm = codec.decode(push, "q4", N).astype(np.float64)
+    limit = float(np.linalg.norm(norm)) / 4
+    added = acc.add(staged, "q4", 5, norm_limit=limit)
+    assert added.scale == pytest.approx(0.25, rel=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(acc.summed().astype(np.float64)), 5 * limit,
+                               rtol=1e-5)
+
+
+# ---- through the run ----------------------------------------------------------------------
+LAYOUT = Layout.from_shapes({"w": (N,)})
+
+
+def _run(islands=("a", "b", "c")):
+    run = Run(Config(quorum=len(islands), grace_ms=0))
+    gens = {i: run.join(i, LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors",
+                        {})["generation"] for i in islands}
+    seed = codec.encode(np.linspace(-1, 1, N, dtype=np.float32), "f32")
+    run.push(_header("a", gens["a"], seed=True, encoding="f32"), seed)
+    return run, gens
+
+
+def _header(learner, gen, seed=False, encoding="q4", tokens=7, seq=0):
+    return PushHeader(learner, gen, 0 if seed else 1, 0, 0, 0 if seed else tokens, 1,
+                      encoding, N, codec.encoded_size(encoding, N), seed, seq)
+
+
+def _claim(run, h, payload, upto=None):
+    staged = staging.claim(run, h, np.empty(len(payload), np.uint8))
+    assert staged is not None
+    return staged, _stream(staged, payload, upto)
+
+
+def test_a_push_broken_mid_stream_leaves_the_run_unchanged():
+    pushes = _payloads("q4", 2, seed=1)
+    run, gens = _run(("a", "b"))
+    digest = run.state_digest()
+    h = _header("a", gens["a"])
+    staged, rx = _claim(run, h, pushes[0], upto=len(pushes[0]) // 2)
+    assert staged.lo > 0  # chunks were summed into the round's buffer as they came
+    with pytest.raises(ValueError, match="payload ended"):
+        rx.finish()  # the stream broke off here
+    staging.release(run, staged)
+    assert run.state_digest() == digest and run.open[0].acc.staging is None
+    # the same round goes on, and ends as if the broken push had never come
+    reference, ref_gens = _run(("a", "b"))
+    for r, g in ((run, gens), (reference, ref_gens)):
+        for i, (learner, p) in enumerate(zip("ab", pushes)):
+            assert r.push(_header(learner, g[learner], tokens=7 + i), p)["accepted"]
+    assert run.version == reference.version == 1
+    assert run.theta.tobytes() == reference.theta.tobytes()
+
+
+def test_a_whole_push_takes_the_round_from_one_still_arriving():
+    """Island a stages (its stream half in), b's push arrives whole and is summed at
+    once (nobody waits for a stream), then a's last byte comes: a is summed from its
+    own bytes. Θ equals the run that got b then a whole, bit for bit."""
+    pushes = _payloads("q4", 3, seed=2)
+    run, gens = _run()
+    ha = _header("a", gens["a"])
+    staged, rx = _claim(run, ha, pushes[0], upto=len(pushes[0]) // 2)
+    assert run.push(_header("b", gens["b"], tokens=9), pushes[1])["accepted"]
+    assert staged.demoted and run.open[0].acc.staging is None
+    rx.add(memoryview(pushes[0])[len(pushes[0]) // 2:])
+    assert run.push(ha, rx.finish())["accepted"]
+    staging.release(run, staged)
+    assert run.push(_header("c", gens["c"], tokens=11), pushes[2])["accepted"]
+    reference, g = _run()
+    for learner, p, t in (("b", pushes[1], 9), ("a", pushes[0], 7), ("c", pushes[2], 11)):
+        assert reference.push(_header(learner, g[learner], tokens=t), p)["accepted"]
+    assert run.version == reference.version == 1
+    assert run.theta.tobytes() == reference.theta.tobytes()
+
+
+def test_a_staged_push_refused_at_its_end_changes_nothing():
+    push = _payloads("q4", 1, seed=3)[0]
+    run, gens = _run(("a", "b"))
+    digest = run.state_digest()
+    late = _header("a", gens["a"], seq=0)
+    staged, rx = _claim(run, late, push)
+    run.finished = True  # the run ended while the push arrived
+    with pytest.raises(Exception, match="finished"):
+        run.push(late, rx.finish())
+    staging.release(run, staged)
+    run.finished = False
+    assert run.state_digest() == digest
