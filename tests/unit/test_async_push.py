@@ -8,7 +8,7 @@ real syncer: tests/integration/test_async_push.py."""
 
 import numpy as np
 import pytest
-from helpers.island_chunked import FakeSyncer, HeldSyncer, RangedWeights
+from helpers.island_chunked import HeldSyncer, RangedWeights
 
 from yeto import codec
 from yeto.island import Island
