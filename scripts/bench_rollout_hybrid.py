@@ -34,6 +34,9 @@ from yeto.cli.display import markdown_table, print_table
 def _args():
     p = parser(__doc__.split("\n\n")[0], __doc__.split("\n\n", 1)[1])
     p.add_argument("--arch", default="lfm2", help="model type of the tiny model (a hybrid)")
+    p.add_argument("--hidden", type=int, default=0,
+                   help="hidden size (feed-forward 2x, 4 heads) instead of the tiny 64, for a "
+                        "model whose arithmetic outweighs the per-step overhead")
     p.add_argument("--prompts", type=int, default=8, help="P: prompts per batch")
     p.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="M: tokens per completion")
@@ -100,7 +103,9 @@ def main() -> int:
 
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = servable_model(args.arch, Path(tmp) / args.arch)
+        sizes = ({"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
+                  "head_dim": args.hidden // 4} if args.hidden else {})
+        model_dir = servable_model(args.arch, Path(tmp) / args.arch, overrides=sizes)
         for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
             try:
                 rates[backend] = measure(args, backend, model_dir)
@@ -109,8 +114,8 @@ def main() -> int:
     rows = [[b, f"{r['batched']:.0f}", f"{r['sequential']:.0f}",
              f"{r['batched'] / r['sequential']:.2f}x"] for b, r in rates.items()]
     headers = ["engine", "batched tok/s", "sequential tok/s", "ratio"]
-    print(f"\n{args.arch} (tiny): P={args.prompts} x G={args.group_size} x M={args.max_tokens}, "
-          f"best of {args.repeat}")
+    print(f"\n{args.arch} (hidden {args.hidden or 64}): P={args.prompts} x G={args.group_size} "
+          f"x M={args.max_tokens}, best of {args.repeat}")
     print_table(headers, rows)
     print(markdown_table(headers, rows))
     kv = {f"{b}_{k}_tok_s": v for b, r in rates.items() for k, v in r.items()}
