@@ -25,14 +25,26 @@ def pytest_collection_modifyitems(config, items):
     expression names it."""
     wants_slow = "slow" in (config.getoption("markexpr") or "")
     kept, dropped = [], []
+    no_gpu = _no_gpu() if any(i.get_closest_marker("cuda") for i in items) else None
     for item in items:
         tier = next((t for t in TIERS if t in item.path.parts), None)
         if tier is not None:
             item.add_marker(tier)
+        if no_gpu and item.get_closest_marker("cuda"):
+            item.add_marker(pytest.mark.skip(reason=no_gpu))
         (dropped if item.get_closest_marker("slow") and not wants_slow else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def _no_gpu() -> str | None:
+    """Why `cuda` tests cannot run here (None: a CUDA GPU is there)."""
+    try:
+        import torch
+    except ImportError:
+        return "needs torch with CUDA"
+    return None if torch.cuda.is_available() else "needs a CUDA GPU (scripts/gpu_check.sh)"
 
 
 @pytest.fixture

@@ -13,7 +13,13 @@ on its own slice, kept by one part each:
 - `encoder`: the anchor (the exact Θ bytes last received, moved to the pushed
   weights by each push: the point up to which the syncer holds this island's work)
   and the uplink's error feedback. A push sends anchor − local, quantized with error
-  feedback, so the pushes since Θ add up to Θ − local.
+  feedback, so the pushes since Θ add up to Θ − local. The push leaves the training
+  loop at once: the loop waits only while the push is staged (x = residual + anchor −
+  local into the residual's place, the anchor moved to local: one pass over the
+  fragment), and the encode and the send run on a background thread while training
+  goes on (when the transport sends in the background; `yeto.sim` on simulated time
+  encodes inline). The bytes are those of an encode in the training thread, so
+  islands with `blocking=True` stay bit-identical.
 - `ledger`: loss tokens and optimizer steps since each fragment's last push, and the
   pushes in flight; a push the syncer does not hold (refused, or lost in a syncer
   restart) is carried forward into the next one.
@@ -48,6 +54,13 @@ Memory, per trainable parameter, beyond the training loop itself:
   (4): 40 MiB at most. A backend without range access (`get`/`set` only, e.g. the
   MLX LoRA view) costs one full flat copy per pass. Freed buffers go back to the OS
   after each pass (`yeto.memory.trim`).
+
+Staging a push costs no memory beyond these: its values wait in the residual (4 B,
+held anyway; with an f32 wire and no residual, in the payload, 4 B, held anyway),
+and the encode turns them into the payload and the new residual in place. What it
+costs is time: the staging pass reads anchor, residual and weights and writes anchor
+and residual (20 B per parameter of memory traffic), where a copy of the weights
+would move 8 but hold 4 B per parameter more.
 
 So a q4 island holds about 8.6 B per parameter, an f32-wire island 8 B.
 """
