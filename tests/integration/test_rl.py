@@ -137,10 +137,9 @@ def test_the_mlx_grpo_island_joins_pushes_and_takes_theta(tiny_llama, tiny_task,
     """`yeto rl --backend mlx` on the island machinery: it joins a real syncer, pushes at
     every sync, takes each merged Θ, and ends holding the syncer's final Θ exactly."""
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
+    import torch
     from safetensors.numpy import load_file
     from support import running_syncer
-
-    import torch
 
     from yeto.rl.run import run_grpo
 
