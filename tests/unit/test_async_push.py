@@ -51,24 +51,42 @@ def test_island_keeps_stepping_while_its_push_is_held_in_the_transport():
     assert island.finish()
 
 
-def _run(overlap, *, fragments=1, refuse=(), wire="q4", steps=24):
+class SnapshotWeights(RangedWeights):
+    """Range access plus `snapshot(lo, hi)` (as a CUDA model's view has: a copy the
+    push is then staged from in the background), here a copy in memory."""
+
+    snapshots = 0
+
+    def snapshot(self, lo, hi):
+        self.snapshots += 1
+        copy = RangedWeights(self.layout, np.zeros(0, np.float32))
+        copy.v = np.zeros(self.layout.numel, np.float32)
+        copy.v[lo:hi] = self.v[lo:hi]
+        return copy
+
+
+def _run(overlap, *, fragments=1, refuse=(), wire="q4", steps=24, kind=RangedWeights):
     layout = _layout()
-    weights = RangedWeights(layout, np.zeros(layout.numel, np.float32))
+    weights = kind(layout, np.zeros(layout.numel, np.float32))
     syncer = HeldSyncer(layout, fragments=fragments, delay=1, refuse=refuse)
     island = Island(weights, client=syncer, sync_every=4, chunk=256, threads=2,
                     blocking=True, wire=wire, overlap=overlap)
     island.start()
     _train(island, weights, syncer, steps)
     assert island.finish()
+    if kind is SnapshotWeights:  # staged from a snapshot only when overlapped
+        assert weights.snapshots == (island.pushes if overlap else 0)
     return syncer.payloads, weights.v.copy(), island
 
 
 @pytest.mark.parametrize("options", [dict(), dict(fragments=3), dict(refuse={2}),
-                                     dict(wire="bf16"), dict(wire="f32", refuse={1})])
+                                     dict(wire="bf16"), dict(wire="f32", refuse={1}),
+                                     dict(kind=SnapshotWeights, fragments=3, refuse={2})])
 def test_overlapped_push_is_bit_identical_to_the_push_in_the_training_thread(options):
     """Blocking sync (each push waits for its Θ): the same pushes, byte for byte, and
-    the same final weights, whether the encode runs in the background or inline; a
-    refused push is carried into the next the same way."""
+    the same final weights, whether the encode runs in the background or inline (or
+    is staged in the background from a backend's snapshot); a refused push is carried
+    into the next the same way."""
     inline, w_inline, a = _run(False, **options)
     overlapped, w_overlapped, b = _run(True, **options)
     assert len(inline) == len(overlapped) >= 6

@@ -50,7 +50,7 @@ class DeltaEncoder:
         """`stage` then `encode_staged`, in the caller's thread."""
         return self.encode_staged(self.stage(frag, w))
 
-    def stage(self, frag: Fragment, w) -> Staged:
+    def stage(self, frag: Fragment, w, tidy: bool = True) -> Staged:
         """The part of a push the training loop waits for: for each chunk of fragment
         `frag`, read from `w` (an open pass over the weights), x = residual + (anchor −
         local) goes into the residual (with an f32 wire and no residual: into the
@@ -62,8 +62,11 @@ class DeltaEncoder:
         The weights are read in order (a sharded backend gathers them in turn); the
         arithmetic runs on `threads` threads (numpy lets go of the GIL). A non-finite x
         raises CodecError: the chunks staged before it stay staged (their work exact in
-        the residual, the anchor moved past them), the rest is left as it was."""
-        self.feedback.done()  # (here, in the training thread: it may drop the residual)
+        the residual, the anchor moved past them), the rest is left as it was. `tidy`:
+        drop an f32 residual that is all spent (only in the training thread, which
+        alone replaces the residual)."""
+        if tidy:
+            self.feedback.done()
         enc = Encoder(self.wire, frag.numel)
         into = self.feedback.residual  # None: an f32 wire with nothing carried
         done: list[tuple[int, int]] = []

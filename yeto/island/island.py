@@ -16,7 +16,7 @@ from yeto.island.applier import Applier
 from yeto.island.encoder import DeltaEncoder, Inline, default_threads
 from yeto.island.ledger import PUSH_TIMEOUT_S, PushLedger
 from yeto.island.schedule import Schedule
-from yeto.island.weights import WeightPasses
+from yeto.island.weights import WeightPasses, reading
 from yeto.layout import Fragment
 from yeto.transport import Received, Refused, Transport
 
@@ -59,8 +59,9 @@ class Island:
         self.blocking, self.pipeline = blocking, max(1, pipeline)
         if overlap is None:
             overlap = bool(getattr(client, "background_pushes", False))
+        self.overlapped = bool(overlap and client is not None)
         self.executor = (ThreadPoolExecutor(1, thread_name_prefix="yeto-push-encode")
-                         if overlap and client is not None else Inline())
+                         if self.overlapped else Inline())
         self.blocked_s: list[float] = []  # per push: seconds the training loop waited
         self.on_sync, self.on_apply = on_sync, on_apply
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
@@ -153,10 +154,8 @@ class Island:
         if not self.client.connected.is_set() or f not in self.versions:
             return  # offline: the work stays in anchor − local for a later push
         frag, t0 = self.fragments[f], time.perf_counter()
-        with self.passes.open() as w:
-            staged = self.encoder.stage(frag, w)
-        push = self.ledger.send(frag, f, lambda: self.encoder.encode_staged(staged),
-                                self.versions[f], self.train_loss, self.eval_loss, self.executor)
+        push = self.ledger.send(frag, f, self._staged(frag), self.versions[f], self.train_loss,
+                                self.eval_loss, self.executor)
         self.blocked_s.append(time.perf_counter() - t0)
         if self.blocking:  # its reply first: a refused push has no Θ to wait for
             futures.wait([push.future], timeout=PUSH_TIMEOUT_S)
@@ -164,6 +163,20 @@ class Island:
             while self.ledger.in_flight(f) and not self.finished:
                 if not self._wait_and_apply():
                     break
+
+    def _staged(self, frag: Fragment) -> Callable:
+        """Stage fragment `frag`'s push in the training thread; returns what encodes it
+        (on the background thread). A backend whose `snapshot(lo, hi)` copies the
+        weights without the training loop waiting (a CUDA model: a copy on the device)
+        is staged from that copy in the background instead."""
+        snapshot = getattr(self.passes.weights, "snapshot", None)
+        copy = snapshot(frag.start, frag.stop) if snapshot and self.overlapped else None
+        if copy is not None:
+            return lambda: self.encoder.encode_staged(
+                self.encoder.stage(frag, reading(copy), tidy=False))
+        with self.passes.open() as w:
+            staged = self.encoder.stage(frag, w)
+        return lambda: self.encoder.encode_staged(staged)
 
     def _room_for(self, f: int) -> bool:
         """Wait for the rounds in flight to commit (one per fragment, `pipeline` in all);

@@ -49,6 +49,11 @@ class _Flat:
         self.dirty = True
 
 
+def reading(source) -> _Direct:
+    """A read-only pass over `source`'s `read_range` (a backend's snapshot)."""
+    return _Direct(source.read_range, None)
+
+
 class WeightPasses:
     """Range access to `weights` for one pass at a time (push, apply, start): the
     backend's own when it has it, else one flat copy per pass. Freed buffers go back

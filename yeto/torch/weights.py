@@ -90,6 +90,16 @@ class TorchWeights:
                     whole[a:b].copy_(src)
                     p.detach().copy_(whole.view(p.shape))
 
+    def snapshot(self, lo: int, hi: int):
+        """A copy of values [lo, hi) taken on the GPU without the host waiting
+        (`yeto.torch.snapshot.DeviceSnapshot`), or None for a model not on CUDA."""
+        parts = [(at + lo - a, p) for p, a, b, at in self._spans(lo, hi)]
+        if not parts or not all(p.is_cuda for _, p in parts):
+            return None
+        from yeto.torch.snapshot import DeviceSnapshot
+
+        return DeviceSnapshot(parts, lo, hi)
+
     def _spans(self, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
         """(parameter, start, stop within it, position in [lo, hi)) for every parameter
         the range touches."""
