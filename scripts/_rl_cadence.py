@@ -47,7 +47,7 @@ def arm_config(args, cadence: str, mode: str, seed: int) -> dict:
                 reward=args.reward)
 
 
-def cached_arm(args, cadence: str, mode: str, seed: int, model: Path, adapter: Path,
+def cached_arm(args, cadence: str, mode: str, seed: int, model: Path, adapter,
                data) -> dict:
     from yeto.io import atomic_write
 
@@ -57,7 +57,7 @@ def cached_arm(args, cadence: str, mode: str, seed: int, model: Path, adapter: P
     if path.is_file() and not args.fresh:
         return json.loads(path.read_text())["result"]
     print(f"  running: every {cadence}, {mode}, seed {seed} ...", flush=True)
-    res = run_arm(args, cfg, model, adapter, data)
+    res = run_arm(args, cfg, model, adapter(seed), data)
     print(f"    held-out {res['reward_before']:.3f} -> {res['reward_after']:.3f}, "
           f"{res['seconds']:.0f} s, staleness {res['staleness_mean']:.2f} versions / "
           f"{res['lag_steps_mean']:.2f} steps, dropped {res['stale_dropped']}", flush=True)
@@ -159,8 +159,9 @@ def _ms(xs: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.fmean(xs))} ± {fmt.format(statistics.stdev(xs))}"
 
 
-def table(args, model: Path, adapters: dict, data, seeds: list[int]) -> tuple[list, list, dict]:
-    """Every (cadence, mode) arm over `seeds`: the table's rows, headers and RESULT keys."""
+def table(args, model: Path, adapter, data, seeds: list[int]) -> tuple[list, list, dict]:
+    """Every (cadence, mode) arm over `seeds` (`adapter(seed)`: its warm start, made
+    only for an arm not cached): the table's rows, headers and RESULT keys."""
     rows, kv = [], {}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cadences = [c.strip() for c in args.cadences.split(",") if c.strip()]
@@ -168,8 +169,7 @@ def table(args, model: Path, adapters: dict, data, seeds: list[int]) -> tuple[li
     for cadence in cadences:
         for s in seeds:
             for mode in modes:
-                done[cadence, mode, s] = cached_arm(args, cadence, mode, s, model, adapters[s],
-                                                    data)
+                done[cadence, mode, s] = cached_arm(args, cadence, mode, s, model, adapter, data)
     for cadence in cadences:
         for mode in modes:
             runs = [done[cadence, mode, s] for s in seeds]

@@ -32,6 +32,7 @@ with the MLX ratio and the reward change of each cadence arm.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from pathlib import Path
@@ -184,13 +185,13 @@ def throughput(args, model_dir: Path, adapter: Path, data: Path) -> dict:
 
 
 # ---- part 2: cadence (scripts/_rl_cadence.py) ---------------------------------------------
-def cadence_table(args, model: Path, adapters: dict, data, seeds: list[int]) -> dict:
+def cadence_table(args, model: Path, adapter, data, seeds: list[int]) -> dict:
     import _rl_cadence
 
     if args.quick:  # a smoke run of the path: two arms, a few steps, one seed
         args.cadences, args.steps, args.eval_prompts = "1,never", 6, 16
         args.group_size, args.prompts_per_step = 4, 4
-    rows, headers, kv = _rl_cadence.table(args, model, adapters, data, seeds)
+    rows, headers, kv = _rl_cadence.table(args, model, adapter, data, seeds)
     print(f"\ncadence: GRPO on word reversal in this process, {args.steps} steps, "
           f"G={args.group_size} x {args.prompts_per_step} prompts, T={args.temperature}, "
           f"lr {args.inner_lr}, SFT warm start {args.sft_steps} steps, one torch node, "
@@ -211,13 +212,13 @@ def main() -> int:
     model = make_tiny_model(args.out / "model")
     data = make_task(args.out / "data")
     seeds = [int(x) for x in args.seeds.split(",")]
-    adapters = {seed: warm(args, model, data[0], seed) for seed in seeds}
+    adapter = functools.cache(lambda seed: warm(args, model, data[0], seed))  # when needed
     kv: dict = {}
     ratio = float("nan")
     if "throughput" in args.parts:
         if args.quick:
             args.prompts, args.group_size, args.max_tokens, args.repeat = 4, 4, 16, 1
-        rates = throughput(args, model, adapters[seeds[0]], data[1])
+        rates = throughput(args, model, adapter(seeds[0]), data[1])
         rows = [[name, f"{r['node']:.0f}", f"{r['bare']:.0f}", f"{r['node'] / r['bare']:.2f}x"]
                 for name, r in rates.items()]
         headers = ["node", "node tok/s", "bare generate tok/s", "ratio"]
@@ -229,7 +230,7 @@ def main() -> int:
         kv.update(torch_node_tok_s=t["node"], torch_generate_tok_s=t["bare"],
                   mlx_ratio=m["node"] / m["bare"] if m else "n/a")
     if "cadence" in args.parts:
-        kv.update(cadence_table(args, model, adapters, data, seeds))
+        kv.update(cadence_table(args, model, adapter, data, seeds))
     print(result_line(ratio, **kv))
     return 0
 
