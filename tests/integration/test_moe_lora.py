@@ -123,6 +123,18 @@ def test_mlx_island_adapter_loads_in_peft_and_mlx_lm(moe_models, tmp_path):
     mlx_model = load_with_mlx_lm_adapter(d, tmp_path / "mlx")
     got = parity._mlx_logits(mlx_model, ids)
     assert effect > 0.1 and np.abs(got - want).max() <= parity.REL_TOL * np.abs(want).max()
+    # and back: mlx-lm's per-expert factors to peft's, bit for bit, config included
+    from safetensors.numpy import load_file
+
+    from yeto.interop.adapters import mlx_to_peft
+
+    mlx_to_peft(tmp_path / "mlx", tmp_path / "back", base_model=d)
+    want_t = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    back_t = load_file(str(tmp_path / "back" / "adapter_model.safetensors"))
+    assert back_t.keys() == want_t.keys()
+    assert all(np.array_equal(back_t[k], want_t[k]) for k in want_t)
+    back_cfg = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
+    assert back_cfg["target_parameters"] == params
     # plain mlx_lm.load, on a config that says num_experts, head_dim and rope_theta at
     # the top, as Qwen3-MoE checkpoints do (transformers 5 writes them elsewhere)
     import mlx_lm

@@ -79,7 +79,7 @@ def test_mlx_lm_factors_are_peft_rows_per_expert():
     """peft: lora_A (r·E, in) is expert-major, lora_B (out, r·E) expert-minor; mlx-lm's
     LoRASwitchLinear holds per expert lora_b[e] @ lora_a[e] = rows of B_e·A_e."""
     pytest.importorskip("mlx.core", reason="mlx is not installed")
-    from yeto.mlx.experts import Fused, Part, mlx_lm_factors
+    from yeto.mlx.experts import Fused, Part, mlx_lm_factors, peft_factors
 
     n_exp, r, out, n_in = 3, 2, 6, 5
     rng = np.random.default_rng(0)
@@ -95,3 +95,10 @@ def test_mlx_lm_factors_are_peft_rows_per_expert():
         np.testing.assert_allclose(lora_b[e] @ lora_a[e], delta[3:], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="do not fit 3 experts"):
         mlx_lm_factors(a[:5], b, fused)
+    # and back (peft_factors), when the parts cover every row
+    gate = Part("sw.gate_proj", np.tile(np.arange(3, dtype=np.int32), (n_exp, 1)))
+    both = Fused(fused.param, fused.shape, [gate, *fused.parts])
+    a2, b2 = peft_factors(mlx_lm_factors(a, b, both), both)
+    assert np.array_equal(a2, a) and np.array_equal(b2, b)
+    with pytest.raises(ValueError, match="do not cover"):
+        peft_factors(mlx_lm_factors(a, b, fused), fused)

@@ -401,36 +401,85 @@ def mlx_to_peft(mlx_dir: str | Path, out_dir: str | Path, base_model: str | Path
                 f"{d}: tensor {name} is not a LoRA factor (<module>.lora_a/lora_b); DoRA "
                 "magnitudes and fully trained weights do not convert to peft LoRA")
         parts.setdefault(m["module"], {})[m["which"]] = t
-    tensors: dict[str, np.ndarray] = {}
-    for module, p in sorted(parts.items()):
+    for module, p in parts.items():
         if set(p) != {"a", "b"}:
             raise AdapterConversionError(f"{d}: {module} has only lora_{''.join(p)}")
-        a, b = p["a"], p["b"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != r or b.shape[0] != r:
-            raise AdapterConversionError(
-                f"{d}: {module}: lora_a {list(a.shape)} / lora_b {list(b.shape)} are not "
-                f"(in, {r}) / ({r}, out); per-expert (3-d) or per-module-rank LoRA does not "
-                "convert")
-        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a.T)
-        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b.T)
+    switch = {m: p for m, p in parts.items() if p["a"].ndim == 3}
+    parts = {m: p for m, p in parts.items() if m not in switch}
+    tensors = _linear_factors(parts, r, d)
+    kept = cfg.get("peft_config") if isinstance(cfg.get("peft_config"), dict) else {}
+    params = [str(x) for x in kept.get("target_parameters") or []] if switch else []
+    tensors.update(_switch_to_peft(switch, params, base_model, d))
     if not tensors:
         raise AdapterConversionError(f"{d}: the adapter holds no LoRA tensors")
     modules = sorted(parts)
-    kept = cfg.get("peft_config")
-    if isinstance(kept, dict) and _matches(kept, modules, r, scale):
+    if kept and _matches(kept, modules, r, scale, params):
         peft_cfg = dict(kept)
         peft_cfg["base_model_name_or_path"] = str(base_model)
         text = json.dumps(peft_cfg, indent=2, sort_keys=True)
     else:
         text = peft_adapter_config(str(base_model), r, scale * r, modules,
-                                   lora_dropout=float(lp.get("dropout") or 0.0))
+                                   lora_dropout=float(lp.get("dropout") or 0.0),
+                                   target_parameters=params)
     return save_peft_adapter(out_dir, tensors, text)
 
 
-def _matches(peft_cfg: dict, modules: list[str], r: int, scale: float) -> bool:
+def _linear_factors(parts: dict, r: int, d) -> dict[str, np.ndarray]:
+    """mlx-lm's lora_a (in, r) / lora_b (r, out) as peft's lora_A / lora_B."""
+    tensors: dict[str, np.ndarray] = {}
+    for module, p in sorted(parts.items()):
+        a, b = p["a"], p["b"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != r or b.shape[0] != r:
+            raise AdapterConversionError(
+                f"{d}: {module}: lora_a {list(a.shape)} / lora_b {list(b.shape)} are not "
+                f"(in, {r}) / ({r}, out); per-module-rank LoRA does not convert")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a.T)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b.T)
+    return tensors
+
+
+def _switch_to_peft(switch: dict, params: list[str], base_model, d) -> dict[str, np.ndarray]:
+    """mlx-lm ``LoRASwitchLinear`` factors (per expert) as peft's LoRA on the fused
+    expert weights named in the kept peft config (`yeto.mlx.experts.peft_factors`);
+    refused where that config is missing (an adapter mlx-lm trained itself: its
+    gate_proj and up_proj each have their own lora_a, which one peft LoRA on
+    gate_up_proj cannot hold)."""
+    if not switch:
+        return {}
+    if not params:
+        raise AdapterConversionError(
+            f"{d}: {next(iter(switch))} is a per-expert LoRA on a SwitchLinear, and the "
+            "adapter does not say which transformers fused expert weight it adapts (only "
+            "adapters converted from peft by yeto do); it does not convert")
+    try:
+        from yeto.mlx.experts import model_experts, peft_factors
+    except ImportError as e:
+        raise AdapterConversionError(f"{d}: LoRA on experts converts back to peft only where "
+                                     f"mlx-lm is installed ({e})") from e
+    found, _ = model_experts(Path(str(base_model)))
+    out: dict[str, np.ndarray] = {}
+    for param in params:
+        if param not in found:
+            raise AdapterConversionError(f"{d}: mlx-lm keeps no SwitchLinear for {param}")
+        try:
+            a, b = peft_factors({m: (p["a"], p["b"]) for m, p in switch.items()}, found[param])
+        except ValueError as e:
+            raise AdapterConversionError(f"{d}: {e}") from e
+        module = expert_lora_module(param, params)
+        out[f"base_model.model.{module}.lora_A.weight"] = a
+        out[f"base_model.model.{module}.lora_B.weight"] = b
+    return out
+
+
+def _matches(peft_cfg: dict, modules: list[str], r: int, scale: float,
+             params: list[str] = ()) -> bool:
     """Whether a kept peft config still describes these tensors."""
     if peft_cfg.get("r") != r or float(peft_cfg.get("lora_alpha", 0)) / r != scale:
         return False
+    if sorted(peft_cfg.get("target_parameters") or []) != sorted(params):
+        return False
+    if not modules:
+        return not peft_cfg.get("target_modules")
     tm = peft_cfg.get("target_modules")
     if isinstance(tm, str):
         return all(re.fullmatch(tm, m) for m in modules)

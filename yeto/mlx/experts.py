@@ -253,3 +253,28 @@ def mlx_lm_factors(a: np.ndarray, b: np.ndarray, fused: Fused
                        np.ascontiguousarray(np.take_along_axis(per_expert, p.rows[..., None],
                                                                axis=1)))
             for p in fused.parts}
+
+
+def peft_factors(switch: dict[str, tuple[np.ndarray, np.ndarray]], fused: Fused
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `mlx_lm_factors`: peft's lora_A (r·E, in) and lora_B (out, r·E)
+    from the ``LoRASwitchLinear`` factors ({MLX module path: (lora_a, lora_b)}) of
+    every part of ``fused``; the parts must share lora_a (one peft LoRA per fused
+    weight) and cover all its rows."""
+    n_exp, out, n_in = fused.shape
+    missing = [p.module for p in fused.parts if p.module not in switch]
+    if missing:
+        raise ValueError(f"{fused.param}: no LoRA on {', '.join(missing)}")
+    lora_a = switch[fused.parts[0].module][0]
+    r = lora_a.shape[1]
+    per_expert = np.full((n_exp, out, r), np.nan, dtype=np.float32)
+    for p in fused.parts:
+        a, b = switch[p.module]
+        if not np.array_equal(a, lora_a):
+            raise ValueError(f"{fused.param}: {p.module} has its own lora_a; one peft LoRA on "
+                             "the fused weight has one A for all its parts")
+        np.put_along_axis(per_expert, p.rows[..., None], b, axis=1)
+    if np.isnan(per_expert).any() or lora_a.shape != (n_exp, r, n_in):
+        raise ValueError(f"{fused.param}: the parts do not cover ({n_exp}, {out}, {n_in})")
+    b = per_expert.transpose(1, 2, 0).reshape(out, r * n_exp)
+    return np.ascontiguousarray(lora_a.reshape(r * n_exp, n_in)), np.ascontiguousarray(b)
