@@ -41,8 +41,8 @@ class StagedSum:
     """A push of `numel` values in `encoding`, decoded as its bytes arrive into `acc`'s
     sum buffer with weight `weight` (assigned: the buffer holds nothing yet), its bytes
     kept in `keep` too (a `SpilledPayload`, or a uint8 array of the payload's size).
-    Holds the bytes of at most one chunk of values (and a q4 payload's block scales,
-    which lead it), and Σ of the chunks' squared values for the push's norm."""
+    Holds the bytes of at most one chunk of values (a q4 chunk's block scales are read
+    back from `keep`), and Σ of the chunks' squared values for the push's norm."""
 
     def __init__(self, acc, encoding: str, numel: int, weight: float, keep):
         self.acc, self.encoding, self.numel, self.keep = acc, encoding, numel, keep
@@ -52,7 +52,6 @@ class StagedSum:
         self.size = fmt.encoded_size(encoding, numel)
         self.head = 4 * -(-numel // Q4_BLOCK) if encoding == "q4" else 0
         self.buf = acc.staging_buffer()
-        self.scales = bytearray()  # q4: the block scales, whole
         self.body = bytearray()    # received bytes of values not decoded yet
         self.n = self.lo = 0       # bytes received; values decoded
         self.squares = 0.0         # Σ over decoded chunks of Σ v², in chunk order
@@ -82,12 +81,11 @@ class StagedSum:
         """Another push takes the sum buffer: stop decoding into it."""
         with self.lock:
             self.demoted = True
-            self.scales, self.body = bytearray(), bytearray()
+            self.body = bytearray()
 
     def _stage(self, view: memoryview) -> None:
-        if self.n < self.head:
+        if self.n < self.head:  # q4 block scales: read back from `keep` when needed
             take = min(len(view), self.head - self.n)
-            self.scales += view[:take]
             view, self.n = view[take:], self.n + take
         self.body += view
         self.n += len(view)
@@ -108,7 +106,10 @@ class StagedSum:
         body = bytes(self.body[:need])
         if self.encoding == "q4":
             b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
-            body = bytes(self.scales[4 * b0:4 * b1]) + body
+            part = slice(4 * b0, 4 * b1)
+            scales = (self.keep[part].tobytes() if isinstance(self.keep, np.ndarray)
+                      else self.keep.read(part))
+            body = scales + body
         self.squares += decode_add_square(body, self.encoding, hi - lo, self.buf[lo:hi],
                                           self.weight, assign=True)
         del self.body[:need]

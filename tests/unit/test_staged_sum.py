@@ -16,6 +16,7 @@ from syncer.run import Config, Run
 from syncer.staging import StagedSum
 from syncer.strategy import Nesterov
 from yeto import codec
+from yeto.codec.buffers import SpilledPayload
 from yeto.codec.receiver import PayloadReceiver
 from yeto.layout import Layout
 
@@ -38,12 +39,16 @@ def _stream(staged, payload, upto=None):
     return rx
 
 
-@pytest.mark.parametrize("encoding", ["q4", "f32", "bf16"])
-def test_arrival_order_sum_equals_commit_time_sum_bit_for_bit(encoding):
+@pytest.mark.parametrize("encoding,keep", [("q4", "array"), ("q4", "spill"),
+                                           ("f32", "array"), ("bf16", "spill")])
+def test_arrival_order_sum_equals_commit_time_sum_bit_for_bit(encoding, keep, tmp_path):
+    """The first push staged as it streams in (its bytes kept in a pooled buffer or a
+    spill file), two more whole: the bits of three whole pushes in that order."""
     pushes, tokens = _payloads(encoding), [30, 10, 60]
     staged_acc, whole_acc = MergeAccumulator(N), MergeAccumulator(N)
-    staged = StagedSum(staged_acc, encoding, N, staged_acc.weight_for(tokens[0]),
-                       np.empty(len(pushes[0]), np.uint8))
+    size = len(pushes[0])
+    kept = np.empty(size, np.uint8) if keep == "array" else SpilledPayload(size, tmp_path)
+    staged = StagedSum(staged_acc, encoding, N, staged_acc.weight_for(tokens[0]), kept)
     staged_acc.staging = staged
     _stream(staged, pushes[0]).finish()
     got = [staged_acc.add(staged, encoding, tokens[0])]
