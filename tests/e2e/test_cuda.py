@@ -32,8 +32,9 @@ def _free_port() -> int:
 
 def _island(tmp, address, model, task, device, launcher=(), extra=()):
     train, held_out = task
-    cmd = [*(launcher or [sys.executable]), "-m", "yeto.learner", "--model", str(model), "--data", str(train),
-           "--eval-data", str(held_out), "--syncer", address, "--max-steps", "12",
+    cmd = [*(launcher or [sys.executable]), "-m", "yeto.learner", "--model", str(model),
+           "--data", str(train), "--eval-data", str(held_out), "--syncer", address,
+           "--max-steps", "12",
            "--sync-every", "4", "--seq-len", "64", "--batch-size", "4", "--no-progress",
            "--threads", "1", "--tuning", "full", "--inner-lr", "1e-4", "--eval-blocks", "8",
            "--device", device, "--learner-id", "island-0", "--output", str(tmp / "i0"), *extra]
@@ -68,14 +69,17 @@ def test_torch_island_ends_on_the_syncer_weights(tmp_path, tiny_llama, tiny_task
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+@pytest.mark.parametrize("sharding", [["--fsdp"], []], ids=["fsdp2", "ddp"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_fsdp2_island_ends_on_the_syncer_weights(tmp_path, tiny_llama, tiny_task, device):
-    """FSDP2 over every GPU of the machine (NCCL for CUDA tensors), one process on CPU."""
+def test_torchrun_island_ends_on_the_syncer_weights(tmp_path, tiny_llama, tiny_task, device,
+                                                    sharding):
+    """A torchrun island over every GPU of the machine (NCCL for CUDA tensors; one
+    process on CPU): FSDP2-sharded, or replicated (DDP)."""
     nproc = max(1, torch.cuda.device_count()) if device == "cuda" else 1
     launcher = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-port",
                 str(_free_port())]
-    summary = _run_to_the_end(tmp_path, tiny_llama, tiny_task, device, launcher, ["--fsdp"])
-    assert summary["ranks"] == nproc
+    summary = _run_to_the_end(tmp_path, tiny_llama, tiny_task, device, launcher, sharding)
+    assert summary.get("ranks", 1) == nproc
 
 
 @pytest.mark.parametrize("device", DEVICES)
