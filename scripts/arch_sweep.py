@@ -64,32 +64,24 @@ OVERRIDES: dict[str, dict] = {}
 # up as ok and another failure of a variant is not taken for it.
 KNOWN: dict[str, tuple[str, str, str]] = {
     "olmo": ("mlx-lm", "mlx-import",
-        "mlx-lm's olmo.py calls sys.exit unless the ai2-olmo package (hf_olmo) "
-             "is installed; it reads the original OLMo checkpoint layout"),
-    "jamba": ("mlx-lm", "logits",
-        "mlx-lm's jamba.py renormalises the top-k router weights (softmax "
-              "over the chosen experts); transformers' Jamba keeps the top-k of the softmax "
-              "over all experts, unnormalised (base logits already differ)"),
-    "minicpm3": ("mlx-lm", "logits", "mlx-lm's SuScaledRoPE (minicpm3.py) always uses long_factor; "
-                 "transformers' longrope uses short_factor up to "
-                 "original_max_position_embeddings (base logits differ; equal factors agree "
-                 "to 3e-5)"),
-    "bitnet": ("mlx-lm", "mlx-load", "mlx-lm's bitnet.py loads only packed ternary checkpoints "
-               "(weight_scale per BitLinear); transformers writes unpacked BitNet weights, "
-               "and LoRA on packed layers is not supported anyway"),
-    "gpt_oss": ("mlx-lm", "adapter", "mlx-lm's YarnRoPE (rope_utils.py) always truncates the yarn "
-                "correction range; gpt-oss checkpoints say truncate=false, which transformers "
-                "honours (with default RoPE the logits agree to 3e-7)"),
-    "minimax": ("mlx-lm", "mlx-load", "mlx-lm's minimax.py is MiniMax-M2 (full attention, QK-norm, "
-                "rotary_dim); transformers' minimax is MiniMax-Text-01 (lightning linear-attention "
-                "layers), another architecture under the same model type"),
+             "mlx-lm's olmo.py calls sys.exit unless the ai2-olmo package (hf_olmo) is "
+             "installed; it reads the original OLMo checkpoint layout"),
+    "bitnet": ("mlx-lm", "mlx-load",
+               "mlx-lm's bitnet.py loads only packed ternary checkpoints (weight_scale per "
+               "BitLinear); transformers writes unpacked BitNet weights, and LoRA on packed "
+               "layers is not supported anyway"),
+    "minimax": ("mlx-lm", "mlx-load",
+                "mlx-lm's minimax.py is MiniMax-M2 (full attention, QK-norm, rotary_dim); "
+                "transformers' minimax is MiniMax-Text-01 (lightning linear-attention layers), "
+                "another architecture under the same model type"),
     "bailing_hybrid": ("mlx-lm", "mlx-load",
-        "mlx-lm's bailing_hybrid.py has lightning linear attention "
-                       "(g_proj + GroupRMSNorm, group_norm_size); transformers' bailing_hybrid "
-                       "has gated delta-rule attention (BailingHybridDeltaAttention): another "
-                       "architecture under the same model type"),
-    "gemma3n": ("transformers", "tiny", "Gemma3nForConditionalGeneration needs timm and pillow for "
-                "its vision tower (not installed), so no tiny model is written"),
+                       "mlx-lm's bailing_hybrid.py has lightning linear attention (g_proj + "
+                       "GroupRMSNorm, group_norm_size); transformers' bailing_hybrid has gated "
+                       "delta-rule attention (BailingHybridDeltaAttention): another architecture "
+                       "under the same model type"),
+    "gemma3n": ("transformers", "tiny",
+                "Gemma3nForConditionalGeneration needs timm and pillow for its vision tower "
+                "(not installed), so no tiny model is written"),
 }
 
 STAGE_OWNER = {
@@ -328,6 +320,38 @@ def summary(rows: list[dict]) -> str:
     return "by status: " + ", ".join(parts)
 
 
+def activation_rows() -> list[str]:
+    """`yeto.mlx.activations.ACTIVATION_SITES` as markdown rows: per model type, the
+    mlx-lm class, the activation it calls, what the preset config names, and whether
+    the MLX island swaps it."""
+    import importlib
+    import inspect
+
+    from yeto.mlx.activations import (
+        ACTIVATION_SITES,
+        ACTIVATIONS,
+        CALLED,
+        called,
+        config_activation,
+    )
+    from yeto.testing.archs import tiny_config
+
+    rows = ["| model type | mlx-lm class | mlx-lm calls | config field = preset value | "
+            "MLX island computes |", "|---|---|---|---|---|"]
+    for kind, (field, classes) in sorted(ACTIVATION_SITES.items()):
+        module = importlib.import_module(f"mlx_lm.models.{kind}")
+        found = {n: c for m in (module, *[v for v in vars(module).values()
+                                          if inspect.ismodule(v) and "mlx_lm" in v.__name__])
+                 for n, c in vars(m).items() if inspect.isclass(c)}
+        value = config_activation(tiny_config(kind).to_dict(), field)
+        for name in classes:
+            call = called(found[name])
+            want = ACTIVATIONS.get(value, "?")
+            done = "as called" if CALLED[call] == want else f"**{want}** (swapped)"
+            rows.append(f"| {kind} | {name} | {call} | {field} = {value} | {done} |")
+    return rows
+
+
 def markdown(rows: list[dict], result: str, cmd: str) -> str:
     v = versions()
     lines = ["## Architecture sweep: torch island vs MLX island", "",
@@ -347,7 +371,11 @@ def markdown(rows: list[dict], result: str, cmd: str) -> str:
                      f"{r.get('n', '') if ok else ''} | "
                      f"{format(r['dlogit'], '.2e') if ok else ''} | "
                      f"{format(r['logit'], '.2f') if ok else ''} | {reason} |")
-    lines += ["", summary(rows), "", f"`{result}`", ""]
+    lines += ["", summary(rows), "", f"`{result}`", "",
+              "### Activations (`yeto.mlx.activations.ACTIVATION_SITES`)", "",
+              "Where mlx-lm's module calls one activation hard-coded and transformers builds it "
+              "from the config; swapped on the built model when they differ.", "",
+              *activation_rows(), ""]
     return "\n".join(lines)
 
 

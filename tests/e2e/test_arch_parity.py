@@ -61,3 +61,19 @@ def test_arch_sweep_meets_the_goal(tmp_path):
     failed = "\n".join(f"{r['arch']}: {r['status']} {r['reason']}" for r in rows
                        if r["status"] != "ok")
     assert len(ok) >= 0.9 * len(rows), failed
+
+
+@pytest.mark.slow
+def test_arch_sweep_variants_fail_only_outside_yeto(tmp_path):
+    """Three drawn configs per architecture (--variants 3 --seed 0): every failure is
+    mlx-lm's or transformers' (a refused config names its field), none yeto's."""
+    out = tmp_path / "variants.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "arch_sweep.py"), "--jobs", "2",
+                          "--variants", "3", "--seed", "0", "--json", out],
+                         capture_output=True, text=True, cwd=ROOT, timeout=3600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 3 * len({r["arch"] for r in rows})
+    ours = [f"{r['arch']}#{r['variant']}: {r['status']} {r['reason']}" for r in rows
+            if r["status"] not in ("ok", "mlx-lm", "transformers")]
+    assert not ours, "\n".join(ours)

@@ -79,10 +79,14 @@ def _theta(config: dict[str, Any]) -> float:
 
 def _replacement(old, scaling: dict, config: dict):
     """The module ``old`` should be for this scaling, or None to keep it."""
-    from mlx_lm.models.rope_utils import SuScaledRoPE, initialize_rope
+    from mlx_lm.models.rope_utils import SuScaledRoPE, YarnRoPE, initialize_rope
 
     kind = scaling.get("rope_type", scaling.get("type"))
     max_pos = _max_positions(config)
+    if isinstance(old, YarnRoPE) and kind == "yarn" and scaling.get("truncate") is False \
+            and not getattr(old, "_untruncated", False):
+        _untruncate(old, scaling, _theta(config))
+        return None
     if isinstance(old, SuScaledRoPE):
         return LongRoPE(old.dim, _theta(config), scaling, max_pos) if kind == "longrope" else None
     if type(old) is not nn.RoPE:
@@ -92,6 +96,27 @@ def _replacement(old, scaling: dict, config: dict):
     if kind == "linear" and not math.isclose(old.scale, 1.0):
         return None  # the model file applied the linear factor itself
     return initialize_rope(old.dims, old.base, old.traditional, scaling, max_pos)
+
+
+def _untruncate(rope, scaling: dict, base: float) -> None:
+    """mlx-lm's YarnRoPE rounds the correction range to whole dimensions (floor, ceil),
+    which transformers does only while ``truncate`` is true (gpt-oss says false): its
+    frequencies recomputed from the exact range."""
+    dims, factor = rope.dims, float(scaling["factor"])
+    orig = scaling.get("original_max_position_embeddings") or 4096
+
+    def dim_of(rotations: float) -> float:
+        return dims * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(dim_of(scaling.get("beta_fast") or 32), 0)
+    high = min(dim_of(scaling.get("beta_slow") or 1), dims - 1)
+    high = high + 0.001 if low == high else high
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    inter = factor * extra
+    keep = 1.0 - ramp
+    rope._freqs = (inter * extra) / (inter * keep + extra * (1 - keep))
+    rope._untruncated = True
 
 
 def _expected(kind: str) -> tuple[str, ...]:

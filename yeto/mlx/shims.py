@@ -286,6 +286,7 @@ def _translate(config: dict[str, Any], args_cls, hf, parent: dict | None = None
     if "rope_scaling" in fields and fields["rope_scaling"][0] and "rope_scaling" not in have:
         out["rope_scaling"] = None  # plain RoPE; exaone4's ModelArgs requires the field
     _periodic(have, fields, out, args_cls)
+    _one_kind_lists(have, fields, out)
     _head_dim_check(have, fields, args_cls)
     if "text_config" not in fields and have.get("model_type") in _CHECKS:
         _CHECKS[have["model_type"]](have, args_cls)
@@ -378,8 +379,43 @@ def _llama4_layers(have: dict, args_cls) -> None:
                 "layer but each 4th (layers 3, 7, ...), which attends globally without RoPE")
 
 
+def _plain_rope_only(have: dict, args_cls) -> None:
+    """mlx_lm/models/nanochat.py rotates with its own function, which has no scaling."""
+    scaling = have.get("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        raise UnsupportedConfig(f"rope_parameters.rope_type={kind!r}: {_where(args_cls)} "
+                                "rotates with its own RoPE function, which has no scaling")
+
+
 # model type -> a check of a config the model file cannot represent
-_CHECKS = {"llama4": _llama4_layers, "llama4_text": _llama4_layers}
+_CHECKS = {"llama4": _llama4_layers, "llama4_text": _llama4_layers,
+           "nanochat": _plain_rope_only}
+
+
+_OTHER = {_FULL: _SLIDING, _SLIDING: _FULL, 0: 1, 1: 0, "L": "G", "G": "L"}
+# model files that look up the first layer of each kind in a per-layer list
+_INDEXES_KINDS = {"gpt_oss", "olmo3", "mimo_v2_flash", "exaone4"}
+
+
+def _one_kind_lists(have: dict, fields: dict, out: dict) -> None:
+    """A per-layer list mlx-lm reads with one kind only gets the other kind appended
+    past the last layer: gpt_oss.py, olmo3.py, mimo_v2_flash.py and exaone4.py look up
+    the first layer of each kind (``layer_types.index("sliding_attention")``) to pick a
+    cache for its mask, and fail without one; no layer is built from the extra entry
+    (layers are built for range(num_hidden_layers)), and the index it gives, past the
+    last layer, `layer_kinds.repair_indices` points at layer 0."""
+    n = have.get("num_hidden_layers")
+    if have.get("model_type") not in _INDEXES_KINDS:
+        return
+    for name in ("layer_types", "hybrid_layer_pattern", "sliding_window_pattern"):
+        value = have.get(name)
+        if name not in fields or not isinstance(value, (list, str)) or len(value) != n:
+            continue
+        kinds = set(value)
+        if len(kinds) == 1 and next(iter(kinds)) in _OTHER:
+            out[name] = have[name] = value + (type(value)([_OTHER[value[0]]])
+                                              if isinstance(value, list) else _OTHER[value[0]])
 
 
 def _head_dim_check(have: dict, fields: dict, args_cls) -> None:
@@ -541,8 +577,12 @@ def _kimi_linear_attn(c: dict) -> dict | None:
         return None
     return {"head_dim": c["linear_head_dim"], "num_heads": c.get("linear_num_heads"),
             "short_conv_kernel_size": c.get("linear_conv_kernel_dim", 4),
-            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
-            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == _FULL]}
+            # (1-based; an empty list gets a number past the last layer, as
+            # _one_kind_lists does: kimi_linear.py reads each list's first entry)
+            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"]
+            or [len(types) + 1],
+            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == _FULL]
+            or [len(types) + 1]}
 
 
 # Per-model keys under names only one mlx-lm model file reads.
@@ -883,11 +923,43 @@ def _nanochat_eps(model, args, config: dict) -> None:
                {"rms_norm": lambda x: mx.fast.rms_norm(x, None, eps)}, key=("nanochat", eps))
 
 
+def _jamba_router(model, args, config: dict) -> None:
+    """mlx_lm/models/jamba.py weights the chosen experts by a softmax over the chosen
+    router logits (renormalised); transformers' Jamba by the softmax over all experts,
+    unnormalised: the chosen logits become log-probabilities over all experts, and their
+    exp the weights."""
+    import mlx.core as mx
+
+    def chosen(gates, inds, axis=-1):
+        return mx.take_along_axis(gates - mx.logsumexp(gates, axis=-1, keepdims=True), inds,
+                                  axis=axis)
+
+    rebind(model, "mlx_lm.models.jamba",
+           {"mx": Namespace(mx, {"take_along_axis": chosen,
+                                 "softmax": lambda x, axis=-1, precise=False: mx.exp(x)})},
+           key="jamba-router")
+
+
+def _exaone_rope(model, args, config: dict) -> None:
+    """transformers' EXAONE 4 / EXAONE-MoE rotate a layer only when it is a sliding one
+    or the config has no sliding window; mlx_lm/models/exaone4.py and exaone_moe.py
+    rotate every layer when no layer is a sliding one. Layers transformers does not
+    rotate stop rotating."""
+    types = _layer_types(config)
+    if types is None or config.get("sliding_window") is None:
+        return
+    for layer, kind in zip(model.layers, types):
+        if kind != _SLIDING:
+            layer.self_attn.use_rope = False
+
+
 # model type -> settings of the built mlx-lm model that mlx-lm leaves at a constant where
 # the checkpoint's config says otherwise (applied before the weights load)
 _MODEL_FIXES = {"glm": (_glm_rope,), "recurrent_gemma": (_recurrent_gemma_eps,),
                 "gpt_neox": (_gpt_neox_width,), "gemma3": (_gemma3_embed_scale,),
-                "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,)}
+                "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,),
+                "exaone4": (_exaone_rope,), "exaone_moe": (_exaone_rope,),
+                "jamba": (_jamba_router,)}
 
 
 def _classes(config: dict):
