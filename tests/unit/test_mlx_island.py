@@ -21,8 +21,8 @@ def test_flat_rope_overrides():
     assert flat_rope_overrides(nested) == {"rope_theta": 5e5}
     assert flat_rope_overrides({**nested, "rope_theta": 1e4}) == {}  # a flat value wins
     yarn = {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}
-    assert flat_rope_overrides(yarn) == {"rope_theta": 1e6,
-                                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert flat_rope_overrides(yarn) == {  # "type" too, for mlx-lm files that read it
+        "rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "type": "yarn"}}
     per_layer = {"rope_parameters": {"full_attention": {"rope_theta": 1e6},
                                       "sliding_attention": {"rope_theta": 1e4}}}
     assert flat_rope_overrides(per_layer) == {"rope_theta": 1e6}  # the full-attention layers'
