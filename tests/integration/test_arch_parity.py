@@ -53,3 +53,36 @@ def test_truncated_copy_keeps_the_first_layers(tmp_path):
     cut = parity.truncated_copy(hybrid, 2, tmp_path / "hybrid-cut")
     cfg = json.loads((cut / "config.json").read_text())
     assert parity.layer_count(cfg) == 4 and cfg["layer_types"][-1] == "full_attention"
+
+
+# ---- configs other than the presets (scripts/arch_sweep.py --variants draws many) -----------
+_SLIDE, _FULL = "sliding_attention", "full_attention"
+OTHER_CONFIGS = {
+    # biases mlx-lm's gemma.py never builds, an untied head it always ties, llama3 RoPE on
+    # a plain nn.RoPE
+    "gemma": {"attention_bias": True, "tie_word_embeddings": False, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    # an MLP 72 wide, where mlx-lm's gpt_neox.py builds 4 x hidden
+    "gpt_neox": {"intermediate_size": 72},
+    # layer kinds with no period (mlx-lm's gemma3_text.py places them by one), hidden 48
+    "gemma3_text": {"num_hidden_layers": 5, "hidden_size": 48,
+                    "layer_types": [_SLIDE, _FULL, _FULL, _SLIDE, _FULL]},
+    # attention layers only (mlx-lm's lfm2.py indexed a conv layer's cache: IndexError)
+    "lfm2": {"num_hidden_layers": 3, "layer_types": [_FULL] * 3},
+    # longrope (mlx-lm's SuScaledRoPE rotates with long_factor at any length)
+    "qwen3": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6,
+                                  "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                  "long_factor": [1.5 + 0.1 * i for i in range(8)],
+                                  "original_max_position_embeddings": 64}},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_CONFIGS))
+def test_configs_other_than_the_presets(arch, tmp_path):
+    d = archs.tiny_model(arch, tmp_path / arch, overrides=OTHER_CONFIGS[arch])
+    rep = parity.check(d, r=4, alpha=8.0)
+    assert rep.names_ok, rep.first_mismatch
+    assert rep.adapter_effect > 0.1
+    assert rep.logits_ok(), (f"max |dlogit| {rep.max_dlogit:.3g}, max |logit| "
+                             f"{rep.max_logit:.3g}, base {rep.base_dlogit:.3g}, {rep.notes}")
