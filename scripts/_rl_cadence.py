@@ -18,7 +18,8 @@ One arm = (cadence H, mode, seed). Its run, all in this process:
   `max_staleness` versions behind.
 
 Measured per run: held-out reward (greedy reversal accuracy on the trainer's own
-weights, 0 to 1) before and after, wall time of the GRPO steps, staleness in versions
+weights, 0 to 1) before and after, the training reward (sampled, mean of the last 10
+steps minus the first 10), wall time of the GRPO steps, staleness in versions
 (what `--max-staleness` bounds) and in trainer steps (optimizer updates between the
 weights that sampled and the weights that train), the behaviour-recomputed logprob gap,
 batches dropped as stale. Each run's result is cached as JSON under OUT/cadence/, keyed
@@ -48,7 +49,8 @@ def arm_config(args, cadence: str, mode: str, seed: int) -> dict:
 
 
 def cached_arm(args, cadence: str, mode: str, seed: int, model: Path, adapter,
-               data) -> dict:
+               data) -> dict | None:
+    """The arm's cached result, else its run (None with --cached-only)."""
     from yeto.io import atomic_write
 
     cfg = arm_config(args, cadence, mode, seed)
@@ -56,6 +58,8 @@ def cached_arm(args, cadence: str, mode: str, seed: int, model: Path, adapter,
     path = args.out / "cadence" / f"{cadence}-{mode}-seed{seed}-{digest}.json"
     if path.is_file() and not args.fresh:
         return json.loads(path.read_text())["result"]
+    if args.cached_only:
+        return None
     print(f"  running: every {cadence}, {mode}, seed {seed} ...", flush=True)
     res = run_arm(args, cfg, model, adapter(seed), data)
     print(f"    held-out {res['reward_before']:.3f} -> {res['reward_after']:.3f}, "
@@ -156,13 +160,13 @@ def _ms(xs: list[float], fmt: str = "{:.3f}") -> str:
     """mean ± sample standard deviation over seeds."""
     if len(xs) < 2:
         return fmt.format(statistics.fmean(xs))
-    return f"{fmt.format(statistics.fmean(xs))} ± {fmt.format(statistics.stdev(xs))}"
+    spread = fmt.replace("+", "").format(statistics.stdev(xs))
+    return f"{fmt.format(statistics.fmean(xs))} ± {spread}"
 
 
 def table(args, model: Path, adapter, data, seeds: list[int]) -> tuple[list, list, dict]:
     """Every (cadence, mode) arm over `seeds` (`adapter(seed)`: its warm start, made
     only for an arm not cached): the table's rows, headers and RESULT keys."""
-    rows, kv = [], {}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cadences = [c.strip() for c in args.cadences.split(",") if c.strip()]
     done = {}  # the modes of one (cadence, seed) run one after the other: similar load
@@ -170,22 +174,34 @@ def table(args, model: Path, adapter, data, seeds: list[int]) -> tuple[list, lis
         for s in seeds:
             for mode in modes:
                 done[cadence, mode, s] = cached_arm(args, cadence, mode, s, model, adapter, data)
+    return rows_of(args, {k: v for k, v in done.items() if v is not None}, cadences, modes,
+                   seeds)
+
+
+def rows_of(args, done: dict, cadences: list, modes: list, seeds: list) -> tuple:
+    rows, kv = [], {}
     for cadence in cadences:
         for mode in modes:
-            runs = [done[cadence, mode, s] for s in seeds]
+            runs = [done[cadence, mode, s] for s in seeds if (cadence, mode, s) in done]
+            if not runs:
+                continue
             before = [r["reward_before"] for r in runs]
             after = [r["reward_after"] for r in runs]
             change = [a - b for a, b in zip(after, before)]
             label = "never" if cadence == "never" else f"every {cadence}"
             rows.append([label, mode if mode == "sync" else f"async (≤{args.max_staleness})",
+                         len(runs),
                          _ms(before), _ms(after), _ms(change, "{:+.3f}"),
+                         _ms([r["train_reward_last10"] - r["train_reward_first10"]
+                              for r in runs], "{:+.3f}"),
                          _ms([r["seconds"] for r in runs], "{:.0f}"),
                          f"{statistics.fmean(r['staleness_mean'] for r in runs):.2f}",
                          f"{statistics.fmean(r['lag_steps_mean'] for r in runs):.2f}",
-                         f"{statistics.fmean(r['logprob_gap_mean'] for r in runs):.4f}",
+                         f"{statistics.fmean(r['logprob_gap_mean'] for r in runs):.2g}",
                          sum(r["stale_dropped"] for r in runs)])
             kv[f"change_{cadence}_{mode}"] = statistics.fmean(change)
-    headers = ["weights to node", "sampling", "held-out before", "after", "change",
+    headers = ["weights to node", "sampling", "seeds", "held-out before", "after", "change",
+               "train reward change",
                "GRPO time (s)", "staleness (versions)", "lag (steps)",
                "|logprob gap| (nats/token)", "dropped"]
     return rows, headers, kv

@@ -73,6 +73,9 @@ def _args():
                    help="seeds (warm start, prompt order, sampling): every arm runs once per "
                         "seed; the table shows the mean and the spread")
     g.add_argument("--fresh", action="store_true", help="ignore cached arm results")
+    g.add_argument("--cached-only", action="store_true",
+                   help="the table from cached arm results only (runs nothing; the seeds "
+                        "column says how many each row has)")
     return p.parse_args()
 
 
