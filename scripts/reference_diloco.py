@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -390,7 +391,7 @@ def _yeto_trace(out: Path, layout, published: dict, result) -> Trace:
         if rec["event"] == "merge":
             for s in rec["responders"]:
                 trace.tokens.setdefault(s["learner"], []).append(s["tokens"])
-    trace.eval_loss = result.eval_loss if result.eval_loss == result.eval_loss else None
+    trace.eval_loss = None if math.isnan(result.eval_loss) else result.eval_loss  # no eval
     return trace
 
 
