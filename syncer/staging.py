@@ -24,7 +24,9 @@ would), and memory is unchanged: no push is held decoded beside the sum.
 
 Not staged: seeds, rounds with `--clip-factor` (pushes are kept until the commit),
 pushes with 0 loss tokens (their weight depends on the pushes after them), a round
-whose sum is not fresh, or any push while a commit waits for its save."""
+whose sum is not fresh, any push while a commit waits for its save, or one that
+starts while the run's lock is held (a commit saving its state: the push does not
+wait for it to start arriving)."""
 
 from __future__ import annotations
 
@@ -133,7 +135,9 @@ def claim(run, h, keep) -> StagedSum | None:
     arrives whole into `keep`)."""
     if h.seed or run.cfg.clip_factor > 0:
         return None
-    with run.cond:
+    if not run.cond.acquire(blocking=False):  # a commit holds the run (its save may take
+        return None                           # a while): this push arrives whole
+    try:
         rnd = run.open.get(h.fragment)
         if rnd is None or run.pending is not None or run.finished or run.fatal:
             return None
@@ -143,14 +147,18 @@ def claim(run, h, keep) -> StagedSum | None:
             return None
         acc.staging = StagedSum(acc, h.encoding, h.numel, weight, keep)
         return acc.staging
+    finally:
+        run.cond.release()
 
 
 def release(run, staged: StagedSum) -> None:
-    """The staged push's stream is over (folded or not): its round is free again."""
+    """The staged push's stream is over: its round is free again. (Folded or taken
+    over, it is already: then the run's lock is not waited for.)"""
+    if staged.acc.staging is not staged:
+        return
     with run.cond:
         if staged.acc.staging is staged:
             staged.acc.staging = None
-        run.cond.notify_all()
 
 
 def take_turn(run, h, payload) -> None:
