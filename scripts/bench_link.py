@@ -8,8 +8,9 @@ default, or --model), each with plain rounds (--fragments 1) and streaming
 fragments (--fragments 4); the island's own defaults otherwise (H = --sync-every
 50, q4 pushes, f32 broadcasts, one push in flight).
 
-Measured per arm, inside the island (its `SyncerClient.wait` calls, timed): the time
-it is blocked on the network, as a share of its training time (from the moment it
+Measured per arm, inside the island (its `SyncerClient.wait` calls and its waits for
+push replies, `PushLedger.settle(wait=True)`, timed): the time it is blocked on the
+network, as a share of its training time (from the moment it
 holds the run's weights to the start of its last push: the steady state), and as
 a share of the whole run from joining to the end (joining, seeding Θ, the last
 push and the final weights included). Also: bytes up and down, the time the link
@@ -157,11 +158,21 @@ def island_main(out: str, argv: list[str]) -> int:
     (training starts) and when its last push began."""
     import yeto.client as client
     import yeto.island as island
+    from yeto.island.ledger import PushLedger
     from yeto.torch.learner import main
 
     t: dict = dict(waits=[], pushes=[])
     wait, start, finish = client.SyncerClient.wait, island.Island.start, island.Island.finish
-    push = client.SyncerClient.push
+    push, settle = client.SyncerClient.push, PushLedger.settle
+
+    def timed_settle(self, *a, **kw):  # waiting for push replies blocks training too
+        blocking = a[1] if len(a) > 1 else kw.get("wait", False)
+        t0 = time.time()
+        try:
+            return settle(self, *a, **kw)
+        finally:
+            if blocking:
+                t["waits"].append((t0, time.time()))
 
     def timed_push(self, *a, **kw):
         t0 = time.time()
@@ -188,6 +199,7 @@ def island_main(out: str, argv: list[str]) -> int:
     client.SyncerClient.wait, island.Island.start = timed_wait, timed_start
     client.SyncerClient.push = timed_push
     island.Island.finish = timed_finish
+    PushLedger.settle = timed_settle
     code = main(argv)
     t["end"] = time.time()
     Path(out).write_text(json.dumps(t))
