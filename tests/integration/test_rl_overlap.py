@@ -50,3 +50,33 @@ def test_an_async_grpo_island_trains_and_drops_what_is_too_stale(tiny_llama, tin
         server.shutdown()
         server.server_close()
         node.close()
+
+
+def test_the_island_program_runs_async_to_its_last_step(tiny_llama, tiny_task, tmp_path):
+    """`yeto rl --async-rollouts` as the program runs it (`run_grpo`, no syncer): every
+    step's metrics line says how long it waited for its batch and what it dropped, the
+    summary says the mode, and nothing is asked of the node past the last step."""
+    import json
+
+    from yeto.rl.run import run_grpo
+
+    engine = TorchEngine(tiny_llama)
+    node = RolloutNode(engine, model_name="tiny",
+                       eos_ids=stop_token_ids(tiny_llama, engine.tokenizer))
+    server, url = serve_in_thread(node)
+    cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
+                       eval_prompts=2)
+    cfg.max_steps, cfg.output, cfg.progress = 3, tmp_path / "rl", False
+    try:
+        assert run_grpo(cfg, rl) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+        node.close()
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["async_rollouts"] and summary["stale_dropped"] == 0 and summary["steps"] == 3
+    lines = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["stale_dropped"] == 0 and m["rollout_wait_s"] >= 0 for m in steps)
+    assert node.scheduler.requests == 3  # one batch per step, none drawn past step 3
