@@ -403,11 +403,32 @@ class Row:
 
 
 def attach_ratios(rows: dict[str, Row]) -> None:
+    """Each arm's ratio to its reference arm, per seed both ran; a seed whose reference
+    ended unstable (`spiked`) has no ratio (the report says which)."""
     for row in rows.values():
         ref = rows.get(f"{row.arm.regime}:{row.arm.ref}") if row.arm.ref else None
         for seed, r in row.results.items():
-            if ref is not None and seed in ref.results:
+            if ref is not None and seed in ref.results and not spiked(ref.results[seed]):
                 row.ratios[seed] = r["eval_loss"] / ref.results[seed]["eval_loss"]
+
+
+SPIKE = 0.05  # a final held-out loss this far above the run's own best: a spike
+
+
+def spiked(res: dict) -> bool:
+    """Whether a run's final held-out loss is more than SPIKE above the best it reached
+    along the way (its curve): a reference that blew up at the end measures nothing."""
+    best = min((x for _, x in res.get("curve", [])), default=None)
+    return best is not None and res["eval_loss"] > best * (1 + SPIKE)
+
+
+def spike_lines(rows: dict[str, Row]) -> list[str]:
+    """The reference runs left out of the ratios as `spiked`."""
+    refs = {f"{r.arm.regime}:{r.arm.ref}" for r in rows.values() if r.arm.ref}
+    return [f"RESULT note=reference_spiked arm={key} seed={seed} eval_loss={res['eval_loss']:.4f} "
+            f"best_on_the_way={min(x for _, x in res['curve']):.4f} (no ratio for this seed)"
+            for key in sorted(refs & set(rows)) for seed, res in sorted(rows[key].results.items())
+            if spiked(res)]
 
 
 def fmt_bytes(b: float) -> str:
@@ -870,7 +891,7 @@ def report(rows: dict[str, Row], regimes: dict[str, Regime], skipped: list[str],
     long_mode = any(rg.name in ("warm", "scratch") for rg in regimes.values())
     if "short" in regimes:  # --rules, --quick
         print_rules(rows, md)
-        goals = rules_goal_lines(rows)
+        goals = spike_lines(rows) + rules_goal_lines(rows)
     else:
         goals = long_goal_lines(rows) if long_mode else goal_lines(rows)
     for line in result_lines(rows) + goals:

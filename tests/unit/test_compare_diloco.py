@@ -11,6 +11,8 @@ tests/e2e/test_compare_diloco.py)."""
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -113,3 +115,21 @@ def test_quick_runs_the_syncers_default_rule():
     _, quick, _ = cd.plan("quick")
     assert [(a.key, a.kind) for a in quick][0] == ("short:dp4", "dp")
     assert [cd.candidate_of(a) for a in quick[1:]] == [arms.DEFAULT]
+
+
+def test_a_reference_that_spiked_at_the_end_gives_no_ratio():
+    """A dp run whose final held-out loss is over 5 % above its own best along the way
+    is left out of the ratios, and the report names it."""
+    import compare_diloco as cd
+
+    _, arms, _ = cd.plan("rules")
+    rows = {a.key: cd.Row(a) for a in arms if a.regime == "short"}
+    rows["short:dp4"].results = {
+        0: {"eval_loss": 1.10, "curve": [[350, 1.11], [400, 1.10]]},
+        2: {"eval_loss": 1.89, "curve": [[350, 1.11], [400, 1.89]]}}
+    rows["short:diloco4-H50-q4-dq4"].results = {0: {"eval_loss": 1.12}, 2: {"eval_loss": 1.12}}
+    cd.attach_ratios(rows)
+    assert rows["short:diloco4-H50-q4-dq4"].ratios == {0: pytest.approx(1.12 / 1.10)}
+    assert cd.spike_lines(rows) == [
+        "RESULT note=reference_spiked arm=short:dp4 seed=2 eval_loss=1.8900 "
+        "best_on_the_way=1.1100 (no ratio for this seed)"]
