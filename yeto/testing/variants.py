@@ -171,7 +171,11 @@ def runs(arch: str, overrides: dict) -> str | None:
     try:
         config = tiny_config(arch, overrides)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        except ImportError:  # as tiny_model does: the text model of an image-text config
+            config = config.get_text_config()
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
         with torch.no_grad():
             model(input_ids=torch.randint(0, vocab, (1, 8)))
