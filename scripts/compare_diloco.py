@@ -692,7 +692,7 @@ def print_rules(rows: dict[str, Row], md: bool) -> None:
 
 def rules_goal_lines(rows: dict[str, Row]) -> list[str]:
     """Per candidate and cell: its ratio, spread, bytes and goal; then per candidate
-    whether it meets every required cell (n/a while a required cell has no run)."""
+    whether it meets every required cell (no once one fails; n/a while one has no run)."""
     by, out = _rule_rows(rows), []
     for cand in CANDIDATES:
         verdicts = {}
@@ -711,8 +711,8 @@ def rules_goal_lines(rows: dict[str, Row]) -> list[str]:
         if not verdicts:
             continue
         missing = [_cell_name(c) for c in CELLS if c[0] in REQUIRED and c not in verdicts]
-        met = "n/a" if missing else "yes" if all(
-            ok for c, ok in verdicts.items() if c[0] in REQUIRED) else "no"
+        failed = any(not ok for c, ok in verdicts.items() if c[0] in REQUIRED)
+        met = "no" if failed else "n/a" if missing else "yes"
         out.append(f"RESULT goal=one_rule rule={cand} met={met} "
                    + (f"missing={','.join(missing)} " if missing else "")
                    + f"cells={len(verdicts)}/{len(CELLS)}")
