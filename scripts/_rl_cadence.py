@@ -21,7 +21,9 @@ Measured per run: held-out reward (greedy reversal accuracy on the trainer's own
 weights, 0 to 1) before and after, the training reward (sampled, mean of the last 10
 steps minus the first 10), wall time of the GRPO steps, staleness in versions
 (what `--max-staleness` bounds) and in trainer steps (optimizer updates between the
-weights that sampled and the weights that train), the behaviour-recomputed logprob gap,
+weights that sampled and the weights that train), how long the trainer waited for each
+step's batch against how long drawing it took (async: the part not hidden behind
+training), the behaviour-recomputed logprob gap,
 batches dropped as stale. Each run's result is cached as JSON under OUT/cadence/, keyed
 by its configuration, so an interrupted benchmark resumes.
 """
@@ -195,13 +197,15 @@ def rows_of(args, done: dict, cadences: list, modes: list, seeds: list) -> tuple
                          _ms([r["train_reward_last10"] - r["train_reward_first10"]
                               for r in runs], "{:+.3f}"),
                          _ms([r["seconds"] for r in runs], "{:.0f}"),
+                         f"{statistics.fmean(r['rollout_wait_mean'] for r in runs):.2f} / "
+                         f"{statistics.fmean(r['rollout_mean'] for r in runs):.2f}",
                          f"{statistics.fmean(r['staleness_mean'] for r in runs):.2f}",
                          f"{statistics.fmean(r['lag_steps_mean'] for r in runs):.2f}",
                          f"{statistics.fmean(r['logprob_gap_mean'] for r in runs):.2g}",
                          sum(r["stale_dropped"] for r in runs)])
             kv[f"change_{cadence}_{mode}"] = statistics.fmean(change)
     headers = ["weights to node", "sampling", "seeds", "held-out before", "after", "change",
-               "train reward change",
-               "GRPO time (s)", "staleness (versions)", "lag (steps)",
+               "train reward change", "GRPO time (s)", "waited / sampled (s per step)",
+               "staleness (versions)", "lag (steps)",
                "|logprob gap| (nats/token)", "dropped"]
     return rows, headers, kv
