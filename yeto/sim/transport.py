@@ -14,12 +14,12 @@ it — validation, merge, outer step, state, tape — is the code a real run exe
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Executor, Future
 
 import grpc
 
 from syncer.service import add_to_server
 from yeto.client import SyncerClient
+from yeto.island.encoder import Inline
 
 
 class LocalRpcError(grpc.RpcError):
@@ -150,18 +150,6 @@ class LocalChannel:
         pass
 
 
-class _Inline(Executor):
-    """An executor that runs each call in the caller's thread, at once."""
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        f: Future = Future()
-        try:
-            f.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - the future carries it, as an executor's
-            f.set_exception(e)
-        return f
-
-
 class LocalClient(SyncerClient):
     """A `SyncerClient` whose calls go to an in-process syncer service. On simulated
     time (a `yeto.sim.clock.VirtualClock`) its island steps aside while it waits."""
@@ -171,7 +159,7 @@ class LocalClient(SyncerClient):
         options.setdefault("max_backoff_s", 0.5)
         # on simulated time a push lands at once, at the island's simulated time
         super().__init__("in-process", learner_id, layout, channel=LocalChannel(service),
-                         sender=_Inline() if clock is not None else None, **options)
+                         sender=Inline() if clock is not None else None, **options)
         self.clock = clock
         if clock is not None:
             self.receiver.on_hand_over = self._delivered
