@@ -65,9 +65,6 @@ def test_arch_sweep_meets_the_goal(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap: kimi_linear variant 0 (all full-attention "
-                   "and MoE layers, hidden 48) has base logits apart, not explained yet "
-                   "(BENCHMARKS.md, Architecture sweep)")
 def test_arch_sweep_variants_fail_only_outside_yeto(tmp_path):
     """Three drawn configs per architecture (--variants 3 --seed 0): every failure is
     mlx-lm's or transformers' (a refused config names its field), none yeto's."""

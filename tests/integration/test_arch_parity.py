@@ -75,6 +75,9 @@ OTHER_CONFIGS = {
                                   "short_factor": [1.0 + 0.05 * i for i in range(8)],
                                   "long_factor": [1.5 + 0.1 * i for i in range(8)],
                                   "original_max_position_embeddings": 64}},
+    # tied in the config, a head of its own in transformers' Kimi-Linear (which never ties),
+    # where mlx-lm's kimi_linear.py ties
+    "kimi_linear": {"tie_word_embeddings": True},
 }
 
 

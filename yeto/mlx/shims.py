@@ -709,6 +709,10 @@ _FORCED: dict[str, dict[str, Any]] = {
                                   if _layer_types(c) else None),
         "position_embedding_type": lambda c: ("rope" if c.get("position_embedding_type") == "rope"
                                               else "nope")},
+    # transformers' KimiLinearForCausalLM never ties its head (``_tied_weights_keys = {}``):
+    # it reads lm_head.weight whatever tie_word_embeddings says; mlx_lm/models/kimi_linear.py
+    # ties when told to and drops the checkpoint's head in sanitize
+    "kimi_linear": {"tie_word_embeddings": lambda c: False},
 }
 
 
