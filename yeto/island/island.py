@@ -16,7 +16,8 @@ from yeto.island.applier import Applier
 from yeto.island.encoder import DeltaEncoder, Inline, default_threads
 from yeto.island.ledger import PUSH_TIMEOUT_S, PushLedger
 from yeto.island.schedule import Schedule
-from yeto.island.weights import WeightPasses, reading
+from yeto.island.staging import Stager
+from yeto.island.weights import WeightPasses
 from yeto.layout import Fragment
 from yeto.transport import Received, Refused, Transport
 
@@ -30,8 +31,9 @@ class Island:
     island, which pushes nothing). `on_sync()` evaluates before each push and returns
     the eval loss; `on_apply(got)` follows each applied broadcast. `overlap`: a push's
     encode and send run on a background thread while training goes on (the training
-    loop waits only for `DeltaEncoder.stage`); default: when the transport sends in
-    the background (`background_pushes`; `yeto.sim` on simulated time does not)."""
+    loop waits only for `DeltaEncoder.stage`, and with the guard, `before_update`, not
+    even for that: `yeto.island.staging`); default: when the transport sends in the
+    background (`background_pushes`; `yeto.sim` on simulated time does not)."""
 
     def __init__(self, weights, *, client: Transport | None,
                  sync_every: int = 50, sync_every_seconds: float = 0.0, wire: str = "q4",
@@ -62,7 +64,9 @@ class Island:
         self.overlapped = bool(overlap and client is not None)
         self.executor = (ThreadPoolExecutor(1, thread_name_prefix="yeto-push-encode")
                          if self.overlapped else Inline())
-        self.blocked_s: list[float] = []  # per push: seconds the training loop waited
+        self.stager = Stager(self.passes, self.encoder, self.ledger, self.overlapped)
+        # per push: seconds the training loop waited for it (the push, then the guard)
+        self.blocked_s: list[float] = []
         self.on_sync, self.on_apply = on_sync, on_apply
         self.start_timeout_s, self.connect_grace_s = start_timeout_s, connect_grace_s
         self.finish_timeout_s, self.offline_give_up_s = finish_timeout_s, offline_give_up_s
@@ -123,9 +127,24 @@ class Island:
                 last_log = time.monotonic()
 
     # ---- per step ---------------------------------------------------------
+    def guard_updates(self, install: Callable[[Callable[[], None]], bool] | None) -> None:
+        """`install(before_update)` hooks the guard into the training loop, right before
+        every change the loop makes to the weights (e.g. a torch optimizer's
+        `register_step_pre_hook`), and returns True when it did; from then on pushes are
+        staged in the background too (`yeto.island.staging`). None: no guard."""
+        self.stager.guarded = bool(install is not None and install(self.before_update))
+
+    def before_update(self) -> None:
+        """The guard: call right before the training loop changes the weights (optimizer
+        step, update); waits for a push still reading them. Costs nothing otherwise."""
+        waited = self.stager.wait()
+        if waited and self.blocked_s:
+            self.blocked_s[-1] += waited
+
     def after_step(self, loss_tokens: int, train_loss: float | None = None) -> bool:
         """Call once per optimizer step. Applies arrived weights, pushes when due.
         Returns True when the run is over (the final weights are loaded)."""
+        self.before_update()  # a loop without the guard, or one that skipped it
         self.step += 1
         self.total_tokens += int(loss_tokens)
         self.ledger.count(len(self.fragments), loss_tokens)
@@ -146,6 +165,7 @@ class Island:
         """Push fragment `fragment` (anchor − local) now; training continues meanwhile."""
         if self.client is None or self.finished:
             return
+        self.before_update()
         f = fragment
         if not self._room_for(f):
             return  # run over, or offline: the work waits for a later push
@@ -154,8 +174,9 @@ class Island:
         if not self.client.connected.is_set() or f not in self.versions:
             return  # offline: the work stays in anchor − local for a later push
         frag, t0 = self.fragments[f], time.perf_counter()
-        push = self.ledger.send(frag, f, self._staged(frag), self.versions[f], self.train_loss,
-                                self.eval_loss, self.executor)
+        push = self.ledger.send(frag, f, self.stager.prepare(frag), self.versions[f],
+                                self.train_loss, self.eval_loss, self.executor)
+        self.stager.sent(push)
         self.blocked_s.append(time.perf_counter() - t0)
         if self.blocking:  # its reply first: a refused push has no Θ to wait for
             futures.wait([push.future], timeout=PUSH_TIMEOUT_S)
@@ -163,20 +184,6 @@ class Island:
             while self.ledger.in_flight(f) and not self.finished:
                 if not self._wait_and_apply():
                     break
-
-    def _staged(self, frag: Fragment) -> Callable:
-        """Stage fragment `frag`'s push in the training thread; returns what encodes it
-        (on the background thread). A backend whose `snapshot(lo, hi)` copies the
-        weights without the training loop waiting (a CUDA model: a copy on the device)
-        is staged from that copy in the background instead."""
-        snapshot = getattr(self.passes.weights, "snapshot", None)
-        copy = snapshot(frag.start, frag.stop) if snapshot and self.overlapped else None
-        if copy is not None:
-            return lambda: self.encoder.encode_staged(
-                self.encoder.stage(frag, reading(copy), tidy=False))
-        with self.passes.open() as w:
-            staged = self.encoder.stage(frag, w)
-        return lambda: self.encoder.encode_staged(staged)
 
     def _room_for(self, f: int) -> bool:
         """Wait for the rounds in flight to commit (one per fragment, `pipeline` in all);
@@ -226,6 +233,7 @@ class Island:
         if self.client is None:
             return False
         try:
+            self.before_update()
             finish_sent = 0  # generation the Finish went to; a rejoin needs it again
             t0 = last_seen = time.monotonic()
             while (not self.finished and self.versions

@@ -96,6 +96,14 @@ class PushLedger:
             return
         sent.add_done_callback(lambda done: _settle_future(done, p.future))
 
+    def withdraw(self, p: Push) -> None:
+        """A push whose staging failed: nothing of it was sent (what it staged is exact
+        in the residual), so its tokens and steps are owed again."""
+        self.pushed = [q for q in self.pushed if q is not p]
+        self.pushes -= 1
+        self.tokens[p.fragment] = self.tokens.get(p.fragment, 0) + p.tokens
+        self.steps[p.fragment] = self.steps.get(p.fragment, 0) + p.steps
+
     def in_flight(self, f: int | None = None) -> list[Push]:
         return [p for p in self.pushed if p.accepted is not False and f in (None, p.fragment)]
 

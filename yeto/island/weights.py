@@ -54,6 +54,15 @@ def reading(source) -> _Direct:
     return _Direct(source.read_range, None)
 
 
+@contextlib.contextmanager
+def _trimmed(view):
+    try:
+        yield view
+    finally:
+        del view
+        trim()
+
+
 class WeightPasses:
     """Range access to `weights` for one pass at a time (push, apply, start): the
     backend's own when it has it, else one flat copy per pass. Freed buffers go back
@@ -85,6 +94,14 @@ class WeightPasses:
                 self.weights.set(view.flat)
             del view
             trim()
+
+    def read_only(self):
+        """A read-only pass that another thread may run, opened now: the backend's range
+        reads (the weights must not change until it is done), or, without range access,
+        the flat values this pass reads anyway, taken now."""
+        if self._read is not None:
+            return _trimmed(_Direct(self._read, None))
+        return _trimmed(_Flat(np.asarray(self.weights.get(), dtype=np.float32)))
 
     def read_all(self, numel: int, chunk: int) -> np.ndarray:
         """The weights as a new flat array, chunk by chunk."""
