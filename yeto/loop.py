@@ -140,6 +140,8 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None,
         if group.leader else None
     on_sync = _group(group).collective(lambda: evaluate(backend, cfg, inputs))
     island = make_island(cfg, _group(group).island_weights(weights), client, on_sync, clock)
+    if group.leader:  # the guard before each optimizer step, where the backend has one
+        island.guard_updates(getattr(backend, "guard_updates", None))
     log.info("%d trainable tensors, %d parameters (%s, %s); %d training blocks, "
              "%d loss tokens%s", len(weights.layout.specs), weights.layout.numel, cfg.tuning,
              backend.describe(), len(inputs.train), inputs.train.loss_tokens,

@@ -51,3 +51,55 @@ def test_island_keeps_stepping_while_its_push_is_held_and_ends_on_the_syncer_wei
         assert island.finish()
     assert weights.v.tobytes() == run.theta.tobytes()
     assert run.version >= 2 and island.pushes >= 3
+
+
+def _torch_island(addr, guarded, blocking):
+    """The torch learner's backend (`TorchBackend.attach`, full weights) on a small
+    stack of Linear layers, its island over a real gRPC client."""
+    import torch
+
+    from yeto.config import IslandConfig
+    from yeto.torch.learner import TorchBackend
+
+    cfg = IslandConfig(device="cpu", tuning="full", inner_lr=1e-2)
+    backend = TorchBackend(cfg)
+    torch.manual_seed(0)
+    backend.model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32))
+    weights = backend.attach(cfg)
+    client = make_client(addr, f"torch-{guarded}", weights.layout)
+    island = Island(weights, client=client, sync_every=3, chunk=1024, blocking=blocking)
+    if guarded:
+        island.guard_updates(backend.guard_updates)
+    return backend, weights, island
+
+
+def _torch_steps(backend, island, steps, seen):
+    import torch
+
+    for i in range(steps):
+        x = torch.linspace(-1, 1, 8 * 64).reshape(8, 64) * (1 + i % 5)
+        loss = (backend.model(x) - 0.5).pow(2).mean()
+        loss.backward()
+        backend.opt.step()  # the guard runs first (a step pre-hook)
+        backend.opt.zero_grad()
+        seen.append(bool(island.stager.pending))  # staged pushes the guard has not seen
+        island.after_step(8)
+
+
+def test_torch_learner_runs_the_guard_before_each_optimizer_step():
+    """The torch learner's optimizer step waits for a push staged in the background
+    (its step pre-hook is the guard): nothing is pending after a step, the island
+    ends on the syncer's weights, and with blocking sync the run is bit-identical to
+    one staged in the training thread."""
+    finals = []
+    for guarded in (True, False):
+        with running_syncer(quorum=1, grace_ms=0) as (run, addr):
+            backend, weights, island = _torch_island(addr, guarded, blocking=True)
+            assert island.stager.deferred == guarded
+            island.start()
+            seen = []
+            _torch_steps(backend, island, 9, seen)
+            assert island.finish() and island.pushes >= 3 and not any(seen)
+            assert weights.get().tobytes() == run.theta.tobytes()
+            finals.append(weights.get().tobytes())
+    assert finals[0] == finals[1]

@@ -122,10 +122,12 @@ def make_loss_and_grad(model):
     return run
 
 
-def train_step(model, opt, micro_batches, loss_and_grad) -> tuple[float, int]:
+def train_step(model, opt, micro_batches, loss_and_grad,
+               before_update=None) -> tuple[float, int]:
     """One optimizer step over grad-accum micro-batches (`yeto.data.Batch`, or plain
     (tokens, weights) pairs); returns (loss, loss tokens). Same normalisation as the
-    torch island: Σ w·CE / Σ w over the whole step."""
+    torch island: Σ w·CE / Σ w over the whole step. `before_update()` (the island's
+    guard) runs once the gradients are computed, right before the update."""
     import mlx.core as mx
     from mlx.utils import tree_map
 
@@ -138,6 +140,9 @@ def train_step(model, opt, micro_batches, loss_and_grad) -> tuple[float, int]:
         losses.append(loss)
         if len(micro_batches) > 1:
             mx.eval(grads, loss)  # bound the graph to one micro-batch
+    if before_update is not None:
+        mx.eval(grads, losses)  # the gradients, computed before the guard
+        before_update()
     opt.update(model, grads)
     mx.eval(model.trainable_parameters(), opt.state, losses)
     loss_sum = sum(float(x) for x in losses)
@@ -200,6 +205,7 @@ class MLXBackend:
         self.model_dir: Path | None = None
         self.layers: dict = {}
         self.model = self.opt = self.loss_and_grad = None
+        self.before_update = None  # the island's guard, once installed
 
     def load(self, cfg: IslandConfig, source):
         from transformers import AutoTokenizer
@@ -225,7 +231,13 @@ class MLXBackend:
         return export_files(str(self.model_dir), cfg.lora_r, cfg.lora_alpha, modules, params)
 
     def train_step(self, micro_batches) -> tuple[float, int]:
-        return train_step(self.model, self.opt, micro_batches, self.loss_and_grad)
+        return train_step(self.model, self.opt, micro_batches, self.loss_and_grad,
+                          self.before_update)
+
+    def guard_updates(self, before_update) -> bool:
+        """Run the island's guard right before each update (`train_step`)."""
+        self.before_update = before_update
+        return True
 
     def evaluate(self, blocks, batch_size: int) -> float:
         return evaluate(self.model, blocks, batch_size)

@@ -86,6 +86,15 @@ class TorchBackend:
     def train_step(self, micro_batches) -> tuple[float, int]:
         return train_step(self.stepper, self.opt, micro_batches, self.device)
 
+    def guard_updates(self, before_update) -> bool:
+        """Run the island's guard right before each optimizer step (a step pre-hook),
+        so its push may be staged while forward and backward run. Not for FSDP: there
+        a range read of the weights is a collective of every rank."""
+        if self.group.sharded:
+            return False
+        self.opt.register_step_pre_hook(lambda *_: before_update())
+        return True
+
     def evaluate(self, blocks, batch_size: int) -> float:
         return evaluate(self.model, blocks, batch_size, self.device)
 
