@@ -148,6 +148,23 @@ def test_one_kind_of_layer_only():
     assert model.model.swa_idx is None
 
 
+def test_gemma3n_with_one_kind_of_layer_only():
+    """gemma3n.py looks up the first sliding layer among those that own a cache: full
+    layers only build, with a cache of their kind per layer (none shared); a layer that
+    shares the cache of its kind is still refused by name."""
+    from yeto.mlx.errors import UnsupportedConfig
+
+    text = {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3,
+            "intermediate_size": [128] * 3, "activation_sparsity_pattern": [0.0] * 3}
+    model = _mlx_model("gemma3n", text_config=text)
+    lm = model.model.language_model
+    assert lm.first_kv_shared_layer_idx == 3 and not any(
+        x.self_attn.is_kv_shared_layer for x in lm.layers)
+    assert [type(c).__name__ for c in model.make_cache()] == ["KVCache"] * 3
+    with pytest.raises(UnsupportedConfig, match="only 'full_attention' layers"):
+        _mlx_model("gemma3n", text_config={**text, "num_kv_shared_layers": 1})
+
+
 def test_layer_patterns_are_fitted_or_built_layer_by_layer():
     lin, full = "linear_attention", "full_attention"
     cfg = _tiny_config("qwen3_next", layer_types=[lin, lin, full, lin, lin, full])

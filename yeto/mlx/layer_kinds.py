@@ -74,19 +74,26 @@ def _own_mask(layer, window: int | None, sliding: bool):
                                                  "__module__": cls.__module__})
 
 
+#: ``*_idx`` attributes that bound a range of layers rather than pick one (gemma3n.py:
+#: the layers from this one on share caches; the layer count when none does)
+BOUNDS = {"first_kv_shared_layer_idx"}
+
+
 def repair_indices(model) -> list[str]:
     """A layer index a model keeps to pick the cache of a kind (lfm2.py's ``conv_idx``,
     qwen3_next.py's ``fa_idx``) that points past the last layer, because the config has
-    no layer of that kind, is set to 0: the mask made from it is handed to no layer."""
+    no layer of that kind, is set to 0: the mask made from it is handed to no layer. A
+    bound past the last layer (`BOUNDS`) is set to the layer count: no layer is past it."""
     done = []
     for path, m in model.named_modules():
         layers = m.get("layers") if isinstance(m, dict) else None
         if not isinstance(layers, list):
             continue
         for attr, value in list(vars(m).items()):
-            if attr.endswith("_idx") and isinstance(value, int) and value >= len(layers):
-                setattr(m, attr, 0)
-                done.append(f"{path}.{attr}: {value} -> 0")
+            bound = attr in BOUNDS
+            if attr.endswith("_idx") and isinstance(value, int) and value >= len(layers) + bound:
+                setattr(m, attr, len(layers) if bound else 0)
+                done.append(f"{path}.{attr}: {value} -> {getattr(m, attr)}")
     return done
 
 

@@ -395,14 +395,17 @@ _CHECKS = {"llama4": _llama4_layers, "llama4_text": _llama4_layers,
 
 _OTHER = {_FULL: _SLIDING, _SLIDING: _FULL, 0: 1, 1: 0, "L": "G", "G": "L"}
 # model files that look up the first layer of each kind in a per-layer list
-_INDEXES_KINDS = {"gpt_oss", "olmo3", "mimo_v2_flash", "exaone4"}
+_INDEXES_KINDS = {"gpt_oss", "olmo3", "mimo_v2_flash", "exaone4", "gemma3n", "gemma3n_text"}
+# ... and slice the layers that own a cache as layer_types[:layers - num_kv_shared_layers]
+_SLICES_KINDS = {"gemma3n", "gemma3n_text"}
 
 
 def _one_kind_lists(have: dict, fields: dict, out: dict) -> None:
     """A per-layer list mlx-lm reads with one kind only gets the other kind appended
-    past the last layer: gpt_oss.py, olmo3.py, mimo_v2_flash.py and exaone4.py look up
-    the first layer of each kind (``layer_types.index("sliding_attention")``) to pick a
-    cache for its mask, and fail without one; no layer is built from the extra entry
+    past the last layer: gpt_oss.py, olmo3.py, mimo_v2_flash.py, exaone4.py and
+    gemma3n.py look up the first layer of each kind
+    (``layer_types.index("sliding_attention")``) to pick a cache for its mask, and fail
+    without one; no layer is built from the extra entry
     (layers are built for range(num_hidden_layers)), and the index it gives, past the
     last layer, `layer_kinds.repair_indices` points at layer 0."""
     n = have.get("num_hidden_layers")
@@ -413,9 +416,17 @@ def _one_kind_lists(have: dict, fields: dict, out: dict) -> None:
         if name not in fields or not isinstance(value, (list, str)) or len(value) != n:
             continue
         kinds = set(value)
-        if len(kinds) == 1 and next(iter(kinds)) in _OTHER:
-            out[name] = have[name] = value + (type(value)([_OTHER[value[0]]])
-                                              if isinstance(value, list) else _OTHER[value[0]])
+        if len(kinds) != 1 or next(iter(kinds)) not in _OTHER:
+            continue
+        if have["model_type"] in _SLICES_KINDS:
+            if have.get("num_kv_shared_layers") != 0:
+                continue  # a shared layer reads the last cache of its kind: left to refuse
+            # gemma3n.py finds each kind among layer_types[:n - num_kv_shared_layers]: -1
+            # takes the appended entry in (no layer shares, either way), and
+            # `layer_kinds.repair_indices` sets the bound it gives back to n
+            out["num_kv_shared_layers"] = have["num_kv_shared_layers"] = -1
+        out[name] = have[name] = value + (type(value)([_OTHER[value[0]]])
+                                          if isinstance(value, list) else _OTHER[value[0]])
 
 
 def _head_dim_check(have: dict, fields: dict, args_cls) -> None:
