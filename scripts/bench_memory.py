@@ -21,7 +21,10 @@ What is measured, in one run:
            the three processes' peak RSS and CPU seconds, seconds per round (the
            median of the rounds after the first, which touches every buffer), and the
            time raw gRPC needs to move the same bytes (measured in the same run, before
-           and after the rounds: the best of each direction).
+           and after the rounds: the best of each direction). Then what the island's
+           training loop waits for its own push without blocking sync (one synthetic
+           island, quorum 1, a push every 2 steps): staged behind the guard
+           (`Island.before_update`) against staged in the loop, both in this run.
 
 Goal: syncer <= 10 B/param without momentum, <= 14 with it, whatever the number of
 islands; island overhead <= 10 B/param; the 5e8 round fits in 24 GiB and takes
@@ -521,8 +524,10 @@ def _on_core(i: int | None):
 
 
 def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> dict:
-    """The syncer and two synthetic islands (subprocesses), blocking sync every step;
-    `pin`: each island on a core of its own (the syncer anywhere)."""
+    """The syncer and two synthetic islands (subprocesses), blocking sync every step,
+    each push staged in the training loop (with blocking sync the loop waits for the
+    round anyway: `island_overlap_run` measures the guard); `pin`: each island on a
+    core of its own (the syncer anywhere)."""
     island = ROOT / "scripts" / "synthetic_island.py"
     records = [tmp / f"half-{i}.jsonl" for i in range(2)]
     children_cpu, t0 = _children_cpu_s(), time.perf_counter()
@@ -532,7 +537,8 @@ def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> d
         procs = [subprocess.Popen(
             [sys.executable, str(island), "--syncer", syncer.address, "--learner-id",
              f"half-{i}", "--dim", str(numel), "--steps", str(rounds), "--sync-every", "1",
-             "--blocking-sync", "--seed", str(i), "--record", str(rec)], cwd=ROOT,
+             "--blocking-sync", "--stage-in-loop", "--seed", str(i), "--record", str(rec)],
+            cwd=ROOT,
             preexec_fn=_on_core(i if pin else None),
             stdout=subprocess.DEVNULL, stderr=open(tmp / f"half-{i}.log", "w"))
             for i, rec in enumerate(records)]
@@ -557,6 +563,57 @@ def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> d
                 wall_s=wall,  # the pushes after each island's first (which touches every page)
                 blocked_s=[b for d in done for b in d["blocked_s"][1:]],
                 encode_s=[e for d in done for e in d["encode_s"][1:]])
+
+
+OVERLAP_PUSHES = 5  # pushes per island_overlap_run (the first, which touches every page, aside)
+
+
+def island_overlap_run(numel: int, tmp: Path, in_loop: bool) -> dict:
+    """What the training loop waits for its own push, where that is all it waits
+    for: one synthetic island (a subprocess) and a syncer with quorum 1, no blocking
+    sync, a push every 2 steps (each step a read-only gradient pass, the guard, the
+    update), one step more after the last (finish pushes it: not counted).
+    `in_loop`: without the guard (`--stage-in-loop`), each push staged in the
+    training loop: the baseline. Per push after the first: `blocked_s` (the push
+    call plus the guard's wait), `encode_s` (the encode proper, on the background
+    thread: less the staging there) and `stage_s` (that staging; 0 in the loop)."""
+    island = ROOT / "scripts" / "synthetic_island.py"
+    rec = tmp / f"overlap-{'loop' if in_loop else 'guard'}.jsonl"
+    with start_syncer(["--quorum", "1", "--grace-ms", "0"], cwd=ROOT,
+                      log=tmp / "overlap-syncer.log") as syncer:
+        with open(tmp / "overlap-island.log", "w") as err:
+            proc = subprocess.run(
+                [sys.executable, str(island), "--syncer", syncer.address, "--learner-id",
+                 "overlap", "--dim", str(numel), "--steps", str(2 * OVERLAP_PUSHES + 1),
+                 "--sync-every", "2", "--record", str(rec)] + (["--stage-in-loop"] if in_loop
+                                                                else []),
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError("overlap island failed:\n"
+                               + (tmp / "overlap-island.log").read_text()[-3000:])
+        syncer.wait(timeout=300)
+    done = [json.loads(line) for line in rec.read_text().splitlines()][-1]
+    n = OVERLAP_PUSHES  # the pushes of the training steps; the first aside
+    if len(done["encode_s"]) < n or len(done["blocked_s"]) < n:
+        raise RuntimeError(f"overlap island pushed {len(done['encode_s'])} times, not {n}")
+    stage = done["stage_s"] or [0.0] * n
+    return dict(blocked_s=done["blocked_s"][1:n],
+                encode_s=[e - s for e, s in zip(done["encode_s"], stage)][1:n],
+                stage_s=stage[1:n])
+
+
+def overlap_table(guard: dict, loop: dict) -> tuple[float, float]:
+    """The island's push with the guard against staging in the loop (both measured
+    in this run); returns (blocked, encode) of the guard run: medians."""
+    med = statistics.median
+    print_table(["island, no blocking sync (median per push)", "loop waits s", "encode s",
+                 "staging in the background s"],
+                [["push staged in the training loop (no guard)", med(loop["blocked_s"]),
+                  med(loop["encode_s"]), ""],
+                 ["push staged behind the guard (Island.before_update)",
+                  med(guard["blocked_s"]), med(guard["encode_s"]), med(guard["stage_s"])]],
+                right=[1, 2, 3])
+    return med(guard["blocked_s"]), med(guard["encode_s"])
 
 
 def _children_cpu_s() -> float:
@@ -630,6 +687,8 @@ def half_billion_main(args) -> int:
     before = raw_grpc(up, 4 * numel, streams=2)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
         run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands)
+        guard = island_overlap_run(numel, Path(tmp), in_loop=False)
+        loop = island_overlap_run(numel, Path(tmp), in_loop=True)
     after = raw_grpc(up, 4 * numel, streams=2)  # the machine's speed drifts: the best of both
     raw_up, raw_down = min(before[0], after[0]), min(before[1], after[1])
     peaks = [run["syncer_peak_kib"], *run["island_peak_kib"]]
@@ -655,9 +714,12 @@ def half_billion_main(args) -> int:
                 [[i + 1, r["total"], r["encode"], r["merge"], r["bcast"], r["syncer_cpu"]]
                  for i, r in enumerate(run["round_s"])], right=range(6))
     copy_rate = max(copy_rate, memcpy_rate())  # the best of before and after the rounds
-    cpu, blocked, encode = _floor_table(run, numel, copy_rate)
+    cpu, _, _ = _floor_table(run, numel, copy_rate)
+    blocked, encode = overlap_table(guard, loop)
     print(f"RESULT cpu_over_floor={cpu:.2f} island_blocked_s={blocked:.3f} "
-          f"encode_s={encode:.3f} half_billion_peak_gib={total_gib:.2f} round_s={round_s:.2f} "
+          f"encode_s={encode:.3f} "
+          f"island_blocked_in_loop_s={statistics.median(loop['blocked_s']):.3f} "
+          f"half_billion_peak_gib={total_gib:.2f} round_s={round_s:.2f} "
           f"raw_s={raw:.2f} round_over_raw={round_s / raw:.2f} params={numel}")
     return 0
 
@@ -676,8 +738,10 @@ def _floor_table(run: dict, numel: int, copy_rate: float) -> tuple[float, float,
                  [f"floor: {round_floor_bytes(numel, 2) / 1e9:.2f} GB a round at that rate",
                   floor_s],
                  ["syncer CPU per round (median after the first)", cpu],
-                 ["island: training loop waiting for its push (median)", blocked],
-                 ["island: the push's encode, background (median)", encode]], right=[1])
+                 ["islands, blocking run: loop waiting for its push, staged in the loop "
+                  "(median)", blocked],
+                 ["islands, blocking run: the push's encode, background (median)", encode]],
+                right=[1])
     return cpu / floor_s, blocked, encode
 
 

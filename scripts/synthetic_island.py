@@ -9,8 +9,16 @@ like islands with different data), through the real Island and client.
 It is lean at any --dim (scripts/bench_memory.py runs it at 5e8 parameters): it holds
 its weights w (4 B per parameter) and hands the island range access to them (no
 copies); the target is one chunk of random values repeated (its first --dim values
-when --dim fits one chunk), and each step runs chunk by chunk. The "done" record
-carries the process's peak RSS (VmHWM) and CPU seconds (user + system).
+when --dim fits one chunk), and each step runs chunk by chunk. A step is a training
+step's two parts: a read-only pass (the loss and the gradient w - target, as a
+forward and backward read the weights), then the island's guard
+(`Island.before_update`: a push may be staged in the background meanwhile), then the
+update (the gradient recomputed per chunk: no gradient buffer). `--stage-in-loop`
+leaves the guard out: each push is staged in the training loop instead. The "done"
+record carries the process's peak RSS (VmHWM), CPU seconds (user + system), and per
+push the seconds the loop waited for it (`blocked_s`: the push, then the guard) and
+its encode took (`encode_s`, on the background thread; with the guard it stages there
+first, and `stage_s` says how long that took).
 """
 
 from __future__ import annotations
@@ -62,16 +70,23 @@ class Quadratic:
         self.lr = np.float32(lr)
         self._diff = np.empty(min(numel, CHUNK), np.float32)
 
-    def step(self) -> float:
-        """One step; returns the mean squared distance to the target before it."""
+    def gradient(self) -> float:
+        """The read-only part of a step: the gradient w - target, chunk by chunk, and
+        the loss (the mean squared distance to the target), which it returns."""
         total = 0.0
         for lo in range(0, self.w.size, CHUNK):
             w = self.w[lo:lo + CHUNK]
             d = np.subtract(w, self.target[:w.size], out=self._diff[:w.size])
             total += float(np.dot(d, d))
+        return total / max(self.w.size, 1)
+
+    def update(self) -> None:
+        """The part of a step that changes w: w -= lr * (w - target)."""
+        for lo in range(0, self.w.size, CHUNK):
+            w = self.w[lo:lo + CHUNK]
+            d = np.subtract(w, self.target[:w.size], out=self._diff[:w.size])
             d *= self.lr
             w -= d
-        return total / max(self.w.size, 1)
 
     def get(self) -> np.ndarray:
         return self.w
@@ -112,10 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--wire", default="q4")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (pacing)")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="sleep per step, before its update (pacing)")
     p.add_argument("--tokens", type=int, default=100, help="loss tokens per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocking-sync", action="store_true")
+    p.add_argument("--stage-in-loop", action="store_true",
+                   help="no guard before the update: each push is staged in the training "
+                        "loop (the guard's baseline)")
     p.add_argument("--token", default=None)
     p.add_argument("--record", type=Path, default=None,
                    help="JSONL: one line per applied version with the weights' SHA-256")
@@ -151,18 +170,22 @@ def main(argv=None) -> int:
                     sync_every=args.sync_every, wire=args.wire, blocking=args.blocking_sync,
                     on_apply=on_apply, on_sync=on_sync if args.record else None,
                     connect_grace_s=30.0)
+    if not args.stage_in_loop:
+        island.guard_updates(lambda before_update: True)  # called before each update
     island.start()
     for _ in range(args.steps):
-        loss = model.step()
+        loss = model.gradient()
         if args.step_seconds:
             time.sleep(args.step_seconds)
+        island.before_update()
+        model.update()
         if island.after_step(args.tokens, train_loss=loss):
             break
     island.finish()
     record("done", version=island.version, final=island.finished, step=island.step,
            weights_sha256=hashlib.sha256(model.w).hexdigest(), peak_rss_kib=peak_rss_kib(),
            cpu_s=sum(os.times()[:2]), blocked_s=island.blocked_s,
-           encode_s=island.ledger.encode_s)
+           encode_s=island.ledger.encode_s, stage_s=island.stager.stage_s)
     return 0
 
 

@@ -14,12 +14,18 @@ on its own slice, kept by one part each:
   weights by each push: the point up to which the syncer holds this island's work)
   and the uplink's error feedback. A push sends anchor − local, quantized with error
   feedback, so the pushes since Θ add up to Θ − local. The push leaves the training
-  loop at once: the loop waits only while the push is staged (x = residual + anchor −
-  local into the residual's place, the anchor moved to local: one pass over the
-  fragment), and the encode and the send run on a background thread while training
+  loop at once: the encode and the send run on a background thread while training
   goes on (when the transport sends in the background; `yeto.sim` on simulated time
-  encodes inline). The bytes are those of an encode in the training thread, so
-  islands with `blocking=True` stay bit-identical.
+  encodes inline). Before it the push is staged (x = residual + anchor − local into
+  the residual's place, the anchor moved to local: one pass over the fragment), which
+  must end before the weights next change, not before the next forward and backward:
+- `staging`: where that happens. A loop that calls the guard `Island.before_update()`
+  right before each change it makes to the weights (the torch and MLX learners do,
+  installed by `Island.guard_updates`) has its pushes staged on the background thread
+  too, while it computes the next gradient, and waits at the guard only for what is
+  left; any other loop has them staged in the training thread. The bytes are those of
+  an encode in the training thread either way, so islands with `blocking=True` stay
+  bit-identical.
 - `ledger`: loss tokens and optimizer steps since each fragment's last push, and the
   pushes in flight; a push the syncer does not hold (refused, or lost in a syncer
   restart) is carried forward into the next one.
@@ -60,7 +66,8 @@ held anyway; with an f32 wire and no residual, in the payload, 4 B, held anyway)
 and the encode turns them into the payload and the new residual in place. What it
 costs is time: the staging pass reads anchor, residual and weights and writes anchor
 and residual (20 B per parameter of memory traffic), where a copy of the weights
-would move 8 but hold 4 B per parameter more.
+would move 8 but hold 4 B per parameter more; behind the guard that time overlaps the
+loop's next gradient pass, and staging there holds no byte more either.
 
 So a q4 island holds about 8.6 B per parameter, an f32-wire island 8 B.
 """

@@ -45,6 +45,7 @@ class Stager:
         self.background = background
         self.guarded = False
         self.pending: list[tuple[Future, Push | None]] = []  # staging in the background
+        self.stage_s: list[float] = []  # per push staged in the background: its seconds
 
     @property
     def deferred(self) -> bool:
@@ -73,12 +74,14 @@ class Stager:
         self.pending.append((done, None))
 
         def encode() -> Encoder:
+            t0 = time.perf_counter()
             try:
                 with source as w:
                     staged = self.encoder.stage(frag, w, tidy=False)
             except BaseException as e:  # noqa: BLE001 - the guard re-raises it
                 done.set_exception(e)
                 raise
+            self.stage_s.append(time.perf_counter() - t0)
             done.set_result(None)
             return self.encoder.encode_staged(staged)
         return encode
