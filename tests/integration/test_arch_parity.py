@@ -78,6 +78,9 @@ OTHER_CONFIGS = {
     # tied in the config, a head of its own in transformers' Kimi-Linear (which never ties),
     # where mlx-lm's kimi_linear.py ties
     "kimi_linear": {"tie_word_embeddings": True},
+    # 4 heads x head_dim 32 != hidden 64, where mlx-lm's internlm3.py builds hidden // heads
+    # per head (yeto.mlx.heads widens projections, scale and RoPE)
+    "internlm3": {"head_dim": 32},
 }
 
 

@@ -184,12 +184,35 @@ def test_mlp_width_not_a_multiple_of_the_hidden_size():
     assert model.model.h[0].mlp.dense_h_to_4h.weight.shape == (72, 64)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "cohere2", "exaone"])
+def test_heads_as_wide_as_the_config_says(arch):
+    """4 heads x head_dim 32 != hidden 64: mlx-lm's mixtral.py builds hidden // heads per
+    head, cohere2.py refuses to build, exaone.py reshapes the output to hidden_size;
+    yeto.mlx.heads gives every attention the config's width."""
+    import mlx.core as mx
+
+    model = _mlx_model(arch, head_dim=32)
+    attns = [m for _, m in model.named_modules() if "q_proj" in m and hasattr(m, "head_dim")]
+    assert attns
+    for attn in attns:
+        out_proj = attn.get("o_proj") or attn["out_proj"]
+        assert attn.head_dim == 32 and attn.scale == pytest.approx(32 ** -0.5)
+        assert attn.q_proj.weight.shape == (4 * 32, 64)
+        assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (2 * 32, 64)
+        assert out_proj.weight.shape == (64, 4 * 32)
+        assert attn.rope.dims == 32
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(0))
+    assert attns[0](x).shape == (1, 3, 64)  # exaone.py's own reshape raises here
+
+
 def test_a_head_width_mlx_lm_cannot_hold_is_refused_by_name():
+    """mlx-lm's cohere2.py builds only heads x head_dim = hidden_size; yeto builds it
+    hidden // heads wide first and widens it, which needs hidden to be a multiple."""
     from yeto.mlx.errors import UnsupportedConfig
 
-    cfg = _tiny_config("mixtral", head_dim=32)
-    with pytest.raises(UnsupportedConfig, match=r"head_dim=32: mlx-lm's mixtral.py needs"):
-        config_overrides(cfg)
+    with pytest.raises(UnsupportedConfig, match=r"head_dim=16: mlx-lm's cohere2.py builds "
+                                                r"its attention only where"):
+        _mlx_model("cohere2", num_attention_heads=3, num_key_value_heads=1)
 
 
 def test_rope_scaling_reaches_a_plain_rope_module():

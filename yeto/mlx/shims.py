@@ -63,7 +63,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from yeto.mlx import layer_kinds
+from yeto.mlx import heads, layer_kinds
 from yeto.mlx.activations import patch_activations
 from yeto.mlx.errors import UnsupportedConfig
 from yeto.mlx.rebind import Namespace, rebind
@@ -287,7 +287,7 @@ def _translate(config: dict[str, Any], args_cls, hf, parent: dict | None = None
         out["rope_scaling"] = None  # plain RoPE; exaone4's ModelArgs requires the field
     _periodic(have, fields, out, args_cls)
     _one_kind_lists(have, fields, out)
-    _head_dim_check(have, fields, args_cls)
+    put("head_dim", heads.transformers_head_dim(have, hf))  # widened by heads.fit_heads
     if "text_config" not in fields and have.get("model_type") in _CHECKS:
         _CHECKS[have["model_type"]](have, args_cls)
     return out
@@ -354,10 +354,6 @@ def _periodic(have: dict, fields: dict, out: dict, args_cls) -> None:
         out["first_k_dense_replace"], out["moe_layer_freq"] = k, f
     if kinds:
         out[layer_kinds.KEY] = have[layer_kinds.KEY] = kinds
-
-
-# mlx-lm files that read head_dim but reshape the attention output to hidden_size
-_HIDDEN_IS_HEADS = {"exaone"}
 
 
 def _llama4_layers(have: dict, args_cls) -> None:
@@ -427,21 +423,6 @@ def _one_kind_lists(have: dict, fields: dict, out: dict) -> None:
             out["num_kv_shared_layers"] = have["num_kv_shared_layers"] = -1
         out[name] = have[name] = value + (type(value)([_OTHER[value[0]]])
                                           if isinstance(value, list) else _OTHER[value[0]])
-
-
-def _head_dim_check(have: dict, fields: dict, args_cls) -> None:
-    """A head width mlx-lm cannot hold: its ModelArgs has no head_dim (or it reshapes
-    the attention output to hidden_size), so heads x head_dim must be hidden_size."""
-    hd, hidden, heads = have.get("head_dim"), have.get("hidden_size"), have.get(
-        "num_attention_heads")
-    if (("head_dim" in fields and have.get("model_type") not in _HIDDEN_IS_HEADS)
-            or "text_config" in fields  # a composite: its text model's arguments decide
-            or not all(isinstance(x, int) for x in (hd, hidden, heads))
-            or "kv_lora_rank" in have or hd * heads == hidden):
-        return
-    raise UnsupportedConfig(
-        f"head_dim={hd}: {_where(args_cls)} needs num_attention_heads x head_dim = "
-        f"hidden_size ({heads} x {hd} != {hidden})")
 
 
 def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -903,6 +884,16 @@ def _recurrent_gemma_eps(model, args, config: dict) -> None:
             getattr(block, name).eps = args.rms_norm_eps
 
 
+def _recurrent_gemma_rope(model, args, config: dict) -> None:
+    """mlx_lm/models/recurrent_gemma.py builds its attention's RoPE with base 10000 (the
+    nn.RoPE default); transformers rotates with the config's rope_theta."""
+    theta = getattr(args, "rope_theta", None)
+    for block in model.layers:
+        rope = getattr(block.temporal_block, "rope", None)
+        if theta and rope is not None and rope.base != theta:
+            rope.base = float(theta)
+
+
 def _gpt_neox_width(model, args, config: dict) -> None:
     """mlx_lm/models/gpt_neox.py builds the MLP 4 x hidden wide (as in Pythia); transformers
     reads intermediate_size (any width)."""
@@ -970,7 +961,8 @@ def _exaone_rope(model, args, config: dict) -> None:
 
 # model type -> settings of the built mlx-lm model that mlx-lm leaves at a constant where
 # the checkpoint's config says otherwise (applied before the weights load)
-_MODEL_FIXES = {"glm": (_glm_rope,), "recurrent_gemma": (_recurrent_gemma_eps,),
+_MODEL_FIXES = {"glm": (_glm_rope,),
+                "recurrent_gemma": (_recurrent_gemma_eps, _recurrent_gemma_rope),
                 "gpt_neox": (_gpt_neox_width,), "gemma3": (_gemma3_embed_scale,),
                 "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,),
                 "exaone4": (_exaone_rope,), "exaone_moe": (_exaone_rope,),
@@ -992,7 +984,7 @@ def _classes(config: dict):
 
     def build(args):
         try:
-            model = model_cls(args)
+            model = heads.build(model_cls, args, config)  # heads: cohere2's head_dim
         except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
             raise _unbuildable(config, model_cls, e) from e
         if "_no_grad" not in vars(model):
@@ -1008,6 +1000,7 @@ def _classes(config: dict):
                 f"periodically and its layers cannot be rebuilt one by one ({e})") from e
         patched += layer_kinds.repair_indices(model)
         patched += patch_activations(model, config.get("model_type"), config)
+        patched += heads.fit_heads(model, args, config)  # before fix_rope: it scales the RoPE
         patched += fix_rope(model, args, config)
         if patched:
             log.debug("built model: %s", "; ".join(patched))

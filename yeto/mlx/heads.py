@@ -1,0 +1,234 @@
+"""Attention heads as wide as the config's ``head_dim``, whatever mlx-lm builds.
+
+transformers builds every attention with the config's ``head_dim``: q is
+``num_attention_heads x head_dim`` wide, k and v ``num_key_value_heads x head_dim``,
+the softmax scale is ``head_dim ** -0.5``, RoPE rotates ``head_dim x
+partial_rotary_factor`` dims, and the output is ``heads x head_dim`` wide before
+``o_proj``. That need not be ``hidden_size``. Some mlx-lm 0.32 files cannot hold it:
+
+- internlm3.py, mixtral.py, recurrent_gemma.py: their ``ModelArgs`` have no
+  ``head_dim``; the attention is ``hidden_size // num_attention_heads`` per head;
+- cohere2.py reads ``head_dim`` but raises unless heads x head_dim = hidden_size
+  (`build` builds it at hidden_size // heads first, `_NARROW_FIRST`);
+- exaone.py reads ``head_dim`` but reshapes the attention output to the input's width
+  (`_OUTPUT_IS_INPUT_WIDE`: its ``__call__`` is replaced by the same one reshaping to
+  heads x head_dim).
+
+`fit_heads` gives each such attention of the built model (a module with an int
+``head_dim`` and q/k/v/o ``nn.Linear`` projections) the config's width before the
+weights load: new projections (same heads, same biases), ``head_dim``, ``scale``, and a
+plain ``nn.RoPE`` over the same share of the head (the config's
+``partial_rotary_factor`` where it says one) with the same base and layout, which
+`yeto.mlx.rope.fix_rope` then scales as the config says. What it cannot widen (fused
+projections, a scale not ``head_dim ** -0.5``, other parameters as wide as a head, a
+file's own RoPE class without scaling) is refused with `UnsupportedConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import mlx.nn as nn
+
+from yeto.mlx.errors import UnsupportedConfig
+
+# mlx-lm files that raise unless num_attention_heads x head_dim = hidden_size
+_NARROW_FIRST = {"cohere2"}
+# mlx-lm files whose attention reshapes its output to the input's width (hidden_size)
+_OUTPUT_IS_INPUT_WIDE = {"exaone"}
+_OUT_NAMES = ("o_proj", "out_proj")
+
+
+def widths(config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(head_dim, hidden_size, num_attention_heads) of a config whose heads are not
+    hidden_size wide together; None when they are, or where another rule decides (a
+    composite's text model, DeepSeek's latent attention)."""
+    hd, hidden, heads = (config.get(k) for k in ("head_dim", "hidden_size",
+                                                 "num_attention_heads"))
+    if ("text_config" in config or "kv_lora_rank" in config
+            or not all(isinstance(x, int) and x > 0 for x in (hd, hidden, heads))
+            or hd * heads == hidden):
+        return None
+    return hd, hidden, heads
+
+
+def transformers_head_dim(config: dict[str, Any], hf) -> int | None:
+    """The head_dim transformers' model is built with (its config object's), where
+    ``config`` says another or none: RecurrentGemmaConfig sets hidden_size //
+    num_attention_heads whatever config.json says; InternLM3Config's default (128) is
+    left out of config.json. None where they agree."""
+    try:
+        value = getattr(hf, "head_dim", None) if hf is not None else None
+    except Exception:  # noqa: BLE001 - an attribute transformers refuses to read
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value != config.get(
+            "head_dim"):
+        return value
+    return None
+
+
+def _where(model_or_cls) -> str:
+    module = getattr(model_or_cls, "__module__", "mlx_lm")
+    return f"mlx-lm's {module.rsplit('.', 1)[-1]}.py"
+
+
+def build(model_cls, args, config: dict[str, Any]):
+    """``model_cls(args)``; a file in `_NARROW_FIRST` is built with head_dim =
+    hidden_size // heads (so are layers rebuilt from the model's arguments before
+    `fit_heads` widens them and gives the arguments the config's head_dim back)."""
+    w = widths(config)
+    if config.get("model_type") not in _NARROW_FIRST or w is None:
+        return model_cls(args)
+    hd, hidden, heads = w
+    if hidden % heads:
+        raise UnsupportedConfig(
+            f"head_dim={hd}: {_where(model_cls)} builds its attention only where "
+            f"num_attention_heads x head_dim = hidden_size, and hidden_size={hidden} is not "
+            f"a multiple of num_attention_heads={heads} to build it narrower first")
+    args.head_dim = hidden // heads  # the config's again once `fit_heads` has widened
+    return model_cls(args)
+
+
+def fit_heads(model, args, config: dict[str, Any]) -> list[str]:
+    """Give the attentions of the built ``model`` the config's head_dim (see the module
+    docstring); returns the paths of the modules changed."""
+    w = widths(config)
+    if w is None:
+        return []
+    hd, hidden, heads = w
+    kind = config.get("model_type")
+    reads = "head_dim" in {f.name for f in dataclasses.fields(args)} \
+        if dataclasses.is_dataclass(args) else hasattr(args, "head_dim")
+    narrow = hidden // heads if (not reads or kind in _NARROW_FIRST) else None
+    done, fitted = [], False
+    for path, m in model.named_modules():
+        width = getattr(m, "head_dim", None)
+        if not isinstance(width, int) or "q_proj" not in m:
+            continue
+        if width == narrow and width != hd:
+            _widen(m, hd, config, args)
+            done.append(path)
+        if m.head_dim == hd and kind in _OUTPUT_IS_INPUT_WIDE:
+            m.__class__ = _output_any_width(type(m))
+            done.append(f"{path} (output {heads} x {hd} wide)")
+        fitted = fitted or m.head_dim == hd
+    if kind in _NARROW_FIRST:
+        _restore(model, args, hd, hidden // heads)
+    if not reads and not fitted:
+        raise UnsupportedConfig(
+            f"head_dim={hd}: {_where(model)} builds its attention {hidden // heads} wide per "
+            f"head (hidden_size // num_attention_heads = {hidden} // {heads}) in a form yeto "
+            "cannot widen (it widens q_proj, k_proj, v_proj and o_proj linears)")
+    return done
+
+
+def _restore(model, args, hd: int, narrow: int) -> None:
+    """The config's head_dim back in the arguments `build` narrowed (and the copies
+    layers were rebuilt from)."""
+    held = [args] + [vars(m).get("args") for _, m in model.named_modules()]
+    for a in held:
+        if dataclasses.is_dataclass(a) and getattr(a, "head_dim", None) == narrow:
+            a.head_dim = hd
+
+
+def _linear(m, name: str, where: str) -> nn.Linear:
+    layer = m.get(name) if isinstance(m, dict) else None
+    if type(layer) is not nn.Linear:
+        raise UnsupportedConfig(f"head_dim: {where}'s {type(m).__name__}.{name} is "
+                                f"{type(layer).__name__}, not a linear yeto can widen")
+    return layer
+
+
+def _widen(attn, hd: int, config: dict[str, Any], args) -> None:
+    """``attn``'s projections, head_dim, scale and RoPE at head width ``hd``."""
+    old, where = attn.head_dim, _where(type(attn))
+    out_name = next((n for n in _OUT_NAMES if n in attn), _OUT_NAMES[0])
+    q, k, v, o = (_linear(attn, n, where) for n in ("q_proj", "k_proj", "v_proj", out_name))
+    heads, kv = q.weight.shape[0] // old, k.weight.shape[0] // old
+    want_kv = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    if isinstance(want_kv, int) and kv != want_kv:
+        raise UnsupportedConfig(f"num_key_value_heads={want_kv}: {where} builds {kv} key/value "
+                                f"head(s) in {type(attn).__name__}")
+    if not math.isclose(getattr(attn, "scale", old ** -0.5), old ** -0.5):
+        raise UnsupportedConfig(f"head_dim={hd}: {where}'s {type(attn).__name__} scales its "
+                                f"softmax by {attn.scale}, not head_dim ** -0.5; yeto cannot "
+                                "tell the scale at another width")
+    for name, child in attn.children().items():
+        if name not in ("q_proj", "k_proj", "v_proj", out_name, "rope") and any(
+                old in p.shape for _, p in _flat(child)):
+            raise UnsupportedConfig(f"head_dim={hd}: {where}'s {type(attn).__name__}.{name} is "
+                                    "as wide as a head; yeto widens only the projections")
+    hidden = q.weight.shape[1]
+    attn.q_proj = nn.Linear(hidden, heads * hd, bias="bias" in q)
+    attn.k_proj = nn.Linear(hidden, kv * hd, bias="bias" in k)
+    attn.v_proj = nn.Linear(hidden, kv * hd, bias="bias" in v)
+    setattr(attn, out_name, nn.Linear(heads * hd, o.weight.shape[0], bias="bias" in o))
+    attn.head_dim, attn.scale = hd, hd ** -0.5
+    if "rope" in attn:
+        attn.rope = _rope(attn.rope, old, hd, config, args, where)
+
+
+def _flat(module) -> list:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(module.parameters()) if isinstance(module, nn.Module) else []
+
+
+def _partial_factor(config: dict[str, Any]) -> float | None:
+    rope = config.get("rope_parameters")
+    for level in (config, rope if isinstance(rope, dict) else {}):
+        if isinstance(level.get("partial_rotary_factor"), (int, float)):
+            return float(level["partial_rotary_factor"])
+    return None
+
+
+def _rope(old, old_hd: int, hd: int, config: dict[str, Any], args, where: str) -> nn.RoPE:
+    """A plain nn.RoPE for heads ``hd`` wide where ``old`` rotated heads ``old_hd`` wide:
+    the config's share of the head (else ``old``'s), ``old``'s base and layout; a scaling
+    the config asks for is `yeto.mlx.rope.fix_rope`'s to apply."""
+    dims = getattr(old, "dims", getattr(old, "dim", None))
+    scaled = isinstance(config.get("rope_scaling"), dict)
+    if not isinstance(dims, int) or (type(old) is not nn.RoPE and not scaled):
+        raise UnsupportedConfig(f"head_dim={hd}: {where} rotates with its own "
+                                f"{type(old).__name__}, which yeto cannot widen")
+    factor = _partial_factor(config) or dims / old_hd
+    base = old.base if type(old) is nn.RoPE else getattr(args, "rope_theta", 10000.0)
+    scale = old.scale if type(old) is nn.RoPE and not scaled else 1.0
+    return nn.RoPE(int(hd * factor), traditional=getattr(old, "traditional", False),
+                   base=base, scale=scale)
+
+
+_WIDE: dict[type, type] = {}
+
+
+def _output_any_width(cls: type) -> type:
+    """``cls`` (mlx_lm/models/exaone.py's AttentionModule) with `_exaone_attention` as
+    its ``__call__``."""
+    if getattr(cls, "_yeto_heads", False):
+        return cls
+    if cls not in _WIDE:
+        _WIDE[cls] = type(cls.__name__, (cls,), {
+            "__call__": _exaone_attention, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "_yeto_heads": True})
+    return _WIDE[cls]
+
+
+def _exaone_attention(self, x, mask=None, cache=None):
+    """mlx_lm/models/exaone.py's ``AttentionModule.__call__``, the output reshaped to
+    heads x head_dim (``-1``) where exaone.py reshapes it to the input's width."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    B, L, _ = x.shape
+    q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+    k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if cache is not None:
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+    else:
+        q, k = self.rope(q), self.rope(k)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+    return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
