@@ -78,6 +78,12 @@ OTHER_CONFIGS = {
     # tied in the config, a head of its own in transformers' Kimi-Linear (which never ties),
     # where mlx-lm's kimi_linear.py ties
     "kimi_linear": {"tie_word_embeddings": True},
+    # Llama 4's plan from the config (mlx-lm's llama4.py hard-codes RoPE and chunks in all
+    # layers but each 4th, >= 4 layers): 3 layers, the middle one global without RoPE,
+    # chunks of 4 tokens and temperature tuning from position 4 on (16 tokens checked)
+    "llama4": {"text_config": {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1],
+                               "layer_types": ["chunked_attention", _FULL, "chunked_attention"],
+                               "attention_chunk_size": 4, "floor_scale": 4, "moe_layers": [1]}},
     # 4 heads x head_dim 32 != hidden 64, where mlx-lm's internlm3.py builds hidden // heads
     # per head (yeto.mlx.heads widens projections, scale and RoPE)
     "internlm3": {"head_dim": 32},

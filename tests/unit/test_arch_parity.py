@@ -165,6 +165,31 @@ def test_gemma3n_with_one_kind_of_layer_only():
         _mlx_model("gemma3n", text_config={**text, "num_kv_shared_layers": 1})
 
 
+def test_llama4_layers_follow_the_config(tmp_path):
+    """mlx-lm's llama4.py hard-codes RoPE + chunked attention in all layers but each 4th;
+    the built model follows no_rope_layers and layer_types (any count); a kind Llama 4
+    does not have is refused by name."""
+    from mlx_lm.utils import load_config
+
+    from yeto.mlx.errors import UnsupportedConfig
+    from yeto.mlx.shims import _classes
+
+    text = {"num_hidden_layers": 3, "no_rope_layers": [0, 1, 1], "moe_layers": [1],
+            "layer_types": ["full_attention", "chunked_attention", "full_attention"]}
+    # the text model's config, as archs.tiny_model writes it (model_type llama4_text)
+    archs.tiny_config("llama4", {"text_config": text}).text_config.save_pretrained(tmp_path)
+    cfg = load_config(tmp_path)
+    cfg = {**cfg, **config_overrides(cfg)}
+    build, args_cls = _classes(cfg)
+    model = build(args_cls.from_dict(cfg))
+    assert [x.self_attn.use_rope for x in model.layers] == [0, 1, 1]
+    assert [type(c).__name__ for c in model.make_cache()] == ["KVCache", "ChunkedKVCache",
+                                                              "KVCache"]
+    with pytest.raises(UnsupportedConfig, match=r"layer_types=.*'sliding_attention'"):
+        config_overrides(_tiny_config("llama4", text_config={
+            **text, "layer_types": ["sliding_attention"] * 3}))
+
+
 def test_layer_patterns_are_fitted_or_built_layer_by_layer():
     lin, full = "linear_attention", "full_attention"
     cfg = _tiny_config("qwen3_next", layer_types=[lin, lin, full, lin, lin, full])

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from yeto.mlx import heads, layer_kinds
+from yeto.mlx import layer_plan
 from yeto.mlx.activations import patch_activations
 from yeto.mlx.errors import UnsupportedConfig
 from yeto.mlx.rebind import Namespace, rebind
@@ -357,22 +358,21 @@ def _periodic(have: dict, fields: dict, out: dict, args_cls) -> None:
 
 
 def _llama4_layers(have: dict, args_cls) -> None:
-    """mlx_lm/models/llama4.py hard-codes Llama 4's layer plan: chunked attention with
-    RoPE in every layer but each 4th, which attends globally without RoPE (and it
-    takes the global mask from layer 3's cache); transformers reads ``layer_types`` and
-    ``no_rope_layers`` (1 = rotate)."""
+    """mlx_lm/models/llama4.py hard-codes Llama 4's layer plan, which
+    `layer_plan.follow_config` replaces by the config's ``no_rope_layers`` (1 = rotate)
+    and ``layer_types``: each list must give one known kind per layer."""
     n = have.get("num_hidden_layers")
-    if isinstance(n, int) and n < 4:
-        raise UnsupportedConfig(f"num_hidden_layers={n}: {_where(args_cls)} needs at least 4 "
-                                "layers (it takes the global mask from layer 3's cache)")
-    plan = [(i + 1) % 4 != 0 for i in range(n if isinstance(n, int) else 0)]
-    for key, flags in (("no_rope_layers", have.get("no_rope_layers")),
-                       ("layer_types", [t == "chunked_attention" for t in have["layer_types"]]
-                        if isinstance(have.get("layer_types"), list) else None)):
-        if isinstance(flags, list) and [bool(f) for f in flags] != plan:
-            raise UnsupportedConfig(
-                f"{key}={have[key]}: {_where(args_cls)} rotates and chunks attention in every "
-                "layer but each 4th (layers 3, 7, ...), which attends globally without RoPE")
+    for key, kinds in (("no_rope_layers", (0, 1)),
+                       ("layer_types", ("chunked_attention", "full_attention"))):
+        value = have.get(key)
+        if value is not None and (not isinstance(value, list) or len(value) != n
+                                  or any(v not in kinds for v in value)):
+            raise UnsupportedConfig(f"{key}={value}: Llama 4 needs one of {kinds} for each of "
+                                    f"its num_hidden_layers={n} layers")
+    if "chunked_attention" in (have.get("layer_types") or []) and not isinstance(
+            have.get("attention_chunk_size"), int):
+        raise UnsupportedConfig(f"attention_chunk_size={have.get('attention_chunk_size')}: "
+                                "chunked_attention layers need a chunk size (an int)")
 
 
 def _plain_rope_only(have: dict, args_cls) -> None:
@@ -999,6 +999,7 @@ def _classes(config: dict):
                 f"layer kinds {config.get(layer_kinds.KEY)}: {_where(model_cls)} places them "
                 f"periodically and its layers cannot be rebuilt one by one ({e})") from e
         patched += layer_kinds.repair_indices(model)
+        patched += layer_plan.follow_config(model, config)  # after layer_kinds, before fix_rope
         patched += patch_activations(model, config.get("model_type"), config)
         patched += heads.fit_heads(model, args, config)  # before fix_rope: it scales the RoPE
         patched += fix_rope(model, args, config)
