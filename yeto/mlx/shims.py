@@ -63,8 +63,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from yeto.mlx import heads, layer_kinds
-from yeto.mlx import layer_plan
+from yeto.mlx import heads, layer_kinds, layer_plan
 from yeto.mlx.activations import patch_activations
 from yeto.mlx.errors import UnsupportedConfig
 from yeto.mlx.rebind import Namespace, rebind
