@@ -57,6 +57,8 @@ def test_truncated_copy_keeps_the_first_layers(tmp_path):
 
 # ---- configs other than the presets (scripts/arch_sweep.py --variants draws many) -----------
 _SLIDE, _FULL = "sliding_attention", "full_attention"
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 OTHER_CONFIGS = {
     # biases mlx-lm's gemma.py never builds, an untied head it always ties, llama3 RoPE on
     # a plain nn.RoPE
@@ -87,6 +89,19 @@ OTHER_CONFIGS = {
     # 4 heads x head_dim 32 != hidden 64, where mlx-lm's internlm3.py builds hidden // heads
     # per head (yeto.mlx.heads widens projections, scale and RoPE)
     "internlm3": {"head_dim": 32},
+    # RoPE types the model file cannot apply (yeto.mlx.rope_files): llama3, which
+    # mlx-lm's qwen2_moe.py refuses to construct; llama3 in deepseek_v2.py's own yarn-only
+    # class (MLA, interleaved pairs); longrope in nanochat.py's rotary function, which
+    # turns the other way
+    "qwen2_moe": {"rope_parameters": {**_LLAMA3, "rope_theta": 1e4}},
+    "deepseek_v2": {"rope_parameters": {**_LLAMA3, "rope_theta": 1e4}},
+    "nanochat": {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.1 * i for i in range(8)]}},
+    # values v_head_dim (16) wide, not hidden / heads (8), and a tied head, which mlx-lm's
+    # minicpm3.py builds otherwise (yeto.mlx.minicpm3)
+    "minicpm3": {"hidden_size": 64, "num_attention_heads": 8, "tie_word_embeddings": True},
 }
 
 

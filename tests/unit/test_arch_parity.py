@@ -254,3 +254,51 @@ def test_rope_scaling_reaches_a_plain_rope_module():
             "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
     model = _mlx_model("gemma", rope_parameters=rope)
     assert isinstance(model.model.layers[0].self_attn.rope, LongRoPE)
+
+
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_rope_a_file_cannot_apply_is_replaced_after_building():
+    """qwen2_moe.py refuses llama3 (built without it, then replaced); deepseek_v2.py's own
+    yarn-only class becomes llama3 over the MLA rope part, interleaved as transformers'."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    model = _mlx_model("qwen2_moe", rope_parameters=_LLAMA3)
+    assert isinstance(model.model.layers[0].self_attn.rope, Llama3RoPE)
+    model = _mlx_model("deepseek_v2", rope_parameters=_LLAMA3)
+    rope = model.model.layers[0].self_attn.rope
+    assert isinstance(rope, Llama3RoPE) and rope.traditional and rope.dims == 16
+
+
+def test_a_rotary_function_is_rebound_turning_the_same_way():
+    """nanochat.py rotates with a function and negated frequencies (transformers' NanoChat
+    turns the other way too): `Reversed` on reflections equals that; the attention calls
+    the config's RoPE."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from yeto.mlx.rebind import call_code
+    from yeto.mlx.rope_files import Reversed
+
+    x = mx.random.normal((1, 2, 5, 8), key=mx.random.key(0))
+    periods = 1e4 ** (mx.arange(0, 8, 2, dtype=mx.float32) / 8)
+    negated = mx.fast.rope(x, 8, traditional=False, base=None, scale=1.0, offset=3,
+                           freqs=-periods)
+    assert mx.allclose(Reversed(nn.RoPE(8), 8)(x, offset=3), negated, atol=1e-6).item()
+    assert not mx.allclose(nn.RoPE(8)(x, offset=3), negated, atol=1e-3).item()
+    model = _mlx_model("nanochat", rope_parameters=_LLAMA3)
+    attn = model.transformer.h[0].attn
+    assert "apply_rotary_emb" in call_code(type(attn)).co_names
+    rotary = type(attn).__call__.__globals__["apply_rotary_emb"]
+    assert isinstance(rotary.__defaults__[-1], Reversed)
+    assert type(rotary.__defaults__[-1].rope).__name__ == "Llama3RoPE"
+
+
+def test_a_rope_type_yeto_cannot_rotate_with_is_refused_by_name():
+    from yeto.mlx.errors import UnsupportedConfig
+    from yeto.mlx.rope import exact_rope
+
+    with pytest.raises(UnsupportedConfig, match=r"rope_parameters.rope_type='mrope'"):
+        exact_rope(8, 1e4, False, {"rope_type": "mrope", "mrope_section": [1, 1, 2]}, 64)

@@ -6,18 +6,23 @@ rotates with ``long_factor``, where transformers uses ``short_factor`` while the
 positions fit in ``original_max_position_embeddings``. `fix_rope` replaces, in the
 built model, each such module by the one the config means: mlx-lm's own
 ``initialize_rope`` for linear, dynamic, llama3 and yarn (same dims, base and layout
-as the module it replaces), and `LongRoPE` for longrope. Modules of other classes
-(DeepSeek's MLA yarn, ...) are left to their model file.
+as the module it replaces), and `LongRoPE` for longrope (`exact_rope`). A model
+file's own rotary class or function (DeepSeek-V2's yarn-only class, hunyuan's
+NTK-alpha, nanochat's function) is replaced the same way where it does not apply the
+config's type, and a model whose constructor refused the scaling was built without
+it (`yeto.mlx.rope_files`); its rotaries are replaced here.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from yeto.mlx import rope_files
 from yeto.mlx.errors import UnsupportedConfig
 
 
@@ -77,25 +82,51 @@ def _theta(config: dict[str, Any]) -> float:
     return 10000.0
 
 
-def _replacement(old, scaling: dict, config: dict):
-    """The module ``old`` should be for this scaling, or None to keep it."""
-    from mlx_lm.models.rope_utils import SuScaledRoPE, YarnRoPE, initialize_rope
+def exact_rope(dims: int, base: float, traditional: bool, scaling: dict,
+               max_positions: int | None) -> nn.Module:
+    """transformers' rotary for ``scaling``'s rope_type over ``dims`` features: mlx-lm's
+    own for linear, dynamic, llama3 and yarn (yarn untruncated where the config says
+    so), `LongRoPE` for longrope."""
+    from mlx_lm.models.rope_utils import initialize_rope
 
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = _kind(scaling)
+    if kind == "longrope":
+        return LongRoPE(dims, base, scaling, max_positions, traditional)
+    if kind not in ("linear", "dynamic", "llama3", "yarn"):
+        raise UnsupportedConfig(f"rope_parameters.rope_type={kind!r}: yeto's MLX island "
+                                "cannot rotate with that type")
+    if kind == "dynamic" and max_positions is None:
+        raise UnsupportedConfig("rope_parameters.rope_type='dynamic' needs "
+                                "max_position_embeddings in the config: set it")
+    rope = initialize_rope(dims, base, traditional, scaling, max_positions)
+    if kind == "yarn" and scaling.get("truncate") is False:
+        _untruncate(rope, scaling, base)
+    return rope
+
+
+def _kind(scaling: dict) -> str:
+    return scaling.get("rope_type", scaling.get("type"))
+
+
+def _replacement(old, scaling: dict, config: dict, args=None):
+    """The module ``old`` should be for this scaling, or None to keep it."""
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    kind = _kind(scaling)
     max_pos = _max_positions(config)
     if isinstance(old, YarnRoPE) and kind == "yarn" and scaling.get("truncate") is False \
             and not getattr(old, "_untruncated", False):
         _untruncate(old, scaling, _theta(config))
         return None
-    if isinstance(old, SuScaledRoPE):
-        return LongRoPE(old.dim, _theta(config), scaling, max_pos) if kind == "longrope" else None
+    own = rope_files.describe(old, args, kind, scaling)
+    if own is not None:
+        return None if kind in own.applies else exact_rope(
+            own.dims, _theta(config), own.traditional, scaling, max_pos)
     if type(old) is not nn.RoPE:
         return None
-    if kind == "longrope":
-        return LongRoPE(old.dims, old.base, scaling, max_pos, old.traditional)
     if kind == "linear" and not math.isclose(old.scale, 1.0):
         return None  # the model file applied the linear factor itself
-    return initialize_rope(old.dims, old.base, old.traditional, scaling, max_pos)
+    return exact_rope(old.dims, old.base, old.traditional, scaling, max_pos)
 
 
 def _untruncate(rope, scaling: dict, base: float) -> None:
@@ -127,28 +158,47 @@ def _expected(kind: str) -> tuple[str, ...]:
 
 def fix_rope(model, args, config: dict[str, Any]) -> list[str]:
     """Replace the RoPE modules that ignore the config's scaling (see the module
-    docstring); returns the module paths replaced. A RoPE module of the model file's
-    own class that does not apply the scaling is refused (`UnsupportedConfig`)."""
+    docstring) and rebind the rotary functions of `rope_files.OWN_FUNCTIONS`; returns
+    the module paths replaced. A RoPE module of a class that does not apply the
+    scaling and cannot be replaced, or a model built with the scaling hidden
+    (`rope_files.NEUTRAL`) where nothing was replaced, is refused (`UnsupportedConfig`)."""
     scaling = _scaling(config)
     if scaling is None:
         return []
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = _kind(scaling)
     done = []
     for path, module in model.named_modules():
         for name, child in list(module.children().items()):
-            if not isinstance(child, nn.Module):
-                continue
-            new = _replacement(child, scaling, config)
-            if new is not None:
-                setattr(module, name, new)
-                done.append(f"{path}.{name}" if path else name)
-            elif _is_rope(child) and not any(
-                    e.lower() in type(child).__name__.lower() for e in _expected(kind)):
-                raise UnsupportedConfig(
-                    f"rope_parameters.rope_type={kind!r}: mlx-lm's "
-                    f"{type(child).__module__.rsplit('.', 1)[-1]}.py rotates with its own "
-                    f"{type(child).__name__}, which does not apply {kind} scaling")
+            if isinstance(child, nn.Module):
+                done += _fix_child(module, path, name, child, scaling, config, args)
+    theta, max_pos = _theta(config), _max_positions(config)
+    done += rope_files.rebind_functions(
+        model, lambda dims, trad: exact_rope(dims, theta, trad, scaling, max_pos),
+        key=(json.dumps(scaling, sort_keys=True, default=str), theta, max_pos))
+    if not done and getattr(args, rope_files.HIDDEN, False):
+        raise UnsupportedConfig(
+            f"rope_parameters.rope_type={kind!r}: mlx-lm's "
+            f"{type(model).__module__.rsplit('.', 1)[-1]}.py cannot build that RoPE, and "
+            "yeto found no rotary in the built model to replace")
     return done
+
+
+def _fix_child(parent, path: str, name: str, child, scaling: dict, config: dict,
+               args) -> list[str]:
+    kind = _kind(scaling)
+    new = _replacement(child, scaling, config, args)
+    if new is not None:
+        setattr(parent, name, new)
+        rope_files.mla_softmax_scale(parent, scaling)
+        return [f"{path}.{name}" if path else name]
+    own = rope_files.describe(child, args, kind, scaling)
+    if _is_rope(child) and (own is None or kind not in own.applies) and not any(
+            e.lower() in type(child).__name__.lower() for e in _expected(kind)):
+        raise UnsupportedConfig(
+            f"rope_parameters.rope_type={kind!r}: mlx-lm's "
+            f"{type(child).__module__.rsplit('.', 1)[-1]}.py rotates with its own "
+            f"{type(child).__name__}, which does not apply {kind} scaling")
+    return []
 
 
 def _is_rope(module) -> bool:

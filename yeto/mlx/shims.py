@@ -39,7 +39,9 @@ config wins, except where transformers reads another key than mlx-lm (`_FORCED`,
 transformers writes but mlx-lm's ``sanitize`` does not read are translated first
 (`_WEIGHTS`: gpt2's ``transformer.`` prefix, gpt-oss experts, renamed norms, ...);
 settings mlx-lm hard-codes where the config says otherwise are set from the config
-(`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps); and a model whose
+(`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps); a RoPE scaling
+the file's constructor refuses is hidden from it and applied afterwards
+(`yeto.mlx.rope_files`, `yeto.mlx.rope`); and a model whose
 ``__init__`` skips ``nn.Module.__init__`` is completed. What cannot be translated
 (a different architecture under the same model type, a computation mlx-lm
 hard-codes) is listed with its reason by ``scripts/arch_sweep.py``.
@@ -63,7 +65,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from yeto.mlx import heads, layer_kinds, layer_plan
+from yeto.mlx import heads, layer_kinds, layer_plan, minicpm3, rope_files
 from yeto.mlx.activations import patch_activations
 from yeto.mlx.errors import UnsupportedConfig
 from yeto.mlx.rebind import Namespace, rebind
@@ -374,18 +376,8 @@ def _llama4_layers(have: dict, args_cls) -> None:
                                 "chunked_attention layers need a chunk size (an int)")
 
 
-def _plain_rope_only(have: dict, args_cls) -> None:
-    """mlx_lm/models/nanochat.py rotates with its own function, which has no scaling."""
-    scaling = have.get("rope_scaling")
-    if isinstance(scaling, dict):
-        kind = scaling.get("rope_type", scaling.get("type"))
-        raise UnsupportedConfig(f"rope_parameters.rope_type={kind!r}: {_where(args_cls)} "
-                                "rotates with its own RoPE function, which has no scaling")
-
-
 # model type -> a check of a config the model file cannot represent
-_CHECKS = {"llama4": _llama4_layers, "llama4_text": _llama4_layers,
-           "nanochat": _plain_rope_only}
+_CHECKS = {"llama4": _llama4_layers, "llama4_text": _llama4_layers}
 
 
 _OTHER = {_FULL: _SLIDING, _SLIDING: _FULL, 0: 1, 1: 0, "L": "G", "G": "L"}
@@ -965,7 +957,8 @@ _MODEL_FIXES = {"glm": (_glm_rope,),
                 "gpt_neox": (_gpt_neox_width,), "gemma3": (_gemma3_embed_scale,),
                 "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,),
                 "exaone4": (_exaone_rope,), "exaone_moe": (_exaone_rope,),
-                "jamba": (_jamba_router,)}
+                "jamba": (_jamba_router,),
+                "minicpm3": (minicpm3.fit_values, minicpm3.scale_tied_head)}
 
 
 def _classes(config: dict):
@@ -985,7 +978,11 @@ def _classes(config: dict):
         try:
             model = heads.build(model_cls, args, config)  # heads: cohere2's head_dim
         except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
-            raise _unbuildable(config, model_cls, e) from e
+            hidden = rope_files.hidden_build(  # the scaling refused: fix_rope applies it
+                lambda a: heads.build(model_cls, a, config), args)
+            if hidden is None:
+                raise _unbuildable(config, model_cls, e) from e
+            model, args = hidden
         if "_no_grad" not in vars(model):
             model._no_grad = set()
             model._training = True
@@ -1051,7 +1048,10 @@ class _CheckedArgs:
         try:
             return self.args_cls.from_dict(params)
         except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
-            raise _unbuildable(self.config, self.model_cls, e) from e
+            hidden = rope_files.hidden_args(self.args_cls, params)  # the scaling refused
+            if hidden is None:
+                raise _unbuildable(self.config, self.model_cls, e) from e
+            return hidden
 
     def __getattr__(self, name: str):
         return getattr(self.args_cls, name)
