@@ -576,7 +576,8 @@ def island_overlap_run(numel: int, tmp: Path, in_loop: bool) -> dict:
     `in_loop`: without the guard (`--stage-in-loop`), each push staged in the
     training loop: the baseline. Per push after the first: `blocked_s` (the push
     call plus the guard's wait), `encode_s` (the encode proper, on the background
-    thread: less the staging there) and `stage_s` (that staging; 0 in the loop)."""
+    thread: less the staging there) and `stage_s` (that staging; 0 in the loop);
+    `bpp`: the island's peak RSS per parameter (its weights included)."""
     island = ROOT / "scripts" / "synthetic_island.py"
     rec = tmp / f"overlap-{'loop' if in_loop else 'guard'}.jsonl"
     with start_syncer(["--quorum", "1", "--grace-ms", "0"], cwd=ROOT,
@@ -599,7 +600,7 @@ def island_overlap_run(numel: int, tmp: Path, in_loop: bool) -> dict:
     stage = done["stage_s"] or [0.0] * n
     return dict(blocked_s=done["blocked_s"][1:n],
                 encode_s=[e - s for e, s in zip(done["encode_s"], stage)][1:n],
-                stage_s=stage[1:n])
+                stage_s=stage[1:n], bpp=done["peak_rss_kib"] * 1024 / numel)
 
 
 def overlap_table(guard: dict, loop: dict) -> tuple[float, float]:
@@ -607,12 +608,13 @@ def overlap_table(guard: dict, loop: dict) -> tuple[float, float]:
     in this run); returns (blocked, encode) of the guard run: medians."""
     med = statistics.median
     print_table(["island, no blocking sync (median per push)", "loop waits s", "encode s",
-                 "staging in the background s"],
+                 "staging in the background s", "peak RSS B/param"],
                 [["push staged in the training loop (no guard)", med(loop["blocked_s"]),
-                  med(loop["encode_s"]), ""],
+                  med(loop["encode_s"]), "", loop["bpp"]],
                  ["push staged behind the guard (Island.before_update)",
-                  med(guard["blocked_s"]), med(guard["encode_s"]), med(guard["stage_s"])]],
-                right=[1, 2, 3])
+                  med(guard["blocked_s"]), med(guard["encode_s"]), med(guard["stage_s"]),
+                  guard["bpp"]]],
+                right=[1, 2, 3, 4])
     return med(guard["blocked_s"]), med(guard["encode_s"])
 
 
