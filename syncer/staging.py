@@ -36,15 +36,18 @@ import numpy as np
 
 from yeto.codec import CHUNK, Q4_BLOCK, CodecError
 from yeto.codec import format as fmt
-from yeto.codec.chunked import ITEM, decode_add_square
+from yeto.codec.chunked import ITEM, decode_add_square, q4_add_square
+from yeto.codec.format import spare_scratch
 
 
 class StagedSum:
     """A push of `numel` values in `encoding`, decoded as its bytes arrive into `acc`'s
     sum buffer with weight `weight` (assigned: the buffer holds nothing yet), its bytes
     kept in `keep` too (a `SpilledPayload`, or a uint8 array of the payload's size).
-    Holds the bytes of at most one chunk of values (a q4 chunk's block scales are read
-    back from `keep`), and Σ of the chunks' squared values for the push's norm."""
+    A chunk of values that lies whole in an arriving piece is decoded from the piece
+    itself; one split between pieces is gathered in `pending` (one chunk's bytes,
+    made once) and decoded from there. q4 block scales are read back from `keep`.
+    Keeps Σ of the chunks' squared values for the push's norm."""
 
     def __init__(self, acc, encoding: str, numel: int, weight: float, keep):
         self.acc, self.encoding, self.numel, self.keep = acc, encoding, numel, keep
@@ -54,7 +57,8 @@ class StagedSum:
         self.size = fmt.encoded_size(encoding, numel)
         self.head = 4 * -(-numel // Q4_BLOCK) if encoding == "q4" else 0
         self.buf = acc.staging_buffer()
-        self.body = bytearray()    # received bytes of values not decoded yet
+        self.pending = np.empty(self._body_bytes(0, min(CHUNK, numel)), np.uint8)
+        self.held = 0              # bytes of the next chunk gathered in `pending`
         self.n = self.lo = 0       # bytes received; values decoded
         self.squares = 0.0         # Σ over decoded chunks of Σ v², in chunk order
 
@@ -83,20 +87,27 @@ class StagedSum:
         """Another push takes the sum buffer: stop decoding into it."""
         with self.lock:
             self.demoted = True
-            self.body = bytearray()
 
     def _stage(self, view: memoryview) -> None:
         if self.n < self.head:  # q4 block scales: read back from `keep` when needed
             take = min(len(view), self.head - self.n)
             view, self.n = view[take:], self.n + take
-        self.body += view
         self.n += len(view)
-        while self.lo < self.numel:
+        while self.lo < self.numel and len(view):
             hi = min(self.lo + CHUNK, self.numel)
             need = self._body_bytes(self.lo, hi)
-            if len(self.body) < need or self.n < self.head:
-                return
-            self._decode(self.lo, hi, need)
+            if not self.held and len(view) >= need:  # whole in this piece
+                self._decode(self.lo, hi, view[:need])
+                view = view[need:]
+            else:  # split between pieces: gathered first
+                take = min(need - self.held, len(view))
+                self.pending[self.held:self.held + take] = np.frombuffer(view[:take], np.uint8)
+                self.held += take
+                view = view[take:]
+                if self.held < need:
+                    return
+                self.held = 0
+                self._decode(self.lo, hi, self.pending[:need])
             self.lo = hi
 
     def _body_bytes(self, lo: int, hi: int) -> int:
@@ -104,17 +115,16 @@ class StagedSum:
             return (-(-hi // Q4_BLOCK) - lo // Q4_BLOCK) * (Q4_BLOCK // 2)
         return ITEM[self.encoding] * (hi - lo)
 
-    def _decode(self, lo: int, hi: int, need: int) -> None:
-        body = bytes(self.body[:need])
-        if self.encoding == "q4":
-            b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
-            part = slice(4 * b0, 4 * b1)
-            scales = (self.keep[part].tobytes() if isinstance(self.keep, np.ndarray)
-                      else self.keep.read(part))
-            body = scales + body
-        self.squares += decode_add_square(body, self.encoding, hi - lo, self.buf[lo:hi],
-                                          self.weight, assign=True)
-        del self.body[:need]
+    def _decode(self, lo: int, hi: int, body) -> None:
+        if self.encoding != "q4":
+            self.squares += decode_add_square(body, self.encoding, hi - lo, self.buf[lo:hi],
+                                              self.weight, assign=True)
+            return
+        part = slice(4 * (lo // Q4_BLOCK), 4 * -(-hi // Q4_BLOCK))
+        scales = self.keep[part] if isinstance(self.keep, np.ndarray) else self.keep.read(part)
+        with spare_scratch() as k:
+            self.squares += q4_add_square(scales, body, hi - lo, self.buf[lo:hi],
+                                          self.weight, True, k)
 
     def fold(self, norm_limit: float | None) -> tuple[float, float]:
         """The push is accepted: (its norm, the norm bound's scale); a push over the

@@ -94,5 +94,17 @@ class SpilledPayload:
             data += more
         return data
 
+    def read_into(self, part: slice, into: np.ndarray) -> np.ndarray:
+        """Bytes `part` read into the start of `into` (a uint8 array at least that
+        long), no bytes object made; returns the filled view."""
+        n = part.stop - part.start
+        out, got = into[:n], 0
+        while got < n:  # a short read is legal; finish it
+            k = os.preadv(self.fd, [out[got:]], part.start + got)
+            if k <= 0:
+                raise CodecError(f"spilled payload ends at byte {part.start + got}")
+            got += k
+        return out
+
     def close(self) -> None:
         self.file.close()

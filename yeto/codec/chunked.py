@@ -112,8 +112,13 @@ def decode_add_norm(payload, encoding: str, numel: int, acc: np.ndarray | None,
     w32 = np.float32(weight)
 
     def one(lo: int, hi: int) -> float:
-        return decode_add_square(chunk_payload(mv, encoding, numel, lo, hi), encoding,
-                                 hi - lo, None if acc is None else acc[lo:hi], w32, assign)
+        part = None if acc is None else acc[lo:hi]
+        if encoding != "q4":
+            return decode_add_square(chunk_payload(mv, encoding, numel, lo, hi), encoding,
+                                     hi - lo, part, w32, assign)
+        with fmt.spare_scratch() as k:  # the codes read into the scratch: no joined copy
+            scales, codes = q4_chunk_parts(mv, numel, lo, hi, k.nib)
+            return q4_add_square(scales, codes, hi - lo, part, w32, assign, k)
 
     return float(np.sqrt(sum(each_chunk(numel, one))))
 
@@ -122,12 +127,47 @@ def decode_add_square(piece, encoding: str, n: int, acc: np.ndarray | None,
                       weight: np.float32, assign: bool = False) -> float:
     """One chunk of `decode_add_norm`: acc += weight * decode(piece) (`assign`: =), and
     Σ decode(piece)² as a float (the chunk's term of the norm)."""
+    if encoding == "q4" and n <= CHUNK:
+        head = 4 * -(-n // Q4_BLOCK)
+        buf = memoryview(piece).cast("B")
+        if len(buf) != fmt.encoded_size("q4", n):
+            raise CodecError(f"q4 payload for {n} elements must be "
+                             f"{fmt.encoded_size('q4', n)} bytes, got {len(buf)}")
+        with fmt.spare_scratch() as k:
+            return q4_add_square(buf[:head], buf[head:], n, acc, weight, assign, k)
     v = fmt.decode(piece, encoding, n)
     square = _square_sum(v)
     if acc is not None:
         v *= weight
         fmt.add_to(acc, v, assign)
     return square
+
+
+def q4_add_square(scales, codes, n: int, acc: np.ndarray | None, weight: np.float32,
+                  assign: bool, k: fmt.Scratch) -> float:
+    """`decode_add_square` of one q4 chunk given as its block scales and its codes
+    (buffers, at most one chunk of `k`'s), decoded in the scratch `k`: no new array,
+    the same bits."""
+    scales = fmt.checked_q4_scales(scales)
+    v = fmt.q4_chunk_values(scales, np.frombuffer(codes, np.uint8), k)[:n]
+    square = _square_sum(v)
+    if acc is not None:
+        v *= weight
+        fmt.add_to(acc, v, assign)
+    return square
+
+
+def q4_chunk_parts(payload, numel: int, lo: int, hi: int, into: np.ndarray):
+    """(block scales, codes) of elements [lo, hi) (lo a multiple of Q4_BLOCK) of a q4
+    payload: views of a buffer, or read from a `SpilledPayload` (the codes straight
+    into `into`, a uint8 array of at least their size)."""
+    nb = -(-numel // Q4_BLOCK)
+    b0, b1 = lo // Q4_BLOCK, -(-hi // Q4_BLOCK)
+    half = Q4_BLOCK // 2
+    scales, codes = slice(4 * b0, 4 * b1), slice(4 * nb + half * b0, 4 * nb + half * b1)
+    if isinstance(payload, SpilledPayload):
+        return payload.read(scales), payload.read_into(codes, into)
+    return payload[scales], payload[codes]
 
 
 def norm(payload, encoding: str, numel: int) -> float:

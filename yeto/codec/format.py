@@ -309,8 +309,10 @@ def _q4_decode_chunk(scales: np.ndarray, codes: np.ndarray, k: Scratch,
     np.left_shift(sp, 4, out=t)
     sp |= t
     sp &= 0x0F0F
+    c = sp.view(np.uint8)
+    c -= 8  # code - 8 as an int8's two's complement (uint8 arithmetic wraps)
     v = k.work[:m]
-    np.subtract(sp.view(np.uint8), 8, out=v, dtype=np.float32)  # code - 8, exact
+    np.copyto(v, c.view(np.int8), casting="unsafe")  # exact: a cast, a quarter faster
     return _times_scales(v, scales, k, v if out is None else out)
 
 
@@ -319,6 +321,20 @@ def _times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch, out: np.ndarray
     m = v.size
     k.wide[:m].reshape(-1, Q4_BLOCK)[...] = scales[:, None]
     return np.multiply(v, k.wide[:m], out=out)
+
+
+def q4_chunk_values(scales: np.ndarray, codes: np.ndarray, k: Scratch) -> np.ndarray:
+    """The decoded values of whole q4 blocks (at most one chunk), from their validated
+    `scales` and their `codes`, in `k.work` (valid until its next use): the bits of
+    `decode`."""
+    return _q4_decode_chunk(scales, codes, k)
+
+
+def checked_q4_scales(buf) -> np.ndarray:
+    """q4 block scales (any buffer) as float32, refused unless finite and non-negative."""
+    scales = np.frombuffer(buf, dtype=np.float32)
+    validate_q4_scales(scales)
+    return scales
 
 
 def _q4_scales(buf, numel) -> np.ndarray:
