@@ -230,6 +230,13 @@ def test_heads_as_wide_as_the_config_says(arch):
     assert attns[0](x).shape == (1, 3, 64)  # exaone.py's own reshape raises here
 
 
+def test_a_config_without_head_dim_gets_the_one_transformers_builds():
+    """InternLM3Config's head_dim defaults to 128 whatever hidden_size // heads is."""
+    cfg = _tiny_config("internlm3")
+    cfg.pop("head_dim")
+    assert config_overrides(cfg)["head_dim"] == 128
+
+
 def test_a_head_width_mlx_lm_cannot_hold_is_refused_by_name():
     """mlx-lm's cohere2.py builds only heads x head_dim = hidden_size; yeto builds it
     hidden // heads wide first and widens it, which needs hidden to be a multiple."""

@@ -4,7 +4,9 @@ transformers builds every attention with the config's ``head_dim``: q is
 ``num_attention_heads x head_dim`` wide, k and v ``num_key_value_heads x head_dim``,
 the softmax scale is ``head_dim ** -0.5``, RoPE rotates ``head_dim x
 partial_rotary_factor`` dims, and the output is ``heads x head_dim`` wide before
-``o_proj``. That need not be ``hidden_size``. Some mlx-lm 0.32 files cannot hold it:
+``o_proj``, the config object's ``head_dim`` (`transformers_head_dim` puts it in the
+config where config.json lacks it). That need not be ``hidden_size``. Some mlx-lm 0.32
+files cannot hold it:
 
 - internlm3.py, mixtral.py, recurrent_gemma.py: their ``ModelArgs`` have no
   ``head_dim``; the attention is ``hidden_size // num_attention_heads`` per head;
@@ -56,9 +58,9 @@ def widths(config: dict[str, Any]) -> tuple[int, int, int] | None:
 
 def transformers_head_dim(config: dict[str, Any], hf) -> int | None:
     """The head_dim transformers' model is built with (its config object's), where
-    ``config`` says another or none: RecurrentGemmaConfig sets hidden_size //
-    num_attention_heads whatever config.json says; InternLM3Config's default (128) is
-    left out of config.json. None where they agree."""
+    ``config`` says another or none: a config.json without the field (written by code
+    that did not have it) gets the class default (InternLM3Config: 128, whatever
+    hidden_size // num_attention_heads is). None where they agree."""
     try:
         value = getattr(hf, "head_dim", None) if hf is not None else None
     except Exception:  # noqa: BLE001 - an attribute transformers refuses to read
