@@ -78,3 +78,26 @@ def test_arch_sweep_variants_fail_only_outside_yeto(tmp_path):
     ours = [f"{r['arch']}#{r['variant']}: {r['status']} {r['reason']}" for r in rows
             if r["status"] not in ("ok", "mlx-lm", "transformers")]
     assert not ours, "\n".join(ours)
+
+
+# heads x head_dim != hidden_size (4 x 32 != 64): mlx-lm's mixtral.py and recurrent_gemma.py
+# build hidden // heads per head, cohere2.py refuses, exaone.py reshapes the output to hidden
+# (yeto.mlx.heads); recurrent_gemma.py's RoPE base is 10000 whatever rope_theta says
+HEAD_WIDTHS = {
+    "mixtral": {"head_dim": 32}, "cohere2": {"head_dim": 32}, "exaone": {"head_dim": 32},
+    "recurrent_gemma": {"head_dim": 32, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(HEAD_WIDTHS))
+def test_heads_wider_than_hidden_agree(arch, tmp_path):
+    from yeto.interop import parity
+
+    d = archs.tiny_model(arch, tmp_path / arch, overrides=HEAD_WIDTHS[arch])
+    rep = parity.check(d, r=4, alpha=8.0)
+    assert rep.names_ok, rep.first_mismatch
+    assert rep.adapter_effect > 0.1 * rep.max_logit  # cohere2's logits are scaled by 1/16
+    assert rep.logits_ok(), (f"max |dlogit| {rep.max_dlogit:.3g}, max |logit| "
+                             f"{rep.max_logit:.3g}, base {rep.base_dlogit:.3g}, {rep.notes}")
