@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from yeto.mlx.errors import UnsupportedConfig
+
 #: model types whose mlx-lm file hard-codes Llama 4's plan (llama4_text loads into it)
 PLANNED = {"llama4", "llama4_text"}
 _CHUNKED, _FULL = "chunked_attention", "full_attention"
@@ -111,7 +113,10 @@ def follow_config(model, config: dict[str, Any]) -> list[str]:
                   if hasattr(m, "attention_chunk_size") and isinstance(m.get("layers"), list)),
                  None)
     if inner is None or len(inner["layers"]) != len(rotates) or len(chunked) != len(rotates):
-        raise ValueError(f"no decoder layer list of {len(rotates)} layers to plan")
+        raise UnsupportedConfig(
+            f"no_rope_layers / layer_types for {len(rotates)} layers: mlx-lm's llama4.py built "
+            "no decoder layer list of that length to follow them (set num_hidden_layers to "
+            "the lists' length)")
     for layer, rope, chunk in zip(inner["layers"], rotates, chunked):
         layer.self_attn = type(layer.self_attn)(layer.args, 0 if rope else 3)
         layer.yeto_chunked = chunk
