@@ -101,3 +101,37 @@ def test_heads_wider_than_hidden_agree(arch, tmp_path):
     assert rep.adapter_effect > 0.1 * rep.max_logit  # cohere2's logits are scaled by 1/16
     assert rep.logits_ok(), (f"max |dlogit| {rep.max_dlogit:.3g}, max |logit| "
                              f"{rep.max_logit:.3g}, base {rep.base_dlogit:.3g}, {rep.notes}")
+
+
+# ---- layer plans through the KV caches (mlx-lm's generation path) ----------------------
+_PLANS = {
+    # Llama 4: 3 layers, the middle one global without RoPE, chunks of 4 tokens
+    "llama4": {"text_config": {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1],
+                               "layer_types": ["chunked_attention", "full_attention",
+                                               "chunked_attention"],
+                               "attention_chunk_size": 4, "floor_scale": 4, "moe_layers": [1]}},
+    # gemma3n with full-attention layers only
+    "gemma3n": {"text_config": {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3,
+                                "intermediate_size": [128] * 3,
+                                "activation_sparsity_pattern": [0.0] * 3}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(_PLANS))
+def test_layer_plans_decode_through_their_caches(arch, tmp_path):
+    """A layer plan yeto builds (yeto.mlx.layer_plan, layer_kinds) decodes token by token
+    through the model's own caches (make_cache: a cache of each layer's kind) to the
+    logits of one forward pass over the whole sequence, past a chunk boundary."""
+    import mlx.core as mx
+    import numpy as np
+
+    from yeto.mlx.shims import load_model
+
+    model, _ = load_model(archs.tiny_model(arch, tmp_path / arch, overrides=_PLANS[arch]))
+    ids = mx.array([[3, 5, 7, 9, 11, 13, 15, 17, 19, 21]])
+    whole = np.array(model(ids))
+    cache = model.make_cache()
+    steps = [np.array(model(ids[:, :6], cache=cache))[:, -1]]
+    steps += [np.array(model(ids[:, t:t + 1], cache=cache))[:, -1] for t in range(6, 10)]
+    assert np.allclose(np.stack(steps, 1), whole[:, 5:], atol=1e-5 * np.abs(whole).max())
