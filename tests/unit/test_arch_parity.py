@@ -270,6 +270,7 @@ _LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_fa
 def test_rope_a_file_cannot_apply_is_replaced_after_building():
     """qwen2_moe.py refuses llama3 (built without it, then replaced); deepseek_v2.py's own
     yarn-only class becomes llama3 over the MLA rope part, interleaved as transformers'."""
+    import mlx.nn as nn
     from mlx_lm.models.rope_utils import Llama3RoPE
 
     model = _mlx_model("qwen2_moe", rope_parameters=_LLAMA3)
@@ -277,6 +278,10 @@ def test_rope_a_file_cannot_apply_is_replaced_after_building():
     model = _mlx_model("deepseek_v2", rope_parameters=_LLAMA3)
     rope = model.model.layers[0].self_attn.rope
     assert isinstance(rope, Llama3RoPE) and rope.traditional and rope.dims == 16
+    # no scaling: deepseek_v2.py reads keys of rope_scaling even then (built neutral)
+    model = _mlx_model("deepseek_v2", rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    rope = model.model.layers[0].self_attn.rope
+    assert type(rope) is nn.RoPE and rope.traditional and rope.dims == 16 and rope.scale == 1.0
 
 
 def test_a_rotary_function_is_rebound_turning_the_same_way():
@@ -309,3 +314,36 @@ def test_a_rope_type_yeto_cannot_rotate_with_is_refused_by_name():
 
     with pytest.raises(UnsupportedConfig, match=r"rope_parameters.rope_type='mrope'"):
         exact_rope(8, 1e4, False, {"rope_type": "mrope", "mrope_section": [1, 1, 2]}, 64)
+
+
+_LONG = {"short_factor": [1.0 + 0.05 * i for i in range(8)],
+         "long_factor": [1.5 + 0.1 * i for i in range(8)]}
+
+
+@pytest.mark.parametrize("length", [6, 48])  # within the original 8 positions; past 32
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "llama3", "longrope"])
+def test_exact_rope_is_transformers_rotary(kind, length):
+    """`exact_rope` against transformers' LlamaRotaryEmbedding (its inverse frequencies,
+    attention factor, longrope's switch to long_factor, dynamic's growth) at lengths
+    within and past the original and the maximum positions."""
+    import mlx.core as mx
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as llama
+
+    from yeto.mlx.rope import exact_rope
+
+    params = {"rope_type": kind, "rope_theta": 1e4, "factor": 2.0,
+              "original_max_position_embeddings": 8, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, **(_LONG if kind == "longrope" else {})}
+    if kind == "longrope":
+        del params["factor"]  # max / original positions: attention factor above 1
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                      max_position_embeddings=32, rope_parameters=params)
+    x = np.random.default_rng(0).standard_normal((1, 1, length, 16)).astype(np.float32)
+    cos, sin = llama.LlamaRotaryEmbedding(cfg)(torch.from_numpy(x), torch.arange(length)[None])
+    want = llama.apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin)[0]
+    got = exact_rope(16, 1e4, False, params, 32)(mx.array(x))
+    np.testing.assert_allclose(np.array(got), want.numpy(), rtol=1e-4, atol=1e-4)

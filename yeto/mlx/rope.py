@@ -84,12 +84,14 @@ def _theta(config: dict[str, Any]) -> float:
 
 def exact_rope(dims: int, base: float, traditional: bool, scaling: dict,
                max_positions: int | None) -> nn.Module:
-    """transformers' rotary for ``scaling``'s rope_type over ``dims`` features: mlx-lm's
-    own for linear, dynamic, llama3 and yarn (yarn untruncated where the config says
-    so), `LongRoPE` for longrope."""
+    """transformers' rotary for ``scaling``'s rope_type over ``dims`` features: plain
+    ``nn.RoPE`` for default, mlx-lm's own for linear, dynamic, llama3 and yarn (yarn
+    untruncated where the config says so), `LongRoPE` for longrope."""
     from mlx_lm.models.rope_utils import initialize_rope
 
     kind = _kind(scaling)
+    if kind == "default":
+        return nn.RoPE(dims, traditional=traditional, base=base)
     if kind == "longrope":
         return LongRoPE(dims, base, scaling, max_positions, traditional)
     if kind not in ("linear", "dynamic", "llama3", "yarn"):
@@ -110,10 +112,13 @@ def _kind(scaling: dict) -> str:
 
 def _replacement(old, scaling: dict, config: dict, args=None):
     """The module ``old`` should be for this scaling, or None to keep it."""
-    from mlx_lm.models.rope_utils import YarnRoPE
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, YarnRoPE
 
     kind = _kind(scaling)
     max_pos = _max_positions(config)
+    if isinstance(old, DynamicNTKScalingRoPE) and old.max_position_embeddings is None:
+        # built without the positions (gpt_oss.py): it would fail at the first call
+        return exact_rope(old.dims, old.base, old.traditional, scaling, max_pos)
     if isinstance(old, YarnRoPE) and kind == "yarn" and scaling.get("truncate") is False \
             and not getattr(old, "_untruncated", False):
         _untruncate(old, scaling, _theta(config))
@@ -163,6 +168,8 @@ def fix_rope(model, args, config: dict[str, Any]) -> list[str]:
     scaling and cannot be replaced, or a model built with the scaling hidden
     (`rope_files.NEUTRAL`) where nothing was replaced, is refused (`UnsupportedConfig`)."""
     scaling = _scaling(config)
+    if scaling is None and getattr(args, rope_files.HIDDEN, False):
+        scaling = {"rope_type": "default"}  # the file's own rotaries, built neutral: plain
     if scaling is None:
         return []
     kind = _kind(scaling)

@@ -54,11 +54,14 @@ def hidden_args(args_cls, params: dict):
 
 
 def hidden_build(model_cls, args):
-    """``(model_cls(a), a)`` for ``a``, a copy of ``args`` with the first `NEUTRAL` scaling
-    the model builds with, marked `HIDDEN`; None as `hidden_args` says it."""
-    if not isinstance(getattr(args, "rope_scaling", None), dict) or getattr(args, HIDDEN, False):
+    """``(model_cls(a), a)`` for ``a``, a copy of ``args`` with the first other `NEUTRAL`
+    scaling the model builds with, marked `HIDDEN` (also for no scaling: deepseek_v2.py
+    and minicpm3.py read keys of theirs); None as `hidden_args` says it."""
+    if "rope_scaling" not in vars(args) or getattr(args, HIDDEN, False):
         return None
     for neutral in NEUTRAL:
+        if neutral == args.rope_scaling:
+            continue
         tried = copy.copy(args)
         tried.rope_scaling = neutral
         setattr(tried, HIDDEN, True)
