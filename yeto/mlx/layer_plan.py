@@ -66,12 +66,21 @@ class _ThenQKNorm(nn.Module):
 
 def _chunk_mask(h, cache, size: int):
     """mlx-lm's llama4.py chunk mask for one layer's cache: a key is seen from the
-    same chunk of ``size`` tokens, up to the query."""
-    start = cache.start_position if cache is not None else 0
-    offset = cache.offset if cache is not None else 0
+    same chunk of ``size`` tokens, up to the query. A cache that is no ChunkedKVCache
+    but makes its own mask (yeto's document `shims.MaskCache`) has it applied too."""
+    from mlx_lm.models.base import create_attention_mask
+
+    if hasattr(cache, "maybe_trim_front"):
+        cache.maybe_trim_front()
+    start = getattr(cache, "start_position", 0)
+    offset = getattr(cache, "offset", 0)
     end = offset + h.shape[1]
     keys, queries = mx.arange(start, end), mx.arange(offset, end)[:, None]
-    return ((keys // size) == (queries // size)) & (keys <= queries)
+    mask = ((keys // size) == (queries // size)) & (keys <= queries)
+    if cache is not None and not hasattr(cache, "start_position"):
+        own = create_attention_mask(h, cache, return_array=True)
+        mask = mask & own if own is not None else mask
+    return mask
 
 
 def _call(self, inputs, cache=None):
@@ -80,12 +89,8 @@ def _call(self, inputs, cache=None):
 
     h = self.embed_tokens(inputs)
     for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
-        if layer.yeto_chunked:
-            if c is not None:
-                c.maybe_trim_front()
-            mask = _chunk_mask(h, c, self.attention_chunk_size)
-        else:
-            mask = create_attention_mask(h, c)
+        mask = (_chunk_mask(h, c, self.attention_chunk_size) if layer.yeto_chunked
+                else create_attention_mask(h, c))
         h = layer(h, mask, cache=c)
     return self.norm(h)
 
