@@ -135,3 +135,23 @@ def test_layer_plans_decode_through_their_caches(arch, tmp_path):
     steps = [np.array(model(ids[:, :6], cache=cache))[:, -1]]
     steps += [np.array(model(ids[:, t:t + 1], cache=cache))[:, -1] for t in range(6, 10)]
     assert np.allclose(np.stack(steps, 1), whole[:, 5:], atol=1e-5 * np.abs(whole).max())
+
+
+@pytest.mark.slow
+def test_llama4_plan_with_packed_documents(tmp_path):
+    """A document-packed block (yeto.mlx.shims.MaskCache through every layer, chunked
+    ones included): the first document's logits are those of it alone, and the second
+    document does not see the first."""
+    import mlx.core as mx
+    import numpy as np
+
+    from yeto.mlx.learner import document_mask, logits_of
+    from yeto.mlx.shims import load_model
+
+    model, _ = load_model(archs.tiny_model("llama4", tmp_path / "m", overrides=_PLANS["llama4"]))
+    ids = mx.array([[3, 5, 7, 9, 11, 13, 15, 17, 19, 21]])
+    packed = np.array(logits_of(model, ids, document_mask(np.array([[0, 1, 2, 0, 1, 2, 3, 4, 5,
+                                                                      6]]))))
+    alone = np.array(model(ids[:, :3]))
+    assert np.allclose(packed[:, :3], alone, atol=1e-6)
+    assert not np.allclose(packed[:, 3:], np.array(model(ids))[:, 3:], atol=1e-3)
