@@ -71,8 +71,10 @@ def run_arm(model_dir, train, args, syncer_addr: str | None) -> tuple[float, flo
     island = None
     if syncer_addr:
         client = SyncerClient(syncer_addr, f"bench-{time.monotonic_ns()}", weights.layout)
-        island = Island(FlatWeights(weights.layout, weights.get, weights.set), client=client,
-                        sync_every=args.sync_every, wire="q4")
+        island = Island(weights, client=client, sync_every=args.sync_every, wire="q4")
+        # the guard before each optimizer step, as the torch learner installs it
+        island.guard_updates(lambda before: bool(opt.register_step_pre_hook(
+            lambda *_: before())))
         island.start()
     for _ in range(3):  # warm-up, not timed
         train_step(model, opt, [next(sampler)], args.device)
@@ -141,10 +143,11 @@ def mlx_arm(model_dir: Path, train: Path, args, syncer_addr: str | None) -> tupl
         client = SyncerClient(syncer_addr, f"bench-mlx-{time.monotonic_ns()}", weights.layout)
         island = Island(FlatWeights(weights.layout, weights.get, weights.set), client=client,
                         sync_every=args.sync_every, wire="q4")
+        island.guard_updates(lambda before: True)  # `mlx_step` calls it before the update
         island.start()
 
         def step(mb):
-            _, loss_tokens = mlx_step(model, opt, [mb], loss_and_grad)
+            _, loss_tokens = mlx_step(model, opt, [mb], loss_and_grad, island.before_update)
             island.after_step(loss_tokens)
             return loss_tokens
     for _ in range(2):  # warm-up, not timed
