@@ -209,25 +209,29 @@ def test_mlp_width_not_a_multiple_of_the_hidden_size():
     assert model.model.h[0].mlp.dense_h_to_4h.weight.shape == (72, 64)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "cohere2", "exaone"])
-def test_heads_as_wide_as_the_config_says(arch):
+@pytest.mark.parametrize("arch,more,rotated", [
+    ("mixtral", {}, 32), ("cohere2", {}, 32), ("exaone", {}, 32),
+    ("recurrent_gemma", {"num_key_value_heads": 2}, 16),  # partial_rotary_factor 0.5
+])
+def test_heads_as_wide_as_the_config_says(arch, more, rotated):
     """4 heads x head_dim 32 != hidden 64: mlx-lm's mixtral.py builds hidden // heads per
-    head, cohere2.py refuses to build, exaone.py reshapes the output to hidden_size;
-    yeto.mlx.heads gives every attention the config's width."""
+    head, cohere2.py refuses to build, exaone.py reshapes the output to hidden_size,
+    recurrent_gemma.py both and one key/value head; yeto.mlx.heads gives every attention
+    the config's widths."""
     import mlx.core as mx
 
-    model = _mlx_model(arch, head_dim=32)
+    model = _mlx_model(arch, head_dim=32, **more)
     attns = [m for _, m in model.named_modules() if "q_proj" in m and hasattr(m, "head_dim")]
     assert attns
     for attn in attns:
-        out_proj = attn.get("o_proj") or attn["out_proj"]
+        out_proj = attn["o_proj"] if "o_proj" in attn else attn["out_proj"]
         assert attn.head_dim == 32 and attn.scale == pytest.approx(32 ** -0.5)
         assert attn.q_proj.weight.shape == (4 * 32, 64)
         assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (2 * 32, 64)
         assert out_proj.weight.shape == (64, 4 * 32)
-        assert attn.rope.dims == 32
+        assert attn.rope.dims == rotated
     x = mx.random.normal((1, 3, 64), key=mx.random.key(0))
-    assert attns[0](x).shape == (1, 3, 64)  # exaone.py's own reshape raises here
+    assert attns[0](x).shape == (1, 3, 64)  # exaone.py's, recurrent_gemma.py's reshapes raise
 
 
 def test_a_config_without_head_dim_gets_the_one_transformers_builds():
@@ -321,7 +325,8 @@ _LONG = {"short_factor": [1.0 + 0.05 * i for i in range(8)],
 
 
 @pytest.mark.parametrize("length", [6, 48])  # within the original 8 positions; past 32
-@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "llama3", "longrope"])
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "yarn-mscale_all_dim",
+                                  "llama3", "longrope"])
 def test_exact_rope_is_transformers_rotary(kind, length):
     """`exact_rope` against transformers' LlamaRotaryEmbedding (its inverse frequencies,
     attention factor, longrope's switch to long_factor, dynamic's growth) at lengths
@@ -340,6 +345,8 @@ def test_exact_rope_is_transformers_rotary(kind, length):
               "high_freq_factor": 4.0, **(_LONG if kind == "longrope" else {})}
     if kind == "longrope":
         del params["factor"]  # max / original positions: attention factor above 1
+    if kind == "yarn-mscale_all_dim":  # attention factor mscale(factor): mlx-lm's is 1
+        params.update(rope_type="yarn", mscale_all_dim=1.0)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
                       max_position_embeddings=32, rope_parameters=params)
     x = np.random.default_rng(0).standard_normal((1, 1, length, 16)).astype(np.float32)

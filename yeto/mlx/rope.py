@@ -101,9 +101,27 @@ def exact_rope(dims: int, base: float, traditional: bool, scaling: dict,
         raise UnsupportedConfig("rope_parameters.rope_type='dynamic' needs "
                                 "max_position_embeddings in the config: set it")
     rope = initialize_rope(dims, base, traditional, scaling, max_positions)
-    if kind == "yarn" and scaling.get("truncate") is False:
-        _untruncate(rope, scaling, base)
+    if kind == "yarn":
+        rope.mscale = _yarn_attention_factor(scaling)
+        if scaling.get("truncate") is False:
+            _untruncate(rope, scaling, base)
     return rope
+
+
+def _yarn_attention_factor(scaling: dict) -> float:
+    """transformers' yarn attention factor: ``attention_factor``, else mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim) where both are given, else mscale(factor)
+    (mlx-lm's YarnRoPE takes the ratio with defaults 1 and 0 whatever is given)."""
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale()
 
 
 def _kind(scaling: dict) -> str:
