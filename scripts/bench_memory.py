@@ -24,7 +24,7 @@ What is measured, in one run:
            and after the rounds: the best of each direction). Then what the island's
            training loop waits for its own push without blocking sync (one synthetic
            island, quorum 1, a push every 2 steps): staged behind the guard
-           (`Island.before_update`) against staged in the loop, both in this run.
+           (`Island.before_update`) against staged in the loop, every other push.
 
 Goal: syncer <= 10 B/param without momentum, <= 14 with it, whatever the number of
 islands; island overhead <= 10 B/param; the 5e8 round fits in 24 GiB and takes
@@ -565,42 +565,51 @@ def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> d
                 encode_s=[e for d in done for e in d["encode_s"][1:]])
 
 
-OVERLAP_PUSHES = 5  # pushes per island_overlap_run (the first, which touches every page, aside)
+OVERLAP_PUSHES = 9  # pushes of island_overlap_run's training steps: the first aside, 4 + 4
 
 
-def island_overlap_run(numel: int, tmp: Path, in_loop: bool) -> dict:
+def island_overlap_run(numel: int, tmp: Path) -> tuple[dict, dict]:
     """What the training loop waits for its own push, where that is all it waits
     for: one synthetic island (a subprocess) and a syncer with quorum 1, no blocking
     sync, a push every 2 steps (each step a read-only gradient pass, the guard, the
-    update), one step more after the last (finish pushes it: not counted).
-    `in_loop`: without the guard (`--stage-in-loop`), each push staged in the
-    training loop: the baseline. Per push after the first: `blocked_s` (the push
-    call plus the guard's wait), `encode_s` (the encode proper, on the background
-    thread: less the staging there) and `stage_s` (that staging; 0 in the loop);
-    `bpp`: the island's peak RSS per parameter (its weights included)."""
+    update), one step more after the last (finish pushes it: not counted). Every
+    other push is staged behind the guard, the others in the training loop (the
+    baseline), so both meet the same load. Returns (behind the guard, in the loop),
+    each per push after the first: `blocked_s` (the push call plus the guard's wait),
+    `encode_s` (the encode proper, on the background thread: less the staging there),
+    `stage_s` (that staging); and `bpp`, the island's peak RSS per parameter (its
+    weights included)."""
     island = ROOT / "scripts" / "synthetic_island.py"
-    rec = tmp / f"overlap-{'loop' if in_loop else 'guard'}.jsonl"
+    rec = tmp / "overlap.jsonl"
     with start_syncer(["--quorum", "1", "--grace-ms", "0"], cwd=ROOT,
                       log=tmp / "overlap-syncer.log") as syncer:
         with open(tmp / "overlap-island.log", "w") as err:
             proc = subprocess.run(
                 [sys.executable, str(island), "--syncer", syncer.address, "--learner-id",
                  "overlap", "--dim", str(numel), "--steps", str(2 * OVERLAP_PUSHES + 1),
-                 "--sync-every", "2", "--record", str(rec)] + (["--stage-in-loop"] if in_loop
-                                                                else []),
+                 "--sync-every", "2", "--alternate-guard", "--record", str(rec)],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError("overlap island failed:\n"
                                + (tmp / "overlap-island.log").read_text()[-3000:])
         syncer.wait(timeout=300)
     done = [json.loads(line) for line in rec.read_text().splitlines()][-1]
-    n = OVERLAP_PUSHES  # the pushes of the training steps; the first aside
-    if len(done["encode_s"]) < n or len(done["blocked_s"]) < n:
-        raise RuntimeError(f"overlap island pushed {len(done['encode_s'])} times, not {n}")
-    stage = done["stage_s"] or [0.0] * n
-    return dict(blocked_s=done["blocked_s"][1:n],
-                encode_s=[e - s for e, s in zip(done["encode_s"], stage)][1:n],
-                stage_s=stage[1:n], bpp=done["peak_rss_kib"] * 1024 / numel)
+    if len(done["guarded"]) != OVERLAP_PUSHES or len(done["encode_s"]) < OVERLAP_PUSHES:
+        raise RuntimeError(f"overlap island pushed {len(done['guarded'])} times in its "
+                           f"steps, not {OVERLAP_PUSHES}")
+    stages = iter(done["stage_s"])
+    out = ({}, {})
+    for i, guarded in enumerate(done["guarded"]):
+        stage = next(stages) if guarded else 0.0
+        if i == 0:
+            continue  # it touches every page
+        row = out[0 if guarded else 1]
+        for key, value in (("blocked_s", done["blocked_s"][i]), ("stage_s", stage),
+                           ("encode_s", done["encode_s"][i] - stage)):
+            row.setdefault(key, []).append(value)
+    for row in out:
+        row["bpp"] = done["peak_rss_kib"] * 1024 / numel
+    return out
 
 
 def overlap_table(guard: dict, loop: dict) -> tuple[float, float]:
@@ -608,13 +617,13 @@ def overlap_table(guard: dict, loop: dict) -> tuple[float, float]:
     in this run); returns (blocked, encode) of the guard run: medians."""
     med = statistics.median
     print_table(["island, no blocking sync (median per push)", "loop waits s", "encode s",
-                 "staging in the background s", "peak RSS B/param"],
+                 "staging in the background s"],
                 [["push staged in the training loop (no guard)", med(loop["blocked_s"]),
-                  med(loop["encode_s"]), "", loop["bpp"]],
+                  med(loop["encode_s"]), ""],
                  ["push staged behind the guard (Island.before_update)",
-                  med(guard["blocked_s"]), med(guard["encode_s"]), med(guard["stage_s"]),
-                  guard["bpp"]]],
-                right=[1, 2, 3, 4])
+                  med(guard["blocked_s"]), med(guard["encode_s"]), med(guard["stage_s"])]],
+                right=[1, 2, 3])
+    print(f"the island's peak RSS: {guard['bpp']:.2f} B/param (its weights included)")
     return med(guard["blocked_s"]), med(guard["encode_s"])
 
 
@@ -689,8 +698,7 @@ def half_billion_main(args) -> int:
     before = raw_grpc(up, 4 * numel, streams=2)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
         run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands)
-        guard = island_overlap_run(numel, Path(tmp), in_loop=False)
-        loop = island_overlap_run(numel, Path(tmp), in_loop=True)
+        guard, loop = island_overlap_run(numel, Path(tmp))
     after = raw_grpc(up, 4 * numel, streams=2)  # the machine's speed drifts: the best of both
     raw_up, raw_down = min(before[0], after[0]), min(before[1], after[1])
     peaks = [run["syncer_peak_kib"], *run["island_peak_kib"]]

@@ -14,11 +14,14 @@ step's two parts: a read-only pass (the loss and the gradient w - target, as a
 forward and backward read the weights), then the island's guard
 (`Island.before_update`: a push may be staged in the background meanwhile), then the
 update (the gradient recomputed per chunk: no gradient buffer). `--stage-in-loop`
-leaves the guard out: each push is staged in the training loop instead. The "done"
-record carries the process's peak RSS (VmHWM), CPU seconds (user + system), and per
-push the seconds the loop waited for it (`blocked_s`: the push, then the guard) and
-its encode took (`encode_s`, on the background thread; with the guard it stages there
-first, and `stage_s` says how long that took).
+leaves the guard out: each push is staged in the training loop instead;
+`--alternate-guard` has every other push staged in the loop (the guard and its
+baseline in one run). The "done" record carries the process's peak RSS (VmHWM), CPU
+seconds (user + system), and per push the seconds the loop waited for it
+(`blocked_s`: the push, then the guard) and its encode took (`encode_s`, on the
+background thread; behind the guard it stages there first, and `stage_s` says how
+long that took, per push so staged), and for the pushes of the training steps whether
+each was staged behind the guard (`guarded`).
 """
 
 from __future__ import annotations
@@ -135,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-in-loop", action="store_true",
                    help="no guard before the update: each push is staged in the training "
                         "loop (the guard's baseline)")
+    p.add_argument("--alternate-guard", action="store_true",
+                   help="every other push staged in the training loop, the others behind "
+                        "the guard (odd pushes: 1, 3, ...)")
     p.add_argument("--token", default=None)
     p.add_argument("--record", type=Path, default=None,
                    help="JSONL: one line per applied version with the weights' SHA-256")
@@ -173,19 +179,25 @@ def main(argv=None) -> int:
     if not args.stage_in_loop:
         island.guard_updates(lambda before_update: True)  # called before each update
     island.start()
+    guarded = []
     for _ in range(args.steps):
         loss = model.gradient()
         if args.step_seconds:
             time.sleep(args.step_seconds)
         island.before_update()
         model.update()
-        if island.after_step(args.tokens, train_loss=loss):
+        if args.alternate_guard:  # the guard for the next push when it is an odd one
+            island.guard_updates(lambda before_update: island.pushes % 2 == 1)
+        pushes = island.pushes
+        over = island.after_step(args.tokens, train_loss=loss)
+        guarded += [island.stager.deferred] * (island.pushes - pushes)
+        if over:
             break
     island.finish()
     record("done", version=island.version, final=island.finished, step=island.step,
            weights_sha256=hashlib.sha256(model.w).hexdigest(), peak_rss_kib=peak_rss_kib(),
            cpu_s=sum(os.times()[:2]), blocked_s=island.blocked_s,
-           encode_s=island.ledger.encode_s, stage_s=island.stager.stage_s)
+           encode_s=island.ledger.encode_s, stage_s=island.stager.stage_s, guarded=guarded)
     return 0
 
 
