@@ -82,10 +82,11 @@ def test_arch_sweep_variants_fail_only_outside_yeto(tmp_path):
 
 # heads x head_dim != hidden_size (4 x 32 != 64): mlx-lm's mixtral.py and recurrent_gemma.py
 # build hidden // heads per head, cohere2.py refuses, exaone.py reshapes the output to hidden
-# (yeto.mlx.heads); recurrent_gemma.py's RoPE base is 10000 whatever rope_theta says
+# (yeto.mlx.heads); recurrent_gemma.py also reshapes keys and values to one head, and its
+# RoPE base is 10000 whatever rope_theta says
 HEAD_WIDTHS = {
     "mixtral": {"head_dim": 32}, "cohere2": {"head_dim": 32}, "exaone": {"head_dim": 32},
-    "recurrent_gemma": {"head_dim": 32, "rope_parameters": {
+    "recurrent_gemma": {"head_dim": 32, "num_key_value_heads": 2, "rope_parameters": {
         "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
 }
 

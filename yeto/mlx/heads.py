@@ -12,18 +12,21 @@ files cannot hold it:
   ``head_dim``; the attention is ``hidden_size // num_attention_heads`` per head;
 - cohere2.py reads ``head_dim`` but raises unless heads x head_dim = hidden_size
   (`build` builds it at hidden_size // heads first, `_NARROW_FIRST`);
-- exaone.py reads ``head_dim`` but reshapes the attention output to the input's width
-  (`_OUTPUT_IS_INPUT_WIDE`: its ``__call__`` is replaced by the same one reshaping to
-  heads x head_dim).
+- exaone.py reads ``head_dim`` but reshapes the attention output to the input's width;
+  recurrent_gemma.py reshapes keys and values to one head whatever
+  ``num_key_value_heads`` says (`_OWN_CALL`).
 
 `fit_heads` gives each such attention of the built model (a module with an int
-``head_dim`` and q/k/v/o ``nn.Linear`` projections) the config's width before the
-weights load: new projections (same heads, same biases), ``head_dim``, ``scale``, and a
-plain ``nn.RoPE`` over the same share of the head (the config's
-``partial_rotary_factor`` where it says one) with the same base and layout, which
-`yeto.mlx.rope.fix_rope` then scales as the config says. What it cannot widen (fused
-projections, a scale not ``head_dim ** -0.5``, other parameters as wide as a head, a
-file's own RoPE class without scaling) is refused with `UnsupportedConfig`.
+``head_dim`` and q/k/v/o ``nn.Linear`` projections) the config's widths before the
+weights load: new projections (same biases), ``head_dim``, ``scale``, and a plain
+``nn.RoPE`` over the same share of the head (the config's ``partial_rotary_factor``
+where it says one) with the same base and layout, which `yeto.mlx.rope.fix_rope` then
+scales as the config says; an attention of a file in `_OWN_CALL` whose own call cannot
+compute the config's widths gets `_attention`, the same steps reshaped as transformers
+reshapes them (heads of ``head_dim``, as many as the projections hold). What it cannot
+widen (fused projections, a scale not ``head_dim ** -0.5``, other parameters as wide as
+a head, a file's own RoPE class without scaling, key/value heads a file's call
+hard-codes) is refused with `UnsupportedConfig`.
 """
 
 from __future__ import annotations
@@ -38,22 +41,25 @@ from yeto.mlx.errors import UnsupportedConfig
 
 # mlx-lm files that raise unless num_attention_heads x head_dim = hidden_size
 _NARROW_FIRST = {"cohere2"}
-# mlx-lm files whose attention reshapes its output to the input's width (hidden_size)
-_OUTPUT_IS_INPUT_WIDE = {"exaone"}
+# mlx-lm files whose attention ``__call__`` hard-codes a width; where the config asks for
+# another, the attention computes as transformers' does instead (`_attention`)
+_OWN_CALL = {"exaone": "reshapes the output to the input's width (hidden_size)",
+             "recurrent_gemma": "reshapes keys and values to one head"}
 _OUT_NAMES = ("o_proj", "out_proj")
 
 
-def widths(config: dict[str, Any]) -> tuple[int, int, int] | None:
-    """(head_dim, hidden_size, num_attention_heads) of a config whose heads are not
-    hidden_size wide together; None when they are, or where another rule decides (a
-    composite's text model, DeepSeek's latent attention)."""
-    hd, hidden, heads = (config.get(k) for k in ("head_dim", "hidden_size",
-                                                 "num_attention_heads"))
+def shape(config: dict[str, Any]) -> tuple[int, int, int, int] | None:
+    """(head_dim, hidden_size, num_attention_heads, num_key_value_heads) transformers
+    builds the attention with; None where another rule decides (a composite's text model,
+    DeepSeek's latent attention) or the config has no such fields."""
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if ("text_config" in config or "kv_lora_rank" in config
-            or not all(isinstance(x, int) and x > 0 for x in (hd, hidden, heads))
-            or hd * heads == hidden):
+            or not all(isinstance(x, int) and x > 0 for x in (hidden, heads))):
         return None
-    return hd, hidden, heads
+    hd, kv = config.get("head_dim"), config.get("num_key_value_heads")
+    hd = hd if isinstance(hd, int) and hd > 0 else hidden // heads
+    kv = kv if isinstance(kv, int) and kv > 0 else heads
+    return hd, hidden, heads, kv
 
 
 def transformers_head_dim(config: dict[str, Any], hf) -> int | None:
@@ -80,10 +86,10 @@ def build(model_cls, args, config: dict[str, Any]):
     """``model_cls(args)``; a file in `_NARROW_FIRST` is built with head_dim =
     hidden_size // heads (so are layers rebuilt from the model's arguments before
     `fit_heads` widens them and gives the arguments the config's head_dim back)."""
-    w = widths(config)
-    if config.get("model_type") not in _NARROW_FIRST or w is None:
+    s = shape(config)
+    if config.get("model_type") not in _NARROW_FIRST or s is None or s[0] * s[2] == s[1]:
         return model_cls(args)
-    hd, hidden, heads = w
+    hd, hidden, heads, _ = s
     if hidden % heads:
         raise UnsupportedConfig(
             f"head_dim={hd}: {_where(model_cls)} builds its attention only where "
@@ -93,37 +99,49 @@ def build(model_cls, args, config: dict[str, Any]):
     return model_cls(args)
 
 
+def _reads_head_dim(args) -> bool:
+    if dataclasses.is_dataclass(args):
+        return "head_dim" in {f.name for f in dataclasses.fields(args)}
+    return hasattr(args, "head_dim")
+
+
 def fit_heads(model, args, config: dict[str, Any]) -> list[str]:
-    """Give the attentions of the built ``model`` the config's head_dim (see the module
-    docstring); returns the paths of the modules changed."""
-    w = widths(config)
-    if w is None:
+    """Give the attentions of the built ``model`` the config's head_dim and key/value
+    heads (see the module docstring); returns the paths of the modules changed."""
+    s, kind = shape(config), config.get("model_type")
+    if s is None or (s[0] * s[2] == s[1] and kind not in _OWN_CALL):
         return []
-    hd, hidden, heads = w
-    kind = config.get("model_type")
-    reads = "head_dim" in {f.name for f in dataclasses.fields(args)} \
-        if dataclasses.is_dataclass(args) else hasattr(args, "head_dim")
+    hd, hidden, heads, kv = s
+    reads = _reads_head_dim(args)
     narrow = hidden // heads if (not reads or kind in _NARROW_FIRST) else None
     done, fitted = [], False
     for path, m in model.named_modules():
-        width = getattr(m, "head_dim", None)
-        if not isinstance(width, int) or "q_proj" not in m:
+        if not isinstance(getattr(m, "head_dim", None), int) or "q_proj" not in m:
             continue
-        if width == narrow and width != hd:
-            _widen(m, hd, config, args)
+        if m.head_dim == narrow != hd:
+            _widen(m, hd, heads, kv, config, args, free_kv=kind in _OWN_CALL)
             done.append(path)
-        if m.head_dim == hd and kind in _OUTPUT_IS_INPUT_WIDE:
-            m.__class__ = _output_any_width(type(m))
-            done.append(f"{path} (output {heads} x {hd} wide)")
+        if kind in _OWN_CALL and m.head_dim == hd and _own_call_needed(m, s):
+            _project(m, hd, heads, kv)
+            m.__class__ = _with_attention(type(m))
+            done.append(f"{path} (transformers' reshapes: {heads}/{kv} heads x {hd})")
         fitted = fitted or m.head_dim == hd
     if kind in _NARROW_FIRST:
         _restore(model, args, hd, hidden // heads)
-    if not reads and not fitted:
+    if not reads and not fitted and hd * heads != hidden:
         raise UnsupportedConfig(
             f"head_dim={hd}: {_where(model)} builds its attention {hidden // heads} wide per "
             f"head (hidden_size // num_attention_heads = {hidden} // {heads}) in a form yeto "
             "cannot widen (it widens q_proj, k_proj, v_proj and o_proj linears)")
     return done
+
+
+def _own_call_needed(attn, s: tuple[int, int, int, int]) -> bool:
+    """Whether the config asks ``attn`` (of a file in `_OWN_CALL`) for a width its own
+    ``__call__`` cannot compute: heads not hidden_size wide together, or other key/value
+    heads than its projections hold."""
+    hd, hidden, heads, kv = s
+    return hd * heads != hidden or attn.k_proj.weight.shape[0] != kv * hd
 
 
 def _restore(model, args, hd: int, narrow: int) -> None:
@@ -143,30 +161,46 @@ def _linear(m, name: str, where: str) -> nn.Linear:
     return layer
 
 
-def _widen(attn, hd: int, config: dict[str, Any], args) -> None:
-    """``attn``'s projections, head_dim, scale and RoPE at head width ``hd``."""
-    old, where = attn.head_dim, _where(type(attn))
+def _project(attn, hd: int, heads: int, kv: int) -> None:
+    """``attn``'s q/k/v/o projections for ``heads`` queries and ``kv`` key/value heads
+    ``hd`` wide (same input and output widths, same biases); those already that wide
+    are kept."""
+    where = _where(type(attn))
     out_name = next((n for n in _OUT_NAMES if n in attn), _OUT_NAMES[0])
     q, k, v, o = (_linear(attn, n, where) for n in ("q_proj", "k_proj", "v_proj", out_name))
-    heads, kv = q.weight.shape[0] // old, k.weight.shape[0] // old
-    want_kv = config.get("num_key_value_heads") or config.get("num_attention_heads")
-    if isinstance(want_kv, int) and kv != want_kv:
-        raise UnsupportedConfig(f"num_key_value_heads={want_kv}: {where} builds {kv} key/value "
-                                f"head(s) in {type(attn).__name__}")
-    if not math.isclose(getattr(attn, "scale", old ** -0.5), old ** -0.5):
-        raise UnsupportedConfig(f"head_dim={hd}: {where}'s {type(attn).__name__} scales its "
-                                f"softmax by {attn.scale}, not head_dim ** -0.5; yeto cannot "
-                                "tell the scale at another width")
-    for name, child in attn.children().items():
-        if name not in ("q_proj", "k_proj", "v_proj", out_name, "rope") and any(
-                old in p.shape for _, p in _flat(child)):
-            raise UnsupportedConfig(f"head_dim={hd}: {where}'s {type(attn).__name__}.{name} is "
-                                    "as wide as a head; yeto widens only the projections")
     hidden = q.weight.shape[1]
-    attn.q_proj = nn.Linear(hidden, heads * hd, bias="bias" in q)
-    attn.k_proj = nn.Linear(hidden, kv * hd, bias="bias" in k)
-    attn.v_proj = nn.Linear(hidden, kv * hd, bias="bias" in v)
-    setattr(attn, out_name, nn.Linear(heads * hd, o.weight.shape[0], bias="bias" in o))
+    for name, old, shape_ in (("q_proj", q, (heads * hd, hidden)),
+                              ("k_proj", k, (kv * hd, hidden)), ("v_proj", v, (kv * hd, hidden)),
+                              (out_name, o, (o.weight.shape[0], heads * hd))):
+        if old.weight.shape != shape_:
+            setattr(attn, name, nn.Linear(shape_[1], shape_[0], bias="bias" in old))
+
+
+def _widen(attn, hd: int, heads: int, kv: int, config: dict[str, Any], args,
+           free_kv: bool) -> None:
+    """``attn``'s projections, head_dim, scale and RoPE at head width ``hd``; its
+    key/value heads stay as built unless ``free_kv`` (its call reshapes them as the
+    config says)."""
+    old, where, name = attn.head_dim, _where(type(attn)), type(attn).__name__
+    out_name = next((n for n in _OUT_NAMES if n in attn), _OUT_NAMES[0])
+    built_q = _linear(attn, "q_proj", where).weight.shape[0]
+    built_kv = _linear(attn, "k_proj", where).weight.shape[0] // old
+    if built_q != heads * old:
+        raise UnsupportedConfig(f"head_dim={hd}: {where}'s {name}.q_proj is {built_q} wide, "
+                                f"not num_attention_heads x {old}; yeto cannot widen it")
+    if built_kv != kv and not free_kv:
+        raise UnsupportedConfig(f"num_key_value_heads={kv}: {where} builds {built_kv} "
+                                f"key/value head(s) in {name}")
+    if not math.isclose(getattr(attn, "scale", old ** -0.5), old ** -0.5):
+        raise UnsupportedConfig(f"head_dim={hd}: {where}'s {name} scales its softmax by "
+                                f"{attn.scale}, not head_dim ** -0.5; yeto cannot tell the "
+                                "scale at another width")
+    for child_name, child in attn.children().items():
+        if child_name not in ("q_proj", "k_proj", "v_proj", out_name, "rope") and any(
+                old in p.shape for _, p in _flat(child)):
+            raise UnsupportedConfig(f"head_dim={hd}: {where}'s {name}.{child_name} is as "
+                                    "wide as a head; yeto widens only the projections")
+    _project(attn, hd, heads, kv if free_kv else built_kv)
     attn.head_dim, attn.scale = hd, hd ** -0.5
     if "rope" in attn:
         attn.rope = _rope(attn.rope, old, hd, config, args, where)
@@ -202,30 +236,32 @@ def _rope(old, old_hd: int, hd: int, config: dict[str, Any], args, where: str) -
                    base=base, scale=scale)
 
 
-_WIDE: dict[type, type] = {}
+_OWN: dict[type, type] = {}
 
 
-def _output_any_width(cls: type) -> type:
-    """``cls`` (mlx_lm/models/exaone.py's AttentionModule) with `_exaone_attention` as
-    its ``__call__``."""
+def _with_attention(cls: type) -> type:
+    """``cls`` (an attention of a file in `_OWN_CALL`) with `_attention` as its
+    ``__call__``."""
     if getattr(cls, "_yeto_heads", False):
         return cls
-    if cls not in _WIDE:
-        _WIDE[cls] = type(cls.__name__, (cls,), {
-            "__call__": _exaone_attention, "__module__": cls.__module__,
+    if cls not in _OWN:
+        _OWN[cls] = type(cls.__name__, (cls,), {
+            "__call__": _attention, "__module__": cls.__module__,
             "__qualname__": cls.__qualname__, "_yeto_heads": True})
-    return _WIDE[cls]
+    return _OWN[cls]
 
 
-def _exaone_attention(self, x, mask=None, cache=None):
-    """mlx_lm/models/exaone.py's ``AttentionModule.__call__``, the output reshaped to
-    heads x head_dim (``-1``) where exaone.py reshapes it to the input's width."""
+def _attention(self, x, mask=None, cache=None):
+    """The attention of mlx_lm/models/exaone.py's ``AttentionModule`` and
+    recurrent_gemma.py's ``LocalAttentionBlock`` (same steps: project, rotate, attend
+    with ``self.scale``, project out), reshaped as transformers' attention is: heads of
+    ``head_dim`` as many as the projections hold (``-1``), the output heads x head_dim
+    wide. Called by keyword (recurrent_gemma.py) or by position (exaone.py)."""
     from mlx_lm.models.base import scaled_dot_product_attention
 
     B, L, _ = x.shape
-    q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-    k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q, k, v = (p(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+               for p in (self.q_proj, self.k_proj, self.v_proj))
     if cache is not None:
         q = self.rope(q, offset=cache.offset)
         k = self.rope(k, offset=cache.offset)
@@ -233,4 +269,5 @@ def _exaone_attention(self, x, mask=None, cache=None):
     else:
         q, k = self.rope(q), self.rope(k)
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-    return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    out_proj = self["o_proj"] if "o_proj" in self else self["out_proj"]
+    return out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
