@@ -471,10 +471,13 @@ def _together(fns) -> float:
     return time.perf_counter() - t0
 
 
-def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> tuple[float, float]:
+def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2,
+             cpu: dict | None = None) -> tuple[float, float]:
     """Best seconds for `streams` concurrent raw uploads of `up_bytes` each, then as many
     concurrent raw downloads of `down_bytes` each (another process), at each of
-    bench_transfer's raw message sizes: the fastest of each direction."""
+    bench_transfer's raw message sizes: the fastest of each direction. `cpu`: gets the
+    server process's fewest CPU seconds for each direction ("up", "down"), kept if less
+    than what it holds."""
     from bench_transfer import raw_down, raw_messages, raw_up
 
     with tempfile.TemporaryDirectory(prefix="bench-raw-") as tmp:
@@ -490,13 +493,21 @@ def raw_grpc(up_bytes: int, down_bytes: int, streams: int, repeat: int = 2) -> t
             opts = net.GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
             chans = [grpc.insecure_channel(addr, options=opts) for _ in range(streams)]
             best_up = best_down = float("inf")
+            cpu = {} if cpu is None else cpu
+
+            def timed(way: str, fns) -> float:
+                c0 = proc_cpu_s(proc.pid)
+                seconds = _together(fns)
+                cpu[way] = min(cpu.get(way, float("inf")), proc_cpu_s(proc.pid) - c0)
+                return seconds
+
             for size, pieces in raw_messages(up_bytes).items():
                 for _ in range(repeat):
-                    best_up = min(best_up, _together([lambda c=c, p=pieces: raw_up(c, p)
-                                                      for c in chans]))
+                    best_up = min(best_up, timed("up", [lambda c=c, p=pieces: raw_up(c, p)
+                                                        for c in chans]))
                 for _ in range(repeat):
-                    best_down = min(best_down, _together([lambda c=c, s=size: raw_down(c, s)
-                                                          for c in chans]))
+                    best_down = min(best_down, timed("down", [
+                        lambda c=c, s=size: raw_down(c, s) for c in chans]))
             for ch in chans:
                 ch.close()
         finally:
@@ -671,6 +682,28 @@ def memcpy_rate(nbytes: int = 256 << 20, repeat: int = 10) -> float:
     return 2 * nbytes / best
 
 
+def arithmetic_cpu_s(numel: int, islands: int = 2, repeat: int = 3) -> float:
+    """CPU seconds (this process, all its threads) of a round's arithmetic alone, done
+    as the syncer does it (`syncer.merge.MergeAccumulator`): `islands` q4 pushes held in
+    memory decoded into the sum with their norms (the first assigns it), then the outer
+    step (lr 1, μ 0); the fewest of `repeat` rounds on the same buffers."""
+    from syncer.merge import MergeAccumulator
+    from syncer.strategy import Nesterov
+
+    payload, theta = q4_payload(numel, seed=0), np.zeros(numel, np.float32)
+    scratch, best = None, float("inf")
+    for _ in range(repeat):
+        acc = MergeAccumulator(numel)
+        if scratch is not None:
+            acc.reuse(scratch)
+        t0 = time.process_time()
+        for i in range(islands):
+            acc.add(payload, "q4", 100 + i)
+        scratch = acc.step_outer(Nesterov(), theta, None)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
 def round_floor_bytes(numel: int, islands: int, momentum: bool = False) -> int:
     """The bytes one round makes the syncer read and write, at the least: each q4 push
     read from its socket into memory (read + write), decoded and summed (the first
@@ -695,11 +728,12 @@ def half_billion_main(args) -> int:
           "before the run")
     up = codec.encoded_size("q4", numel)
     copy_rate = memcpy_rate()
-    before = raw_grpc(up, 4 * numel, streams=2)
+    raw_cpu: dict = {}  # the raw server's CPU seconds for each direction, best
+    before = raw_grpc(up, 4 * numel, streams=2, cpu=raw_cpu)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
         run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands)
         guard, loop = island_overlap_run(numel, Path(tmp))
-    after = raw_grpc(up, 4 * numel, streams=2)  # the machine's speed drifts: the best of both
+    after = raw_grpc(up, 4 * numel, streams=2, cpu=raw_cpu)  # the speed drifts: best of both
     raw_up, raw_down = min(before[0], after[0]), min(before[1], after[1])
     peaks = [run["syncer_peak_kib"], *run["island_peak_kib"]]
     total_gib = sum(peaks) / (1 << 20)
@@ -725,8 +759,10 @@ def half_billion_main(args) -> int:
                  for i, r in enumerate(run["round_s"])], right=range(6))
     copy_rate = max(copy_rate, memcpy_rate())  # the best of before and after the rounds
     cpu, _, _ = _floor_table(run, numel, copy_rate)
+    arith, transport = _stack_table(numel, copy_rate, arithmetic_cpu_s(numel), raw_cpu)
     blocked, encode = overlap_table(guard, loop)
-    print(f"RESULT cpu_over_floor={cpu:.2f} island_blocked_s={blocked:.3f} "
+    print(f"RESULT cpu_over_floor={cpu:.2f} arith_over_floor={arith:.2f} "
+          f"raw_cpu_over_floor={transport:.2f} island_blocked_s={blocked:.3f} "
           f"encode_s={encode:.3f} "
           f"island_blocked_in_loop_s={statistics.median(loop['blocked_s']):.3f} "
           f"half_billion_peak_gib={total_gib:.2f} round_s={round_s:.2f} "
@@ -753,6 +789,26 @@ def _floor_table(run: dict, numel: int, copy_rate: float) -> tuple[float, float,
                  ["islands, blocking run: the push's encode, background (median)", encode]],
                 right=[1])
     return cpu / floor_s, blocked, encode
+
+
+def _stack_table(numel: int, copy_rate: float, arith_s: float,
+                 raw_cpu: dict) -> tuple[float, float]:
+    """What numpy and gRPC alone need of a round, against the floor: the round's
+    arithmetic (`arithmetic_cpu_s`) and the raw gRPC server's CPU for the round's bytes
+    (two q4 pushes in, two f32 broadcasts out, each the best seen). Returns both ÷ floor."""
+    floor_s = round_floor_bytes(numel, 2) / copy_rate
+    transport = raw_cpu["up"] + raw_cpu["down"]
+    print_table(["the round's parts alone, CPU seconds (measured in this run)", "seconds",
+                 "÷ floor"],
+                [["arithmetic: 2 q4 pushes decoded and summed, the outer step (numpy, "
+                  "as the syncer does it, best of 3)", arith_s, arith_s / floor_s],
+                 ["raw gRPC server: 2 q4 pushes in (best)", raw_cpu["up"],
+                  raw_cpu["up"] / floor_s],
+                 ["raw gRPC server: 2 f32 broadcasts out (best)", raw_cpu["down"],
+                  raw_cpu["down"] / floor_s],
+                 ["together: the least this stack spends on a round", arith_s + transport,
+                  (arith_s + transport) / floor_s]], right=[1, 2])
+    return arith_s / floor_s, transport / floor_s
 
 
 if __name__ == "__main__":
