@@ -156,3 +156,21 @@ def test_llama4_plan_with_packed_documents(tmp_path):
     alone = np.array(model(ids[:, :3]))
     assert np.allclose(packed[:, :3], alone, atol=1e-6)
     assert not np.allclose(packed[:, 3:], np.array(model(ids))[:, 3:], atol=1e-3)
+
+
+@pytest.mark.slow
+def test_arch_sweep_variants_with_rope_types_their_files_cannot_apply(tmp_path):
+    """The variants (--seed 0) whose RoPE type the mlx-lm file's own rotary or constructor
+    could not apply (issue 32: MLA and own rotary classes, a rotary function, constructors
+    that refuse the scaling) have the torch island's logits (yeto.mlx.rope_files)."""
+    archs_ = "deepseek_v2,hunyuan_v1_dense,minicpm3,nanochat,qwen2_moe,nemotron,gpt_oss"
+    out = tmp_path / "rope.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "arch_sweep.py"), "--jobs", "2",
+                          "--variants", "3", "--seed", "0", "--only", archs_, "--json", out],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 21
+    failed = [f"{r['arch']}#{r['variant']}: {r['status']} {r['reason']}" for r in rows
+              if r["status"] != "ok"]
+    assert not failed, "\n".join(failed)
