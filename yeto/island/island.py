@@ -208,6 +208,7 @@ class Island:
     def _apply_all(self, received: list[Received]) -> None:
         if not received:
             return
+        self.before_update()  # no staging may read the weights or the anchor meanwhile
         self._settle(wait=True, only={got.fragment for got in received})
         applied = []
         with self.passes.open() as w:
