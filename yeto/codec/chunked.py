@@ -11,6 +11,9 @@ of decoded values, whatever the size of the vector.
   push's norm); `norm`: the norm alone (clipping); `vector_norm`: a vector's.
 - `encode_diff`: encode(a - b) chunk by chunk into one output buffer, and b += the
   decoded update, in place (the compressed downlink).
+- `q4_chunk_parts` and `q4_add_square`: a q4 chunk as its scales and codes, views of
+  the payload or read from a spill file into a scratch, decoded in that scratch: the
+  syncer's sums make no bytes object and no array per chunk (issue 34).
 
 Payloads are buffers or `yeto.codec.buffers.SpilledPayload`s (bytes in a temporary
 file); every function here reads both alike, same bits.
