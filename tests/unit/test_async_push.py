@@ -180,7 +180,7 @@ def test_a_push_without_the_guard_is_staged_in_the_training_thread():
     island = Island(weights, client=syncer, sync_every=4, chunk=256)
     island.guard_updates(None)
     island.start()
-    weights.hold.set()  # a read off the training thread would wait here (never released)
+    weights.hold.set()  # from here a read off the training thread waits for `gate`
     _train(island, weights, syncer, 4)
     assert not island.stager.deferred and not island.stager.pending
     assert not weights.entered.is_set() and island.pushes == 1
