@@ -102,6 +102,9 @@ OTHER_CONFIGS = {
     # values v_head_dim (16) wide, not hidden / heads (8), and a tied head, which mlx-lm's
     # minicpm3.py builds otherwise (yeto.mlx.minicpm3)
     "minicpm3": {"hidden_size": 64, "num_attention_heads": 8, "tie_word_embeddings": True},
+    # a head tied to the embedding with a bias of its own (transformers' lm_head.bias),
+    # where mlx-lm's ernie4_5_moe.py computes the tied head without one (yeto.mlx.structure)
+    "ernie4_5_moe": {"use_bias": True, "tie_word_embeddings": True},
 }
 
 

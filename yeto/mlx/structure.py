@@ -12,7 +12,8 @@ sanitized weights just before they load and changes the model, not the weights:
   the checkpoint lacks loses it;
 - an untied head (``lm_head.weight``) where the model ties it: the embedding module
   gets the head as its ``as_linear`` weight (`UntiedEmbedding`), so the model's own
-  ``embed_tokens.as_linear(h)`` computes ``h · headᵀ``;
+  ``embed_tokens.as_linear(h)`` computes ``h · headᵀ``; a head bias (``lm_head.bias``)
+  there is added by ``as_linear`` (`HeadBias`);
 - a tied checkpoint (no ``lm_head.weight``) where the model has a head: the head is
   loaded with the embedding matrix, as transformers ties it.
 """
@@ -34,13 +35,21 @@ class UntiedEmbedding:
         return x @ self["head"].T
 
 
-_UNTIED: dict[type, type] = {}
+class HeadBias:
+    """Mixed into an embedding's own class: ``as_linear`` adds the head's bias
+    (``head_bias``), for a head tied to the embedding that has a bias of its own."""
+
+    def as_linear(self, x):
+        return super().as_linear(x) + self["head_bias"]
 
 
-def _untied(cls: type) -> type:
-    if cls not in _UNTIED:
-        _UNTIED[cls] = type(cls.__name__, (UntiedEmbedding, cls), {"__module__": cls.__module__})
-    return _UNTIED[cls]
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def _mixed(mixin: type, cls: type) -> type:
+    if (mixin, cls) not in _MIXED:
+        _MIXED[mixin, cls] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+    return _MIXED[mixin, cls]
 
 
 def _module(model, path: str):
@@ -83,7 +92,7 @@ def _head(model, weights: dict, params: dict) -> None:
         if path is not None:
             emb = _module(model, path)
             if not isinstance(emb, UntiedEmbedding):  # (a replay on loaded weights: as is)
-                emb.__class__ = _untied(type(emb))
+                emb.__class__ = _mixed(UntiedEmbedding, type(emb))
                 emb["head"] = mx.zeros(weights[key].shape, dtype=emb.weight.dtype)
             weights[f"{path}.head"] = weights.pop(key)
     for key in [k for k in params if k.endswith(HEADS) and k not in weights]:
@@ -95,10 +104,30 @@ def _head(model, weights: dict, params: dict) -> None:
             weights[key] = weights[emb]
 
 
+def _head_bias(model, weights: dict, params: dict) -> None:
+    """A head bias (``lm_head.bias``) where the model computes its head with the
+    embedding (tied, or untied by `_head`): added by the embedding's ``as_linear``."""
+    for key in [k for k in weights if k.endswith(tuple(h[:-len("weight")] + "bias"
+                                                       for h in HEADS)) and k not in params]:
+        if _module(model, key.rsplit(".", 1)[0]) is not None:
+            continue  # the model has the head module: `_biases` gives it the bias
+        prefix = key.rsplit(".", 2)[0] + "." if key.count(".") > 1 else ""
+        path = next((p for p, m in model.named_modules() if p.startswith(prefix)
+                     and isinstance(m, nn.Embedding) and f"{p}.weight".endswith(EMBEDDINGS)
+                     and m.weight.shape[0] == weights[key].shape[0]), None)
+        if path is not None:
+            emb = _module(model, path)
+            if not isinstance(emb, HeadBias):
+                emb.__class__ = _mixed(HeadBias, type(emb))
+                emb["head_bias"] = mx.zeros(weights[key].shape, dtype=emb.weight.dtype)
+            weights[f"{path}.head_bias"] = weights.pop(key)
+
+
 def reconcile(model, weights: dict) -> dict:
     """The model changed to hold what ``weights`` (sanitized) holds (module docstring);
     returns ``weights`` (the head renamed where it moved into the embedding)."""
     params = dict(tree_flatten(model.parameters()))
     _head(model, weights, params)  # first: a tied head copied in may have a bias to drop
+    _head_bias(model, weights, params)
     _biases(model, weights, params)
     return weights
