@@ -67,6 +67,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.pool = buffers.buffer_pool(max_inflight_pushes)
         self.spills = buffers.spill_pool(max_inflight_pushes, run.cfg.state_dir)
         self.spill_min_bytes = spill_min_bytes
+        self.arrivals = staging.Arrivals()
 
     def _caller(self, context, learner_id: str | None, call: str) -> str | None:
         """Check a call's credential; returns the island it authenticates (None: no
@@ -150,7 +151,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         its size); a small one to a buffer. Both are pooled: back in their pool once
         merged, for the next push. Either is kept instead while the run holds pushes
         until the round commits (clipping).
-        The first push of a round is also summed as it arrives (`syncer.staging`).
+        The first push of a round is also summed as it arrives, if no other push of its
+        fragment is arriving then (`syncer.staging`).
         The seed's buffer becomes Θ."""
         keep = h.seed or self.run.cfg.clip_factor > 0
         if not h.seed and h.payload_bytes >= self.spill_min_bytes:
@@ -159,21 +161,26 @@ class SyncerService(pb_grpc.SyncerServicer):
         else:
             buf = None if keep else self.pool.get(h.payload_bytes)
             done = None if keep else (lambda: self.pool.put(buf))
-        staged = None if keep else staging.claim(self.run, h, buf)  # summed as it arrives
-        try:
+        with self.arrivals.arriving(h) as alone:
+            staged = None  # summed as it arrives, when it arrives alone (syncer.staging)
+            if not keep:
+                staged = staging.claim(self.run, h, buf) if alone else \
+                    staging.make_way(self.run, h)
             try:
-                payload = _receive(h, first, rest, staged or buf, intake.max_abs(self.run, h))
-            except OSError as e:  # the spill file: a full or vanished disk
-                raise Reject("exhausted", f"the syncer could not write the push from "
-                             f"{h.learner_id} to its spill file: {e}; free disk space in "
-                             "the state dir (or raise --spill-min-mib); the island "
-                             "retries") from None
-            return self.run.push(h, payload)
-        finally:
-            if staged is not None:
-                staging.release(self.run, staged)
-            if done is not None:
-                done()
+                try:
+                    payload = _receive(h, first, rest, staged or buf,
+                                       intake.max_abs(self.run, h))
+                except OSError as e:  # the spill file: a full or vanished disk
+                    raise Reject("exhausted", f"the syncer could not write the push from "
+                                 f"{h.learner_id} to its spill file: {e}; free disk space "
+                                 "in the state dir (or raise --spill-min-mib); the island "
+                                 "retries") from None
+                return self.run.push(h, payload)
+            finally:
+                if staged is not None:
+                    staging.release(self.run, staged)
+                if done is not None:
+                    done()
 
     def _spill_file(self, h) -> buffers.SpilledPayload:
         folder = self.run.cfg.state_dir

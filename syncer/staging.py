@@ -22,6 +22,11 @@ the round's sum is, bit for bit, the sum of the whole payloads in the order the 
 accepted them (a staged push in range assigns w·Δ exactly as the first whole push
 would), and memory is unchanged: no push is held decoded beside the sum.
 
+Pushes that arrive together race to their last byte, and a stager that loses throws
+its decode so far away; so a push stages only when it starts alone (no other push of
+its fragment arriving), and one that starts beside a stager not yet half in takes it
+off the buffer at once (`Arrivals`, `make_way`).
+
 Not staged: seeds, rounds with `--clip-factor` (pushes are kept until the commit),
 pushes with 0 loss tokens (their weight depends on the pushes after them), a round
 whose sum is not fresh, any push while a commit waits for its save, or one that
@@ -30,6 +35,7 @@ wait for it to start arriving)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -137,6 +143,54 @@ class StagedSum:
             for lo in range(0, self.numel, CHUNK):
                 self.buf[lo:lo + CHUNK] *= np.float32(scale)
         return norm, scale
+
+
+class Arrivals:
+    """The delta pushes arriving now, per fragment. A push that arrives alone may stage
+    (`claim`); one that starts beside others does not, and takes the round's stager off
+    the buffer at once if it is not half in yet (`make_way`). Pushes that arrive
+    together race: the first to end takes the buffer from a stager, and the stager's
+    decode so far is lost (two islands pushing at once did so every round:
+    BENCHMARKS.md, issue 34). Which path a push takes is all this decides, never the
+    bits of the sum."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def arriving(self, h):
+        """For the length of push `h`'s stream: yields whether it arrives alone (no
+        other delta push of its fragment arriving when it starts)."""
+        if h.seed:
+            yield True
+            return
+        with self._lock:
+            others = self._count.get(h.fragment, 0)
+            self._count[h.fragment] = others + 1
+        try:
+            yield others == 0
+        finally:
+            with self._lock:
+                self._count[h.fragment] -= 1
+
+
+def make_way(run, h) -> None:
+    """Push `h` starts beside others: the push staging into its fragment's open round
+    goes on as a whole one, unless it is half in (then it most likely ends first). Not
+    done while a commit holds the run's lock (nobody waits here). Returns None: `h`
+    itself arrives whole."""
+    if h.seed or not run.cond.acquire(blocking=False):
+        return None
+    try:
+        rnd = run.open.get(h.fragment)
+        stager = None if rnd is None else rnd.acc.staging
+        if stager is not None and 2 * stager.lo < stager.numel:
+            stager.demote()
+            rnd.acc.staging = None
+    finally:
+        run.cond.release()
+    return None
 
 
 def claim(run, h, keep) -> StagedSum | None:

@@ -155,3 +155,39 @@ def test_a_staged_push_refused_at_its_end_changes_nothing():
     staging.release(run, staged)
     run.finished = False
     assert run.state_digest() == digest
+
+
+def test_a_push_that_starts_beside_a_stager_not_half_in_takes_it_off_the_buffer():
+    """Pushes arriving together race, and a stager that loses throws its decode away:
+    a push starting beside a stager that is not half in makes it a whole push at once
+    (`staging.make_way`); one past half keeps staging. The bits are those of whole
+    pushes in the order the run accepts them, either way."""
+    pushes = _payloads("q4", 2, seed=4)
+    run, gens = _run(("a", "b"))
+    ha, hb = _header("a", gens["a"]), _header("b", gens["b"], tokens=9)
+    arrivals = staging.Arrivals()
+    with arrivals.arriving(ha) as alone_a:
+        staged, rx = _claim(run, ha, pushes[0], upto=len(pushes[0]) // 4)
+        with arrivals.arriving(hb) as alone_b:
+            assert alone_a and not alone_b
+            staging.make_way(run, hb)
+            assert staged.demoted and run.open[0].acc.staging is None
+            rx.add(memoryview(pushes[0])[len(pushes[0]) // 4:])
+            assert run.push(ha, rx.finish())["accepted"]
+            assert run.push(hb, pushes[1])["accepted"]
+    with arrivals.arriving(ha) as alone:
+        assert alone  # nobody arriving any more
+    reference, g = _run(("a", "b"))
+    for learner, p, t in (("a", pushes[0], 7), ("b", pushes[1], 9)):
+        assert reference.push(_header(learner, g[learner], tokens=t), p)["accepted"]
+    assert run.version == reference.version == 1
+    assert run.theta.tobytes() == reference.theta.tobytes()
+
+
+def test_a_stager_past_half_keeps_staging_when_another_push_starts():
+    pushes = _payloads("q4", 1, seed=5)
+    run, gens = _run(("a", "b"))
+    staged, _ = _claim(run, _header("a", gens["a"]), pushes[0], upto=3 * len(pushes[0]) // 4)
+    assert 2 * staged.lo >= staged.numel
+    staging.make_way(run, _header("b", gens["b"]))
+    assert not staged.demoted and run.open[0].acc.staging is staged
