@@ -288,6 +288,23 @@ def test_rope_a_file_cannot_apply_is_replaced_after_building():
     assert type(rope) is nn.RoPE and rope.traditional and rope.dims == 16 and rope.scale == 1.0
 
 
+def test_longrope_keeps_the_pair_layout_its_file_asked_for():
+    """mlx-lm's longrope class drops ``traditional``: deepseek_v3.py asks for interleaved
+    pairs (as transformers' DeepSeek-V3 rotates), so yeto's longrope replacing it rotates
+    neighbours, not halves (before: seed-1 variants with longrope off by 0.4)."""
+    from yeto.mlx.rope import LongRoPE
+
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
+                "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                "long_factor": [1.5 + 0.1 * i for i in range(8)]}
+    model = _mlx_model("deepseek_v3", rope_parameters=longrope)
+    rope = model.model.layers[0].self_attn.rope
+    assert isinstance(rope, LongRoPE) and rope.traditional and rope.dims == 16
+    import mlx_lm.models.deepseek_v3 as file
+    from mlx_lm.models import rope_utils
+    assert file.initialize_rope is rope_utils.initialize_rope  # put back after the build
+
+
 def test_a_rotary_function_is_rebound_turning_the_same_way():
     """nanochat.py rotates with a function and negated frequencies (transformers' NanoChat
     turns the other way too): `Reversed` on reflections equals that; the attention calls

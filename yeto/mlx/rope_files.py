@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,37 @@ def hidden_build(model_cls, args):
     return None
 
 
+LAYOUT = "_yeto_traditional"  # set on each rotary mlx-lm's initialize_rope returned
+
+
+@contextmanager
+def layouts_recorded():
+    """While a model is built, each rotary mlx-lm's ``initialize_rope`` returns keeps the
+    pair layout its caller asked for (`LAYOUT`): its longrope class, ``SuScaledRoPE``,
+    drops ``traditional``, so an MLA file's interleaved pairs (deepseek_v3.py,
+    longcat_flash.py: ``traditional=True``) would be rotated as halves. The model
+    files' own references to the function are swapped for the recording one and put
+    back after."""
+    from mlx_lm.models import rope_utils
+
+    original = rope_utils.initialize_rope
+
+    def recording(dims, base, traditional, *args, **kwargs):
+        rope = original(dims, base, traditional, *args, **kwargs)
+        object.__setattr__(rope, LAYOUT, bool(traditional))
+        return rope
+
+    holders = [m for name, m in list(sys.modules.items()) if name.startswith("mlx_lm.models.")
+               and getattr(m, "initialize_rope", None) is original]
+    for m in holders:
+        m.initialize_rope = recording
+    try:
+        yield
+    finally:
+        for m in holders:
+            m.initialize_rope = original
+
+
 @dataclass(frozen=True)
 class Rotary:
     """What a rotary of a model file rotates: ``dims`` leading features of its input,
@@ -93,7 +126,7 @@ OWN_CLASSES: dict[str, Callable[[Any, Any], Rotary]] = {
     # hunyuan: base x alpha^(d/(d-2)); transformers' "dynamic" with an alpha is that
     "DynamicNTKAlphaRoPE": lambda m, a: Rotary(m.dims, False),
     # longrope with long_factor at any length: yeto's LongRoPE replaces it even then
-    "SuScaledRoPE": lambda m, a: Rotary(m.dim, False),
+    "SuScaledRoPE": lambda m, a: Rotary(m.dim, getattr(m, LAYOUT, False)),
 }
 
 

@@ -977,14 +977,15 @@ def _classes(config: dict):
     text_only = bool(config.get(_TEXT_ONLY))
 
     def build(args):
-        try:
-            model = heads.build(model_cls, args, config)  # heads: cohere2's head_dim
-        except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
-            hidden = rope_files.hidden_build(  # the scaling refused: fix_rope applies it
-                lambda a: heads.build(model_cls, a, config), args)
-            if hidden is None:
-                raise _unbuildable(config, model_cls, e) from e
-            model, args = hidden
+        with rope_files.layouts_recorded():
+            try:
+                model = heads.build(model_cls, args, config)  # heads: cohere2's head_dim
+            except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
+                hidden = rope_files.hidden_build(  # the scaling refused: fix_rope applies it
+                    lambda a: heads.build(model_cls, a, config), args)
+                if hidden is None:
+                    raise _unbuildable(config, model_cls, e) from e
+                model, args = hidden
         if "_no_grad" not in vars(model):
             model._no_grad = set()
             model._training = True
