@@ -163,9 +163,10 @@ class SyncerService(pb_grpc.SyncerServicer):
             done = None if keep else (lambda: self.pool.put(buf))
         with self.arrivals.arriving(h) as alone:
             staged = None  # summed as it arrives, when it arrives alone (syncer.staging)
-            if not keep:
-                staged = staging.claim(self.run, h, buf) if alone else \
-                    staging.make_way(self.run, h)
+            if not keep and alone:
+                staged = staging.claim(self.run, h, buf)
+            elif not keep:  # beside others: it arrives whole, and a stager may too
+                staging.make_way(self.run, h)
             try:
                 try:
                     payload = _receive(h, first, rest, staged or buf,

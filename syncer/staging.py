@@ -178,10 +178,9 @@ class Arrivals:
 def make_way(run, h) -> None:
     """Push `h` starts beside others: the push staging into its fragment's open round
     goes on as a whole one, unless it is half in (then it most likely ends first). Not
-    done while a commit holds the run's lock (nobody waits here). Returns None: `h`
-    itself arrives whole."""
+    done while a commit holds the run's lock (nobody waits here)."""
     if h.seed or not run.cond.acquire(blocking=False):
-        return None
+        return
     try:
         rnd = run.open.get(h.fragment)
         stager = None if rnd is None else rnd.acc.staging
@@ -190,7 +189,6 @@ def make_way(run, h) -> None:
             rnd.acc.staging = None
     finally:
         run.cond.release()
-    return None
 
 
 def claim(run, h, keep) -> StagedSum | None:
