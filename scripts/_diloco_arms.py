@@ -11,6 +11,9 @@ cell's ratio to data-parallel on the same tokens:
            steps per island, k = 4 and 8 at H = 100 (50 rounds; the bytes goal, >= 400x
            fewer than an all-reduce, needs H = 100 at k = 4)
   scratch  the same from random init, k = 4, H = 50 (100 rounds) and H = 100
+  warm2m   warm on the "small" tiny model (`yeto.testing.tiny.MODEL_SIZES`, over 2M
+           parameters), k = 4, H = 100, for dp4 and `LARGER_RULES` only: does the ratio
+           hold as the model grows (run it with --seeds 0,1)
 DiLoCo arms run through `python -m yeto.sim` (one process per arm), dp arms as one
 island process.
 """
@@ -34,6 +37,7 @@ class Regime:
     lora_r: int = 16
     sim: bool = False      # DiLoCo arms through python -m yeto.sim (one process)
     eval_blocks: int = 0   # held-out blocks evaluated (0 = all); islands evaluate at syncs
+    size: str = "tiny"     # the tiny model's size (yeto.testing.tiny.MODEL_SIZES)
 
 
 @dataclass(frozen=True)
@@ -259,9 +263,11 @@ CANDIDATES = {
     "restart": ("nesterov-restart", 0.4, 0.9),
 }
 DEFAULT = "avg"  # the syncer's default rule (syncer.run.Config); --quick runs it
-# the cells of the rules table: (regime, k, H)
+# the cells of the rules table: (regime, k, H); the last, the larger model, runs
+# LARGER_RULES only (the default and the candidate for it)
 CELLS = (("short", 4, 50), ("warm", 4, 100), ("warm", 8, 100), ("scratch", 4, 50),
-         ("scratch", 4, 100))
+         ("scratch", 4, 100), ("warm2m", 4, 100))
+LARGER_RULES = ("avg", "warmup")
 
 
 def rule_arm(rg: Regime, k: int, H: int, cand: str, steps: int) -> Arm:
@@ -278,15 +284,17 @@ def rules_plan() -> tuple[dict[str, Regime], list[Arm]]:
                    inner_lr=3e-3, sim=True)
     warm = Regime("warm", "full", True, "stdlib", steps=5000, batch=4, seq_len=32,
                   inner_lr=1e-3, sim=True, eval_blocks=128)  # as --long: caches agree
-    regimes = {"short": short, "warm": warm, "scratch": replace(warm, name="scratch",
-                                                                 pretrain=False)}
+    regimes = {"short": short, "warm": warm,
+               "scratch": replace(warm, name="scratch", pretrain=False),
+               "warm2m": replace(warm, name="warm2m", size="small")}
     arms: list[Arm] = []
     for name, k, H in CELLS:
         rg = regimes[name]
         per_island = rg.steps // k if name == "short" else rg.steps  # short: same tokens
         arms.append(Arm(name, f"dp{k}", "dp", k=k, steps=per_island, batch=rg.batch * k,
                         ref=f"dp{k}"))
-        arms += [rule_arm(rg, k, H, c, per_island) for c in CANDIDATES]
+        rules = LARGER_RULES if rg.size != "tiny" else CANDIDATES
+        arms += [rule_arm(rg, k, H, c, per_island) for c in rules]
     return regimes, list({a.key: a for a in arms}.values())
 
 

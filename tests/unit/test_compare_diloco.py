@@ -71,7 +71,7 @@ def test_the_rules_table_and_goal_lines_say_what_ran(capsys):
     import compare_diloco as cd
 
     regimes, arms, seeds = cd.plan("rules")
-    assert seeds == [0, 1, 2] and set(regimes) == {"short", "warm", "scratch"}
+    assert seeds == [0, 1, 2] and set(regimes) == {"short", "warm", "scratch", "warm2m"}
     rows = {a.key: cd.Row(a) for a in arms}
     bytes_fewer = {"short": 0.01, "warm": 1 / 500}  # bytes per token ratio
 
@@ -96,8 +96,8 @@ def test_the_rules_table_and_goal_lines_say_what_ran(capsys):
     assert ("RESULT goal=outer_rule rule=avg cell=short:k4:H50 met=yes ratio=1.0200+-0.0100 "
             "fewer_bytes=100 seeds=3 target_ratio=1.03 target_fewer=0") in lines
     assert ("RESULT goal=one_rule rule=avg met=n/a missing=warm:k4:H100,warm:k8:H100 "
-            "cells=1/5") in lines
-    assert "RESULT goal=one_rule rule=o04 met=no cells=3/5" in lines  # short: 1.15 > 1.03
+            "cells=1/6") in lines
+    assert "RESULT goal=one_rule rule=o04 met=no cells=3/6" in lines  # short: 1.15 > 1.03
     assert any(x.startswith("RESULT goal=outer_rule rule=o04 cell=warm:k4:H100 met=yes ")
                for x in lines)
 
@@ -133,3 +133,48 @@ def test_a_reference_that_spiked_at_the_end_gives_no_ratio():
     assert cd.spike_lines(rows) == [
         "RESULT note=reference_spiked arm=short:dp4 seed=2 eval_loss=1.8900 "
         "best_on_the_way=1.1100 (no ratio for this seed)"]
+
+
+def test_the_larger_model_cell_runs_dp4_and_two_rules_on_the_small_model():
+    """warm2m: the warm regime on the "small" tiny model (over 2M parameters), dp4 and
+    LARGER_RULES only, each arm cached apart from the tiny model's; the tiny regimes'
+    cache keys are the ones computed before sizes existed."""
+    import hashlib
+    import json
+
+    import _diloco_arms as arms_mod
+    import compare_diloco as cd
+
+    regimes, arms, _ = cd.plan("rules")
+    warm, larger = regimes["warm"], regimes["warm2m"]
+    assert larger.size == "small" and warm.size == "tiny"
+    assert {**vars(larger), "name": "warm", "size": "tiny"} == vars(warm)  # only the model
+    by = {a.key: a for a in arms}
+    got = [(a.name, a.kind, cd.candidate_of(a)) for a in arms if a.regime == "warm2m"]
+    assert got[0][:2] == ("dp4", "dp")
+    assert got[1:] == [(f"diloco4-H100-q4-dq4{'' if c == 'avg' else '-' + c}", "diloco", c)
+                       for c in arms_mod.LARGER_RULES]
+    assert "warmup" in arms_mod.LARGER_RULES
+    assert [a.key for a in cd.choose(arms, "warm2m:*warmup")] == [
+        "warm2m:dp4", "warm2m:diloco4-H100-q4-dq4-warmup"]
+
+    def digest(a, seed=0):
+        cfg = cd.config_of(a, regimes[a.regime], seed)
+        return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+    # the digests of runs/compare-rules/results/warm/ cached before sizes existed
+    assert digest(by["warm:dp4"]) == "c759054e4111a12c"
+    assert digest(by["warm:diloco4-H100-q4-dq4-warmup"]) == "035869ae0c5a4cd4"
+    assert digest(by["warm2m:dp4"]) != digest(by["warm:dp4"])
+
+
+def test_max_steps_caps_every_arm_and_keys_its_cache_apart():
+    import compare_diloco as cd
+
+    regimes, arms, _ = cd.plan("rules")
+    arm = next(a for a in arms if a.key == "warm2m:diloco4-H100-q4-dq4-warmup")
+    (short,) = cd.capped([arm], 300)
+    assert (arm.steps, short.steps, short.H) == (5000, 300, 100)
+    assert cd.config_of(short, regimes["warm2m"], 0) != cd.config_of(arm, regimes["warm2m"], 0)
+    with pytest.raises(SystemExit, match="at least 1 step"):
+        cd.capped([arm], 0)

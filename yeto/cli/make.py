@@ -9,7 +9,7 @@ from pathlib import Path
 
 from yeto.testing.shapes import SHAPES, make_shaped_model, shape_help
 from yeto.testing.tasks import make_task
-from yeto.testing.tiny import ARCHS, make_tiny_model
+from yeto.testing.tiny import ARCHS, DEFAULT_SIZE, MODEL_SIZES, make_tiny_model
 
 
 def main_make_tiny_model(argv: Sequence[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main_make_tiny_model(argv: Sequence[str] | None = None) -> int:
         prog="yeto make-tiny-model",
         description="Build a tiny local causal LM (2 layers, hidden 128, 1024-token BPE\n"
         "tokenizer with a ChatML template) as a Hugging Face model dir. No network.\n"
+        "--size small: 4 layers, hidden 256, the same tokenizer (over 2M parameters).\n"
         "Cached under $YETO_CACHE (default ~/.cache/yeto).\n\n"
         "With --shape, write instead a random-weight model with the exact configuration\n"
         "of a real small model (float32, not cached) and a local 4k-token tokenizer, for\n"
@@ -26,6 +27,10 @@ def main_make_tiny_model(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("dir", type=Path, help="output model directory")
     p.add_argument("--arch", choices=ARCHS, default=None, help="architecture (default llama)")
+    p.add_argument("--size", choices=list(MODEL_SIZES), default=None,
+                   help="tiny model size: " + ", ".join(
+                       f"{k} ({v['num_hidden_layers']} layers, hidden {v['hidden_size']})"
+                       for k, v in MODEL_SIZES.items()) + f" (default {DEFAULT_SIZE})")
     p.add_argument("--shape", choices=list(SHAPES), default=None, metavar="NAME",
                    help="real-shape preset, random weights: "
                    + ", ".join(f"{k} ({v.params / 1e6:.0f}M)" for k, v in SHAPES.items()))
@@ -43,10 +48,13 @@ def main_make_tiny_model(argv: Sequence[str] | None = None) -> int:
     if args.shape is None:
         if args.config_only:
             p.error("--config-only needs --shape, e.g. --shape smollm2-135m --config-only")
-        arch = args.arch or "llama"
-        out = make_tiny_model(args.dir, arch=arch, seed=args.seed, pretrain=args.pretrain)
-        print(f"wrote tiny {arch} model to {out}")
+        arch, size = args.arch or "llama", args.size or DEFAULT_SIZE
+        out = make_tiny_model(args.dir, arch=arch, seed=args.seed, pretrain=args.pretrain,
+                              size=size)
+        print(f"wrote {size} {arch} model to {out}")
         return 0
+    if args.size is not None:
+        p.error(f"--shape {args.shape} fixes the model's size; drop --size")
     if args.arch is not None:
         p.error(f"--shape {args.shape} fixes the architecture ({SHAPES[args.shape].arch}); "
                 "drop --arch")

@@ -8,6 +8,11 @@ knows the vocabulary and the chat format but not the fine-tuning task
 (`yeto.testing.tasks`), and LoRA on the task shows real learning. What the
 pretraining buys, in held-out loss, and what it costs: BENCHMARKS.md, "The tiny model".
 
+Sizes (``size=``, `MODEL_SIZES`): ``tiny`` (the default: 2 layers, hidden 128) and
+``small`` (4 layers, hidden 256: over 2M parameters, for checking that a result holds
+as the model grows); both with the same tokenizer, vocabulary and pretraining recipe.
+`parameter_count` says how many parameters a size has without building weights.
+
 Built models are cached under ``$YETO_CACHE/tiny-models/<key>`` (default
 ``~/.cache/yeto``), keyed by everything that changes the weights, so a machine builds
 each base once.
@@ -57,6 +62,14 @@ SIZES = {
     "head_dim": 32,
     "max_position_embeddings": 1024,
 }
+# The named sizes: the same tokenizer and vocabulary, wider and deeper. "tiny" is SIZES,
+# so its cache key (and every model cached before sizes existed) is unchanged.
+MODEL_SIZES = {
+    "tiny": SIZES,
+    "small": {**SIZES, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 4},
+}
+DEFAULT_SIZE = "tiny"
 ROPE_THETA = 10000.0
 
 # Pretraining recipe (full weights, AdamW); part of the cache key.
@@ -69,36 +82,61 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(base) / "tiny-models"
 
 
-def cache_key(arch: str, seed: int, pretrain: bool) -> str:
+def shape_of(size: str) -> dict[str, int]:
+    """The model shape of a named size; a clear error for an unknown name."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of "
+                         f"{', '.join(MODEL_SIZES)} (e.g. size='small')")
+    return MODEL_SIZES[size]
+
+
+def cache_key(arch: str, seed: int, pretrain: bool, size: str = DEFAULT_SIZE) -> str:
+    # the shape itself is in the key (not the size's name), so "tiny" keeps the key it
+    # had before sizes existed
     spec = {
         "arch": arch,
         "seed": seed,
         "pretrain": PRETRAIN if pretrain else None,
-        "sizes": SIZES,
+        "sizes": shape_of(size),
         "rope_theta": ROPE_THETA,
         "version": FIXTURE_VERSION,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _config(arch: str, tokenizer: PreTrainedTokenizerFast) -> Any:
+def _config(arch: str, size: str, tokenizer: PreTrainedTokenizerFast | None) -> Any:
+    """The model config of (arch, size); without a tokenizer (parameter counts), the
+    size's vocabulary and no special token ids."""
     from transformers import AutoConfig
 
     extra: dict[str, Any] = {}
     if arch == "qwen2":
         extra["use_sliding_window"] = False
+    shape = shape_of(size)
+    special = ({} if tokenizer is None else
+               dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id))
     return AutoConfig.for_model(
         arch,
-        **{**SIZES, "vocab_size": len(tokenizer)},
+        **{**shape, "vocab_size": shape["vocab_size"] if tokenizer is None else len(tokenizer)},
         rms_norm_eps=1e-6,
         rope_theta=ROPE_THETA,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **special,
         **extra,
     )
+
+
+def parameter_count(size: str = DEFAULT_SIZE, arch: str = "llama") -> int:
+    """The parameters of a built (arch, size) model, counted on the meta device: the
+    real model class, no weights allocated, no tokenizer trained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_config(arch, size, None))
+    return sum(p.numel() for p in model.parameters())
 
 
 def _pretrain_rows(seed: int) -> list[dict]:
@@ -156,12 +194,13 @@ def _pretrain(model: Any, tokenizer: Any, seed: int) -> None:
     logger.info("pretrained %d steps in %.1fs", steps, time.perf_counter() - t0)
 
 
-def _build(out_dir: Path, arch: str, seed: int, pretrain: bool) -> None:
+def _build(out_dir: Path, arch: str, seed: int, pretrain: bool, size: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = local_tokenizer(seed, SIZES["vocab_size"], SIZES["max_position_embeddings"])
-    config = _config(arch, tokenizer)
+    shape = shape_of(size)
+    tokenizer = local_tokenizer(seed, shape["vocab_size"], shape["max_position_embeddings"])
+    config = _config(arch, size, tokenizer)
     # fork_rng: seed weight init and pretraining without touching the caller's RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -186,25 +225,27 @@ def make_tiny_model(
     seed: int = 0,
     pretrain: bool = True,
     cache_dir: str | Path | None = None,
+    size: str = DEFAULT_SIZE,
 ) -> Path:
     """Write a tiny Hugging Face model dir (safetensors, float32) and return its path.
 
-    Built once per (arch, seed, pretrain, sizes, FIXTURE_VERSION) into the cache
+    ``size`` names a shape of `MODEL_SIZES` ("tiny", the default, or "small").
+    Built once per (arch, seed, pretrain, shape, FIXTURE_VERSION) into the cache
     (``cache_dir``, else ``$YETO_CACHE``, else ``~/.cache/yeto``), then copied.
     Building writes to a temp dir and renames it, so concurrent callers
     never see half a model.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    cached = cache_root(cache_dir) / cache_key(arch, seed, pretrain)
+    cached = cache_root(cache_dir) / cache_key(arch, seed, pretrain, size)
     if not (cached / "model.safetensors").is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.parent / f".tmp-{cached.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             t0 = time.perf_counter()
-            _build(tmp, arch, seed, pretrain)
-            logger.info("built tiny %s model in %.1fs", arch, time.perf_counter() - t0)
+            _build(tmp, arch, seed, pretrain, size)
+            logger.info("built %s %s model in %.1fs", size, arch, time.perf_counter() - t0)
             try:
                 os.rename(tmp, cached)
             except OSError:
