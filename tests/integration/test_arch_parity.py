@@ -108,7 +108,14 @@ OTHER_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(OTHER_CONFIGS))
+# one config per mechanism runs by default; these run with the slow tier (each mechanism
+# is also unit-tested in tests/unit/test_arch_parity.py: the MLP width, exact longrope, a
+# refused constructor, MiniCPM3's values and tied head, Kimi-Linear's head)
+SLOW_CONFIGS = {"gpt_neox", "qwen3", "qwen2_moe", "minicpm3", "kimi_linear"}
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in SLOW_CONFIGS
+                                  else a for a in sorted(OTHER_CONFIGS)])
 def test_configs_other_than_the_presets(arch, tmp_path):
     d = archs.tiny_model(arch, tmp_path / arch, overrides=OTHER_CONFIGS[arch])
     rep = parity.check(d, r=4, alpha=8.0)

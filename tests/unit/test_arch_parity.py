@@ -371,3 +371,21 @@ def test_exact_rope_is_transformers_rotary(kind, length):
     want = llama.apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin)[0]
     got = exact_rope(16, 1e4, False, params, 32)(mx.array(x))
     np.testing.assert_allclose(np.array(got), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_minicpm3_values_and_tied_head_as_transformers_builds_them():
+    """mlx-lm's minicpm3.py makes values hidden / heads wide (here 8, the config says 16)
+    and skips the division by hidden_size / dim_model_base before a tied head
+    (yeto.mlx.minicpm3)."""
+    model = _mlx_model("minicpm3", hidden_size=64, num_attention_heads=8,
+                       tie_word_embeddings=True)
+    attn = model.model.layers[0].self_attn
+    assert attn.o_proj.weight.shape == (64, 8 * 16)
+    assert model.model.norm._yeto_divisor == 64 / 256
+
+
+def test_kimi_linear_head_is_never_tied():
+    """transformers' Kimi-Linear reads lm_head.weight whatever tie_word_embeddings says;
+    mlx-lm's kimi_linear.py would take the embedding for it."""
+    cfg = _tiny_config("kimi_linear", tie_word_embeddings=True)
+    assert config_overrides(cfg)["tie_word_embeddings"] is False
