@@ -124,8 +124,9 @@ class BroadcastReceiver:
             raise
 
     def _sink(self, header):
-        if (self.streams and not header.delta and header.encoding == "f32"
-                and header.payload_bytes >= self.stream_min_bytes):
+        # a compressed downlink adds its updates to the Θ kept here: that Θ comes whole
+        if (self.streams and not self.downlink.keep and not header.delta
+                and header.encoding == "f32" and header.payload_bytes >= self.stream_min_bytes):
             return _Streamed(self, header)
         return _Buffered(self, header)
 
