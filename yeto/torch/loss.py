@@ -18,10 +18,12 @@ def packed_inputs(model, tokens: torch.Tensor, positions: torch.Tensor | None) -
     inputs. Otherwise the model gets per-document ``position_ids`` and, for eager and
     sdpa attention, an explicit 4D block-diagonal causal mask (bool for sdpa, additive
     float for eager), which transformers passes through as-is. Other attention
-    implementations (flash_attention_*, flex_attention), and models whose sliding
-    window is shorter than the block, get ``position_ids`` alone, from which
-    transformers 5 splits packed sequences itself. The KV cache is off either way:
-    with a cache transformers ignores position-id packing.
+    implementations (flash_attention_*, flex_attention), and models with layers that
+    see less than the block (a sliding window or an attention chunk shorter than it:
+    `_layers_see_less_than`), get ``position_ids`` alone, from which transformers 5
+    builds each layer kind's mask within the documents itself (windows and chunks
+    counted from each document's start, as for the document alone). The KV cache is
+    off either way: with a cache transformers ignores position-id packing.
     """
     kw: dict = {"input_ids": tokens[:, :-1]}
     if positions is None:
@@ -32,7 +34,7 @@ def packed_inputs(model, tokens: torch.Tensor, positions: torch.Tensor | None) -
     kw.update(position_ids=pos, use_cache=False)
     config = getattr(model, "module", model).config  # DDP wraps the model in torchrun islands
     impl = getattr(config, "_attn_implementation", None) or "eager"
-    if impl in ("eager", "sdpa") and not _sliding_window_applies(config, pos.shape[1]):
+    if impl in ("eager", "sdpa") and not _layers_see_less_than(config, pos.shape[1]):
         seg = torch.cumsum(pos == 0, dim=1)
         n = pos.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
@@ -46,11 +48,18 @@ def packed_inputs(model, tokens: torch.Tensor, positions: torch.Tensor | None) -
     return kw
 
 
-def _sliding_window_applies(config, seq_len: int) -> bool:
-    # A 4D mask is used as-is by every layer, so it would drop a sliding window (and
-    # per-layer mixes of sliding and full attention); such models get position ids.
-    window = getattr(config, "sliding_window", None)
-    return bool(window) and seq_len > window and getattr(config, "use_sliding_window", True)
+def _layers_see_less_than(config, seq_len: int) -> bool:
+    """Whether some layer attends within less than ``seq_len`` tokens: a sliding window
+    or a chunk (Llama 4's ``chunked_attention`` layers, ``attention_chunk_size``)
+    shorter than the block. A 4D mask is used as-is by every layer, so it would drop
+    those (and per-layer mixes of them with full attention); such models get position
+    ids. Image-text models keep these fields in their text config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if window and seq_len > window and getattr(text, "use_sliding_window", True):
+        return True
+    chunk = getattr(text, "attention_chunk_size", None)
+    return bool(chunk) and seq_len > chunk
 
 
 def weighted_ce_from_logits(logits: torch.Tensor, targets: torch.Tensor,
