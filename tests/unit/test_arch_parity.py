@@ -389,3 +389,21 @@ def test_kimi_linear_head_is_never_tied():
     mlx-lm's kimi_linear.py would take the embedding for it."""
     cfg = _tiny_config("kimi_linear", tie_word_embeddings=True)
     assert config_overrides(cfg)["tie_word_embeddings"] is False
+
+
+def test_longrope_layout_survives_layers_built_again():
+    """Layers yeto builds again for the config's MLP plan (glm_moe_dsa's
+    ``mlp_layer_types``, `yeto.mlx.layer_kinds`) record their rotaries' layout too: the
+    rebuilt layers rotate interleaved pairs as transformers' GLM-MoE-DSA does (before: seed-1
+    and seed-2 variants with longrope off by 5e-3, 0.9 with the adapter)."""
+    from yeto.mlx.rope import LongRoPE
+
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
+                "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                "long_factor": [1.5 + 0.1 * i for i in range(8)]}
+    model = _mlx_model("glm_moe_dsa", rope_parameters=longrope, num_hidden_layers=3,
+                       mlp_layer_types=["dense", "sparse", "dense"])  # no period gives it
+    for layer in model.model.layers:
+        rope = layer.self_attn.rope
+        assert isinstance(rope, LongRoPE) and rope.traditional and rope.dims == 16
+        assert layer.self_attn.indexer.rope.traditional  # indexer_rope_interleave

@@ -991,14 +991,15 @@ def _classes(config: dict):
             model._training = True
         for repair in _MODEL_FIXES.get(config.get("model_type"), ()):
             repair(model, args, config)
-        try:
-            patched = layer_kinds.rebuild_layers(model, config)
-        except (ValueError, TypeError) as e:
-            raise UnsupportedConfig(
-                f"layer kinds {config.get(layer_kinds.KEY)}: {_where(model_cls)} places them "
-                f"periodically and its layers cannot be rebuilt one by one ({e})") from e
-        patched += layer_kinds.repair_indices(model)
-        patched += layer_plan.follow_config(model, config)  # after layer_kinds, before fix_rope
+        with rope_files.layouts_recorded():  # layers built again build their rotaries too
+            try:
+                patched = layer_kinds.rebuild_layers(model, config)
+            except (ValueError, TypeError) as e:
+                raise UnsupportedConfig(
+                    f"layer kinds {config.get(layer_kinds.KEY)}: {_where(model_cls)} places "
+                    f"them periodically and its layers cannot be rebuilt one by one ({e})") from e
+            patched += layer_kinds.repair_indices(model)
+            patched += layer_plan.follow_config(model, config)  # after layer_kinds, before fix_rope
         patched += patch_activations(model, config.get("model_type"), config)
         patched += heads.fit_heads(model, args, config)  # before fix_rope: it scales the RoPE
         patched += fix_rope(model, args, config)
