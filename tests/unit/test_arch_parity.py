@@ -407,3 +407,17 @@ def test_longrope_layout_survives_layers_built_again():
         rope = layer.self_attn.rope
         assert isinstance(rope, LongRoPE) and rope.traditional and rope.dims == 16
         assert layer.self_attn.indexer.rope.traditional  # indexer_rope_interleave
+
+
+def test_longcat_latent_norms_use_transformers_eps():
+    """mlx-lm's longcat_flash.py normalises the MLA latents with nn.RMSNorm's default eps
+    (1e-5), transformers' LongcatFlashMLA with 1e-6 (before: base logits apart by up to
+    1e-4 x max |logit|, seed-2 variant #2 over the bound)."""
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMLA
+
+    cfg = archs.tiny_config("longcat_flash", None)
+    torch_attention = LongcatFlashMLA(cfg, 0)
+    model = _mlx_model("longcat_flash")
+    for attention in model.model.layers[0].self_attn:
+        assert attention.q_a_layernorm.eps == torch_attention.q_a_layernorm.variance_epsilon
+        assert attention.kv_a_layernorm.eps == torch_attention.kv_a_layernorm.variance_epsilon

@@ -922,6 +922,19 @@ def _nanochat_eps(model, args, config: dict) -> None:
                {"rms_norm": lambda x: mx.fast.rms_norm(x, None, eps)}, key=("nanochat", eps))
 
 
+def _longcat_latent_eps(model, args, config: dict) -> None:
+    """mlx_lm/models/longcat_flash.py normalises the MLA latents (``q_a_layernorm``,
+    ``kv_a_layernorm``) with ``nn.RMSNorm``'s default eps 1e-5; transformers'
+    LongcatFlashMLA with its RMSNorm's default, 1e-6 (the config's rms_norm_eps is not
+    used there either)."""
+    for layer in model.layers:
+        for attention in layer.self_attn:
+            for name in ("q_a_layernorm", "kv_a_layernorm"):
+                norm = getattr(attention, name, None)
+                if norm is not None:
+                    norm.eps = 1e-6
+
+
 def _jamba_router(model, args, config: dict) -> None:
     """mlx_lm/models/jamba.py weights the chosen experts by a softmax over the chosen
     router logits (renormalised); transformers' Jamba by the softmax over all experts,
@@ -959,7 +972,7 @@ _MODEL_FIXES = {"glm": (_glm_rope,),
                 "gpt_neox": (_gpt_neox_width,), "gemma3": (_gemma3_embed_scale,),
                 "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,),
                 "exaone4": (_exaone_rope,), "exaone_moe": (_exaone_rope,),
-                "jamba": (_jamba_router,),
+                "jamba": (_jamba_router,), "longcat_flash": (_longcat_latent_eps,),
                 "minicpm3": (minicpm3.fit_values, minicpm3.scale_tied_head)}
 
 
