@@ -421,3 +421,22 @@ def test_longcat_latent_norms_use_transformers_eps():
     for attention in model.model.layers[0].self_attn:
         assert attention.q_a_layernorm.eps == torch_attention.q_a_layernorm.variance_epsilon
         assert attention.kv_a_layernorm.eps == torch_attention.kv_a_layernorm.variance_epsilon
+
+
+def test_afmoe_with_sliding_layers_only(tmp_path):
+    """afmoe.py looks up the first full-attention layer and builds one layer per
+    layer_types entry: the full one appended for the lookup builds a layer past the last,
+    which is dropped (before: refused naming layer_types). The model has the config's
+    layers, all sliding, and computes transformers' logits with a window (4) shorter
+    than the 16 tokens checked."""
+    from yeto.interop import parity
+
+    sliding = {"num_hidden_layers": 3, "layer_types": ["sliding_attention"] * 3,
+               "sliding_window": 4}
+    model = _mlx_model("afmoe", **sliding)
+    assert [layer.use_sliding for layer in model.layers] == [True] * 3
+    assert [type(c).__name__ for c in model.make_cache()] == ["RotatingKVCache"] * 3
+    rep = parity.check(archs.tiny_model("afmoe", tmp_path / "afmoe", overrides=sliding),
+                       r=4, alpha=8.0)
+    assert rep.names_ok and rep.adapter_effect > 0.1
+    assert rep.logits_ok(), (rep.max_dlogit, rep.max_logit, rep.base_dlogit, rep.notes)

@@ -384,9 +384,12 @@ _CHECKS = {"llama4": _llama4_layers, "llama4_text": _llama4_layers}
 
 _OTHER = {_FULL: _SLIDING, _SLIDING: _FULL, 0: 1, 1: 0, "L": "G", "G": "L"}
 # model files that look up the first layer of each kind in a per-layer list
-_INDEXES_KINDS = {"gpt_oss", "olmo3", "mimo_v2_flash", "exaone4", "gemma3n", "gemma3n_text"}
+_INDEXES_KINDS = {"gpt_oss", "olmo3", "mimo_v2_flash", "exaone4", "gemma3n", "gemma3n_text",
+                  "afmoe"}
 # ... and slice the layers that own a cache as layer_types[:layers - num_kv_shared_layers]
 _SLICES_KINDS = {"gemma3n", "gemma3n_text"}
+# ... and build one layer per entry (afmoe.py: enumerate(layer_types)): `_drop_appended_layer`
+_BUILDS_PER_KIND = {"afmoe"}
 
 
 def _one_kind_lists(have: dict, fields: dict, out: dict) -> None:
@@ -395,8 +398,9 @@ def _one_kind_lists(have: dict, fields: dict, out: dict) -> None:
     gemma3n.py look up the first layer of each kind
     (``layer_types.index("sliding_attention")``) to pick a cache for its mask, and fail
     without one; no layer is built from the extra entry
-    (layers are built for range(num_hidden_layers)), and the index it gives, past the
-    last layer, `layer_kinds.repair_indices` points at layer 0."""
+    (layers are built for range(num_hidden_layers); afmoe.py builds one from it, which
+    `_drop_appended_layer` drops), and the index it gives, past the last layer,
+    `layer_kinds.repair_indices` points at layer 0."""
     n = have.get("num_hidden_layers")
     if have.get("model_type") not in _INDEXES_KINDS:
         return
@@ -935,6 +939,19 @@ def _longcat_latent_eps(model, args, config: dict) -> None:
                     norm.eps = 1e-6
 
 
+def _drop_appended_layer(model, args, config: dict) -> None:
+    """A file of `_BUILDS_PER_KIND` built a layer from the entry `_one_kind_lists`
+    appended past the last layer: dropped before the weights load (never evaluated),
+    so the model has the config's layers, every one of the config's kind."""
+    n = args.num_hidden_layers
+    if len(getattr(args, "layer_types", None) or ()) != n + 1:
+        return
+    owner = next(m for _, m in model.named_modules()
+                 if isinstance(m.get("layers") if isinstance(m, dict) else None, list)
+                 and len(m["layers"]) == n + 1)
+    owner.layers = owner["layers"][:n]
+
+
 def _jamba_router(model, args, config: dict) -> None:
     """mlx_lm/models/jamba.py weights the chosen experts by a softmax over the chosen
     router logits (renormalised); transformers' Jamba by the softmax over all experts,
@@ -973,6 +990,7 @@ _MODEL_FIXES = {"glm": (_glm_rope,),
                 "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,),
                 "exaone4": (_exaone_rope,), "exaone_moe": (_exaone_rope,),
                 "jamba": (_jamba_router,), "longcat_flash": (_longcat_latent_eps,),
+                "afmoe": (_drop_appended_layer,),
                 "minicpm3": (minicpm3.fit_values, minicpm3.scale_tied_head)}
 
 
