@@ -202,6 +202,10 @@ def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
     regime = asdict(rg)
     if rg.size == "tiny":  # the size every earlier cache ran: their digests hold
         del regime["size"]
+    else:  # the base's cache key: a changed shape or pretraining recipe is a new result
+        from yeto.testing.tiny import cache_key
+
+        regime["model"] = cache_key("llama", 0, rg.pretrain, rg.size)
     return {"arm": what, "regime": regime, "seed": seed, "data": DATA_VERSION}
 
 
