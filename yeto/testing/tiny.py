@@ -10,7 +10,8 @@ pretraining buys, in held-out loss, and what it costs: BENCHMARKS.md, "The tiny 
 
 Sizes (``size=``, `MODEL_SIZES`): ``tiny`` (the default: 2 layers, hidden 128) and
 ``small`` (4 layers, hidden 256: over 2M parameters, for checking that a result holds
-as the model grows); both with the same tokenizer, vocabulary and pretraining recipe.
+as the model grows); both with the same tokenizer, vocabulary and pretraining data, each
+with its own pretraining recipe (`PRETRAIN_OF`).
 `parameter_count` says how many parameters a size has without building weights.
 
 Built models are cached under ``$YETO_CACHE/tiny-models/<key>`` (default
