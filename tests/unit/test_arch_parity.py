@@ -409,18 +409,20 @@ def test_longrope_layout_survives_layers_built_again():
         assert layer.self_attn.indexer.rope.traditional  # indexer_rope_interleave
 
 
-def test_longcat_latent_norms_use_transformers_eps():
-    """mlx-lm's longcat_flash.py normalises the MLA latents with nn.RMSNorm's default eps
-    (1e-5), transformers' LongcatFlashMLA with 1e-6 (before: base logits apart by up to
-    1e-4 x max |logit|, seed-2 variant #2 over the bound)."""
-    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMLA
+@pytest.mark.parametrize("arch", ["longcat_flash", "kimi_linear", "minicpm3", "glm4_moe_lite"])
+def test_mla_latent_norms_use_transformers_eps(arch):
+    """transformers' MLA normalises its latents (q_a_layernorm, kv_a_layernorm) with eps
+    1e-6; these mlx-lm files with nn.RMSNorm's default 1e-5 or the config's rms_norm_eps
+    (before: base logits apart by 1e-5 to 1e-4 x max |logit|; longcat_flash's seed-2
+    variant #2 over the bound)."""
+    from transformers import AutoModelForCausalLM
 
-    cfg = archs.tiny_config("longcat_flash", None)
-    torch_attention = LongcatFlashMLA(cfg, 0)
-    model = _mlx_model("longcat_flash")
-    for attention in model.model.layers[0].self_attn:
-        assert attention.q_a_layernorm.eps == torch_attention.q_a_layernorm.variance_epsilon
-        assert attention.kv_a_layernorm.eps == torch_attention.kv_a_layernorm.variance_epsilon
+    torch_model = AutoModelForCausalLM.from_config(archs.tiny_config(arch, None))
+    want = {(n.rsplit(".", 1)[-1], m.variance_epsilon) for n, m in torch_model.named_modules()
+            if n.endswith(("q_a_layernorm", "kv_a_layernorm"))}
+    got = {(p.rsplit(".", 1)[-1], m.eps) for p, m in _mlx_model(arch).named_modules()
+           if p.endswith(("q_a_layernorm", "kv_a_layernorm"))}
+    assert want and got == want
 
 
 def test_afmoe_with_sliding_layers_only(tmp_path):

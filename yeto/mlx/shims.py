@@ -926,17 +926,30 @@ def _nanochat_eps(model, args, config: dict) -> None:
                {"rms_norm": lambda x: mx.fast.rms_norm(x, None, eps)}, key=("nanochat", eps))
 
 
-def _longcat_latent_eps(model, args, config: dict) -> None:
-    """mlx_lm/models/longcat_flash.py normalises the MLA latents (``q_a_layernorm``,
-    ``kv_a_layernorm``) with ``nn.RMSNorm``'s default eps 1e-5; transformers'
-    LongcatFlashMLA with its RMSNorm's default, 1e-6 (the config's rms_norm_eps is not
-    used there either)."""
-    for layer in model.layers:
-        for attention in layer.self_attn:
-            for name in ("q_a_layernorm", "kv_a_layernorm"):
-                norm = getattr(attention, name, None)
-                if norm is not None:
-                    norm.eps = 1e-6
+# model types whose transformers MLA normalises its latents (``q_a_layernorm``,
+# ``kv_a_layernorm``) with its RMSNorm's default eps 1e-6 where the mlx-lm file uses
+# another: nn.RMSNorm's default 1e-5 (longcat_flash.py, minicpm3.py) or the config's
+# rms_norm_eps (kimi_linear.py, glm4_moe_lite.py)
+_LATENT_EPS = {"longcat_flash": 1e-6, "minicpm3": 1e-6, "kimi_linear": 1e-6,
+               "glm4_moe_lite": 1e-6}
+
+
+def _latent_norm_eps(model, config: dict) -> list[str]:
+    """Every MLA latent norm of ``model`` with the eps transformers uses (`_LATENT_EPS`);
+    run after layers are built again, so that rebuilt layers get it too."""
+    import mlx.nn as nn
+
+    eps = _LATENT_EPS.get(config.get("model_type"))
+    if eps is None:
+        return []
+    done = []
+    for path, module in model.named_modules():
+        for name in ("q_a_layernorm", "kv_a_layernorm"):
+            norm = module.get(name) if isinstance(module, dict) else None
+            if isinstance(norm, nn.RMSNorm) and norm.eps != eps:
+                norm.eps = eps
+                done.append(f"{path}.{name}: eps {eps}")
+    return done
 
 
 def _drop_appended_layer(model, args, config: dict) -> None:
@@ -989,7 +1002,7 @@ _MODEL_FIXES = {"glm": (_glm_rope,),
                 "gpt_neox": (_gpt_neox_width,), "gemma3": (_gemma3_embed_scale,),
                 "gemma3_text": (_gemma3_embed_scale,), "nanochat": (_nanochat_eps,),
                 "exaone4": (_exaone_rope,), "exaone_moe": (_exaone_rope,),
-                "jamba": (_jamba_router,), "longcat_flash": (_longcat_latent_eps,),
+                "jamba": (_jamba_router,),
                 "afmoe": (_drop_appended_layer,),
                 "minicpm3": (minicpm3.fit_values, minicpm3.scale_tied_head)}
 
@@ -1031,6 +1044,7 @@ def _classes(config: dict):
                     f"them periodically and its layers cannot be rebuilt one by one ({e})") from e
             patched += layer_kinds.repair_indices(model)
             patched += layer_plan.follow_config(model, config)  # after layer_kinds, before fix_rope
+        patched += _latent_norm_eps(model, config)
         patched += patch_activations(model, config.get("model_type"), config)
         patched += heads.fit_heads(model, args, config)  # before fix_rope: it scales the RoPE
         patched += fix_rope(model, args, config)
