@@ -39,7 +39,8 @@ config wins, except where transformers reads another key than mlx-lm (`_FORCED`,
 transformers writes but mlx-lm's ``sanitize`` does not read are translated first
 (`_WEIGHTS`: gpt2's ``transformer.`` prefix, gpt-oss experts, renamed norms, ...);
 settings mlx-lm hard-codes where the config says otherwise are set from the config
-(`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps); layer kinds a file
+(`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps; `_LATENT_EPS`: the
+MLA latent norms' eps); layer kinds a file
 places by a period or a hard-coded plan are built per layer as the config lists them
 (`yeto.mlx.layer_kinds`; `yeto.mlx.layer_plan`: Llama 4's RoPE and chunking); a RoPE scaling
 the file's constructor refuses is hidden from it and applied afterwards
