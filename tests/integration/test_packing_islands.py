@@ -13,10 +13,6 @@ from yeto.torch.loss import packed_inputs
 pytestmark = pytest.mark.mlx
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "yeto/mlx/layer_plan.py _chunk_mask counts chunks from the block's start, not from "
-    "each document's start (as transformers and the document alone do): documents that "
-    "start off a chunk boundary differ by ~max|logit|"))
 def test_islands_agree_on_a_packed_block_with_chunks(tmp_path):
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
     from transformers import AutoModelForCausalLM

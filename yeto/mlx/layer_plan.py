@@ -67,7 +67,10 @@ class _ThenQKNorm(nn.Module):
 def _chunk_mask(h, cache, size: int):
     """mlx-lm's llama4.py chunk mask for one layer's cache: a key is seen from the
     same chunk of ``size`` tokens, up to the query. A cache that is no ChunkedKVCache
-    but makes its own mask (yeto's document `shims.MaskCache`) has it applied too."""
+    but makes its own mask (yeto's document `shims.MaskCache`) has it applied too, and
+    its chunks counted from each query's document start (its first visible key), as
+    transformers counts them from each document's positions: a packed document is
+    chunked as the document alone."""
     from mlx_lm.models.base import create_attention_mask
 
     if hasattr(cache, "maybe_trim_front"):
@@ -76,11 +79,12 @@ def _chunk_mask(h, cache, size: int):
     offset = getattr(cache, "offset", 0)
     end = offset + h.shape[1]
     keys, queries = mx.arange(start, end), mx.arange(offset, end)[:, None]
-    mask = ((keys // size) == (queries // size)) & (keys <= queries)
-    if cache is not None and not hasattr(cache, "start_position"):
-        own = create_attention_mask(h, cache, return_array=True)
-        mask = mask & own if own is not None else mask
-    return mask
+    own = (create_attention_mask(h, cache, return_array=True)
+           if cache is not None and not hasattr(cache, "start_position") else None)
+    if own is None:
+        return ((keys // size) == (queries // size)) & (keys <= queries)
+    first = keys[mx.argmax(own.astype(mx.int32), axis=-1)][..., None] if own.ndim >= 2 else 0
+    return (((keys - first) // size) == ((queries - first) // size)) & (keys <= queries) & own
 
 
 def _call(self, inputs, cache=None):
