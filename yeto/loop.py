@@ -216,22 +216,40 @@ def prepare(cfg: IslandConfig, backend: Backend) -> Inputs:
 
 # config keys of mixers that are not attention (short convolutions, state-space scans)
 _NON_ATTENTION_KEYS = ("conv_L_cache", "conv_kernel", "d_conv", "ssm_state_size", "state_size",
-                       "mamba_d_state", "linear_conv_kernel_dim")
+                       "mamba_d_state", "linear_conv_kernel_dim", "conv1d_width", "lru_width")
+_LAYER_LISTS = ("layer_types", "block_types", "layers_block_type")
+_RECURRENT = ("linear", "lightning", "recurrent", "mamba", "conv", "ssm", "rwkv")
+
+
+def mixes_outside_attention(config: dict) -> bool:
+    """True when some layer of the model (or of its text model) mixes tokens outside
+    softmax attention: convolution, state-space, recurrent or linear-attention layers,
+    which carry state across a document boundary that no attention mask reaches."""
+    for level in (config, config.get("text_config")):
+        if not isinstance(level, dict):
+            continue
+        if any(k in level for k in _NON_ATTENTION_KEYS):
+            return True
+        kinds = [str(t).lower() for key in _LAYER_LISTS for t in (level.get(key) or ())]
+        if any(("attention" not in t and "attn" not in t) or any(r in t for r in _RECURRENT)
+               for t in kinds):
+            return True
+    return False
 
 
 def packing_for(packing: str, config_json: Path) -> str:
     """`document` packing keeps packed documents apart with an attention mask; a model
-    with convolution or state-space layers (LFM2, Mamba, hybrids) mixes tokens outside
-    attention, where no mask reaches, so both backends fall back to `naive` for it."""
+    that mixes tokens outside attention (`mixes_outside_attention`: LFM2, Mamba, Qwen3.5's
+    linear attention, RecurrentGemma, hybrids) would carry one document into the next
+    where no mask reaches, so both backends fall back to `naive` for it."""
     if packing != "document" or not config_json.is_file():
         return packing
     config = json.loads(config_json.read_text())
-    types = [str(t) for t in config.get("layer_types") or ()]
-    if any(k in config for k in _NON_ATTENTION_KEYS) or any(
-            "attention" not in t and "attn" not in t for t in types):
+    if mixes_outside_attention(config):
         log.warning("--packing document needs attention-only layers; this %s model mixes "
-                    "tokens in convolution/state-space layers, so packed blocks are naive "
-                    "(pass --packing naive to silence this)", config.get("model_type", "?"))
+                    "tokens in convolution/state-space/linear-attention layers, so packed "
+                    "blocks are naive (pass --packing naive to silence this)",
+                    config.get("model_type", "?"))
         return "naive"
     return packing
 
