@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                    tok.pad_token_id, seed=shard)
 
     diloco = DiLoCo(model, syncer=args.syncer, learner_id=args.learner_id,  # yeto
-                    sync_every=args.sync_every, output_dir=args.output)
+                    sync_every=args.sync_every, output_dir=args.output, optimizer=opt)
     model.train()
     for step, batch in zip(range(args.max_steps), data):
         loss = model(**batch).loss

@@ -77,3 +77,21 @@ def test_tensorboard_missing_is_a_clear_error():
     with pytest.raises(metrics.MetricsError, match="pip install tensorboard"):
         metrics.check_report_to("tensorboard")
     assert metrics.check_report_to("jsonl") == ("jsonl",)
+
+
+def test_diloco_given_the_optimizer_stages_its_pushes_behind_a_step_pre_hook():
+    """`DiLoCo(..., optimizer=opt)`: the island's guard is a pre-hook of the optimizer's
+    step (pushes may then be staged in the background); without it, none."""
+    import torch
+
+    from yeto.interop.integrations import DiLoCo
+
+    for given in (True, False):
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = DiLoCo(model, syncer=None, optimizer=opt if given else None)
+        assert diloco.island.stager.guarded is given
+        assert len(opt._optimizer_step_pre_hooks) == int(given)
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()  # the guard runs first: nothing pending, it returns at once
+        assert diloco.step(2) is False

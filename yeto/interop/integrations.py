@@ -194,7 +194,11 @@ class DiLoCo(_Base):
     optimizer steps (or ``sync_every_seconds``); ``eval_fn``: a callable returning
     a held-out loss, called before each push (it goes into the syncer's tape);
     ``output_dir``: where ``metrics.jsonl`` is written (``report_to="tensorboard"``
-    adds TensorBoard scalars); other keyword arguments go to `yeto.island.Island`
+    adds TensorBoard scalars); ``optimizer``: the loop's torch optimizer, given so
+    that a push is staged on a background thread while the next forward and backward
+    run (a step pre-hook waits for it before the weights change; without it the
+    push is staged in the loop, which is just as exact); other keyword arguments go
+    to `yeto.island.Island`
     (``merge_alpha``, ``pipeline``, ``start_timeout_s``, ...). Starts (joins the
     run, loads Θ) at once unless ``start=False``. A peft model is synced under
     peft's saved names, so the syncer's ``final/`` loads with
@@ -203,7 +207,9 @@ class DiLoCo(_Base):
 
     backend = "torch"
 
-    def __init__(self, model, syncer: str | None, *, tuning: str | None = None, **options):
+    def __init__(self, model, syncer: str | None, *, tuning: str | None = None,
+                 optimizer=None, **options):
+        from yeto.torch.learner import guard_optimizer
         from yeto.torch.weights import TorchWeights
 
         self.model = model
@@ -214,6 +220,8 @@ class DiLoCo(_Base):
                              "attach LoRA first (e.g. peft.get_peft_model) or unfreeze weights")
         weights_file, files = _torch_export_files(model, self.tuning)
         self._setup(self.weights, weights_file, files, syncer, **options)
+        if optimizer is not None:
+            self.island.guard_updates(lambda guard: guard_optimizer(optimizer, guard))
 
 
 def _is_peft(model) -> bool:

@@ -36,6 +36,14 @@ def _fsdp_group():
     return FSDPGroup
 
 
+def guard_optimizer(opt, before_update) -> bool:
+    """Run the island's guard (`Island.before_update`) right before each step of the
+    torch optimizer ``opt`` (a step pre-hook), so that a push may be staged while the
+    next forward and backward run; True (installed)."""
+    opt.register_step_pre_hook(lambda *_: before_update())
+    return True
+
+
 class TorchBackend:
     """The torch edge of an island (`yeto.loop.Backend`): a torchrun group of ranks
     training data-parallel (DDP) or sharded (FSDP2, `--fsdp`), or one process."""
@@ -92,8 +100,7 @@ class TorchBackend:
         a range read of the weights is a collective of every rank."""
         if self.group.sharded:
             return False
-        self.opt.register_step_pre_hook(lambda *_: before_update())
-        return True
+        return guard_optimizer(self.opt, before_update)
 
     def evaluate(self, blocks, batch_size: int) -> float:
         return evaluate(self.model, blocks, batch_size, self.device)
