@@ -95,3 +95,28 @@ def test_diloco_given_the_optimizer_stages_its_pushes_behind_a_step_pre_hook():
         model(torch.ones(2, 8)).sum().backward()
         opt.step()  # the guard runs first: nothing pending, it returns at once
         assert diloco.step(2) is False
+
+
+def test_trainer_callback_guards_the_optimizer_accelerate_wraps():
+    """The Trainer hands callbacks accelerate's AcceleratedOptimizer; the guard goes on
+    the optimizer it steps, so a push is staged while the next step's passes run."""
+    import types
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from yeto.interop.integrations import DiLoCoCallback
+
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        wrapped = Accelerator(cpu=True).prepare(opt)
+        assert wrapped is not opt and wrapped.optimizer is opt
+        callback = DiLoCoCallback(syncer=None)
+        callback.on_train_begin(types.SimpleNamespace(output_dir=None), None, None,
+                                model=model, optimizer=wrapped)
+    finally:
+        AcceleratorState._reset_state(True)  # the Trainer tests make their own
+    assert callback.diloco.island.stager.guarded
+    assert len(opt._optimizer_step_pre_hooks) == 1

@@ -35,7 +35,8 @@ How each one sees an optimizer step, and counts its loss tokens:
   tokens of every training forward pass (``labels != -100`` after the shift), so
   gradient accumulation is covered, and keeps each pass's loss; ``on_step_end``
   (once per optimizer step) applies arrived weights and pushes when due, with
-  the step's tokens and mean loss; ``on_evaluate`` keeps the latest held-out loss;
+  the step's tokens and mean loss (the Trainer's optimizer carries the guard, so a
+  push is staged in the background while the next step's passes run); ``on_evaluate`` keeps the latest held-out loss;
   ``on_train_end`` finishes. When the syncer ends the run early, the callback sets
   ``control.should_training_stop``.
 - `MLXDiLoCo`: mlx-lm 0.32's ``TrainingCallback`` has no per-step hook (only
@@ -265,6 +266,8 @@ class _CallbackSteps:
             return
         kwargs = dict(self.kwargs)
         kwargs.setdefault("output_dir", getattr(args, "output_dir", None))
+        opt = kw.get("optimizer")  # accelerate's wrapper steps the optimizer it holds
+        kwargs.setdefault("optimizer", getattr(opt, "optimizer", opt))
         self.diloco = DiLoCo(model, self.syncer, **kwargs)
         self._hook = model.register_forward_hook(self._count, with_kwargs=True)
 
