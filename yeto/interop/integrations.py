@@ -36,9 +36,9 @@ How each one sees an optimizer step, and counts its loss tokens:
   gradient accumulation is covered, and keeps each pass's loss; ``on_step_end``
   (once per optimizer step) applies arrived weights and pushes when due, with
   the step's tokens and mean loss (the Trainer's optimizer carries the guard, so a
-  push is staged in the background while the next step's passes run); ``on_evaluate`` keeps the latest held-out loss;
-  ``on_train_end`` finishes. When the syncer ends the run early, the callback sets
-  ``control.should_training_stop``.
+  push is staged in the background while the next step's passes run);
+  ``on_evaluate`` keeps the latest held-out loss; ``on_train_end`` finishes. When
+  the syncer ends the run early, the callback sets ``control.should_training_stop``.
 - `MLXDiLoCo`: mlx-lm 0.32's ``TrainingCallback`` has no per-step hook (only
   ``on_train_loss_report`` every ``steps_per_report`` steps and
   ``on_val_loss_report``), so the step hook is a wrapper of ``iterate_batches``:
