@@ -4,6 +4,7 @@ import threading
 from concurrent.futures import Future
 
 import numpy as np
+from support import make_client
 
 from yeto import codec
 from yeto.transport import PushReply, Received, Refused, ThetaStream
@@ -145,3 +146,30 @@ class HeldSyncer(FakeSyncer):
             self.cond.wait_for(lambda: self.pending, timeout=min(timeout or self.HOLD_S,
                                                                  self.HOLD_S))
             return super().wait(timeout, need_connection)
+
+
+def train_two_islands(addr, layout, make_island, steps: int = 12, timeout: float = 60.0):
+    """Islands i0 and i1 against the syncer at `addr`, at once, each moving its weights
+    from 0.1 toward its own index for up to `steps` steps, then finishing;
+    `make_island(i, weights, client)` builds island i. Returns {i: (final weights,
+    client)}."""
+    done = {}
+
+    def run(i):
+        w = RangedWeights(layout, np.full(layout.numel, 0.1, np.float32))
+        client = make_client(addr, f"i{i}", layout)
+        isl = make_island(i, w, client)
+        isl.start()
+        for _ in range(steps):
+            w.v -= np.float32(0.01) * (w.v - i)
+            if isl.after_step(5):
+                break
+        isl.finish()
+        done[i] = (w.v.copy(), client)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return done

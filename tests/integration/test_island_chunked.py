@@ -6,11 +6,10 @@ Here: the checks through in-process servers, training or the sim (the others:
 tests/unit/test_island_chunked.py)."""
 
 
-import threading
 
 import numpy as np
 import pytest
-from helpers.island_chunked import RangedWeights
+from helpers.island_chunked import train_two_islands
 from support import make_client, running_syncer
 
 from yeto import net
@@ -24,32 +23,18 @@ from yeto.transport import ThetaStream
 def test_streamed_broadcasts_over_grpc_end_bit_identical(toy_layout, tmp_state):
     """Two islands against a real syncer, broadcasts streamed to one of them (the
     client's threshold lowered to 0): both end on the syncer's final Θ exactly."""
-    finals, streamed = {}, []
+    streamed = []
     with running_syncer(quorum=2, state_dir=tmp_state, rounds=4) as (run_, addr):
-        def island(i):
-            w = RangedWeights(toy_layout, np.full(toy_layout.numel, 0.1, np.float32))
-            client = make_client(addr, f"i{i}", toy_layout)
-            isl = Island(w, client=client, sync_every=3, chunk=64,
-                                     on_apply=lambda got: streamed.append(
-                                         isinstance(got.theta, ThetaStream)))
+        def make_island(i, w, client):
             if i == 0:
                 client.receiver.stream_min_bytes = 0
-            isl.start()
-            for _ in range(12):
-                w.v -= np.float32(0.01) * (w.v - i)
-                if isl.after_step(5):
-                    break
-            isl.finish()
-            finals[i] = w.v.copy()
+            return Island(w, client=client, sync_every=3, chunk=64, on_apply=lambda got:
+                          streamed.append(isinstance(got.theta, ThetaStream)))
 
-        threads = [threading.Thread(target=island, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        done = train_two_islands(addr, toy_layout, make_island)
         theta = run_.theta.copy()
     assert any(streamed) and not all(streamed)
-    assert finals[0].tobytes() == finals[1].tobytes() == theta.tobytes()
+    assert done[0][0].tobytes() == done[1][0].tobytes() == theta.tobytes()
 
 
 @pytest.mark.parametrize("message_bytes", [1 << 20, 4 << 20])
