@@ -1,5 +1,6 @@
 """What the rl tests in more than one tier share."""
 
+from contextlib import contextmanager
 
 from yeto.config import IslandConfig
 from yeto.rl.trainer import RLConfig
@@ -40,3 +41,18 @@ def grpo_policies(model_dir, kl_coef=0.0, clip_eps=0.2, lr=1e-3):
         policy.flat, policy.layout = weights.get, weights.layout
         out.append(policy)
     return out
+
+
+@contextmanager
+def serving(node):
+    """`node` (a `yeto.rollout.server.RolloutNode`) served on loopback in this process:
+    yields its base URL; shuts the server and the node down on leaving."""
+    from yeto.rollout.server import serve_in_thread
+
+    server, url = serve_in_thread(node)
+    try:
+        yield url
+    finally:
+        server.shutdown()
+        server.server_close()
+        node.close()

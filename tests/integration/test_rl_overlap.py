@@ -8,11 +8,11 @@ tests/unit/test_rl_overlap.py)."""
 
 
 import numpy as np
-from helpers.rl import _configs
+from helpers.rl import _configs, serving
 from support import wait_until
 
 from yeto.rollout.engine import stop_token_ids
-from yeto.rollout.server import RolloutNode, serve_in_thread
+from yeto.rollout.server import RolloutNode
 from yeto.rollout.torch_engine import TorchEngine
 
 
@@ -22,11 +22,14 @@ def test_an_async_grpo_island_trains_and_drops_what_is_too_stale(tiny_llama, tin
     engine = TorchEngine(tiny_llama)
     node = RolloutNode(engine, model_name="tiny",
                        eos_ids=stop_token_ids(tiny_llama, engine.tokenizer))
-    server, url = serve_in_thread(node)
-    cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
-                       max_staleness=0)
-    parts = prepare(cfg, rl)
-    trainer, weights = parts.trainer, parts.weights
+    with serving(node) as url:
+        cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
+                           max_staleness=0)
+        parts = prepare(cfg, rl)
+        _three_async_steps(node, parts.trainer, parts.weights)
+
+
+def _three_async_steps(node, trainer, weights):
     start = weights.get().copy()
     trainer.sampler.last_step = 3
     try:
@@ -47,9 +50,6 @@ def test_an_async_grpo_island_trains_and_drops_what_is_too_stale(tiny_llama, tin
     finally:
         trainer.sampler.close()
         trainer.pool.close()
-        server.shutdown()
-        server.server_close()
-        node.close()
 
 
 def test_the_island_program_runs_async_to_its_last_step(tiny_llama, tiny_task, tmp_path):
@@ -63,16 +63,11 @@ def test_the_island_program_runs_async_to_its_last_step(tiny_llama, tiny_task, t
     engine = TorchEngine(tiny_llama)
     node = RolloutNode(engine, model_name="tiny",
                        eos_ids=stop_token_ids(tiny_llama, engine.tokenizer))
-    server, url = serve_in_thread(node)
-    cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
-                       eval_prompts=2)
-    cfg.max_steps, cfg.output, cfg.progress = 3, tmp_path / "rl", False
-    try:
+    with serving(node) as url:
+        cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
+                           eval_prompts=2)
+        cfg.max_steps, cfg.output, cfg.progress = 3, tmp_path / "rl", False
         assert run_grpo(cfg, rl) == 0
-    finally:
-        server.shutdown()
-        server.server_close()
-        node.close()
     summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
     assert summary["async_rollouts"] and summary["stale_dropped"] == 0 and summary["steps"] == 3
     lines = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
