@@ -39,7 +39,7 @@ config wins, except where transformers reads another key than mlx-lm (`_FORCED`,
 transformers writes but mlx-lm's ``sanitize`` does not read are translated first
 (`_WEIGHTS`: gpt2's ``transformer.`` prefix, gpt-oss experts, renamed norms, ...);
 settings mlx-lm hard-codes where the config says otherwise are set from the config
-(`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps; `_LATENT_EPS`: the
+(`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps; `_LATENT_EPS_TYPES`: the
 MLA latent norms' eps); layer kinds a file
 places by a period or a hard-coded plan are built per layer as the config lists them
 (`yeto.mlx.layer_kinds`; `yeto.mlx.layer_plan`: Llama 4's RoPE and chunking); a RoPE scaling
@@ -931,25 +931,25 @@ def _nanochat_eps(model, args, config: dict) -> None:
 # ``kv_a_layernorm``) with its RMSNorm's default eps 1e-6 where the mlx-lm file uses
 # another: nn.RMSNorm's default 1e-5 (longcat_flash.py, minicpm3.py) or the config's
 # rms_norm_eps (kimi_linear.py, glm4_moe_lite.py)
-_LATENT_EPS = {"longcat_flash": 1e-6, "minicpm3": 1e-6, "kimi_linear": 1e-6,
-               "glm4_moe_lite": 1e-6}
+_LATENT_EPS_TYPES = {"longcat_flash", "minicpm3", "kimi_linear", "glm4_moe_lite"}
+_LATENT_EPS = 1e-6
 
 
 def _latent_norm_eps(model, config: dict) -> list[str]:
-    """Every MLA latent norm of ``model`` with the eps transformers uses (`_LATENT_EPS`);
-    run after layers are built again, so that rebuilt layers get it too."""
+    """Every MLA latent norm of a `_LATENT_EPS_TYPES` model with the eps transformers
+    uses (`_LATENT_EPS`); run after layers are built again, so that rebuilt layers get
+    it too."""
     import mlx.nn as nn
 
-    eps = _LATENT_EPS.get(config.get("model_type"))
-    if eps is None:
+    if config.get("model_type") not in _LATENT_EPS_TYPES:
         return []
     done = []
     for path, module in model.named_modules():
         for name in ("q_a_layernorm", "kv_a_layernorm"):
             norm = module.get(name) if isinstance(module, dict) else None
-            if isinstance(norm, nn.RMSNorm) and norm.eps != eps:
-                norm.eps = eps
-                done.append(f"{path}.{name}: eps {eps}")
+            if isinstance(norm, nn.RMSNorm) and norm.eps != _LATENT_EPS:
+                norm.eps = _LATENT_EPS
+                done.append(f"{path}.{name}: eps {_LATENT_EPS}")
     return done
 
 
@@ -1022,29 +1022,14 @@ def _classes(config: dict):
     text_only = bool(config.get(_TEXT_ONLY))
 
     def build(args):
-        with rope_files.layouts_recorded():
-            try:
-                model = heads.build(model_cls, args, config)  # heads: cohere2's head_dim
-            except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
-                hidden = rope_files.hidden_build(  # the scaling refused: fix_rope applies it
-                    lambda a: heads.build(model_cls, a, config), args)
-                if hidden is None:
-                    raise _unbuildable(config, model_cls, e) from e
-                model, args = hidden
-        if "_no_grad" not in vars(model):
-            model._no_grad = set()
-            model._training = True
-        for repair in _MODEL_FIXES.get(config.get("model_type"), ()):
-            repair(model, args, config)
-        with rope_files.layouts_recorded():  # layers built again build their rotaries too
-            try:
-                patched = layer_kinds.rebuild_layers(model, config)
-            except (ValueError, TypeError) as e:
-                raise UnsupportedConfig(
-                    f"layer kinds {config.get(layer_kinds.KEY)}: {_where(model_cls)} places "
-                    f"them periodically and its layers cannot be rebuilt one by one ({e})") from e
-            patched += layer_kinds.repair_indices(model)
-            patched += layer_plan.follow_config(model, config)  # after layer_kinds, before fix_rope
+        with rope_files.layouts_recorded():  # rotaries built here, in layers built again too
+            model, args = _construct(model_cls, args, config)
+            if "_no_grad" not in vars(model):
+                model._no_grad = set()
+                model._training = True
+            for repair in _MODEL_FIXES.get(config.get("model_type"), ()):
+                repair(model, args, config)
+            patched = _layers_as_listed(model, model_cls, config)
         patched += _latent_norm_eps(model, config)
         patched += patch_activations(model, config.get("model_type"), config)
         patched += heads.fit_heads(model, args, config)  # before fix_rope: it scales the RoPE
@@ -1058,6 +1043,32 @@ def _classes(config: dict):
         return model
 
     return build, _CheckedArgs(args_cls, model_cls, config)
+
+
+def _construct(model_cls, args, config: dict):
+    """(model, args) as mlx-lm builds them (`heads.build`: cohere2's head_dim); a RoPE
+    scaling the constructor refuses is hidden from it (`rope_files.hidden_build`, then
+    `fix_rope` applies it); any other refusal is said by `_unbuildable`."""
+    try:
+        return heads.build(model_cls, args, config), args
+    except Exception as e:  # noqa: BLE001 - said as what the config asks of mlx-lm
+        hidden = rope_files.hidden_build(lambda a: heads.build(model_cls, a, config), args)
+        if hidden is None:
+            raise _unbuildable(config, model_cls, e) from e
+        return hidden
+
+
+def _layers_as_listed(model, model_cls, config: dict) -> list[str]:
+    """The built model's layers as the config lists them: kinds rebuilt layer by layer
+    (`layer_kinds`), indices past the last layer repaired, Llama 4's plan
+    (`layer_plan`, after layer_kinds and before fix_rope); returns what was done."""
+    try:
+        patched = layer_kinds.rebuild_layers(model, config)
+    except (ValueError, TypeError) as e:
+        raise UnsupportedConfig(
+            f"layer kinds {config.get(layer_kinds.KEY)}: {_where(model_cls)} places "
+            f"them periodically and its layers cannot be rebuilt one by one ({e})") from e
+    return patched + layer_kinds.repair_indices(model) + layer_plan.follow_config(model, config)
 
 
 def _unbuildable(config: dict, model_cls, e: Exception) -> Exception:
