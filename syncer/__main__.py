@@ -22,6 +22,7 @@ from syncer.run import Config, Run
 from syncer.service import SPILL_MIN_BYTES, serve
 from syncer.state import StateError
 from yeto import memory, net, runfile
+from yeto.codec import kernels
 from yeto.io import atomic_write, host_port
 from yeto.signals import GracefulStop, die_with_threads, ignore_signals
 
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
         log.info("listening on %s (quorum %d, rounds %s, merge %s, outer lr %g momentum %g)",
                  host_port(args.host, port), cfg.quorum, cfg.rounds or "until islands finish",
                  cfg.merge, cfg.outer_lr, cfg.outer_momentum)
+        log.info("q4 sums: %s", kernels.describe())
     return _serve_until_done(run, server, dashboard, announce)
 
 

@@ -43,7 +43,6 @@ import numpy as np
 from yeto.codec import CHUNK, Q4_BLOCK, CodecError
 from yeto.codec import format as fmt
 from yeto.codec.chunked import ITEM, decode_add_square, q4_add_square
-from yeto.codec.format import spare_scratch
 
 
 class StagedSum:
@@ -128,9 +127,7 @@ class StagedSum:
             return
         part = slice(4 * (lo // Q4_BLOCK), 4 * -(-hi // Q4_BLOCK))
         scales = self.keep[part] if isinstance(self.keep, np.ndarray) else self.keep.read(part)
-        with spare_scratch() as k:
-            self.squares += q4_add_square(scales, body, hi - lo, self.buf[lo:hi],
-                                          self.weight, True, k)
+        self.squares += q4_add_square(scales, body, hi - lo, self.buf[lo:hi], self.weight, True)
 
     def fold(self, norm_limit: float | None) -> tuple[float, float]:
         """The push is accepted: (its norm, the norm bound's scale); a push over the

@@ -41,6 +41,24 @@ def _blocked_norm(x: np.ndarray) -> float:
                              for lo, hi in chunked.ranges(0, x.size))))
 
 
+def _payload_norm(payload, encoding: str) -> float:
+    """A push's norm as the syncer defines it: f32 and bf16 by `_blocked_norm` of the
+    values; q4 on its codes, Σ over blocks of scale² · Σ (code − 8)² in float64, in
+    order, within each chunk (`yeto.codec.kernels`), the chunks' sums added in order."""
+    if encoding != "q4":
+        return _blocked_norm(codec.decode(payload, encoding, N))
+    buf = np.frombuffer(payload, np.uint8)
+    nb = -(-N // 64)
+    scales = buf[:4 * nb].view(np.float32).astype(np.float64)
+    codes = buf[4 * nb:]
+    d = (np.stack([codes & 15, codes >> 4], axis=1).reshape(-1).astype(np.int64) - 8)
+    d[N:] = 0
+    terms = scales * scales * (d * d).reshape(nb, 64).sum(axis=1)
+    per = chunked.CHUNK // 64
+    return float(np.sqrt(sum(float(np.cumsum(terms[i:i + per])[-1])
+                             for i in range(0, nb, per))))
+
+
 def _whole_array_merge(payloads, encoding: str, tokens: list[int], rule: str) -> np.ndarray:
     """The merge computed on whole decoded arrays (what the syncer did before)."""
     acc = np.zeros(N, np.float32)
@@ -50,7 +68,7 @@ def _whole_array_merge(payloads, encoding: str, tokens: list[int], rule: str) ->
         d = codec.decode(p, encoding, N)
         acc += np.float32(w) * d
         total += w
-        norm_sum += w * _blocked_norm(d)
+        norm_sum += w * _payload_norm(p, encoding)
     acc /= total
     if rule == "rda":
         acc *= (norm_sum / total) / _blocked_norm(acc)
@@ -174,7 +192,7 @@ def test_decode_add_equals_codec_and_norm_matches_numpy():
         chunked.decode_add(p, encoding, N, c, 0.3)
         assert a.tobytes() == b.tobytes() == c.tobytes()
         whole = codec.decode(p, encoding, N)
-        assert norm == _blocked_norm(whole) == chunked.norm(p, encoding, N)
+        assert norm == _payload_norm(p, encoding) == chunked.norm(p, encoding, N)
         assert norm == pytest.approx(float(np.linalg.norm(whole.astype(np.float64))), rel=1e-4)
 
 
@@ -187,7 +205,7 @@ def test_clipped_merge_keeps_pushes_compressed_and_equals_whole_arrays(held, tmp
     kind = bytes if held == "memory" else buffers.SpilledPayload
     assert all(isinstance(dp.payload, kind) for dp in acc.deferred)  # as received
     got = acc.result()
-    norms = [_blocked_norm(codec.decode(p, "q4", N)) for p in payloads]
+    norms = [_payload_norm(p, "q4") for p in payloads]
     limit = float(np.median(norms))
     want = np.zeros(N, np.float32)
     for p, nrm in zip(payloads, norms):

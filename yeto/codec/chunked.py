@@ -12,8 +12,10 @@ of decoded values, whatever the size of the vector.
 - `encode_diff`: encode(a - b) chunk by chunk into one output buffer, and b += the
   decoded update, in place (the compressed downlink).
 - `q4_chunk_parts` and `q4_add_square`: a q4 chunk as its scales and codes, views of
-  the payload or read from a spill file into a scratch, decoded in that scratch: the
-  syncer's sums make no bytes object and no array per chunk (issue 34).
+  the payload or read from a spill file into a scratch, summed in one compiled pass
+  (`yeto.codec.kernels`): the syncer's sums make no bytes object per chunk (issue 34).
+  A q4 payload's norm is defined on its codes (`yeto.codec.kernels`); f32 and bf16
+  norms are float32 dot products.
 
 Payloads are buffers or `yeto.codec.buffers.SpilledPayload`s (bytes in a temporary
 file); every function here reads both alike, same bits.
@@ -35,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from yeto.codec import format as fmt
+from yeto.codec import kernels
 from yeto.codec.buffers import SpilledPayload
 from yeto.codec.format import CHUNK, Q4_BLOCK, CodecError
 
@@ -121,7 +124,7 @@ def decode_add_norm(payload, encoding: str, numel: int, acc: np.ndarray | None,
                                      hi - lo, part, w32, assign)
         with fmt.spare_scratch() as k:  # the codes read into the scratch: no joined copy
             scales, codes = q4_chunk_parts(mv, numel, lo, hi, k.nib)
-            return q4_add_square(scales, codes, hi - lo, part, w32, assign, k)
+            return q4_add_square(scales, codes, hi - lo, part, w32, assign)
 
     return float(np.sqrt(sum(each_chunk(numel, one))))
 
@@ -136,8 +139,7 @@ def decode_add_square(piece, encoding: str, n: int, acc: np.ndarray | None,
         if len(buf) != fmt.encoded_size("q4", n):
             raise CodecError(f"q4 payload for {n} elements must be "
                              f"{fmt.encoded_size('q4', n)} bytes, got {len(buf)}")
-        with fmt.spare_scratch() as k:
-            return q4_add_square(buf[:head], buf[head:], n, acc, weight, assign, k)
+        return q4_add_square(buf[:head], buf[head:], n, acc, weight, assign)
     v = fmt.decode(piece, encoding, n)
     square = _square_sum(v)
     if acc is not None:
@@ -147,17 +149,11 @@ def decode_add_square(piece, encoding: str, n: int, acc: np.ndarray | None,
 
 
 def q4_add_square(scales, codes, n: int, acc: np.ndarray | None, weight: np.float32,
-                  assign: bool, k: fmt.Scratch) -> float:
+                  assign: bool) -> float:
     """`decode_add_square` of one q4 chunk given as its block scales and its codes
-    (buffers, at most one chunk of `k`'s), decoded in the scratch `k`: no new array,
-    the same bits."""
-    scales = fmt.checked_q4_scales(scales)
-    v = fmt.q4_chunk_values(scales, np.frombuffer(codes, np.uint8), k)[:n]
-    square = _square_sum(v)
-    if acc is not None:
-        v *= weight
-        fmt.add_to(acc, v, assign)
-    return square
+    (buffers, at most one chunk): one compiled pass where numba is installed
+    (`yeto.codec.kernels`), the same bits either way."""
+    return kernels.q4_add_square(fmt.checked_q4_scales(scales), codes, n, acc, weight, assign)
 
 
 def q4_chunk_parts(payload, numel: int, lo: int, hi: int, into: np.ndarray):

@@ -263,6 +263,13 @@ def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight, assign=Fals
                      numel, out, weight, assign=assign)
 
 
+def q4_decode_add(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
+                  weight, assign: bool = False) -> None:
+    """out += weight * the values of whole q4 blocks given as their validated `scales`
+    and their `codes` (`assign`: out = 0 + ...): the bits of `decode_add`."""
+    _q4_decode_parts(scales, codes, numel, out, weight, assign=assign)
+
+
 def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
                      weight, scratch: Scratch | None = None, assign: bool = False) -> None:
     """Decode `numel` values from their blocks' scales and codes into `out` (or add
@@ -321,13 +328,6 @@ def _times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch, out: np.ndarray
     m = v.size
     k.wide[:m].reshape(-1, Q4_BLOCK)[...] = scales[:, None]
     return np.multiply(v, k.wide[:m], out=out)
-
-
-def q4_chunk_values(scales: np.ndarray, codes: np.ndarray, k: Scratch) -> np.ndarray:
-    """The decoded values of whole q4 blocks (at most one chunk), from their validated
-    `scales` and their `codes`, in `k.work` (valid until its next use): the bits of
-    `decode`."""
-    return _q4_decode_chunk(scales, codes, k)
 
 
 def checked_q4_scales(buf) -> np.ndarray:

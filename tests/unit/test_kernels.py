@@ -1,0 +1,71 @@
+"""The compiled q4 sum (`yeto.codec.kernels`) against its numpy twin and the codec:
+the same bits for the sum, the same bits for the norm, whatever the chunk's length."""
+
+import numpy as np
+import pytest
+
+from yeto import codec
+from yeto.codec import kernels
+
+numba = pytest.importorskip("numba")
+
+
+def _chunk(n: int, seed: int):
+    """A q4 chunk of n values as (scales, codes), the last block's padding codes random
+    (a sender may put anything there), and its payload."""
+    rng = np.random.default_rng(seed)
+    payload = bytearray(codec.encode(rng.standard_normal(n).astype(np.float32), "q4"))
+    nb = -(-n // 64)
+    payload[4 * nb:] = rng.integers(0, 256, nb * 32, dtype=np.uint8).tobytes()
+    buf = np.frombuffer(bytes(payload), np.uint8)
+    return buf[:4 * nb].view(np.float32), buf[4 * nb:], bytes(payload)
+
+
+def _both(scales, codes, n, acc, w, assign):
+    """The kernel's and the twin's (result, acc after)."""
+    out = []
+    for force in (None, "numpy"):
+        a = None if acc is None else acc.copy()
+        kernels._compiled = None
+        if force:
+            kernels._compiled = False
+        out.append((kernels.q4_add_square(scales, codes, n, a, np.float32(w), assign), a))
+    kernels._compiled = None
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 1000, 4096 + 3, 1 << 17])
+@pytest.mark.parametrize("assign", [False, True])
+def test_kernel_and_twin_agree_bit_for_bit_and_sum_as_the_codec_does(n, assign):
+    scales, codes, payload = _chunk(n, n)
+    acc = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    (sq_k, a_k), (sq_n, a_n) = _both(scales, codes, n, acc, 0.37, assign)
+    assert kernels.backend() == "numba"
+    assert a_k.tobytes() == a_n.tobytes()
+    assert sq_k == sq_n
+    want = np.zeros(n, np.float32) if assign else acc.copy()
+    codec.decode_add(payload, "q4", n, want, 0.37)
+    assert a_k.tobytes() == want.tobytes()
+    values = codec.decode(payload, "q4", n).astype(np.float64)
+    assert sq_k == pytest.approx(float(values @ values), rel=1e-6)
+
+
+def test_norm_alone_reads_only_the_first_n_values():
+    n = 100  # one whole block and 36 of the next: its padding must not count
+    scales, codes, payload = _chunk(n, 7)
+    (sq_k, _), (sq_n, _) = _both(scales, codes, n, None, 0.0, False)
+    values = codec.decode(payload, "q4", n).astype(np.float64)
+    assert sq_k == sq_n == pytest.approx(float(values @ values), rel=1e-6)
+
+
+def test_negative_zero_assigned_is_positive_as_adding_makes_it():
+    scales = np.array([1.0], np.float32)
+    codes = np.full(32, 0x88, np.uint8)  # every code 8: value 0
+    (_, a_k), (_, a_n) = _both(scales, codes, 64, np.full(64, np.nan, np.float32), -1.0, True)
+    assert not np.signbit(a_k).any() and a_k.tobytes() == a_n.tobytes()
+
+
+def test_a_short_buffer_is_refused():
+    scales, codes, _ = _chunk(128, 3)
+    with pytest.raises(ValueError, match="needs 2 scales"):
+        kernels.q4_add_square(scales[:1], codes, 128, None, np.float32(1), False)

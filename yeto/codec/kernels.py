@@ -1,0 +1,146 @@
+"""The syncer's hot loop as one compiled pass: a q4 chunk decoded, weighted and added
+into the round's sum, with its squared norm, reading each code once (issue 34).
+
+numpy cannot fuse this: its q4 decode and sum take about eleven passes over each chunk
+(unpack, cast, spread the scales, multiply, square, weight, add), 1.7-2x the CPU a
+round's bytes need at memcpy speed. With numba installed (`pip install 'yeto[fast]'`)
+`q4_add_square` runs as one loop compiled on first use; without it, a numpy twin gives
+the same bits, only slower. tests/unit/test_kernels.py holds the two to that.
+
+The bits:
+- the sum: acc + (float32(code - 8) * scale) * weight, each operation rounded to
+  float32 in that order (no fused multiply-add), as `yeto.codec.decode_add` does it;
+  `assign` writes 0 + that instead of reading acc (-0 made +0, as adding makes it).
+- the norm: a q4 chunk's Σ v² is defined on its codes, Σ over blocks of
+  scale² x Σ (code - 8)², in float64, the blocks added in order. The inner sum is an
+  exact integer, so this is the values' squared norm to float64 precision, and both
+  implementations compute it in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from yeto.codec import format as fmt
+from yeto.codec.format import Q4_BLOCK
+
+HALF = Q4_BLOCK // 2  # code bytes per block
+_ASSIGN, _ADD, _NONE = 0, 1, 2  # what the kernel does with acc
+ZERO, EIGHT = np.float32(0.0), np.float32(8.0)  # float32 constants: no float64 creeps in
+_compiled = None  # the numba kernel once built; False when numba is missing or refused
+
+
+def backend() -> str:
+    """"numba" when the compiled kernel runs, else "numpy" (`YETO_KERNELS=numpy` forces
+    the twin, for a comparison)."""
+    return "numba" if _kernel() else "numpy"
+
+
+def describe() -> str:
+    """What sums q4 pushes, for the syncer's start-up log (built here, not on a push)."""
+    if backend() == "numba":
+        return "one compiled pass (numba)"
+    return ("numpy (pip install 'yeto[fast]' for the compiled pass: about a quarter of "
+            "the CPU per push)")
+
+
+def q4_add_square(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray | None,
+                  weight: np.float32, assign: bool) -> float:
+    """For the first `n` values of whole q4 blocks (`scales`: float32, validated;
+    `codes`: uint8, HALF per block): acc += weight * values (`assign`: acc = 0 + ...;
+    acc None: nothing summed), and return Σ values² as this module defines it."""
+    codes = np.frombuffer(codes, np.uint8) if not isinstance(codes, np.ndarray) else codes
+    nb = -(-n // Q4_BLOCK)
+    if scales.size < nb or codes.size < nb * HALF or (acc is not None and acc.size < n):
+        raise ValueError(f"q4 chunk of {n} values needs {nb} scales and {nb * HALF} code "
+                         f"bytes, got {scales.size} and {codes.size}")
+    mode = _NONE if acc is None else _ASSIGN if assign else _ADD
+    out = np.empty(0, np.float32) if acc is None else acc
+    kernel = _kernel()
+    if kernel:
+        return float(kernel(scales, codes, n, out, np.float32(weight), mode))
+    return _numpy_twin(scales, codes, n, out, np.float32(weight), mode)
+
+
+# Σ (code - 8)² of the two values in each code byte
+_BYTE_SQUARES = np.array([((b & 15) - 8) ** 2 + ((b >> 4) - 8) ** 2 for b in range(256)],
+                         np.int32)
+
+
+def _numpy_twin(scales, codes, n, acc, weight, mode) -> float:
+    """`q4_add_square` in numpy: the kernel's bits (the sum is the codec's own decode)."""
+    if mode != _NONE:
+        fmt.q4_decode_add(scales, codes, n, acc[:n], weight, assign=mode == _ASSIGN)
+    full, short = divmod(n, Q4_BLOCK)
+    isum = _BYTE_SQUARES[codes[:full * HALF]].reshape(full, HALF).sum(axis=1)
+    if short:  # the last block's first `short` values; its padding counts for nothing
+        c = codes[full * HALF:(full + 1) * HALF].astype(np.int32)
+        d = (np.stack([c & 15, c >> 4], axis=1).reshape(-1) - 8)[:short]
+        isum = np.append(isum, int(d @ d))
+    s = scales[:isum.size].astype(np.float64)
+    return float(np.cumsum(s * s * isum)[-1]) if isum.size else 0.0
+
+
+def _kernel():
+    global _compiled
+    if _compiled is None:
+        _compiled = False if os.environ.get("YETO_KERNELS") == "numpy" else _build()
+    return _compiled
+
+
+def _build():
+    """The numba kernel, or False without numba. Compiled on first use (about half a
+    second, cached on disk by numba after that)."""
+    try:
+        import numba
+    except ImportError:
+        return False
+    # no fastmath: every operation rounds as numpy's does, none is fused or reordered
+    opts = dict(nogil=True, boundscheck=False, error_model="numpy")
+    try:
+        jit = numba.njit(cache=True, **opts)
+        jit(_cacheable)  # raises where numba finds nowhere to write its cache
+    except RuntimeError:
+        jit = numba.njit(**opts)
+
+    @jit
+    def q4_sum(scales, codes, n, acc, w, mode):
+        sq = 0.0
+        for b in range(n // 64):  # whole blocks
+            s, o, c0, isum = scales[b], b * 64, b * 32, 0
+            for j in range(32):  # Σ (code - 8)², an exact integer
+                c = np.int32(codes[c0 + j])
+                d0, d1 = (c & 15) - 8, (c >> 4) - 8
+                isum += d0 * d0 + d1 * d1
+            sq += np.float64(s) * np.float64(s) * isum
+            if mode == 0:  # each loop apart, so that it is vectorised
+                for j in range(32):
+                    c = codes[c0 + j]
+                    acc[o + 2 * j] = ZERO + (np.float32(c & 15) - EIGHT) * s * w
+                    acc[o + 2 * j + 1] = ZERO + (np.float32(c >> 4) - EIGHT) * s * w
+            elif mode == 1:
+                for j in range(32):
+                    c = codes[c0 + j]
+                    acc[o + 2 * j] += (np.float32(c & 15) - EIGHT) * s * w
+                    acc[o + 2 * j + 1] += (np.float32(c >> 4) - EIGHT) * s * w
+        if n % 64:  # the last block, cut short: value by value
+            b, isum = n // 64, 0
+            for i in range(b * 64, n):
+                c = np.int32(codes[i // 2])
+                d = ((c >> 4) if i & 1 else (c & 15)) - 8
+                isum += d * d
+                v = np.float32(d) * scales[b] * w
+                if mode == 0:
+                    acc[i] = ZERO + v
+                elif mode == 1:
+                    acc[i] += v
+            sq += np.float64(scales[b]) * np.float64(scales[b]) * isum
+        return sq
+
+    return q4_sum
+
+
+def _cacheable():
+    """A function numba is asked to cache, to learn whether it can."""
