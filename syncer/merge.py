@@ -195,10 +195,8 @@ class MergeAccumulator:
                     x = np.divide(x, divisor, out=k.work[:hi - lo])
                 if factor is not None:
                     x = np.multiply(x, factor, out=k.work[:hi - lo])
-                outer.step(theta[lo:hi], None if m is None else m[lo:hi], x, t)
-                # while the chunk is in the cache: the guard behind syncer.bounds
-                return bool(np.isfinite(theta[lo:hi]).all() and
-                            (m is None or np.isfinite(m[lo:hi]).all()))
+                # its finiteness checked in the same pass: the guard behind syncer.bounds
+                return outer.step(theta[lo:hi], None if m is None else m[lo:hi], x, t)
 
         if not all(chunked.each_chunk(g.size, one)):
             raise NonFinite("the outer step made Θ or the momentum non-finite")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from yeto.codec import kernels
+
 
 # ---- merge rules ------------------------------------------------------------------------
 class Mean:
@@ -92,23 +94,14 @@ class Nesterov:
         """(lr, μ, w) of round t: m ← μm + g; Θ ← Θ − lr·(g + w·m)."""
         return self.lr, self.momentum, self.momentum
 
-    def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, t: int = 1) -> None:
-        """One outer step, in place on theta and m; g is used as scratch (no full-size
-        temporaries). `t`: this fragment's outer step count, from 1. With momentum 0,
-        m is not needed (None): Θ ← Θ − lr·g."""
+    def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, t: int = 1) -> bool:
+        """One outer step, in place on theta and m, in one pass (`yeto.codec.kernels`);
+        g is used as scratch (no full-size temporaries). `t`: this fragment's outer step
+        count, from 1. With momentum 0, m is not needed (None): Θ ← Θ − lr·g. Returns
+        whether Θ and m came out finite."""
         if m is None or self.momentum == 0:
-            if self.lr != 1.0:  # × 1 changes no bit: a pass over g saved (the default)
-                g *= np.float32(self.lr)
-            theta -= g
-            return
-        lr, mu, w = self.coefficients(t)
-        m *= np.float32(mu)
-        m += g
-        if lr != 1.0:
-            g *= np.float32(lr)
-        theta -= g
-        np.multiply(m, np.float32(lr * w), out=g)
-        theta -= g
+            return kernels.outer_step(theta, None, g, self.lr, 0.0, 0.0)
+        return kernels.outer_step(theta, m, g, *self.coefficients(t))
 
 
 class BiasCorrectedNesterov(Nesterov):

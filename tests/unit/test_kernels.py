@@ -69,3 +69,32 @@ def test_a_short_buffer_is_refused():
     scales, codes, _ = _chunk(128, 3)
     with pytest.raises(ValueError, match="needs 2 scales"):
         kernels.q4_add_square(scales[:1], codes, 128, None, np.float32(1), False)
+
+
+@pytest.mark.parametrize("lr,mu,w,momentum", [(1.0, 0.0, 0.0, False), (0.7, 0.0, 0.0, False),
+                                              (0.4, 0.9, 0.9, True), (1.0, 0.5, 0.5, True),
+                                              (0.79, 0.32, 0.32, True), (0.4, 0.0, 0.9, True)])
+def test_outer_step_kernel_and_twin_agree_bit_for_bit(lr, mu, w, momentum):
+    rng = np.random.default_rng(3)
+    theta0, m0, g0 = (rng.standard_normal(5000).astype(np.float32) for _ in range(3))
+    results = []
+    for force in (None, False):
+        kernels._compiled = force
+        theta, g = theta0.copy(), g0.copy()
+        m = m0.copy() if momentum else None
+        ok = kernels.outer_step(theta, m, g, lr, mu, w)
+        results.append((ok, theta.tobytes(), None if m is None else m.tobytes()))
+    kernels._compiled = None
+    assert results[0] == results[1] and results[0][0]
+
+
+def test_outer_step_reports_a_non_finite_result():
+    theta = np.array([3e38, 0.0], np.float32)
+    g = np.array([-3e38, 1.0], np.float32)
+    for force in (None, False):
+        kernels._compiled = force
+        assert not kernels.outer_step(theta.copy(), None, g.copy(), 1.0, 0.0, 0.0)
+        m = np.zeros(2, np.float32)
+        assert not kernels.outer_step(np.zeros(2, np.float32), m,
+                                      np.array([np.inf, 0], np.float32), 0.5, 0.9, 0.9)
+    kernels._compiled = None

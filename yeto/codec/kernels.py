@@ -20,6 +20,7 @@ The bits:
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +31,11 @@ HALF = Q4_BLOCK // 2  # code bytes per block
 _ASSIGN, _ADD, _NONE = 0, 1, 2  # what the kernel does with acc
 ZERO, EIGHT = np.float32(0.0), np.float32(8.0)  # float32 constants: no float64 creeps in
 _compiled = None  # the numba kernel once built; False when numba is missing or refused
+
+
+class Kernels(NamedTuple):
+    q4_sum: object  # (scales, codes, n, acc, w, mode) -> Σ values²
+    step: object    # (theta, m, g, lr, mu, lr·w, scale?, momentum?) -> finite?
 
 
 def backend() -> str:
@@ -60,8 +66,35 @@ def q4_add_square(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray
     out = np.empty(0, np.float32) if acc is None else acc
     kernel = _kernel()
     if kernel:
-        return float(kernel(scales, codes, n, out, np.float32(weight), mode))
+        return float(kernel.q4_sum(scales, codes, n, out, np.float32(weight), mode))
     return _numpy_twin(scales, codes, n, out, np.float32(weight), mode)
+
+
+def outer_step(theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, lr: float, mu: float,
+               w: float) -> bool:
+    """The outer step on one chunk, in place, in one pass: m ← μm + g and Θ ← Θ − lr·g −
+    (lr·w)·m (m None: Θ ← Θ − lr·g), each operation rounded to float32 as
+    `syncer.strategy.Nesterov` writes it in numpy (× 1 skipped: it changes no bit). g
+    is scratch. Returns whether Θ and m came out finite."""
+    kernel = _kernel()
+    if not kernel:
+        return _outer_twin(theta, m, g, lr, mu, w)
+    return bool(kernel.step(theta, np.empty(0, np.float32) if m is None else m, g,
+                            np.float32(lr), np.float32(mu), np.float32(lr * w),
+                            lr != 1.0, m is not None))
+
+
+def _outer_twin(theta, m, g, lr, mu, w) -> bool:
+    if m is not None:
+        m *= np.float32(mu)
+        m += g
+    if lr != 1.0:
+        g *= np.float32(lr)
+    theta -= g
+    if m is not None:
+        np.multiply(m, np.float32(lr * w), out=g)
+        theta -= g
+    return bool(np.isfinite(theta).all() and (m is None or np.isfinite(m).all()))
 
 
 # Σ (code - 8)² of the two values in each code byte
@@ -105,6 +138,12 @@ def _build():
     except RuntimeError:
         jit = numba.njit(**opts)
 
+    return Kernels(_q4_sum(jit), _step(jit))
+
+
+def _q4_sum(jit):
+    """The q4 sum's kernel, compiled by `jit`."""
+
     @jit
     def q4_sum(scales, codes, n, acc, w, mode):
         sq = 0.0
@@ -140,6 +179,27 @@ def _build():
         return sq
 
     return q4_sum
+
+
+def _step(jit):
+    """The outer step's kernel, compiled by `jit`."""
+
+    @jit
+    def step(theta, m, g, lr, mu, lrw, scale, momentum):
+        ok = True
+        for i in range(theta.size):
+            x = g[i] * lr if scale else g[i]
+            t = theta[i] - x
+            if momentum:
+                mi = m[i] * mu + g[i]
+                m[i] = mi
+                t = t - mi * lrw
+                ok &= np.isfinite(mi)
+            theta[i] = t
+            ok &= np.isfinite(t)
+        return ok
+
+    return step
 
 
 def _cacheable():
