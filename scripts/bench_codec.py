@@ -13,7 +13,9 @@ row, so they compare directly. `ratio` = q4 round-trip throughput / copy
 throughput. Goal: ratio >= 0.25, i.e. a q4 round trip costs at most four copies
 of the f32 data.
 
-Also shown: `decode_add` (what the syncer runs per push: acc += w * decode(p)), a
+Also shown: `decode_add` (numpy: acc += w * decode(p)), the syncer's sum of a q4
+push with its norm as one compiled pass (`yeto.codec.kernels`, numba) against its
+numpy twin (the same bits): `sum_speedup` in the RESULT line; a
 copy into a preallocated array (no page faults) as a second reference point, and an
 island's push encode (anchor − local plus the error-feedback residual, q4, the anchor
 moved to local; each run first resets the anchor with one preallocated copy) on one
@@ -30,6 +32,7 @@ from _bench import MIB, interleaved, parser, rate, result_line
 
 from yeto import codec
 from yeto.cli.display import print_table
+from yeto.codec import chunked, kernels
 from yeto.island.encoder import DeltaEncoder, default_threads
 from yeto.island.island import CHUNK
 from yeto.island.weights import WeightPasses
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
         fns[f"{enc}.encode"] = lambda enc=enc: codec.encode(x, enc)
         fns[f"{enc}.decode"] = lambda enc=enc: codec.decode(payload[enc], enc, n)
         fns[f"{enc}.decode_add"] = lambda enc=enc: codec.decode_add(payload[enc], enc, n, acc, 0.5)
+    for name, compiled in (("compiled", None), ("numpy", False)):
+        fns[f"sum.{name}"] = lambda c=compiled: syncer_sum(payload["q4"], n, acc, c)
     threads = default_threads()
     anchor0 = x + np.float32(0.01)
     islands = {k: push_encode(x, anchor0, k) for k in sorted({1, threads})}
@@ -74,6 +79,10 @@ def main(argv=None) -> int:
     for enc in codec.ENCODINGS:
         td = t[f"{enc}.decode_add"]
         rows.append([f"{enc} decode_add", td * 1e3, "", "", rate(nbytes, td), t["copy"] / td])
+    for name in ("compiled", "numpy"):
+        ts = t[f"sum.{name}"]
+        rows.append([f"syncer q4 sum + norm, {name}", ts * 1e3, "", "", rate(nbytes, ts),
+                     t["copy"] / ts])
     for k in islands:
         tp = t[f"push.{k}"]
         rows.append([f"island push encode, {k} thread(s)", tp * 1e3, "", "", rate(nbytes, tp),
@@ -88,9 +97,22 @@ def main(argv=None) -> int:
                       q4_encode_ms=t["q4.encode"] * 1e3, q4_decode_ms=t["q4.decode"] * 1e3,
                       q4_decode_add_ms=t["q4.decode_add"] * 1e3, copy_ms=t["copy"] * 1e3,
                       f32_ratio=ratios["f32"], bf16_ratio=ratios["bf16"],
+                      sum_compiled_ms=t["sum.compiled"] * 1e3,
+                      sum_numpy_ms=t["sum.numpy"] * 1e3,
+                      sum_speedup=t["sum.numpy"] / t["sum.compiled"],
                       push_threads=threads,
                       push_threads_speedup=t["push.1"] / t[f"push.{threads}"]))
     return 0
+
+
+def syncer_sum(payload, n: int, acc: np.ndarray, compiled) -> None:
+    """One push as the syncer sums it (acc += w · values, and its norm), by the compiled
+    kernel (`compiled` None; skipped without numba: the twin twice) or the numpy twin."""
+    kernels._compiled = compiled
+    try:
+        chunked.decode_add_norm(payload, "q4", n, acc, 0.5)
+    finally:
+        kernels._compiled = None
 
 
 class _Local:

@@ -56,6 +56,7 @@ from _bench import ROOT, parser
 from syncer.spawn import start_syncer
 from yeto import codec, net
 from yeto.cli.display import print_table
+from yeto.codec import kernels
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
@@ -762,6 +763,7 @@ def half_billion_main(args) -> int:
     arith, transport = _stack_table(numel, copy_rate, arithmetic_cpu_s(numel), raw_cpu)
     blocked, encode = overlap_table(guard, loop)
     print(f"RESULT cpu_over_floor={cpu:.2f} arith_over_floor={arith:.2f} "
+          f"syncer_over_stack={cpu / (arith + transport):.2f} "
           f"raw_cpu_over_floor={transport:.2f} island_blocked_s={blocked:.3f} "
           f"encode_s={encode:.3f} "
           f"island_blocked_in_loop_s={statistics.median(loop['blocked_s']):.3f} "
@@ -800,8 +802,9 @@ def _stack_table(numel: int, copy_rate: float, arith_s: float,
     transport = raw_cpu["up"] + raw_cpu["down"]
     print_table(["the round's parts alone, CPU seconds (measured in this run)", "seconds",
                  "÷ floor"],
-                [["arithmetic: 2 q4 pushes decoded and summed, the outer step (numpy, "
-                  "as the syncer does it, best of 3)", arith_s, arith_s / floor_s],
+                [["arithmetic: 2 q4 pushes decoded and summed, the outer step "
+                  f"({kernels.backend()}, as the syncer does it, best of 3)", arith_s,
+                  arith_s / floor_s],
                  ["raw gRPC server: 2 q4 pushes in (best)", raw_cpu["up"],
                   raw_cpu["up"] / floor_s],
                  ["raw gRPC server: 2 f32 broadcasts out (best)", raw_cpu["down"],
