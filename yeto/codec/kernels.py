@@ -19,6 +19,7 @@ The bits:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import NamedTuple
 
@@ -45,8 +46,9 @@ def backend() -> str:
 
 
 def describe() -> str:
-    """What sums q4 pushes, for the syncer's start-up log (built here, not on a push)."""
-    if backend() == "numba":
+    """What will sum q4 pushes, for the syncer's start-up log (nothing is built here:
+    the kernels compile on the first push, or load from numba's cache)."""
+    if os.environ.get("YETO_KERNELS") != "numpy" and importlib.util.find_spec("numba"):
         return "one compiled pass (numba)"
     return ("numpy (pip install 'yeto[fast]' for the compiled pass: about a quarter of "
             "the CPU per push)")
