@@ -50,8 +50,8 @@ def describe() -> str:
     the kernels compile on the first push, or load from numba's cache)."""
     if os.environ.get("YETO_KERNELS") != "numpy" and importlib.util.find_spec("numba"):
         return "one compiled pass (numba)"
-    return ("numpy (pip install 'yeto[fast]' for the compiled pass: about a quarter of "
-            "the CPU per push)")
+    return ("numpy (pip install 'yeto[fast]' for the compiled pass: a push summed about "
+            "2x faster)")
 
 
 def q4_add_square(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray | None,
