@@ -262,7 +262,7 @@ CANDIDATES = {
     "agree": ("nesterov-agree", 0.4, 0.9),
     "restart": ("nesterov-restart", 0.4, 0.9),
 }
-DEFAULT = "avg"  # the syncer's default rule (syncer.run.Config); --quick runs it
+DEFAULT = "warmup"  # the syncer's default rule (syncer.run.Config); --quick runs it
 # the cells of the rules table: (regime, k, H); the last, the larger model, runs
 # LARGER_RULES only (the default and the candidate for it)
 CELLS = (("short", 4, 50), ("warm", 4, 100), ("warm", 8, 100), ("scratch", 4, 50),

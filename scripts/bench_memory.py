@@ -63,8 +63,8 @@ from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 log = logging.getLogger("bench_memory")
 ISLANDS = (1, 2, 4, 8)
-MOMENTUM = {"none": ["--outer-lr", "1", "--outer-momentum", "0"],
-            "0.9": ["--outer-lr", "0.7", "--outer-momentum", "0.9"]}
+MOMENTUM = {"none": ["--outer", "nesterov", "--outer-lr", "1", "--outer-momentum", "0"],
+            "0.9": ["--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"]}
 
 
 # ---- /proc ------------------------------------------------------------------------

@@ -88,8 +88,9 @@ class Memory:
 
 
 def start(quorum: int, workdir: Path) -> SyncerProcess:
-    return start_syncer(["--quorum", str(quorum), "--grace-ms", "0", "--outer-lr", "0.7",
-                         "--outer-momentum", "0.9", "--log-level", "WARNING"],
+    return start_syncer(["--quorum", str(quorum), "--grace-ms", "0", "--outer", "nesterov",
+                         "--outer-lr", "0.7", "--outer-momentum", "0.9", "--log-level",
+                         "WARNING"],
                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                         log=workdir / "syncer.log")
 

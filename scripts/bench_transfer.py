@@ -171,7 +171,7 @@ def servers(total: int, conn, stamps) -> None:
     memory.limit_arenas()
     logging.basicConfig(level=logging.ERROR)
     raw, raw_port = raw_server(total)
-    run = Run(Config(quorum=1, grace_ms=0, outer_lr=1.0, outer_momentum=0.0,
+    run = Run(Config(quorum=1, grace_ms=0, outer="nesterov", outer_lr=1.0, outer_momentum=0.0,
                      max_staleness=1))
     Probe(run, stamps)
     server, port = serve(run, "127.0.0.1", 0)

@@ -277,7 +277,8 @@ class Fleet:
         a = self.args
         flags = ["--state-dir", str(self.state_dir), "--quorum", str(quorum or a.quorum),
                  "--rounds", str(rounds), "--grace", "fixed", "--grace-ms", "100",
-                 "--round-timeout-s", "10", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+                 "--round-timeout-s", "10", "--outer", "nesterov", "--outer-lr", "0.7",
+                 "--outer-momentum", "0.9"]
         try:
             self.syncer = spawn.start_syncer(flags + (["--resume"] if resume else []),
                                              port=self.port, cwd=ROOT, env=self.env(),

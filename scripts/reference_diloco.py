@@ -367,8 +367,8 @@ def run_yeto(case: Case, out: Path) -> Trace:
         max_steps=case.rounds * case.sync_every, wire="q4" if case.q4 else "f32",
         blocking_sync=not case.overlap, seed=case.seed, threads=case.threads,
         num_learners=case.islands, progress=False, log_level="WARNING").check()
-    syncer = Config(quorum=case.islands, grace_ms=0, grace="fixed", outer_lr=case.outer_lr,
-                    outer_momentum=case.outer_momentum, downlink="f32",
+    syncer = Config(quorum=case.islands, grace_ms=0, grace="fixed", outer="nesterov",
+                    outer_lr=case.outer_lr, outer_momentum=case.outer_momentum, downlink="f32",
                     merge="mean" if case.token_weights else "uniform")
     original, fleet.Run = fleet.Run, Recorder
     try:  # simulated time for --overlap: when Θ arrives no longer depends on the machine

@@ -15,21 +15,22 @@ from yeto import codec
 def add_round_args(p) -> None:
     """Add the outer loop's flags to a parser or argument group."""
     p.add_argument("--outer", choices=tuple(OPTIMIZERS), default=Config.outer,
-                   help="the outer optimizer, with --outer-lr and --outer-momentum: nesterov "
-                        "(m <- mu m + g; step lr (g + mu m)); nesterov-bc (its momentum term "
-                        "bias-corrected); nesterov-warmup (from plain averaging to lr, mu over "
-                        "the first 20 rounds); nesterov-agree (between plain averaging and lr, "
-                        "mu by the cosine of g and m); nesterov-restart (m emptied when g "
-                        "points against it). Each rule, its source and its arithmetic: "
-                        "syncer/strategy.py")
+                   help="the outer optimizer, with --outer-lr and --outer-momentum. The "
+                        "default, nesterov-warmup, starts as plain averaging and reaches "
+                        "Nesterov lr, mu at round 21: short runs stay near averaging, long "
+                        "ones get momentum (chosen by three-seed runs: BENCHMARKS.md, \"One "
+                        "outer rule for both regimes\"). The others: nesterov (m <- mu m + "
+                        "g; step lr (g + mu m); lr 1, mu 0 is plain averaging); nesterov-bc "
+                        "(its momentum term bias-corrected); nesterov-agree (between plain "
+                        "averaging and lr, mu by the cosine of g and m); nesterov-restart (m "
+                        "emptied when g points against it). Each rule, its source and its "
+                        "arithmetic: syncer/strategy.py")
     p.add_argument("--outer-lr", type=float, default=Config.outer_lr,
-                   help="outer Nesterov learning rate (1 with momentum 0 = plain averaging, "
-                        "the default). For long runs (100+ rounds) from a pretrained model, "
-                        "try --outer-lr 0.4 --outer-momentum 0.9 with islands' --sync-every "
-                        "100; not for short runs or from scratch (BENCHMARKS.md, \"What the "
-                        "evidence says, and the defaults\")")
+                   help="outer learning rate (with --outer nesterov: 1 with momentum 0 is "
+                        "plain averaging)")
     p.add_argument("--outer-momentum", type=float, default=Config.outer_momentum,
-                   help="outer Nesterov momentum (lr 1, momentum 0 = plain averaging)")
+                   help="outer Nesterov momentum (with --outer nesterov: lr 1, momentum 0 is "
+                        "plain averaging)")
     p.add_argument("--merge", choices=MERGE_RULES, default=Config.merge,
                    help="mean = weighted by loss tokens; uniform; rda = norm-preserving mean")
     p.add_argument("--grace-ms", type=int, default=Config.grace_ms,

@@ -49,9 +49,11 @@ class Config:
 
     quorum: int = 1
     rounds: int = 0
-    outer: str = "nesterov"     # the outer optimizer (syncer.strategy.OPTIMIZERS)
-    outer_lr: float = 1.0       # with momentum 0: plain averaging (BENCHMARKS.md)
-    outer_momentum: float = 0.0
+    # the outer rule: from plain averaging to Nesterov 0.4/0.9 over the first 20 rounds
+    # (syncer.strategy.WarmupNesterov; BENCHMARKS.md, "One outer rule for both regimes")
+    outer: str = "nesterov-warmup"
+    outer_lr: float = 0.4
+    outer_momentum: float = 0.9
     merge: str = "mean"         # the merge rule (syncer.strategy.RULES)
     grace_ms: int = 500
     grace: str = "auto"         # auto: syncer.grace (grace_ms until measured); fixed

@@ -65,8 +65,8 @@ def merge_rule(name: str) -> Mean:
 class Nesterov:
     """m ← μm + g;  Θ ← Θ − lr·(g + μm): DiLoCo's outer step (Douillard et al., "DiLoCo:
     Distributed Low-Communication Training of Language Models", arXiv 2311.08105). lr 1
-    with μ 0 is plain averaging (the default: BENCHMARKS.md, "What the evidence says, and
-    the defaults"). SNOO (Kallusky et al., arXiv 2510.15830) is this same update on one
+    with μ 0 is plain averaging (the default until issue 33; the default now warms up from
+    it: `WarmupNesterov`). SNOO (Kallusky et al., arXiv 2510.15830) is this same update on one
     worker's pseudo-gradient (k = 1), and Lookahead (Zhang et al., arXiv 1907.08610) is
     it with μ 0, lr = Lookahead's α: neither is a separate rule here.
 

@@ -10,6 +10,10 @@ from syncer.run import Config, Run
 from syncer.service import SPILL_MIN_BYTES, serve
 from yeto.client import SyncerClient
 
+# plain averaging (outer lr 1, momentum 0): the rule a test's hand computation assumes
+# where it is not the one under test (the default warms up to momentum: syncer.run.Config)
+AVERAGING = dict(outer="nesterov", outer_lr=1.0, outer_momentum=0.0)
+
 
 @contextlib.contextmanager
 def running_syncer(token=None, spill_min_bytes=SPILL_MIN_BYTES, **cfg):

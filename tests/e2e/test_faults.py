@@ -101,7 +101,8 @@ def test_killed_island_restarts_rejoins_and_run_completes(tmp_path):
 
 def test_killed_syncer_resumes_without_losing_a_round(tmp_path):
     sd = tmp_path / "state"
-    args = ["--quorum", "2", "--grace-ms", "100", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+    args = ["--quorum", "2", "--grace-ms", "100", "--outer", "nesterov", "--outer-lr", "0.7",
+            "--outer-momentum", "0.9"]
     syncer = start_syncer(sd, *args)
     common = ["--steps", "150", "--sync-every", "5", "--step-seconds", "0.02", "--dim", "2048"]
     recs = {i: tmp_path / f"island-{i}.jsonl" for i in range(2)}

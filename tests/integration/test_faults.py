@@ -51,7 +51,7 @@ def test_resume_restores_momentum_bit_exact_and_refuses_mismatches(tmp_path, toy
     assert resumed.momentum.tobytes() == first.momentum.tobytes()
     assert resumed.members.rows["a"].last_seq == 2
     resumed.tape.close()
-    with pytest.raises(state.StateError, match="--outer-lr was 1.0, now 0.5"):
+    with pytest.raises(state.StateError, match="--outer-lr was 0.4, now 0.5"):
         Run(Config(state_dir=sd, resume=True, outer_lr=0.5))
     with pytest.raises(state.StateError, match="--resume"):
         Run(Config(state_dir=sd))

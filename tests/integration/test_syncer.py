@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from helpers.syncer import _join_all, _push, _wait_version
-from support import make_client, running_syncer, wait_until
+from support import AVERAGING, make_client, running_syncer, wait_until
 
 from syncer.tape import read_tape
 from yeto import codec
@@ -25,7 +25,7 @@ def test_token_weighted_nesterov_matches_hand_computation(toy_layout, rng, tmp_s
     lr, mu = 0.7, 0.9
     init = rng.standard_normal(toy_layout.numel).astype(np.float32)
     tokens = [100, 300, 600]
-    cfg = dict(quorum=3, outer_lr=lr, outer_momentum=mu, state_dir=tmp_state)
+    cfg = dict(quorum=3, outer="nesterov", outer_lr=lr, outer_momentum=mu, state_dir=tmp_state)
     with running_syncer(**cfg) as (run, addr):
         clients = _join_all(addr, toy_layout, ["a", "b", "c"], init)
         theta0 = clients[0].wait_one(timeout=20).theta
@@ -76,7 +76,7 @@ def test_round_one_waits_for_quorum(toy_layout, rng):
 def test_silent_island_does_not_stall_past_timeout(toy_layout, rng, tmp_state):
     init = np.zeros(toy_layout.numel, dtype=np.float32)
     with running_syncer(quorum=2, round_timeout_s=1.0, grace_ms=0, state_dir=tmp_state,
-                        outer_lr=1.0, outer_momentum=0.0) as (run, addr):
+                        **AVERAGING) as (run, addr):
         a, b = _join_all(addr, toy_layout, ["a", "b"], init)
         a.wait_one(timeout=20), b.wait_one(timeout=20)
         t0 = time.monotonic()
@@ -377,7 +377,7 @@ def test_round_of_zero_token_pushes_merges_uniformly(toy_layout, tmp_state):
     work; their tokens were not counted); next to a counted push they weigh nothing."""
     init = np.zeros(toy_layout.numel, np.float32)
     one = np.ones(toy_layout.numel, np.float32)
-    with running_syncer(quorum=2, state_dir=tmp_state) as (run, addr):
+    with running_syncer(quorum=2, state_dir=tmp_state, **AVERAGING) as (run, addr):
         a, b = _join_all(addr, toy_layout, ["a", "b"], init)
         a.wait_one(timeout=20), b.wait_one(timeout=20)
         assert _push(a, one, 0, base=0, seq=0).accepted
@@ -415,7 +415,7 @@ def test_final_folder_has_weights_and_provenance(toy_layout, rng, tmp_state):
     assert (final / "adapter_config.json").read_text() == "{}"
     prov = json.loads((final / "provenance.json").read_text())
     assert prov["format"] == 1 and prov["yeto"]["version"] and prov["yeto"]["code_digest"]
-    assert prov["config"]["quorum"] == 1 and prov["config"]["outer_lr"] == 1.0
+    assert prov["config"]["quorum"] == 1 and prov["config"]["outer_lr"] == 0.4
     assert prov["config"]["state_dir"] == str(tmp_state)
     s = prov["syncer"]
     assert (s["version"], s["run_id"], s["weights_file"]) == (2, run.run_id, "weights.safetensors")

@@ -13,7 +13,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from support import make_client, running_syncer, wait_until
+from support import AVERAGING, make_client, running_syncer, wait_until
 
 from syncer import state
 from syncer.admission import Streams
@@ -100,7 +100,7 @@ def test_a_push_far_longer_than_the_history_is_scaled_to_the_norm_bound(toy_layo
     """From the 5th push of a fragment on, a push over 10x the median norm of the last
     ones is scaled to that bound before it is summed (weight kept)."""
     n = toy_layout.numel
-    with running_syncer(quorum=1, state_dir=tmp_path / "s") as (run, addr):
+    with running_syncer(quorum=1, state_dir=tmp_path / "s", **AVERAGING) as (run, addr):
         c, = _started(addr, toy_layout, ["a"], token=None)
         d = rng.standard_normal(n).astype(np.float32) * 0.01
         theta = np.zeros(n, np.float32)

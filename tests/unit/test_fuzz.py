@@ -39,7 +39,9 @@ def _decodes_cleanly(encoding, numel, payload):
 
 
 def _started_run() -> tuple[Run, int]:
-    run = Run(Config(quorum=1, bounds=Bounds(norm_factor=0)))  # valid pushes move Θ exactly
+    # plain averaging and no norm bound: a valid push moves Θ by exactly its values
+    run = Run(Config(quorum=1, bounds=Bounds(norm_factor=0), outer="nesterov", outer_lr=1.0,
+                     outer_momentum=0.0))
     gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors", {})[
         "generation"]
     seed = PushHeader.from_pb(pb.PushHeader(learner_id="a", generation=gen, kind=pb.SEED,

@@ -14,7 +14,6 @@ from syncer import __main__ as syncer_cli
 from syncer import state
 from syncer.merge import MergeAccumulator
 from syncer.run import Config, Run
-from syncer.strategy import Nesterov
 from yeto import codec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,11 +83,9 @@ def test_rejected_payload_leaves_the_accumulator_untouched():
 def test_library_defaults_equal_the_cli_defaults():
     args = syncer_cli.build_parser().parse_args([])
     assert syncer_cli.config_from_args(args) == Config()
-    outer = Nesterov()
-    assert (outer.lr, outer.momentum) == (Config().outer_lr, Config().outer_momentum)
-    assert (args.outer_lr, args.outer_momentum) == (1.0, 0.0)  # plain averaging
+    assert (args.outer, args.outer_lr, args.outer_momentum) == ("nesterov-warmup", 0.4, 0.9)
     run = Run(Config())
-    assert (run.outer.lr, run.outer.momentum) == (1.0, 0.0)
+    assert (run.outer.name, run.outer.lr, run.outer.momentum) == ("nesterov-warmup", 0.4, 0.9)
     run.tape.close()
 
 
@@ -161,7 +158,9 @@ def test_a_state_saved_before_the_metadata_digest_resumes(tmp_path):
                 theta_sha256=state.digest(theta))
     save_file({"theta": theta}, str(tmp_path / state.STATE_FILE),
               metadata={"yeto_state": json.dumps(meta)})
-    run = Run(Config(state_dir=tmp_path, resume=True))
+    # its flags, passed as the message of a changed default asks (plain averaging)
+    run = Run(Config(state_dir=tmp_path, resume=True, outer="nesterov", outer_lr=1.0,
+                     outer_momentum=0.0))
     assert run.version == 4 and run.theta.tobytes() == theta.tobytes()
     assert run.members.rows["x"].last_seq == 3 and run.outer.name == "nesterov"
     run.tape.close()
