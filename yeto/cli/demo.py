@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=int, default=20, help="steps between pushes")
     p.add_argument("--wire", default="q4", choices=("q4", "bf16", "f32"))
     p.add_argument("--inner-lr", type=float, default=3e-3)
-    p.add_argument("--outer-lr", type=float, default=1.0)
-    p.add_argument("--outer-momentum", type=float, default=0.0)
+    p.add_argument("--outer", default=None,
+                   help="the syncer's outer rule (default: the syncer's, nesterov-warmup)")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="the rule's learning rate (default: the syncer's)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="the rule's momentum (default: the syncer's)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lora-r", type=int, default=16)
@@ -71,8 +75,10 @@ def _config(args, out: Path, backends: list[str]):
                      "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
                      "--lora-r", str(args.lora_r), "--seed", "0", *args.extra.split()],
         backend_args={"torch": ["--threads", "1"]},
-        syncer_args=["--outer-lr", str(args.outer_lr),
-                     "--outer-momentum", str(args.outer_momentum)],
+        syncer_args=[a for flag, value in (("--outer", args.outer),
+                                           ("--outer-lr", args.outer_lr),
+                                           ("--outer-momentum", args.outer_momentum))
+                     if value is not None for a in (flag, str(value))],
         dashboard_port=None if args.no_dashboard else 0, display=args.display,
         max_steps=args.max_steps, overwrite=True)
 
