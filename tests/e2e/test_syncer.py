@@ -37,8 +37,10 @@ def test_python_m_syncer_serves_a_run_without_torch_transformers_peft_mlx(toy_la
         assert r.returncode != 0 and "halted; None in sys.modules" in r.stderr, r.stderr
     sd = tmp_path / "state"
     init = np.zeros(toy_layout.numel, np.float32)
+    averaging = ["--outer", "nesterov", "--outer-lr", "1", "--outer-momentum", "0"]
     with start_syncer(["--quorum", "2", "--rounds", "2", "--state-dir", str(sd),
-                       "--token", "s3cret", "--round-timeout-s", "600"], cwd=ROOT, env=env,
+                       "--token", "s3cret", "--round-timeout-s", "600", *averaging], cwd=ROOT,
+                      env=env,
                       log=tmp_path / "syncer.log") as syncer:
         a, b = _join_all(syncer.address, toy_layout, ["a", "b"], init, token="s3cret")
         a.wait_one(timeout=60), b.wait_one(timeout=60)
