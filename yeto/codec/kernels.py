@@ -1,11 +1,13 @@
-"""The syncer's hot loop as one compiled pass: a q4 chunk decoded, weighted and added
-into the round's sum, with its squared norm, reading each code once (issue 34).
+"""The syncer's hot loops as compiled passes (issue 34): a q4 chunk decoded, weighted
+and added into the round's sum with its squared norm, reading each code once
+(`q4_add_square`); and the outer step with its finiteness check (`outer_step`).
 
-numpy cannot fuse this: its q4 decode and sum take about eleven passes over each chunk
+numpy cannot fuse these: its q4 decode and sum take about eleven passes over each chunk
 (unpack, cast, spread the scales, multiply, square, weight, add), 1.7-2x the CPU a
-round's bytes need at memcpy speed. With numba installed (`pip install 'yeto[fast]'`)
-`q4_add_square` runs as one loop compiled on first use; without it, a numpy twin gives
-the same bits, only slower. tests/unit/test_kernels.py holds the two to that.
+round's bytes need at memcpy speed, and the outer step five more. With numba installed
+(`pip install 'yeto[fast]'`) each runs as one loop compiled on first use; without it, a
+numpy twin gives the same bits, only slower. tests/unit/test_kernels.py holds the two
+to that.
 
 The bits:
 - the sum: acc + (float32(code - 8) * scale) * weight, each operation rounded to
@@ -15,6 +17,8 @@ The bits:
   scale² x Σ (code - 8)², in float64, the blocks added in order. The inner sum is an
   exact integer, so this is the values' squared norm to float64 precision, and both
   implementations compute it in the same order.
+- the outer step: as `syncer.strategy.Nesterov` writes it, each operation rounded to
+  float32 (`outer_step`).
 """
 
 from __future__ import annotations
