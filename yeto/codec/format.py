@@ -308,6 +308,19 @@ def _q4_decode_chunk(scales: np.ndarray, codes: np.ndarray, k: Scratch,
                      out: np.ndarray | None = None) -> np.ndarray:
     """The values of one chunk of whole blocks, in `out` or else in `k.work` (valid
     until its next use)."""
+    return times_scales(q4_centered(codes, k), scales, k, out)
+
+
+def times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """`q4_centered` codes times their blocks' scales: q4's decoded values, in `out` or
+    else in place."""
+    return _times_scales(v, scales, k, v if out is None else out)
+
+
+def q4_centered(codes: np.ndarray, k: Scratch) -> np.ndarray:
+    """code − 8 of each value of whole blocks, as float32 (exact), in `k.work` (valid
+    until its next use)."""
     m = 2 * codes.size
     # byte b -> little-endian uint16 (b & 15, b >> 4): codes of elements 2j, 2j+1
     sp = k.pair[:m // 2]
@@ -320,7 +333,7 @@ def _q4_decode_chunk(scales: np.ndarray, codes: np.ndarray, k: Scratch,
     c -= 8  # code - 8 as an int8's two's complement (uint8 arithmetic wraps)
     v = k.work[:m]
     np.copyto(v, c.view(np.int8), casting="unsafe")  # exact: a cast, a quarter faster
-    return _times_scales(v, scales, k, v if out is None else out)
+    return v
 
 
 def _times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch, out: np.ndarray) -> np.ndarray:

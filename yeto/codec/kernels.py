@@ -103,23 +103,24 @@ def _outer_twin(theta, m, g, lr, mu, w) -> bool:
     return bool(np.isfinite(theta).all() and (m is None or np.isfinite(m).all()))
 
 
-# Σ (code - 8)² of the two values in each code byte
-_BYTE_SQUARES = np.array([((b & 15) - 8) ** 2 + ((b >> 4) - 8) ** 2 for b in range(256)],
-                         np.int32)
+_ONES = np.ones(Q4_BLOCK, np.float32)
 
 
 def _numpy_twin(scales, codes, n, acc, weight, mode) -> float:
     """`q4_add_square` in numpy: the kernel's bits (the sum is the codec's own decode)."""
-    if mode != _NONE:
-        fmt.q4_decode_add(scales, codes, n, acc[:n], weight, assign=mode == _ASSIGN)
-    full, short = divmod(n, Q4_BLOCK)
-    isum = _BYTE_SQUARES[codes[:full * HALF]].reshape(full, HALF).sum(axis=1)
-    if short:  # the last block's first `short` values; its padding counts for nothing
-        c = codes[full * HALF:(full + 1) * HALF].astype(np.int32)
-        d = (np.stack([c & 15, c >> 4], axis=1).reshape(-1) - 8)[:short]
-        isum = np.append(isum, int(d @ d))
-    s = scales[:isum.size].astype(np.float64)
-    return float(np.cumsum(s * s * isum)[-1]) if isum.size else 0.0
+    nb = -(-n // Q4_BLOCK)
+    with fmt.spare_scratch() as k:
+        d = fmt.q4_centered(codes[:nb * HALF], k)
+        d[n:] = 0  # the last block's padding counts for nothing
+        squares = np.square(d, out=k.wide[:d.size])  # small integers: their block sums
+        isum = squares.reshape(nb, Q4_BLOCK) @ _ONES  # (<= 4096) are exact in any order
+        s = scales[:nb].astype(np.float64)
+        sq = float(np.cumsum(s * s * isum)[-1]) if nb else 0.0
+        if mode != _NONE:
+            v = fmt.times_scales(d, scales[:nb], k)[:n]
+            v *= weight
+            fmt.add_to(acc[:n], v, mode == _ASSIGN)
+    return sq
 
 
 def _kernel():
