@@ -54,8 +54,8 @@ def describe() -> str:
     the kernels compile on the first push, or load from numba's cache)."""
     if os.environ.get("YETO_KERNELS") != "numpy" and importlib.util.find_spec("numba"):
         return "one compiled pass (numba)"
-    return ("numpy (pip install 'yeto[fast]' for the compiled pass: a push summed about "
-            "2x faster)")
+    return ("numpy (pip install 'yeto[fast]' for the compiled pass: a push summed in "
+            "about half the time)")
 
 
 def q4_add_square(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray | None,
