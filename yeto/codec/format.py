@@ -254,20 +254,13 @@ def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scrat
     if not decoded or not np.isfinite(inv).all():  # 1 / a tiny scale overflows: decode
         return None
     w -= _Q4_MAGIC  # exactly round(x / scale), the float of code - 8 that decoding makes
-    return _times_scales(w, s, k, w)
+    return times_scales(w, s, k, w)
 
 
 def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight, assign=False) -> None:
     nb = -(-numel // Q4_BLOCK)
     _q4_decode_parts(_q4_scales(buf, numel), np.frombuffer(buf, dtype=np.uint8, offset=4 * nb),
                      numel, out, weight, assign=assign)
-
-
-def q4_decode_add(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
-                  weight, assign: bool = False) -> None:
-    """out += weight * the values of whole q4 blocks given as their validated `scales`
-    and their `codes` (`assign`: out = 0 + ...): the bits of `decode_add`."""
-    _q4_decode_parts(scales, codes, numel, out, weight, assign=assign)
 
 
 def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
@@ -308,14 +301,8 @@ def _q4_decode_chunk(scales: np.ndarray, codes: np.ndarray, k: Scratch,
                      out: np.ndarray | None = None) -> np.ndarray:
     """The values of one chunk of whole blocks, in `out` or else in `k.work` (valid
     until its next use)."""
-    return times_scales(q4_centered(codes, k), scales, k, out)
-
-
-def times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch,
-                 out: np.ndarray | None = None) -> np.ndarray:
-    """`q4_centered` codes times their blocks' scales: q4's decoded values, in `out` or
-    else in place."""
-    return _times_scales(v, scales, k, v if out is None else out)
+    v = q4_centered(codes, k)
+    return times_scales(v, scales, k, v if out is None else out)
 
 
 def q4_centered(codes: np.ndarray, k: Scratch) -> np.ndarray:
@@ -336,7 +323,7 @@ def q4_centered(codes: np.ndarray, k: Scratch) -> np.ndarray:
     return v
 
 
-def _times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch, out: np.ndarray) -> np.ndarray:
+def times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch, out: np.ndarray) -> np.ndarray:
     """Each block's code − 8 values in `v` times its scale, into `out`: q4's decoded values."""
     m = v.size
     k.wide[:m].reshape(-1, Q4_BLOCK)[...] = scales[:, None]

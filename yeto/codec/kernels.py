@@ -117,7 +117,7 @@ def _numpy_twin(scales, codes, n, acc, weight, mode) -> float:
         s = scales[:nb].astype(np.float64)
         sq = float(np.cumsum(s * s * isum)[-1]) if nb else 0.0
         if mode != _NONE:
-            v = fmt.times_scales(d, scales[:nb], k)[:n]
+            v = fmt.times_scales(d, scales[:nb], k, d)[:n]
             v *= weight
             fmt.add_to(acc[:n], v, mode == _ASSIGN)
     return sq
