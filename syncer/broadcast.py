@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from syncer.stepping import Filling
 from yeto import net, wire
 from yeto.codec import chunked
 from yeto.proto import yeto_pb2 as pb
@@ -34,7 +35,7 @@ class Source:
 
     SHARED = 2  # chunks kept for readers behind (each net.CHUNK_BYTES at most)
 
-    def __init__(self, array: np.ndarray):
+    def __init__(self, array: np.ndarray, filling: Filling | None = None):
         self._array: np.ndarray | None = array.view(np.uint8).reshape(-1)
         self.size = self._array.size
         self._offset = 0              # byte of the whole payload at self._array[0]
@@ -43,6 +44,7 @@ class Source:
         self._next = 0
         self._built: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.filling = filling  # the bytes not yet written (an outer step behind it)
 
     def open(self) -> int:
         with self._lock:
@@ -54,7 +56,10 @@ class Source:
 
     def read(self, reader: int, lo: int, hi: int, prefix: bytes = b"") -> bytes:
         """`prefix` + bytes [lo, hi) of the payload as one bytes object: built anew, or
-        the one just built for another reader (islands streaming in step share it)."""
+        the one just built for another reader (islands streaming in step share it);
+        with a `filling`, once those bytes are final."""
+        if self.filling is not None:
+            self.filling.wait(hi)
         with self._lock:
             self._readers[reader] = hi
             key = (lo, hi, prefix)
@@ -121,12 +126,12 @@ class Downlink:
         self.island_theta: np.ndarray | None = None
 
     def next(self, theta: np.ndarray, f: int, lo: int, hi: int, final: bool,
-             version: int) -> Broadcast:
+             version: int, filling: bool = False) -> Broadcast:
         """Fragment f (Θ[lo:hi]) at `version` for the islands (updates `island_theta`);
         the caller publishes it. The final weights always go out exact, in f32. Nothing
         is copied: the broadcast streams from the live weights (see `Source`), and a
         compressed update is encoded chunk by chunk into the one buffer all islands
-        are sent."""
+        are sent. `filling`: Θ[lo:hi] is still being written (f32 only; `Filling`)."""
         prev = self.latest.get(f)
         self.detach(f)
         delta = None
@@ -140,7 +145,10 @@ class Downlink:
                 source[...] = theta[lo:hi]
             else:
                 delta = chunked.encode_diff(theta[lo:hi], source, self.encoding)
-        return Broadcast(version, f, Source(source), "f32", final, delta,
+        if filling and self.encoding != "f32":
+            raise ValueError("only an f32 downlink streams Θ while it is written")
+        return Broadcast(version, f, Source(source, Filling(4 * (hi - lo)) if filling else None),
+                         "f32", final, delta,
                          prev.version if prev else 0)
 
     def detach(self, f: int) -> None:
@@ -177,7 +185,7 @@ class Subscription:
         run = self.run
         with run.cond:
             bc = self._pending()
-            while active() and (bc is None or run.pending is not None):
+            while active() and (bc is None or (run.pending and not run.pending.streamed)):
                 run.cond.wait(timeout=1.0)  # (a commit not yet on disk: its Θ is not out)
                 bc = self._pending()
             if bc is None:

@@ -15,6 +15,7 @@ import logging
 
 import numpy as np
 
+from syncer import stepping
 from syncer.bounds import SEED_MAX_ABS, BoundError, NormHistory
 from syncer.errors import Reject
 from syncer.members import Member
@@ -58,12 +59,18 @@ def check_header(run, member: Member, h: PushHeader) -> int:
 
 
 def check_saved(run) -> None:
-    """Refuse pushes while a commit waits for its state to reach the disk."""
+    """Refuse pushes while a commit waits for its state to reach the disk; wait (up to
+    `syncer.stepping.WAIT_S`) while an outer step runs behind its broadcast."""
+    if run.pending is not None and run.pending.stepping:
+        run.cond.wait_for(lambda: run.pending is None or not run.pending.stepping
+                          or run.fatal, timeout=stepping.WAIT_S)
     if run.fatal:
         raise Reject("precondition", f"the syncer is stopping: {run.fatal}")
     if run.pending is not None:
-        raise Reject("exhausted", f"the syncer is waiting to save round "
-                     f"{run.version + 1}: {run.problem}; the island retries")
+        why = "to finish the outer step of" if run.pending.stepping else "to save"
+        problem = f": {run.problem}" if run.problem else ""
+        raise Reject("exhausted", f"the syncer is waiting {why} round "
+                     f"{run.version + 1}{problem}; the island retries")
 
 
 def max_abs(run, h: PushHeader) -> float:

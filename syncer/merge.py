@@ -172,11 +172,12 @@ class MergeAccumulator:
         return g
 
     def step_outer(self, outer: strategy.Nesterov, theta: np.ndarray, m: np.ndarray | None,
-                   t: int = 1) -> np.ndarray:
+                   t: int = 1, on_chunk=None) -> np.ndarray:
         """`outer.step(theta, m, self.result(), t)` with the same bits, in one pass per
         chunk over the buffers (two when the rule rescales, as its factor needs g's norm
         first), on a few threads. Returns the sum's buffer (scratch afterwards: `reuse`
-        it). Raises NonFinite if Θ or m came out non-finite."""
+        it). Raises NonFinite if Θ or m came out non-finite. `on_chunk(lo, hi)` is
+        called for each chunk of Θ written and finite (from the thread that wrote it)."""
         divisor, g = self._prepare(), self._buffer()
         outer.begin(g, m, t)  # the whole round, for rules that look at it (g up to 1/divisor)
         divide, factor = True, None
@@ -196,7 +197,10 @@ class MergeAccumulator:
                 if factor is not None:
                     x = np.multiply(x, factor, out=k.work[:hi - lo])
                 # its finiteness checked in the same pass: the guard behind syncer.bounds
-                return outer.step(theta[lo:hi], None if m is None else m[lo:hi], x, t)
+                ok = outer.step(theta[lo:hi], None if m is None else m[lo:hi], x, t)
+            if ok and on_chunk is not None:
+                on_chunk(lo, hi)
+            return ok
 
         if not all(chunked.each_chunk(g.size, one)):
             raise NonFinite("the outer step made Θ or the momentum non-finite")

@@ -114,6 +114,10 @@ class Run:
         self.problem = ""  # what keeps the run from committing, for status ("" if nothing)
         self.fatal: str | None = None  # why the run cannot go on: the syncer exits non-zero
         self.closing = False  # the syncer is stopping: nothing finishes the run now
+        # step Θ behind its broadcast when there is no state dir (syncer.stepping): on
+        # when served over gRPC (syncer.service.serve); off, a commit is whole when the
+        # call that made it returns (direct calls, yeto.sim)
+        self.overlap_step = False
         if config.state_dir is not None:
             persist.restore_or_refuse(self, config.state_dir, config.resume)
         elif config.resume:

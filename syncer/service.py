@@ -298,8 +298,10 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     """Start the server; returns (server, bound port). The port is the syncer's alone
     (a second syncer on it fails here). A ticker thread commits rounds whose grace
     window or timeout has passed, and cancels silent pushes; if it dies, the run
-    stops (`Run.fatal`)."""
+    stops (`Run.fatal`). Served, the run steps Θ behind its broadcasts when it has no
+    state dir (`syncer.stepping`)."""
     streams = streams or Streams()
+    run.overlap_step = True
     workers = streams.max_streams + UNARY_WORKERS  # unary calls always find a worker
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=net.SERVER_OPTIONS + EXCLUSIVE_PORT)
