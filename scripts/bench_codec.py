@@ -58,8 +58,8 @@ def main(argv=None) -> int:
         fns[f"{enc}.encode"] = lambda enc=enc: codec.encode(x, enc)
         fns[f"{enc}.decode"] = lambda enc=enc: codec.decode(payload[enc], enc, n)
         fns[f"{enc}.decode_add"] = lambda enc=enc: codec.decode_add(payload[enc], enc, n, acc, 0.5)
-    for name, compiled in (("compiled", None), ("numpy", False)):
-        fns[f"sum.{name}"] = lambda c=compiled: syncer_sum(payload["q4"], n, acc, c)
+    for name, backend in (("compiled", "auto"), ("numpy", "numpy")):
+        fns[f"sum.{name}"] = lambda b=backend: syncer_sum(payload["q4"], n, acc, b)
     threads = default_threads()
     anchor0 = x + np.float32(0.01)
     islands = {k: push_encode(x, anchor0, k) for k in sorted({1, threads})}
@@ -105,14 +105,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def syncer_sum(payload, n: int, acc: np.ndarray, compiled) -> None:
+def syncer_sum(payload, n: int, acc: np.ndarray, backend: str) -> None:
     """One push as the syncer sums it (acc += w · values, and its norm), by the compiled
-    kernel (`compiled` None; skipped without numba: the twin twice) or the numpy twin."""
-    kernels._compiled = compiled
-    try:
+    kernel (`backend` "auto"; without numba: the twin twice) or the numpy twin."""
+    with kernels.using(backend):
         chunked.decode_add_norm(payload, "q4", n, acc, 0.5)
-    finally:
-        kernels._compiled = None
 
 
 class _Local:

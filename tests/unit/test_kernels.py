@@ -24,13 +24,10 @@ def _chunk(n: int, seed: int):
 def _both(scales, codes, n, acc, w, assign):
     """The kernel's and the twin's (result, acc after)."""
     out = []
-    for force in (None, "numpy"):
+    for name in ("auto", "numpy"):
         a = None if acc is None else acc.copy()
-        kernels._compiled = None
-        if force:
-            kernels._compiled = False
-        out.append((kernels.q4_add_square(scales, codes, n, a, np.float32(w), assign), a))
-    kernels._compiled = None
+        with kernels.using(name):
+            out.append((kernels.q4_add_square(scales, codes, n, a, np.float32(w), assign), a))
     return out
 
 
@@ -78,23 +75,21 @@ def test_outer_step_kernel_and_twin_agree_bit_for_bit(lr, mu, w, momentum):
     rng = np.random.default_rng(3)
     theta0, m0, g0 = (rng.standard_normal(5000).astype(np.float32) for _ in range(3))
     results = []
-    for force in (None, False):
-        kernels._compiled = force
+    for name in ("auto", "numpy"):
         theta, g = theta0.copy(), g0.copy()
         m = m0.copy() if momentum else None
-        ok = kernels.outer_step(theta, m, g, lr, mu, w)
+        with kernels.using(name):
+            ok = kernels.outer_step(theta, m, g, lr, mu, w)
         results.append((ok, theta.tobytes(), None if m is None else m.tobytes()))
-    kernels._compiled = None
     assert results[0] == results[1] and results[0][0]
 
 
 def test_outer_step_reports_a_non_finite_result():
     theta = np.array([3e38, 0.0], np.float32)
     g = np.array([-3e38, 1.0], np.float32)
-    for force in (None, False):
-        kernels._compiled = force
-        assert not kernels.outer_step(theta.copy(), None, g.copy(), 1.0, 0.0, 0.0)
-        m = np.zeros(2, np.float32)
-        assert not kernels.outer_step(np.zeros(2, np.float32), m,
-                                      np.array([np.inf, 0], np.float32), 0.5, 0.9, 0.9)
-    kernels._compiled = None
+    for name in ("auto", "numpy"):
+        with kernels.using(name):
+            assert not kernels.outer_step(theta.copy(), None, g.copy(), 1.0, 0.0, 0.0)
+            m = np.zeros(2, np.float32)
+            assert not kernels.outer_step(np.zeros(2, np.float32), m,
+                                          np.array([np.inf, 0], np.float32), 0.5, 0.9, 0.9)

@@ -23,6 +23,7 @@ The bits:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from typing import NamedTuple
@@ -47,6 +48,22 @@ def backend() -> str:
     """"numba" when the compiled kernel runs, else "numpy" (`YETO_KERNELS=numpy` forces
     the twin, for a comparison)."""
     return "numba" if _kernel() else "numpy"
+
+
+@contextlib.contextmanager
+def using(name: str):
+    """Inside the block, sum and step with `name`: "numpy" (the twin) or "auto" (the
+    compiled pass when numba is installed, as outside). Tests and benchmarks compare
+    the two this way; the syncer never calls it (`YETO_KERNELS=numpy` forces the twin)."""
+    global _compiled
+    if name not in ("auto", "numpy"):
+        raise ValueError(f"kernels: {name!r} is neither 'auto' nor 'numpy'")
+    saved = _compiled
+    _compiled = False if name == "numpy" else (saved or None)  # (None: built on use)
+    try:
+        yield
+    finally:
+        _compiled = saved
 
 
 def describe() -> str:
