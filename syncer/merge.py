@@ -14,6 +14,11 @@ from syncer.staging import StagedSum
 from yeto import codec
 from yeto.codec import buffers, chunked
 
+# values per outer-step call: one compiled pass each (cache-sized chunks buy nothing to a
+# single pass), and one release of the GIL each (BENCHMARKS.md, "The step behind the
+# broadcast")
+STEP_PIECE = 1 << 23
+
 MERGE_RULES = tuple(strategy.RULES)
 
 
@@ -173,36 +178,37 @@ class MergeAccumulator:
 
     def step_outer(self, outer: strategy.Nesterov, theta: np.ndarray, m: np.ndarray | None,
                    t: int = 1, on_chunk=None) -> np.ndarray:
-        """`outer.step(theta, m, self.result(), t)` with the same bits, in one pass per
-        chunk over the buffers (two when the rule rescales, as its factor needs g's norm
-        first), on a few threads. Returns the sum's buffer (scratch afterwards: `reuse`
+        """`outer.step(theta, m, self.result(), t)` with the same bits, in one pass over
+        the buffers (three when the rule rescales, as its factor needs g's norm first),
+        on a few threads, in pieces of STEP_PIECE values: one compiled call each, so the
+        step releases the GIL once per piece and keeps its speed beside the threads that
+        send (`syncer.stepping`). Returns the sum's buffer (scratch afterwards: `reuse`
         it). Raises NonFinite if Θ or m came out non-finite. `on_chunk(lo, hi)` is
-        called for each chunk of Θ written and finite (from the thread that wrote it)."""
+        called for each piece of Θ written and finite (from the thread that wrote it)."""
         divisor, g = self._prepare(), self._buffer()
         outer.begin(g, m, t)  # the whole round, for rules that look at it (g up to 1/divisor)
-        divide, factor = True, None
         if self.rule.rescales:
             def by_divisor(lo: int, hi: int) -> None:
                 g[lo:hi] /= divisor
 
             chunked.each_chunk(g.size, by_divisor)
-            divide = False
             factor = self.rule.factor(chunked.vector_norm(g), self.norm_sum / divisor)
+            divisor = 1.0
+            if factor is not None:
+                def by_factor(lo: int, hi: int) -> None:
+                    g[lo:hi] *= factor
+
+                chunked.each_chunk(g.size, by_factor)
 
         def one(lo: int, hi: int) -> bool:
-            with codec.spare_scratch() as k:  # g / divisor in the cache, not written back
-                x = g[lo:hi]
-                if divide:
-                    x = np.divide(x, divisor, out=k.work[:hi - lo])
-                if factor is not None:
-                    x = np.multiply(x, factor, out=k.work[:hi - lo])
-                # its finiteness checked in the same pass: the guard behind syncer.bounds
-                ok = outer.step(theta[lo:hi], None if m is None else m[lo:hi], x, t)
+            # its finiteness checked in the same pass: the guard behind syncer.bounds
+            ok = outer.step(theta[lo:hi], None if m is None else m[lo:hi], g[lo:hi], t,
+                            divisor)
             if ok and on_chunk is not None:
                 on_chunk(lo, hi)
             return ok
 
-        if not all(chunked.each_chunk(g.size, one)):
+        if not all(chunked.each_chunk(g.size, one, size=STEP_PIECE)):
             raise NonFinite("the outer step made Θ or the momentum non-finite")
         return g
 

@@ -93,8 +93,7 @@ class Run:
         self.rule = strategy.merge_rule(config.merge)
         self.tape = Tape(config.state_dir / "tape.jsonl" if config.state_dir else None)
         self.members = Members(config.bounds, clock)
-        self.pacing = Pacing(config.quorum, config.grace, config.grace_ms,
-                             config.round_timeout_s)
+        self.pacing = Pacing(config.quorum, config.grace, config.grace_ms, config.round_timeout_s)
         self.downlink = Downlink(config.downlink)
         self.layout: Layout | None = None
         self.weights_file, self.export_files = "weights.safetensors", {}
@@ -114,10 +113,7 @@ class Run:
         self.problem = ""  # what keeps the run from committing, for status ("" if nothing)
         self.fatal: str | None = None  # why the run cannot go on: the syncer exits non-zero
         self.closing = False  # the syncer is stopping: nothing finishes the run now
-        # step Θ behind its broadcast when there is no state dir (syncer.stepping): on
-        # when served over gRPC (syncer.service.serve); off, a commit is whole when the
-        # call that made it returns (direct calls, yeto.sim)
-        self.overlap_step = False
+        self.overlap_step = False  # syncer.stepping; serve() turns it on (not yeto.sim)
         if config.state_dir is not None:
             persist.restore_or_refuse(self, config.state_dir, config.resume)
         elif config.resume:

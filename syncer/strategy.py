@@ -94,14 +94,16 @@ class Nesterov:
         """(lr, μ, w) of round t: m ← μm + g; Θ ← Θ − lr·(g + w·m)."""
         return self.lr, self.momentum, self.momentum
 
-    def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, t: int = 1) -> bool:
-        """One outer step, in place on theta and m, in one pass (`yeto.codec.kernels`);
-        g is used as scratch (no full-size temporaries). `t`: this fragment's outer step
-        count, from 1. With momentum 0, m is not needed (None): Θ ← Θ − lr·g. Returns
-        whether Θ and m came out finite."""
+    def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, t: int = 1,
+             divisor: float = 1.0) -> bool:
+        """One outer step with g / divisor (float32) as the round's change, in place on
+        theta and m, in one pass (`yeto.codec.kernels`); g is used as scratch (no
+        full-size temporaries). `t`: this fragment's outer step count, from 1. With
+        momentum 0, m is not needed (None): Θ ← Θ − lr·g. Returns whether Θ and m came
+        out finite."""
         if m is None or self.momentum == 0:
-            return kernels.outer_step(theta, None, g, self.lr, 0.0, 0.0)
-        return kernels.outer_step(theta, m, g, *self.coefficients(t))
+            return kernels.outer_step(theta, None, g, self.lr, 0.0, 0.0, divisor)
+        return kernels.outer_step(theta, m, g, *self.coefficients(t), divisor)
 
 
 class BiasCorrectedNesterov(Nesterov):

@@ -71,17 +71,25 @@ def test_a_short_buffer_is_refused():
 @pytest.mark.parametrize("lr,mu,w,momentum", [(1.0, 0.0, 0.0, False), (0.7, 0.0, 0.0, False),
                                               (0.4, 0.9, 0.9, True), (1.0, 0.5, 0.5, True),
                                               (0.79, 0.32, 0.32, True), (0.4, 0.0, 0.9, True)])
-def test_outer_step_kernel_and_twin_agree_bit_for_bit(lr, mu, w, momentum):
+@pytest.mark.parametrize("divisor", [1.0, 3.7, 1000003.0])
+def test_outer_step_kernel_and_twin_agree_bit_for_bit(lr, mu, w, momentum, divisor):
+    """...and both are numpy's plain formula on x = g / divisor in float32, over more
+    than one of the twin's chunks."""
     rng = np.random.default_rng(3)
-    theta0, m0, g0 = (rng.standard_normal(5000).astype(np.float32) for _ in range(3))
-    results = []
+    n = codec.CHUNK + 5000
+    theta0, m0, g0 = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    x = g0 / np.float32(divisor)
+    m_ref = m0 * np.float32(mu) + x if momentum else None
+    theta_ref = theta0 - x * np.float32(lr) if lr != 1.0 else theta0 - x
+    if momentum:
+        theta_ref = theta_ref - m_ref * np.float32(lr * w)
     for name in ("auto", "numpy"):
         theta, g = theta0.copy(), g0.copy()
         m = m0.copy() if momentum else None
         with kernels.using(name):
-            ok = kernels.outer_step(theta, m, g, lr, mu, w)
-        results.append((ok, theta.tobytes(), None if m is None else m.tobytes()))
-    assert results[0] == results[1] and results[0][0]
+            assert kernels.outer_step(theta, m, g, lr, mu, w, divisor)
+        assert theta.tobytes() == theta_ref.tobytes(), name
+        assert m is None or m.tobytes() == m_ref.tobytes(), name
 
 
 def test_outer_step_reports_a_non_finite_result():

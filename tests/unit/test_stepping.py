@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from syncer import merge
 from syncer.messages import PushHeader
 from syncer.run import Config, Reject, Run
 from syncer.stepping import Filling, StepFailed
@@ -32,14 +33,20 @@ class Gated(Nesterov):
         self.release = threading.Event()
         self.release.set()
 
-    def step(self, theta, m, g, t=1):
+    def step(self, theta, m, g, t=1, divisor=1.0):
         lo = (theta.__array_interface__["data"][0] - self.base) // 4  # its first value
         if lo >= HELD_FROM:
             if self.poison:
                 theta[0] = np.inf
                 return False
             assert self.release.wait(60), "the test never released the step"
-        return super().step(theta, m, g, t)
+        return super().step(theta, m, g, t, divisor)
+
+
+@pytest.fixture(autouse=True)
+def _small_pieces(monkeypatch):
+    """The step in pieces of one chunk (its default piece is larger than LAYOUT)."""
+    monkeypatch.setattr(merge, "STEP_PIECE", CHUNK)
 
 
 def _header(kind, seq=0, round_=0, base=0, gen=1, encoding="f32"):

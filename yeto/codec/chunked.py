@@ -53,11 +53,12 @@ def ranges(start: int, stop: int, step: int = CHUNK) -> Iterator[tuple[int, int]
         yield lo, min(lo + step, stop)
 
 
-def each_chunk(numel: int, fn) -> list:
-    """[fn(lo, hi) for each chunk], in chunk order, spread over `THREADS` threads when
-    there are several chunks. fn must touch only its own chunk's elements."""
+def each_chunk(numel: int, fn, size: int = CHUNK) -> list:
+    """[fn(lo, hi) for each chunk of `size` values], in chunk order, spread over
+    `THREADS` threads when there are several chunks. fn must touch only its own chunk's
+    elements."""
     global _pool
-    pieces = list(ranges(0, numel))
+    pieces = list(ranges(0, numel, size))
     if THREADS == 1 or len(pieces) < 4:
         return [fn(lo, hi) for lo, hi in pieces]
     with _pool_lock:

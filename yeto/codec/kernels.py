@@ -41,7 +41,7 @@ _compiled = None  # the numba kernel once built; False when numba is missing or 
 
 class Kernels(NamedTuple):
     q4_sum: object  # (scales, codes, n, acc, w, mode) -> Σ values²
-    step: object    # (theta, m, g, lr, mu, lr·w, scale?, momentum?) -> finite?
+    step: object    # (theta, m, g, divisor, lr, mu, lr·w, divide?, scale?, momentum?) -> finite?
 
 
 def backend() -> str:
@@ -94,20 +94,29 @@ def q4_add_square(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray
 
 
 def outer_step(theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, lr: float, mu: float,
-               w: float) -> bool:
-    """The outer step on one chunk, in place, in one pass: m ← μm + g and Θ ← Θ − lr·g −
-    (lr·w)·m (m None: Θ ← Θ − lr·g), each operation rounded to float32 as
-    `syncer.strategy.Nesterov` writes it in numpy (× 1 skipped: it changes no bit). g
-    is scratch. Returns whether Θ and m came out finite."""
+               w: float, divisor: float = 1.0) -> bool:
+    """The outer step, in place, in one pass: with x = g / divisor, m ← μm + x and Θ ← Θ −
+    lr·x − (lr·w)·m (m None: Θ ← Θ − lr·x), each operation rounded to float32 as
+    `syncer.strategy.Nesterov` writes it in numpy (÷ 1 and × 1 skipped: they change no
+    bit). g is scratch (the twin divides it in place). Any length: one call, one
+    release of the GIL. Returns whether Θ and m came out finite."""
     kernel = _kernel()
     if not kernel:
-        return _outer_twin(theta, m, g, lr, mu, w)
+        ok = True
+        for lo in range(0, theta.size, fmt.CHUNK):
+            hi = min(lo + fmt.CHUNK, theta.size)
+            ok &= _outer_twin(theta[lo:hi], None if m is None else m[lo:hi], g[lo:hi],
+                              lr, mu, w, divisor)
+        return ok
     return bool(kernel.step(theta, np.empty(0, np.float32) if m is None else m, g,
-                            np.float32(lr), np.float32(mu), np.float32(lr * w),
-                            lr != 1.0, m is not None))
+                            np.float32(divisor), np.float32(lr), np.float32(mu),
+                            np.float32(lr * w), divisor != 1.0, lr != 1.0, m is not None))
 
 
-def _outer_twin(theta, m, g, lr, mu, w) -> bool:
+def _outer_twin(theta, m, g, lr, mu, w, divisor) -> bool:
+    """One cache-sized chunk of `outer_step` in numpy."""
+    if divisor != 1.0:
+        np.divide(g, np.float32(divisor), out=g)
     if m is not None:
         m *= np.float32(mu)
         m += g
@@ -209,13 +218,14 @@ def _step(jit):
     """The outer step's kernel, compiled by `jit`."""
 
     @jit
-    def step(theta, m, g, lr, mu, lrw, scale, momentum):
+    def step(theta, m, g, d, lr, mu, lrw, divide, scale, momentum):
         ok = True
         for i in range(theta.size):
-            x = g[i] * lr if scale else g[i]
+            gi = g[i] / d if divide else g[i]
+            x = gi * lr if scale else gi
             t = theta[i] - x
             if momentum:
-                mi = m[i] * mu + g[i]
+                mi = m[i] * mu + gi
                 m[i] = mi
                 t = t - mi * lrw
                 ok &= np.isfinite(mi)
