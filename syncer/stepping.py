@@ -104,5 +104,10 @@ def _step(run, fragment: int, filling: Filling, step, stepped, failed) -> None:
         filling.abort(repr(e))
         run.fail(f"the outer step of fragment {fragment} failed: {e!r}")
         raise
-    with run.cond:
-        stepped(g)
+    try:
+        with run.cond:
+            stepped(g)
+    except BaseException as e:
+        filling.abort(repr(e))
+        run.fail(f"the commit of fragment {fragment}'s round failed after its step: {e!r}")
+        raise

@@ -159,3 +159,19 @@ def test_a_step_that_turns_non_finite_fails_the_run_before_any_island_has_it():
         bc.source.read(reader, 0, net.CHUNK_BYTES)
     with pytest.raises(Reject, match="stopping"):
         _push(run, gen, 2)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_commit_that_fails_after_its_step_fails_the_run_loudly():
+    run, gen = _started(overlap=True)
+
+    def broken(record):
+        raise OSError("the tape's disk is gone")
+
+    run.tape.write = broken
+    _push(run, gen, 1)
+    bc = run.downlink.latest[0]
+    assert wait_until(lambda: run.fatal is not None)
+    assert "after its step" in run.fatal and "tape's disk" in run.fatal
+    with pytest.raises(StepFailed, match="tape's disk"):  # its last byte never goes out
+        bc.source.read(bc.source.open(), 0, bc.source.size)
