@@ -9,6 +9,7 @@
 asked for (`pytest -m slow`)."""
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,15 @@ def _no_gpu() -> str | None:
     except ImportError:
         return "needs torch with CUDA"
     return None if torch.cuda.is_available() else "needs a CUDA GPU (scripts/gpu_check.sh)"
+
+
+@pytest.fixture(autouse=True)
+def _own_excepthook():
+    """A CLI's main() run in this process (syncer, island) installs die_with_threads:
+    put pytest's hook back after each test, or a later test's dying thread ends pytest."""
+    hook = threading.excepthook
+    yield
+    threading.excepthook = hook
 
 
 @pytest.fixture

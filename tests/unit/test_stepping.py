@@ -161,8 +161,9 @@ def test_a_step_that_turns_non_finite_fails_the_run_before_any_island_has_it():
         _push(run, gen, 2)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_commit_that_fails_after_its_step_fails_the_run_loudly():
+def test_a_commit_that_fails_after_its_step_fails_the_run_loudly(monkeypatch):
+    died = []  # the thread's end, seen here (in the syncer, die_with_threads exits)
+    monkeypatch.setattr(threading, "excepthook", died.append)
     run, gen = _started(overlap=True)
 
     def broken(record):
@@ -171,7 +172,8 @@ def test_a_commit_that_fails_after_its_step_fails_the_run_loudly():
     run.tape.write = broken
     _push(run, gen, 1)
     bc = run.downlink.latest[0]
-    assert wait_until(lambda: run.fatal is not None)
+    assert wait_until(lambda: run.fatal is not None and died)
     assert "after its step" in run.fatal and "tape's disk" in run.fatal
+    assert isinstance(died[0].exc_value, OSError)
     with pytest.raises(StepFailed, match="tape's disk"):  # its last byte never goes out
         bc.source.read(bc.source.open(), 0, bc.source.size)
