@@ -132,6 +132,8 @@ class Downlink:
         is copied: the broadcast streams from the live weights (see `Source`), and a
         compressed update is encoded chunk by chunk into the one buffer all islands
         are sent. `filling`: Θ[lo:hi] is still being written (f32 only; `Filling`)."""
+        if filling and self.encoding != "f32":
+            raise ValueError("only an f32 downlink streams Θ while it is written")
         prev = self.latest.get(f)
         self.detach(f)
         delta = None
@@ -145,8 +147,6 @@ class Downlink:
                 source[...] = theta[lo:hi]
             else:
                 delta = chunked.encode_diff(theta[lo:hi], source, self.encoding)
-        if filling and self.encoding != "f32":
-            raise ValueError("only an f32 downlink streams Θ while it is written")
         return Broadcast(version, f, Source(source, Filling(4 * (hi - lo)) if filling else None),
                          "f32", final, delta,
                          prev.version if prev else 0)

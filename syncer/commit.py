@@ -42,8 +42,12 @@ class PendingCommit:
     first_try: float
     next_try: float = 0.0
     tries: int = 0
-    streamed: bool = False  # announced before its step (`syncer.stepping`)
-    stepping: bool = False  # that step is still running
+    stepping: bool = False  # its step, behind its broadcast, is still running
+
+    @property
+    def streamed(self) -> bool:
+        """Announced before its step (`syncer.stepping`)."""
+        return self.broadcast.source.filling is not None
 
 
 def commit(run, rnd: OpenRound, reason: str, now: float) -> None:
@@ -83,7 +87,7 @@ def _streamed(run, rnd: OpenRound, reason: str, now: float, version: int, m, t: 
     broadcast = run.downlink.next(run.theta, f, lo, hi, final=False, version=version,
                                   filling=True)
     p = run.pending = PendingCommit(rnd, reason, now, 0.0, None, False, broadcast,
-                                    first_try=now, streamed=True, stepping=True)
+                                    first_try=now, stepping=True)
     run.announce(broadcast)
     stepping.start(run, f, broadcast.source.filling,
                    step=lambda on_chunk: rnd.acc.step_outer(

@@ -179,7 +179,7 @@ class MergeAccumulator:
     def step_outer(self, outer: strategy.Nesterov, theta: np.ndarray, m: np.ndarray | None,
                    t: int = 1, on_chunk=None) -> np.ndarray:
         """`outer.step(theta, m, self.result(), t)` with the same bits, in one pass over
-        the buffers (three when the rule rescales, as its factor needs g's norm first),
+        the buffers (four when the rule rescales: g divided, its norm, the factor, the step),
         on a few threads, in pieces of STEP_PIECE values: one compiled call each, so the
         step releases the GIL once per piece and keeps its speed beside the threads that
         send (`syncer.stepping`). Returns the sum's buffer (scratch afterwards: `reuse`
