@@ -153,7 +153,7 @@ def _committed(run, p) -> None:
     live = len(run.members.live())
     run.tape.write(merge_record(rnd, p.reason, p.now, p.merge_s, run.version, live,
                                 p.broadcast.nbytes * live, run.cfg, run.outer,
-                                run.members.in_state("observer")))
+                                run.members.in_state("observer"), run.outer_steps[f]))
     if p.streamed:  # announced at the commit: its last byte may go now
         p.broadcast.source.filling.complete()
         run.cond.notify_all()  # pushes wait for the step (syncer.intake.check_saved)

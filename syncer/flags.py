@@ -16,10 +16,14 @@ def add_round_args(p) -> None:
     """Add the outer loop's flags to a parser or argument group."""
     p.add_argument("--outer", choices=tuple(OPTIMIZERS), default=Config.outer,
                    help="the outer optimizer, with --outer-lr and --outer-momentum. The "
-                        "default, nesterov-warmup, starts as plain averaging and reaches "
-                        "Nesterov lr, mu at round 21: short runs stay near averaging, long "
-                        "ones get momentum (chosen by three-seed runs: BENCHMARKS.md, \"One "
-                        "outer rule for both regimes\"). The others: nesterov (m <- mu m + "
+                        "default, auto, follows what the islands train: for SFT it is "
+                        "nesterov-warmup (plain averaging at round 1, Nesterov lr, mu from "
+                        "round 21: short runs stay near averaging, long ones get momentum); "
+                        "once a GRPO island (yeto rl) joins, plain averaging (lr 1, mu 0), "
+                        "which --outer-lr and --outer-momentum do not change (chosen by "
+                        "three-seed runs of each regime: BENCHMARKS.md, \"One outer rule "
+                        "for every regime\"). Name a rule to keep it whatever joins: "
+                        "nesterov-warmup; nesterov (m <- mu m + "
                         "g; step lr (g + mu m); lr 1, mu 0 is plain averaging); nesterov-bc "
                         "(its momentum term bias-corrected); nesterov-agree (between plain "
                         "averaging and lr, mu by the cosine of g and m); nesterov-restart (m "
@@ -27,7 +31,8 @@ def add_round_args(p) -> None:
                         "arithmetic: syncer/strategy.py")
     p.add_argument("--outer-lr", type=float, default=Config.outer_lr,
                    help="outer learning rate (with --outer nesterov: 1 with momentum 0 is "
-                        "plain averaging)")
+                        "plain averaging; with auto and warm-up: the rate reached at round "
+                        "21)")
     p.add_argument("--outer-momentum", type=float, default=Config.outer_momentum,
                    help="outer Nesterov momentum (with --outer nesterov: lr 1, momentum 0 is "
                         "plain averaging)")
@@ -56,6 +61,14 @@ def add_round_args(p) -> None:
     p.add_argument("--downlink", choices=codec.ENCODINGS, default=Config.downlink,
                    help="encoding of broadcast updates; islands hold bit-identical weights "
                         "either way, and the final weights always go out in f32")
+
+
+def outer_args(outer: str | None, lr: float | None, momentum: float | None) -> list[str]:
+    """The syncer's flags for the outer rule a launcher was given (None: the syncer's
+    default), for the programs that start a syncer (`yeto demo`, `yeto demo --rl`)."""
+    return [a for flag, value in (("--outer", outer), ("--outer-lr", lr),
+                                  ("--outer-momentum", momentum))
+            if value is not None for a in (flag, str(value))]
 
 
 def round_config(args: argparse.Namespace, **run) -> Config:

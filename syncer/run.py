@@ -49,9 +49,10 @@ class Config:
 
     quorum: int = 1
     rounds: int = 0
-    # the outer rule: from plain averaging to Nesterov 0.4/0.9 over the first 20 rounds
-    # (syncer.strategy.WarmupNesterov; BENCHMARKS.md, "One outer rule for both regimes")
-    outer: str = "nesterov-warmup"
+    # the outer rule: auto = nesterov-warmup 0.4/0.9 for SFT (plain averaging to Nesterov
+    # 0.4/0.9 over the first 20 rounds), plain averaging once an RL island joins
+    # (syncer.strategy.RegimeNesterov; BENCHMARKS.md, "One outer rule for every regime")
+    outer: str = "auto"
     outer_lr: float = 0.4
     outer_momentum: float = 0.9
     merge: str = "mean"         # the merge rule (syncer.strategy.RULES)
@@ -129,10 +130,15 @@ class Run:
     # ---- join -------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
              weights_file: str, export_files: dict[str, str], observer: bool = False,
-             tokens_per_step: int = 0) -> dict:
+             tokens_per_step: int = 0, regime: str = "sft") -> dict:
         """An island joins; an `observer` (a rollout node) receives every Θ but never
         pushes, never seeds and never counts toward the quorum. `tokens_per_step`: the
-        most loss tokens one of its steps holds (bounds its pushes' claims)."""
+        most loss tokens one of its steps holds (bounds its pushes' claims). `regime`:
+        what it trains, "sft" or "rl" (the default outer rule follows it)."""
+        regime = regime or "sft"
+        if regime not in strategy.REGIMES:
+            raise Reject("invalid", f"{learner_id}: unknown regime {regime[:32]!r}; use one "
+                                    f"of {', '.join(strategy.REGIMES)}")
         layout = members.checked_layout(self.cfg, learner_id, specs, fp)
         with self.cond:
             if self.finished:
@@ -148,6 +154,8 @@ class Run:
             if observer:
                 self.tape.write(dict(event="observer", learner=learner_id, backend=backend,
                                      version=self.version, time=time.time()))
+            else:
+                self._note_regime(learner_id, regime)
             self.maybe_start()
             return dict(run_id=self.run_id, generation=member.generation,
                         num_fragments=self.cfg.fragments,
@@ -155,6 +163,15 @@ class Run:
                         quorum=self.cfg.quorum, joined=len(self.members.live()),
                         version=self.version, finished=self.finished,
                         last_seq=member.last_seq, downlink=self.cfg.downlink)
+
+    def _note_regime(self, learner_id: str, regime: str) -> None:
+        """Tell the outer rule what a joining island trains; a rule that changes says so
+        in the log and on the tape."""
+        change = self.outer.note_island(learner_id, regime)
+        if change:
+            log.info("%s", change)
+            self.tape.write(dict(event="outer_rule", learner=learner_id, regime=regime,
+                                 detail=change, version=self.version, time=time.time()))
 
     def maybe_start(self) -> None:
         if self.started or self.theta is None or len(self.members.live()) < self.cfg.quorum:

@@ -97,7 +97,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             r = self.run.join(request.learner_id, specs, request.fingerprint, request.backend,
                               request.weights_file, dict(request.export_files),
                               observer=request.observer,
-                              tokens_per_step=request.tokens_per_step)
+                              tokens_per_step=request.tokens_per_step,
+                              regime=request.regime)
         except Reject as e:
             _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)

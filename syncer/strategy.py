@@ -83,6 +83,12 @@ class Nesterov:
         """Whether the run keeps (and saves) a momentum buffer m."""
         return self.momentum != 0
 
+    def note_island(self, learner_id: str, regime: str) -> str | None:
+        """An island that trains `regime` ("sft" or "rl") joined. A rule that follows the
+        run's regime changes here and says how (a line for the log and the tape); the
+        others ignore it (None)."""
+        return None
+
     def begin(self, g: np.ndarray, m: np.ndarray | None, t: int) -> None:
         """Called once per round and fragment before `step` runs over its chunks, with the
         whole fragment's merged change (up to a positive factor) and momentum, before
@@ -137,6 +143,48 @@ class WarmupNesterov(Nesterov):
         s = min(1.0, (max(1, t) - 1) / self.WARMUP)
         mu = self.momentum * s
         return 1.0 + (self.lr - 1.0) * s, mu, mu
+
+
+class RegimeNesterov(WarmupNesterov):
+    """The default (`--outer auto`): the outer rule follows what the run trains.
+
+    - Supervised islands only (SFT, LoRA or full weights): `nesterov-warmup` with the
+      given lr and μ (0.4/0.9): plain averaging at round 1, Nesterov 0.4/0.9 from round
+      21. It met every SFT goal measured (short LoRA, warm k = 4 and 8, from scratch).
+    - Once an island that trains with RL (a GRPO island, `yeto rl`) has joined: plain
+      averaging (lr 1, μ 0) for every later round. A GRPO island pushes every few steps
+      (2 in `yeto demo --rl`); Nesterov 0.4/0.9 steps about lr/(1 − μ) = 4× the merged
+      change once its momentum has built up, and the policy collapsed from round ~21
+      (held-out reward 0.34 → 0.08), where plain averaging raised it.
+
+    Both choices and the runs that chose them: BENCHMARKS.md, "One outer rule for every
+    regime". The switch is made once, at the first RL join, and is taped
+    (event `outer_rule`); a resumed run makes it again when its RL islands rejoin,
+    before any push can commit. Name a rule (`--outer nesterov-warmup`, ...) to keep it
+    whatever joins."""
+
+    name = "auto"
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0):
+        super().__init__(lr, momentum)
+        self.rl = False  # an RL island has joined: plain averaging from now on
+
+    def note_island(self, learner_id: str, regime: str) -> str | None:
+        if regime != "rl" or self.rl:
+            return None
+        self.rl = True
+        return (f"{learner_id} trains with RL: the outer rule (auto) is plain averaging "
+                f"(lr 1, momentum 0) from now on, instead of nesterov-warmup "
+                f"{self.lr:g}/{self.momentum:g}")
+
+    def coefficients(self, t: int) -> tuple[float, float, float]:
+        return (1.0, 0.0, 0.0) if self.rl else super().coefficients(t)
+
+    def step(self, theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, t: int = 1,
+             divisor: float = 1.0) -> bool:
+        if self.rl:  # plain averaging: the momentum is neither read nor written
+            return kernels.outer_step(theta, None, g, 1.0, 0.0, 0.0, divisor)
+        return super().step(theta, m, g, t, divisor)
 
 
 class AgreementNesterov(Nesterov):
@@ -196,8 +244,9 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return dot / float(np.sqrt(na * nb)) if na > 0 and nb > 0 else 0.0
 
 
-OPTIMIZERS = {o.name: o for o in (Nesterov, BiasCorrectedNesterov, WarmupNesterov,
-                                  AgreementNesterov, RestartNesterov)}
+OPTIMIZERS = {o.name: o for o in (RegimeNesterov, Nesterov, BiasCorrectedNesterov,
+                                  WarmupNesterov, AgreementNesterov, RestartNesterov)}
+REGIMES = ("sft", "rl")  # what an island declares it trains (JoinRequest.regime)
 
 
 def outer_optimizer(name: str, lr: float, momentum: float) -> Nesterov:

@@ -55,9 +55,11 @@ class Tape:
 
 
 def merge_record(rnd, reason: str, now: float, merge_s: float, version: int, live: int,
-                 bytes_out: int, cfg, outer, observers: list[str]) -> dict:
+                 bytes_out: int, cfg, outer, observers: list[str], t: int = 1) -> dict:
     """The tape's record of a committed round (`rnd`: a `syncer.pacing.OpenRound`):
-    each responder with the weight the merge really used and its share."""
+    each responder with the weight the merge really used and its share, and the outer
+    step's (lr, μ) of this round (`t`: the fragment's outer step count)."""
+    step_lr, step_mu, _ = outer.coefficients(t)
     for r in rnd.responders:  # the weights the merge really used (uniform fallback)
         r["weight"] = rnd.acc.merged_weight(r["weight"])
     total_w = sum(r["weight"] for r in rnd.responders) or 1.0
@@ -69,7 +71,8 @@ def merge_record(rnd, reason: str, now: float, merge_s: float, version: int, liv
         bytes_in=rnd.bytes_in, bytes_out=bytes_out, duplicates=rnd.duplicates,
         merge_seconds=merge_s, clip_scales=rnd.acc.clip_scales,
         round_seconds=now - rnd.first_push_at, outer=cfg.outer, outer_lr=outer.lr,
-        outer_momentum=outer.momentum, merge_rule=cfg.merge,
+        outer_momentum=outer.momentum, step_lr=step_lr, step_momentum=step_mu,
+        merge_rule=cfg.merge,
         uniform_fallback=rnd.acc.uniform_fallback, time=time.time(), observers=observers)
 
 

@@ -261,9 +261,10 @@ def step_tokens(cfg: IslandConfig, group) -> int:
 
 
 def make_client(cfg: IslandConfig, layout: Layout, backend: Backend,
-                tokens_per_step: int = 0) -> Transport | None:
+                tokens_per_step: int = 0, regime: str = "sft") -> Transport | None:
     """The gRPC transport to `cfg.syncer` (None for a single island). `tokens_per_step`:
-    the island's declaration (`step_tokens`; 0: none, the syncer's cap binds)."""
+    the island's declaration (`step_tokens`; 0: none, the syncer's cap binds); `regime`:
+    what it trains, "sft" or "rl" (the GRPO island)."""
     if not cfg.syncer:
         return None
     from yeto.client import TLSConfig, connect
@@ -272,7 +273,8 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend,
     return connect(cfg.syncer, cfg.learner_id, layout, token=cfg.token, backend=backend.name,
                    weights_file=weights_file, export_files=files,
                    tls=TLSConfig.from_files(cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
-                   keepalive_s=cfg.keepalive_s, tokens_per_step=tokens_per_step)
+                   keepalive_s=cfg.keepalive_s, tokens_per_step=tokens_per_step,
+                   regime=regime)
 
 
 def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,

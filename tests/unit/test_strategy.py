@@ -193,3 +193,79 @@ def test_a_resumed_run_steps_as_one_that_never_stopped(tmp_path, outer):
     assert back.version == runs["through"].version == 4
     assert back.theta.tobytes() == runs["through"].theta.tobytes()
     assert back.m.tobytes() == runs["through"].m.tobytes()
+
+
+# ---- the default rule follows the regime (issue 43) -------------------------------------
+def _run_of(outer: str, regime: str, rounds: int, tmp_path=None) -> Run:
+    """A run of `rounds` rounds under `outer` with one island that declares `regime`."""
+    layout = Layout.from_shapes({"a.lora_A.weight": (N,)})
+    run = Run(Config(quorum=1, outer=outer, outer_lr=0.4, outer_momentum=0.9,
+                     state_dir=tmp_path))
+    gen = run.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors", {},
+                   regime=regime)["generation"]
+    run.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
+             codec.encode(np.zeros(N, np.float32), "f32"))
+    _push_rounds(run, gen, range(rounds))
+    return run
+
+
+def test_auto_is_nesterov_warmup_for_sft_and_plain_averaging_for_rl():
+    """The default (`auto`) steps as `nesterov-warmup` 0.4/0.9 for SFT islands and as
+    plain averaging (nesterov 1/0) once a GRPO island has joined: the same bits as the
+    named rules over 25 rounds, past the warm-up's 20."""
+    for regime, same_as in (("sft", ("nesterov-warmup", 0.4, 0.9)), ("rl", ("nesterov", 1, 0))):
+        auto = _run_of("auto", regime, 25)
+        named = Run(Config(quorum=1, outer=same_as[0], outer_lr=same_as[1],
+                           outer_momentum=same_as[2]))
+        layout = Layout.from_shapes({"a.lora_A.weight": (N,)})
+        gen = named.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors",
+                         {})["generation"]
+        named.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
+                   codec.encode(np.zeros(N, np.float32), "f32"))
+        _push_rounds(named, gen, range(25))
+        assert auto.version == named.version == 25
+        assert auto.theta.tobytes() == named.theta.tobytes(), regime
+    # and the two regimes really differ (the warm-up's momentum from round 2 on)
+    assert _run_of("auto", "sft", 25).theta.tobytes() != auto.theta.tobytes()
+
+
+def test_auto_switches_once_an_rl_island_joins_and_says_so(tmp_path):
+    run = _run_of("auto", "sft", 3, tmp_path)
+    assert run.outer.coefficients(25) == (0.4, 0.9, 0.9)
+    layout = Layout.from_shapes({"a.lora_A.weight": (N,)})
+    run.join("grpo", layout.specs, layout.fingerprint, "torch", "w.safetensors", {},
+             regime="rl")
+    assert run.outer.coefficients(25) == (1.0, 0.0, 0.0)
+    run.tape.close()
+    tape = state_tape(tmp_path)
+    switch = [r for r in tape if r.get("event") == "outer_rule"]
+    assert len(switch) == 1 and switch[0]["learner"] == "grpo"
+    assert "plain averaging" in switch[0]["detail"]
+    merges = [r for r in tape if "responders" in r]
+    # the tape says each round's step: the warm-up's (lr, μ) of rounds 1 and 2
+    assert [v for r in merges[:2] for v in (r["step_lr"], r["step_momentum"])] == \
+        pytest.approx([1.0, 0.0, 0.97, 0.045])
+
+
+def test_a_named_rule_ignores_the_regime():
+    run = _run_of("nesterov-warmup", "rl", 1)
+    assert run.outer.coefficients(25) == (0.4, 0.9, 0.9)
+    run.tape.close()
+
+
+def test_an_unknown_regime_is_refused_before_anything_changes():
+    from syncer.errors import Reject
+
+    layout = Layout.from_shapes({"a.lora_A.weight": (N,)})
+    run = Run(Config(quorum=1))
+    with pytest.raises(Reject, match="unknown regime"):
+        run.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors", {},
+                 regime="ppo\n")
+    assert not run.members.rows and run.layout is None
+    run.tape.close()
+
+
+def state_tape(state_dir):
+    from syncer.tape import read_tape
+
+    return read_tape(state_dir / "tape.jsonl")

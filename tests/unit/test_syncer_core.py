@@ -83,9 +83,9 @@ def test_rejected_payload_leaves_the_accumulator_untouched():
 def test_library_defaults_equal_the_cli_defaults():
     args = syncer_cli.build_parser().parse_args([])
     assert syncer_cli.config_from_args(args) == Config()
-    assert (args.outer, args.outer_lr, args.outer_momentum) == ("nesterov-warmup", 0.4, 0.9)
+    assert (args.outer, args.outer_lr, args.outer_momentum) == ("auto", 0.4, 0.9)
     run = Run(Config())
-    assert (run.outer.name, run.outer.lr, run.outer.momentum) == ("nesterov-warmup", 0.4, 0.9)
+    assert (run.outer.name, run.outer.lr, run.outer.momentum) == ("auto", 0.4, 0.9)
     run.tape.close()
 
 

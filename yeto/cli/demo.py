@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wire", default="q4", choices=("q4", "bf16", "f32"))
     p.add_argument("--inner-lr", type=float, default=3e-3)
     p.add_argument("--outer", default=None,
-                   help="the syncer's outer rule (default: the syncer's, nesterov-warmup)")
+                   help="the syncer's outer rule (default: the syncer's, auto: nesterov-warmup "
+                        "for SFT)")
     p.add_argument("--outer-lr", type=float, default=None,
                    help="the rule's learning rate (default: the syncer's)")
     p.add_argument("--outer-momentum", type=float, default=None,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args, out: Path, backends: list[str]):
     """The tiny model and task built in OUT, and the local run over them."""
+    from syncer.flags import outer_args
     from yeto.cli.local_run import LaunchConfig
     from yeto.testing.tasks import make_task
     from yeto.testing.tiny import make_tiny_model
@@ -75,10 +77,7 @@ def _config(args, out: Path, backends: list[str]):
                      "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
                      "--lora-r", str(args.lora_r), "--seed", "0", *args.extra.split()],
         backend_args={"torch": ["--threads", "1"]},
-        syncer_args=[a for flag, value in (("--outer", args.outer),
-                                           ("--outer-lr", args.outer_lr),
-                                           ("--outer-momentum", args.outer_momentum))
-                     if value is not None for a in (flag, str(value))],
+        syncer_args=outer_args(args.outer, args.outer_lr, args.outer_momentum),
         dashboard_port=None if args.no_dashboard else 0, display=args.display,
         max_steps=args.max_steps, overwrite=True)
 

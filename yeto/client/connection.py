@@ -53,11 +53,13 @@ def open_channel(address: str, tls: TLSConfig | None = None,
 
 
 def join_request(learner_id: str, layout: Layout, backend: str, weights_file: str,
-                 export_files: dict[str, str] | None, tokens_per_step: int) -> pb.JoinRequest:
-    """What an island says when it joins: who it is and the layout it trains."""
+                 export_files: dict[str, str] | None, tokens_per_step: int,
+                 regime: str = "sft") -> pb.JoinRequest:
+    """What an island says when it joins: who it is, the layout it trains and what it
+    trains (`regime`: "sft" or "rl"; the syncer's default outer rule follows it)."""
     return pb.JoinRequest(
         learner_id=learner_id, fingerprint=layout.fingerprint, backend=backend,
-        tokens_per_step=max(0, int(tokens_per_step)),
+        tokens_per_step=max(0, int(tokens_per_step)), regime=regime,
         weights_file=weights_file, export_files=export_files or {},
         layout=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
                 for s in layout.specs])

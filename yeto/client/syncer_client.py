@@ -41,17 +41,20 @@ class SyncerClient:
                  export_files: dict[str, str] | None = None, tls: TLSConfig | None = None,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None,
-                 sender: Executor | None = None, tokens_per_step: int = 0):
+                 sender: Executor | None = None, tokens_per_step: int = 0,
+                 regime: str = "sft"):
         """`keepalive_s`: see `yeto.net.KEEPALIVE_S`. `channel`: a ready channel to use
         instead of opening one to `address` (`yeto.sim` passes an in-process one).
         `sender`: the executor pushes run on (default: one background thread, so a push
         overlaps training; `yeto.sim` on simulated time runs them inline).
         `token`: this island's credential, or the run's secret (its credential is then
         derived from it). `tokens_per_step`: the most loss tokens one step holds (batch
-        × sequence length), declared at join: the syncer refuses pushes claiming more."""
+        × sequence length), declared at join: the syncer refuses pushes claiming more.
+        `regime`: what the island trains, "sft" or "rl" (declared at join: the syncer's
+        default outer rule, `--outer auto`, is plain averaging once an "rl" island joins)."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
         request = join_request(learner_id, layout, backend, weights_file, export_files,
-                               tokens_per_step)
+                               tokens_per_step, regime)
         self.connection = Connection(address, learner_id, request, token=token, tls=tls,
                                      backoff_s=backoff_s, max_backoff_s=max_backoff_s,
                                      keepalive_s=keepalive_s, channel=channel)

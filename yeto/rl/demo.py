@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer", choices=("torch", "mlx"), default="torch",
                    help="the GRPO island's backend (yeto rl --backend): torch, or mlx (the "
                         "MLX island as the trainer; no torch in its process)")
+    p.add_argument("--outer", default=None,
+                   help="the syncer's outer rule (default: the syncer's, auto: plain averaging "
+                        "once the GRPO island joins; docs/how-it-works.md, \"The outer rule\")")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="the rule's learning rate (default: the syncer's)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="the rule's momentum (default: the syncer's)")
     p.add_argument("--eval-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -177,6 +184,16 @@ def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: 
     return json.loads((out / "summary.json").read_text())
 
 
+def _outer_rule(tape: Path) -> dict:
+    """The outer rule the syncer used, from its tape: the rule's name and the (lr, μ) of
+    its last round."""
+    merges = [r for r in map(json.loads, tape.read_text().splitlines()) if "responders" in r] \
+        if tape.is_file() else []
+    last = merges[-1] if merges else {}
+    return dict(outer=last.get("outer"), last_step_lr=last.get("step_lr"),
+                last_step_momentum=last.get("step_momentum"))
+
+
 def _progress(metrics: Path, seen: int, total: int) -> int:
     if not metrics.is_file():
         return seen
@@ -225,6 +242,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.out = args.out.resolve()
     t0 = time.monotonic()
+    from syncer.flags import outer_args
     from syncer.spawn import start_syncer
     from yeto.io import atomic_write
     from yeto.testing.tasks import make_task
@@ -238,7 +256,8 @@ def main(argv=None) -> int:
     (args.out / "syncer").mkdir(parents=True, exist_ok=True)
     nodes: list[dict] = []
     try:
-        with start_syncer(["--quorum", "1", "--state-dir", str(args.out / "syncer" / "state")],
+        with start_syncer(["--quorum", "1", "--state-dir", str(args.out / "syncer" / "state"),
+                           *outer_args(args.outer, args.outer_lr, args.outer_momentum)],
                           log=args.out / "syncer" / "log.txt") as syncer:
             nodes = start_nodes(args, model, adapter, syncer.address)
             print(f"syncer {syncer.address}; rollout nodes: "
@@ -257,6 +276,7 @@ def main(argv=None) -> int:
                    trainer=args.trainer, steps=rl["steps"],
                    seconds=round(time.monotonic() - t0, 1),
                    sync_every=args.sync_every, sync_cadence=f"every {args.sync_every} steps",
+                   outer_rule=_outer_rule(args.out / "syncer" / "state" / "tape.jsonl"),
                    sft_steps=args.sft_steps, group_size=args.group_size,
                    prompts_per_step=args.prompts_per_step, eval_prompts=rl["eval_prompts"],
                    eval_via=rl["eval_via"],

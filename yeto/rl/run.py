@@ -131,7 +131,7 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
         log.error("%s", e)
         return EXIT_BAD_INPUT
     trainer, weights = parts.trainer, parts.weights
-    client = make_client(cfg, weights.layout, parts.backend)
+    client = make_client(cfg, weights.layout, parts.backend, regime="rl")
     island = make_island(cfg, weights, client, trainer.on_sync)
     log.info("GRPO island: %d prompts, G=%d x %d prompts per step, %d nodes, %d LoRA "
              "parameters", len(trainer.prompts), rl.group_size, rl.prompts_per_step,
