@@ -6,7 +6,9 @@
                       network namespaces
 
 `pytest -m "not e2e"` runs the first two; `slow` tests (long runs) run only when
-asked for (`pytest -m slow`)."""
+asked for (`pytest -m slow`). `pytest -m regimes` runs the slow tests that keep every
+regime true (RL under the default outer rule, mixed fleets, parity beyond the presets):
+.ci/run runs it after the default tier."""
 
 import logging
 import threading
@@ -24,7 +26,8 @@ TIERS = ("unit", "integration", "e2e")
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier; leave out `slow` unless the -m
     expression names it."""
-    wants_slow = "slow" in (config.getoption("markexpr") or "")
+    expr = config.getoption("markexpr") or ""
+    wants_slow = "slow" in expr or "regimes" in expr
     kept, dropped = [], []
     no_gpu = _no_gpu() if any(i.get_closest_marker("cuda") for i in items) else None
     for item in items:

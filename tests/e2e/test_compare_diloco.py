@@ -30,6 +30,7 @@ GOAL_LINE = re.compile(r"^RESULT goal=(?P<goal>\S+)(?P<kv>( \S+=\S+)*)$")
 
 
 @pytest.mark.slow
+@pytest.mark.regimes
 def test_compare_diloco_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_diloco.py"), "--smoke",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,

@@ -93,6 +93,7 @@ def test_a_failing_island_stops_the_run_with_its_log(tmp_path, tiny_llama, tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.regimes
 @pytest.mark.mlx
 def test_launch_torch_and_mlx_islands(tmp_path, tiny_llama, tiny_task):
     pytest.importorskip("mlx_lm")

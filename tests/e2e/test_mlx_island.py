@@ -34,6 +34,7 @@ def test_torch_and_mlx_islands_sync_to_bit_identical_adapters(tiny_llama, tiny_t
 
 
 @pytest.mark.slow
+@pytest.mark.regimes
 def test_torch_and_mlx_islands_learn_together(tiny_llama, tiny_task, tmp_path):
     """Held-out loss falls (measured 2.474 -> 2.391 in 40 steps on 2 cores)."""
     s = _mixed_run(tiny_llama, tiny_task, tmp_path, steps=40, sync_every=10, seq_len=128,

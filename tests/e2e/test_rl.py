@@ -90,6 +90,7 @@ LAUNCH = {"torch": ["-m", "yeto", "rl"],
 
 
 @pytest.mark.slow
+@pytest.mark.regimes
 @pytest.mark.mlx
 def test_a_torch_and_an_mlx_grpo_island_in_one_run(tiny_llama, tiny_task, tmp_path):
     """Mixed fleet: `yeto rl --backend torch` and `yeto rl --backend mlx` (without torch)
@@ -136,6 +137,7 @@ def test_a_torch_and_an_mlx_grpo_island_in_one_run(tiny_llama, tiny_task, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.regimes  # the default outer rule must keep RL learning (issue 43)
 @pytest.mark.mlx
 @pytest.mark.parametrize("nodes,trainer", [("torch,mlx", "torch"), ("direct", "torch"),
                                            ("torch,mlx", "mlx")])  # torch,mlx: observer nodes

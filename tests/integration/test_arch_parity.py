@@ -114,7 +114,8 @@ OTHER_CONFIGS = {
 SLOW_CONFIGS = {"gpt_neox", "qwen3", "qwen2_moe", "minicpm3", "kimi_linear"}
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in SLOW_CONFIGS
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=(pytest.mark.slow, pytest.mark.regimes))
+                                  if a in SLOW_CONFIGS
                                   else a for a in sorted(OTHER_CONFIGS)])
 def test_configs_other_than_the_presets(arch, tmp_path):
     d = archs.tiny_model(arch, tmp_path / arch, overrides=OTHER_CONFIGS[arch])

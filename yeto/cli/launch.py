@@ -61,7 +61,7 @@ OWN_ISLAND_FLAGS = ("--syncer", "--learner-id", "--learner-index", "--num-learne
 # launch flags passed on to the syncer: launch flag -> (syncer flag, type, what it does);
 # unset, the syncer's own default (syncer.run.Config) holds
 SYNCER_FLAGS = {
-    "outer": ("--outer", str, "the outer rule: nesterov | nesterov-warmup | ..."),
+    "outer": ("--outer", str, "the outer rule: auto | nesterov | nesterov-warmup | ..."),
     "outer_lr": ("--outer-lr", float, "outer Nesterov learning rate"),
     "outer_momentum": ("--outer-momentum", float, "outer momentum"),
     "merge": ("--merge", str, "mean | uniform | rda"),

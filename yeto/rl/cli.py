@@ -27,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="A GRPO island: samples G completions per prompt from rollout nodes "
                     "(python -m yeto.rollout), scores them, trains with GRPO, and syncs with "
                     "a yeto syncer like any island. --data holds the prompts (chat or "
-                    "prompt/completion rows; the last assistant turn is the reference).",
+                    "prompt/completion rows; the last assistant turn is the reference). It "
+                    "joins as an RL island: a syncer on its default outer rule (--outer "
+                    "auto) then merges by plain averaging, which kept GRPO's reward rising "
+                    "where Nesterov momentum collapsed it (docs/how-it-works.md, \"The outer "
+                    "rule\").",
         epilog="Example" + EPILOG)
     add_island_args(p)
     p.set_defaults(sync_every=2, max_steps=60, inner_lr=1e-3)
