@@ -262,7 +262,9 @@ CANDIDATES = {
     "agree": ("nesterov-agree", 0.4, 0.9),
     "restart": ("nesterov-restart", 0.4, 0.9),
 }
-DEFAULT = "warmup"  # the syncer's default rule (syncer.run.Config); --quick runs it
+# the syncer's default rule for SFT islands (syncer.run.Config's `auto` is nesterov-warmup
+# until a GRPO island joins; the sim's islands train SFT); --quick runs it
+DEFAULT = "warmup"
 # the cells of the rules table: (regime, k, H); the last, the larger model, runs
 # LARGER_RULES only (the default and the candidate for it)
 CELLS = (("short", 4, 50), ("warm", 4, 100), ("warm", 8, 100), ("scratch", 4, 50),

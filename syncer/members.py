@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from syncer.bounds import BoundError, Bounds
 from syncer.errors import Reject
+from syncer.strategy import REGIMES
 from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
 
 log = logging.getLogger("syncer")
@@ -141,6 +142,15 @@ class Members:
         return [(m.learner_id, m.generation, m.pushes, m.loss_tokens, m.last_seq,
                  m.tokens_per_step) for m in sorted(self.rows.values(),
                                                     key=lambda m: m.learner_id)]
+
+
+def checked_regime(learner_id: str, regime: str) -> str:
+    """What a joining island says it trains ("sft" when it says nothing), or a refusal."""
+    regime = regime or "sft"
+    if regime not in REGIMES:
+        raise Reject("invalid", f"{learner_id}: unknown regime {regime[:32]!r}; use one of "
+                                f"{', '.join(REGIMES)}")
+    return regime
 
 
 def checked_layout(cfg, learner_id: str, specs: list[TensorSpec], fp: str) -> Layout:

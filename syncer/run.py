@@ -122,23 +122,16 @@ class Run:
 
     @property
     def momentum(self) -> np.ndarray | None:
-        """The outer momentum m (zeros, made on request, when the run keeps none)."""
-        if self.m is None and self.theta is not None:
-            return np.zeros_like(self.theta)
-        return self.m
+        """The outer momentum m (zeros made on request when the run keeps none)."""
+        return np.zeros_like(self.theta) if self.m is None and self.theta is not None else self.m
 
     # ---- join -------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
              weights_file: str, export_files: dict[str, str], observer: bool = False,
              tokens_per_step: int = 0, regime: str = "sft") -> dict:
-        """An island joins; an `observer` (a rollout node) receives every Θ but never
-        pushes, never seeds and never counts toward the quorum. `tokens_per_step`: the
-        most loss tokens one of its steps holds (bounds its pushes' claims). `regime`:
-        what it trains, "sft" or "rl" (the default outer rule follows it)."""
-        regime = regime or "sft"
-        if regime not in strategy.REGIMES:
-            raise Reject("invalid", f"{learner_id}: unknown regime {regime[:32]!r}; use one "
-                                    f"of {', '.join(strategy.REGIMES)}")
+        """An island joins; an `observer` (a rollout node) gets every Θ, never pushes or
+        counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl"."""
+        regime = members.checked_regime(learner_id, regime)
         layout = members.checked_layout(self.cfg, learner_id, specs, fp)
         with self.cond:
             if self.finished:
@@ -152,10 +145,10 @@ class Run:
                      member.generation, backend, ", observer" if observer else "", live,
                      self.cfg.quorum)
             if observer:
-                self.tape.write(dict(event="observer", learner=learner_id, backend=backend,
-                                     version=self.version, time=time.time()))
-            else:
-                self._note_regime(learner_id, regime)
+                self.tape.event("observer", learner=learner_id, backend=backend,
+                                version=self.version)
+            elif change := self.outer.note_island(learner_id, regime):  # a rule that follows it
+                self.tape.event("outer_rule", learner=learner_id, regime=regime, detail=change)
             self.maybe_start()
             return dict(run_id=self.run_id, generation=member.generation,
                         num_fragments=self.cfg.fragments,
@@ -163,15 +156,6 @@ class Run:
                         quorum=self.cfg.quorum, joined=len(self.members.live()),
                         version=self.version, finished=self.finished,
                         last_seq=member.last_seq, downlink=self.cfg.downlink)
-
-    def _note_regime(self, learner_id: str, regime: str) -> None:
-        """Tell the outer rule what a joining island trains; a rule that changes says so
-        in the log and on the tape."""
-        change = self.outer.note_island(learner_id, regime)
-        if change:
-            log.info("%s", change)
-            self.tape.write(dict(event="outer_rule", learner=learner_id, regime=regime,
-                                 detail=change, version=self.version, time=time.time()))
 
     def maybe_start(self) -> None:
         if self.started or self.theta is None or len(self.members.live()) < self.cfg.quorum:
@@ -236,8 +220,8 @@ class Run:
 
     def _reject_note(self, learner: str, kind: str, detail: str) -> None:
         self.rejected += 1
-        self.tape.write(dict(event="rejected", learner=learner, kind=kind, detail=detail,
-                             round=self.version + 1, time=time.time()))
+        self.tape.event("rejected", learner=learner, kind=kind, detail=detail,
+                        round=self.version + 1)
 
     # ---- commit (syncer.commit) ---------------------------------------------------------
     def tick(self, now: float | None = None) -> None:

@@ -11,9 +11,13 @@ weight of each push, then one optional factor on the weighted mean.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from yeto.codec import kernels
+
+log = logging.getLogger("syncer")
 
 
 # ---- merge rules ------------------------------------------------------------------------
@@ -173,9 +177,11 @@ class RegimeNesterov(WarmupNesterov):
         if regime != "rl" or self.rl:
             return None
         self.rl = True
-        return (f"{learner_id} trains with RL: the outer rule (auto) is plain averaging "
-                f"(lr 1, momentum 0) from now on, instead of nesterov-warmup "
-                f"{self.lr:g}/{self.momentum:g}")
+        change = (f"{learner_id} trains with RL: the outer rule (auto) is plain averaging "
+                  f"(lr 1, momentum 0) from now on, instead of nesterov-warmup "
+                  f"{self.lr:g}/{self.momentum:g}")
+        log.info("%s", change)
+        return change
 
     def coefficients(self, t: int) -> tuple[float, float, float]:
         return (1.0, 0.0, 0.0) if self.rl else super().coefficients(t)

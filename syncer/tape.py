@@ -48,6 +48,10 @@ class Tape:
                     os.ftruncate(self._file.fileno(), end)  # no half line stays behind
                 return False
 
+    def event(self, event: str, **fields) -> bool:
+        """`write` a record of `event` with `fields` and the wall time."""
+        return self.write(dict(event=event, **fields, time=time.time()))
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -104,14 +104,18 @@ def test_the_rules_table_and_goal_lines_say_what_ran(capsys):
 
 def test_quick_runs_the_syncers_default_rule():
     """--quick runs the short cell of `DEFAULT`, which must be the rule, lr and momentum a
-    syncer gets without flags."""
+    syncer gets without flags for SFT islands (`auto` steps as nesterov-warmup then:
+    tests/unit/test_strategy.py checks the bits)."""
     import _diloco_arms as arms
     import compare_diloco as cd
 
+    from syncer import strategy
     from syncer.run import Config
 
-    assert arms.CANDIDATES[arms.DEFAULT] == (Config.outer, Config.outer_lr,
-                                             Config.outer_momentum)
+    default = strategy.outer_optimizer(Config.outer, Config.outer_lr, Config.outer_momentum)
+    assert isinstance(default, strategy.RegimeNesterov)
+    assert arms.CANDIDATES[arms.DEFAULT] == (strategy.WarmupNesterov.name, default.lr,
+                                             default.momentum)
     _, quick, _ = cd.plan("quick")
     assert [(a.key, a.kind) for a in quick][0] == ("short:dp4", "dp")
     assert [cd.candidate_of(a) for a in quick[1:]] == [arms.DEFAULT]
