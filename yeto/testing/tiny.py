@@ -76,7 +76,7 @@ ROPE_THETA = 10000.0
 # Pretraining recipe (full weights, AdamW); part of the cache key.
 PRETRAIN = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "warmup": 20}
 # per size (the recipe is in the cache key); "small" at PRETRAIN's lr ended worse on
-# held-out text than at a lower one (BENCHMARKS.md, "One outer rule for both regimes")
+# held-out text than at a lower one (docs/benchmarks-history.md, "One outer rule for both regimes")
 PRETRAIN_OF = {"tiny": PRETRAIN, "small": {**PRETRAIN, "steps": 600, "lr": 1e-3}}
 
 
