@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout node backends, observing the syncer; 'direct': torch and "
                         "MLX nodes outside the run, kept current by the trainer "
                         "(yeto rl --update-nodes)")
+    p.add_argument("--trainers", type=int, default=1,
+                   help="GRPO islands in the run (quorum = this; island i trains on prompt "
+                        "rows i mod N); the summary's reward is island 0's")
     p.add_argument("--trainer", choices=("torch", "mlx"), default="torch",
                    help="the GRPO island's backend (yeto rl --backend): torch, or mlx (the "
                         "MLX island as the trainer; no torch in its process)")
@@ -151,12 +154,32 @@ def _backends(args) -> list[str]:
 
 def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: str | None,
              nodes: list[dict]) -> dict:
-    """The GRPO island as a process (its progress printed from its metrics); returns its
-    summary. Without `syncer` it trains alone and the nodes never get its weights."""
-    out = args.out / "rl"
+    """The GRPO islands (--trainers) as processes (island 0's progress printed from its
+    metrics); returns island 0's summary. Without `syncer` it trains alone and the nodes
+    never get its weights."""
+    others = [_start(_grpo_cmd(args, model, adapter, data, syncer, nodes, i),
+                     args.out / f"rl-{i}.log") for i in range(1, args.trainers)]
+    try:
+        summary = _run_first(args, _grpo_cmd(args, model, adapter, data, syncer, nodes, 0))
+        for i, proc in enumerate(others, 1):
+            if proc.wait() != 0:
+                raise RuntimeError(f"GRPO island {i} failed ({proc.returncode}); see "
+                                   f"{args.out}/rl-{i}.log")
+    finally:
+        for proc in others:
+            _stop(proc, timeout=60)
+    return summary
+
+
+def _grpo_cmd(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: str | None,
+              nodes: list[dict], i: int) -> list[str]:
+    """`yeto rl` for GRPO island i (its output in rl/, or rl-<i>/ beyond the first)."""
+    out = args.out / ("rl" if i == 0 else f"rl-{i}")
     cmd = [PY, "-m", "yeto.rl", "--model", str(model), "--adapter", str(adapter),
            "--data", str(data[0]), "--eval-data", str(data[1]), "--syncer", syncer or "none",
-           "--learner-id", "grpo-0", "--sync-every", str(args.sync_every), "--wire", "f32",
+           "--learner-id", f"grpo-{i}", "--learner-index", str(i),
+           "--num-learners", str(args.trainers),
+           "--sync-every", str(args.sync_every), "--wire", "f32",
            "--max-steps", str(args.max_steps), "--group-size", str(args.group_size),
            "--prompts-per-step", str(args.prompts_per_step), "--inner-lr", str(args.inner_lr),
            "--temperature", str(args.temperature), "--eval-prompts", str(args.eval_prompts),
@@ -167,8 +190,14 @@ def run_grpo(args, model: Path, adapter: Path, data: tuple[Path, Path], syncer: 
         cmd += ["--reward", reward.strip()]
     for n in nodes:
         cmd += ["--rollout-url", n["url"]]
-    if _direct(args):
+    if _direct(args) and i == 0:  # one trainer keeps the nodes current
         cmd += ["--update-nodes"]
+    return cmd
+
+
+def _run_first(args, cmd: list[str]) -> dict:
+    """GRPO island 0, its progress printed as it goes; its summary."""
+    out = args.out / "rl"
     (out / "metrics.jsonl").unlink(missing_ok=True)
     proc = _start(cmd, args.out / "rl.log")
     seen = 0
@@ -241,6 +270,8 @@ def node_status(nodes: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.out = args.out.resolve()
+    if args.trainers < 1:
+        build_parser().error(f"--trainers must be at least 1, got {args.trainers}")
     t0 = time.monotonic()
     from syncer.flags import outer_args
     from syncer.spawn import start_syncer
@@ -256,7 +287,8 @@ def main(argv=None) -> int:
     (args.out / "syncer").mkdir(parents=True, exist_ok=True)
     nodes: list[dict] = []
     try:
-        with start_syncer(["--quorum", "1", "--state-dir", str(args.out / "syncer" / "state"),
+        with start_syncer(["--quorum", str(args.trainers),
+                           "--state-dir", str(args.out / "syncer" / "state"),
                            *outer_args(args.outer, args.outer_lr, args.outer_momentum)],
                           log=args.out / "syncer" / "log.txt") as syncer:
             nodes = start_nodes(args, model, adapter, syncer.address)
@@ -273,7 +305,7 @@ def main(argv=None) -> int:
         for n in nodes:
             _stop(n["proc"])
     summary = dict(reward_before=rl["reward_before"], reward_after=rl["reward_after"],
-                   trainer=args.trainer, steps=rl["steps"],
+                   trainer=args.trainer, trainers=args.trainers, steps=rl["steps"],
                    seconds=round(time.monotonic() - t0, 1),
                    sync_every=args.sync_every, sync_cadence=f"every {args.sync_every} steps",
                    outer_rule=_outer_rule(args.out / "syncer" / "state" / "tape.jsonl"),
