@@ -144,6 +144,10 @@ class Members:
                                                     key=lambda m: m.learner_id)]
 
 
+# a file the syncer writes into final/ for an island: a bare name, never a path
+FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
 def checked_regime(learner_id: str, regime: str) -> str:
     """What a joining island says it trains ("sft" when it says nothing), or a refusal."""
     regime = regime or "sft"
@@ -168,25 +172,42 @@ def checked_layout(cfg, learner_id: str, specs: list[TensorSpec], fp: str) -> La
     return layout
 
 
+def checked_files(learner_id: str, weights_file: str, export_files: dict[str, str]) -> None:
+    """The names of the files an island asks the syncer to write into `final/`: each a
+    bare file name (no folder, no `..`, no absolute path), none of them the same file
+    as another or as provenance.json. Checked before anything is adopted."""
+    names = [weights_file, *export_files] if weights_file else list(export_files)
+    for name in names:
+        if not FILE_NAME.fullmatch(name):
+            raise Reject("invalid", f"{learner_id}: output file name {name[:80]!r} is not a "
+                                    "bare file name (letters, digits, '.', '_', '-'; at most "
+                                    "128 characters, not starting with '.')")
+    lowered = [n.lower() for n in names]  # one file on a case-insensitive disk
+    if len(set(lowered)) != len(lowered) or "provenance.json" in lowered:
+        raise Reject("invalid", f"{learner_id}: output files {sorted(names)} name one file "
+                                "twice (or provenance.json, which the syncer writes)")
+
+
 def adopt_layout(run, learner_id: str, layout: Layout, weights_file: str,
                  export_files: dict[str, str], observer: bool) -> None:
     """The first island's layout (and output files) become the run's; every later
     one must match it. An observer's layout is checked (or adopted) too, but the
-    output files come from the first island."""
+    output files come from the first island. A refusal changes nothing."""
+    checked_files(learner_id, weights_file, export_files)
+    if run.layout is not None:
+        try:
+            run.layout.check_same(layout)
+        except LayoutMismatch as e:
+            raise Reject("precondition", f"{learner_id} cannot join: "
+                         f"{differing_setting(run.layout.specs, layout.specs)} ({e}). Every "
+                         "island must train the same model with the same --lora-r/"
+                         "--lora-targets/--tuning (one run file, --config, keeps them "
+                         "equal); check with scripts/check_name_parity.py") from None
     if not observer and (run.layout is None or not run.export_files):
         run.weights_file = weights_file or run.weights_file
         run.export_files = dict(export_files)
     if run.layout is None:
         run.layout = layout
-        return
-    try:
-        run.layout.check_same(layout)
-    except LayoutMismatch as e:
-        raise Reject("precondition", f"{learner_id} cannot join: "
-                     f"{differing_setting(run.layout.specs, layout.specs)} ({e}). Every "
-                     "island must train the same model with the same --lora-r/--lora-targets/"
-                     "--tuning (one run file, --config, keeps them equal); check with "
-                     "scripts/check_name_parity.py") from None
 
 
 def differing_setting(run: list[TensorSpec], island: list[TensorSpec]) -> str:

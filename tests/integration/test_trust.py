@@ -337,3 +337,47 @@ def test_changed_metadata_in_the_state_file_is_refused(toy_layout, tmp_path):
     with pytest.raises(state.StateError, match="metadata"):
         Run(Config(quorum=1, state_dir=state_dir, resume=True))
     assert state_dir.stat().st_mode & 0o777 == 0o700
+
+
+# ---- issue 44: output file names are bare names -------------------------------------------
+@pytest.mark.parametrize("weights_file,export_files", [
+    ("/tmp/yeto-escape.safetensors", {}),                         # absolute
+    ("../../escape.safetensors", {}),                              # out of final/
+    ("sub/dir.safetensors", {}),                                   # a folder
+    ("adapter_model.safetensors", {"adapter_model.safetensors": "x"}),  # replaces the weights
+    ("adapter_model.safetensors", {"provenance.json": "{}"}),     # the syncer's own file
+    ("adapter_model.safetensors", {"..": "x"}),
+    ("weights.safetensors\n", {}),                                 # forges a log line
+])
+def test_an_island_cannot_name_a_file_outside_final_or_replace_one(toy_layout, tmp_path,
+                                                                   weights_file, export_files):
+    """JoinRequest.weights_file and export_files were joined onto final/ unchecked: an
+    absolute path or `..` made Finish write Θ anywhere the syncer could write. Now the
+    join is refused (INVALID_ARGUMENT) through the real server and nothing changes."""
+    with running_syncer(quorum=1, token=SECRET, state_dir=tmp_path / "s") as (run, addr):
+        digest = run.state_digest()
+        with pytest.raises(grpc.RpcError) as e:
+            _join(_stub(addr), toy_layout, "rogue", _cred("rogue"), weights_file=weights_file,
+                  export_files=export_files)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "file name" in e.value.details() or "twice" in e.value.details()
+        assert run.state_digest() == digest and run.layout is None
+        # an honest island then joins and names the run's files
+        ok = _join(_stub(addr), toy_layout, "honest", _cred("honest"),
+                   weights_file="adapter_model.safetensors",
+                   export_files={"adapter_config.json": "{}"})
+        assert ok.generation and run.weights_file == "adapter_model.safetensors"
+
+
+def test_a_refused_layout_leaves_the_run_s_output_files_as_they_were(toy_layout):
+    """A joiner with another layout used to replace the run's output files before its
+    layout was refused."""
+    other = type(toy_layout).from_shapes({"x.lora_A.weight": (2, 3)})
+    with running_syncer(quorum=2, token=SECRET) as (run, addr):
+        stub = _stub(addr)
+        _join(stub, other, "first", _cred("first"), weights_file="adapter_model.safetensors")
+        with pytest.raises(grpc.RpcError) as e:
+            _join(stub, toy_layout, "second", _cred("second"), weights_file="elsewhere.bin",
+                  export_files={"adapter_config.json": "{}"})
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert run.weights_file == "adapter_model.safetensors" and run.export_files == {}
