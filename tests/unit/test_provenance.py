@@ -39,3 +39,22 @@ def test_content_digest_follows_the_recipe(tmp_path):
 def test_missing_model_is_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         resolve_model(str(tmp_path / "nope"))
+
+
+def test_the_recorded_command_never_holds_a_secret():
+    """`--token=X` on an island was written into provenance.json as it was typed (issue 44)."""
+    from yeto.data.provenance import build_record, redacted_command
+
+    argv = ["yeto", "island", "--token=s3cret", "--tls-key", "key.pem", "--tok", "s3cret2",
+            "--learner-id", "a", "--tokens-per-step", "5"]
+    assert redacted_command(argv) == ["yeto", "island", "--token=<redacted>", "--tls-key",
+                                      "<redacted>", "--tok", "<redacted>", "--learner-id", "a",
+                                      "--tokens-per-step", "5"]
+    import sys
+    old = sys.argv
+    sys.argv = ["island", "--token", "s3cret", "--max-steps", "3"]
+    try:
+        record = build_record(None, None, {"token": "s3cret", "max_steps": 3})
+    finally:
+        sys.argv = old
+    assert "s3cret" not in str(record)

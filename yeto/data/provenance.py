@@ -305,6 +305,29 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
+def redacted_command(argv: list[str]) -> list[str]:
+    """`argv` with the values of secret flags (--token, --tls-key) replaced, in both the
+    `--flag VALUE` and the `--flag=VALUE` forms (a prefix argparse accepts, e.g. `--tok`,
+    too)."""
+    flags = tuple("--" + k.replace("_", "-") for k in REDACTED_ARGS)
+
+    def secret(arg: str) -> bool:  # argparse takes any unambiguous prefix of a flag
+        name = arg.split("=", 1)[0]
+        return len(name) > 3 and any(f.startswith(name) for f in flags)
+
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+        elif arg.startswith("--") and secret(arg):
+            out.append(arg.split("=", 1)[0] + "=<redacted>" if "=" in arg else arg)
+            hide_next = "=" not in arg
+        else:
+            out.append(arg)
+    return out
+
+
 def config_record(args: Any) -> dict[str, Any]:
     """The full config (an argparse Namespace or a dict), secrets redacted."""
     items = vars(args) if not isinstance(args, dict) else args
@@ -320,7 +343,7 @@ def build_record(model: ModelSource | dict | None, data: dict | None, args: Any 
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "yeto": {"version": yeto_version(), "code_digest": code_digest()},
         "backend": backend,
-        "command": [sys.executable, *sys.argv],
+        "command": redacted_command([sys.executable, *sys.argv]),
         "model": model.record() if isinstance(model, ModelSource) else model,
         "data": data,
         "eval_data": eval_data,
