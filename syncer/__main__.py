@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                "The tape (state-dir/tape.jsonl) holds one JSON line per merge.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback a token or TLS is required")
-    p.add_argument("--port", type=int, default=net.DEFAULT_PORT, help="port (0 = any free port)")
+    p.add_argument("--port", type=net.port, default=net.DEFAULT_PORT,
+                   help="port (0 = any free port)")
     p.add_argument("--quorum", type=int, default=Config.quorum, metavar="K",
                    help="islands that must join before round 1, and pushes that commit a round")
     p.add_argument("--rounds", type=int, default=Config.rounds, metavar="N",
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow listening beyond loopback with neither token nor TLS")
     p.add_argument("--port-file", type=Path, default=None,
                    help="write the bound port here once listening (for scripts using --port 0)")
-    p.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--dashboard-port", type=net.port, default=None, metavar="PORT",
                    help="serve the live dashboard (HTML + JSON API) on this port (0 = any free "
                         "port); off by default")
     p.add_argument("--dashboard-host", default="127.0.0.1",

@@ -42,6 +42,9 @@ log = logging.getLogger("syncer")
 __all__ = ["Config", "Member", "PushHeader", "Reject", "Run"]
 
 
+MAX_QUORUM = 1 << 20  # islands a round may wait for (the wire carries it as uint32)
+
+
 @dataclass
 class Config:
     """The run's settings; the defaults are `python -m syncer`'s (its flags take them
@@ -72,6 +75,8 @@ class Config:
 
     def check(self) -> None:
         """Refuse settings that would make the outer step non-finite or meaningless."""
+        if not 1 <= self.quorum <= MAX_QUORUM:
+            raise ValueError(f"--quorum must be 1 to {MAX_QUORUM}, got {self.quorum}")
         if not (np.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"--outer-lr must be a positive number, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import ipaddress
@@ -49,6 +50,19 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
     ("grpc.keepalive_time_ms", int(SERVER_KEEPALIVE_S * 1000)),
     ("grpc.keepalive_timeout_ms", int(SERVER_KEEPALIVE_S * 1000)),
 ]
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535 (gRPC and sockets would
+    otherwise wrap 70000 to 4464 without a word)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range: use 0 (any free "
+                                         "port) to 65535")
+    return value
 
 
 def client_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:

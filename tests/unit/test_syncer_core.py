@@ -243,3 +243,15 @@ def test_final_weights_count_as_delivered_when_the_island_hangs_up_at_the_last_c
     stream.close()  # the transport drops the stream: the island hung up
     assert sub.all_finals_sent()
     run.tape.close()
+
+
+def test_a_port_or_quorum_out_of_range_is_one_clear_error(capsys):
+    """--port 70000 silently became 4464 and --quorum 2^32 ended in a traceback (issue 44)."""
+    for argv, said in ((["--port", "70000"], "out of range: use 0"),
+                       (["--dashboard-port", "-1"], "out of range"),
+                       (["--port", "x"], "not a port number")):
+        with pytest.raises(SystemExit) as e:
+            syncer_cli.build_parser().parse_args(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--quorum must be 1 to"):
+        Config(quorum=1 << 32).check()

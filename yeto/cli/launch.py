@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address the syncer listens on (default: loopback); 0.0.0.0 for all "
                         "interfaces")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=net.port, default=None,
                    help=f"syncer port (default: any free port; {net.DEFAULT_PORT} with "
                         "--external-islands, so a firewall can be opened for it)")
     p.add_argument("--token", default=None,
@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --external-islands and none given, one is generated into "
                         "OUT/token)")
     _add_external_args(p)
-    p.add_argument("--dashboard-port", type=int, default=0,
+    p.add_argument("--dashboard-port", type=net.port, default=0,
                    help="the syncer's dashboard port (default 0: any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="no dashboard")
     p.add_argument("--syncer-args", default="", help="extra flags for the syncer "

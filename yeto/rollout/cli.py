@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also answer requests whose Host header is NAME (repeatable; '*': "
                         "any). By default only loopback names, the --host address and, "
                         "beyond loopback, this machine's host names (DNS-rebinding guard)")
-    p.add_argument("--port", type=int, default=8080, help="0: any free port")
+    p.add_argument("--port", type=net.port, default=8080, help="0: any free port")
     p.add_argument("--port-file", type=Path, default=None,
                    help="write the port here once listening (for --port 0)")
     p.add_argument("--served-model-name", default=None,
