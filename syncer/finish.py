@@ -42,7 +42,12 @@ def finish(run) -> None:
             persist.write_final(run)
         except OSError as e:
             run.fail(f"cannot write the final weights to {run.cfg.state_dir}: {e}. "
-                 f"The state holds them (version {run.version}): free space and "
-                 "restart the syncer with --resume")
+                     f"The state holds them (version {run.version}): free space and "
+                     "restart the syncer with --resume")
+            return
+        except Exception as e:  # noqa: BLE001 - what an island sent cannot make final/
+            run.fail(f"cannot build the final weights from what the islands sent ({e!r}); "
+                     f"the state holds Θ at version {run.version}: `yeto export` writes "
+                     "it in another format")
             return
     log.info("run finished at version %d", run.version)

@@ -381,3 +381,23 @@ def test_a_refused_layout_leaves_the_run_s_output_files_as_they_were(toy_layout)
                   export_files={"adapter_config.json": "{}"})
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert run.weights_file == "adapter_model.safetensors" and run.export_files == {}
+
+
+def test_a_finish_that_cannot_build_final_fails_the_run_loudly(toy_layout, tmp_path):
+    """A malformed frozen-A file made Finish fail with UNKNOWN, no final/, and the syncer
+    exited 0 (issue 44). Now the run fails (`python -m syncer` exits 1 with the reason)."""
+    with running_syncer(quorum=1, token=SECRET, state_dir=tmp_path / "s") as (run, addr):
+        client = make_client(addr, "a", toy_layout, token=_cred("a"),
+                             export_files={"yeto_frozen_a.json": "{not json"})
+        try:
+            client.start(np.zeros(toy_layout.numel, np.float32))
+            assert wait_until(lambda: run.started)
+            try:
+                client.finish()
+            except grpc.RpcError:
+                pass  # the syncer fails the run; what the island hears of it does not matter
+            assert wait_until(lambda: run.fatal is not None)
+        finally:
+            client.close()
+        assert "cannot build the final weights" in run.fatal
+        assert not (tmp_path / "s" / "final" / "adapter_model.safetensors").exists()
