@@ -22,7 +22,8 @@ from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
 
 log = logging.getLogger("syncer")
 
-LEARNER_ID = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
+LEARNER_ID = re.compile(r"[A-Za-z0-9_.@:-]{1,128}")  # whole (fullmatch): no newline after it
+BACKEND = re.compile(r"[A-Za-z0-9_.-]{0,32}")  # informational, shown in logs and status
 LIVE = ("waiting", "training")
 
 
@@ -42,7 +43,7 @@ class Member:
 
 
 def check_learner_id(learner_id: str) -> None:
-    if not LEARNER_ID.match(learner_id or ""):
+    if not LEARNER_ID.fullmatch(learner_id or ""):
         raise Reject("invalid", f"learner id {learner_id!r} must be 1-128 characters of "
                      "letters, digits and _.@:- (example: --learner-id island-0)")
 
@@ -157,10 +158,15 @@ def checked_regime(learner_id: str, regime: str) -> str:
     return regime
 
 
-def checked_layout(cfg, learner_id: str, specs: list[TensorSpec], fp: str) -> Layout:
-    """The layout a joining island declares, checked: its id, the bounds (sane
-    shapes, size), and the fingerprint it sent."""
+def checked_layout(cfg, learner_id: str, specs: list[TensorSpec], fp: str,
+                   backend: str = "") -> Layout:
+    """The layout a joining island declares, checked: its id and backend name (shown in
+    logs, the tape and `yeto status`: no control characters), the bounds (sane shapes,
+    size), and the fingerprint it sent."""
     check_learner_id(learner_id)
+    if not BACKEND.fullmatch(backend or ""):
+        raise Reject("invalid", f"{learner_id}: backend {backend[:40]!r} must be at most 32 "
+                                "letters, digits and _.- (torch, mlx, numpy)")
     try:
         cfg.bounds.layout(specs)
         layout = Layout(specs, cfg.fragments)

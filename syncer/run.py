@@ -137,7 +137,7 @@ class Run:
         """An island joins; an `observer` (a rollout node) gets every Θ, never pushes or
         counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl"."""
         regime = members.checked_regime(learner_id, regime)
-        layout = members.checked_layout(self.cfg, learner_id, specs, fp)
+        layout = members.checked_layout(self.cfg, learner_id, specs, fp, backend)
         with self.cond:
             if self.finished:
                 raise Reject("precondition", "this run has finished; start a new syncer")

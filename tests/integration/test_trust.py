@@ -401,3 +401,17 @@ def test_a_finish_that_cannot_build_final_fails_the_run_loudly(toy_layout, tmp_p
             client.close()
         assert "cannot build the final weights" in run.fatal
         assert not (tmp_path / "s" / "final" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("learner,backend", [("island-0\n", "torch"),
+                                             ("island-0", "torch\nINFO forged"),
+                                             ("island-0", "\x1b[2Jmlx")])
+def test_ids_and_backends_cannot_forge_log_lines_or_terminal_escapes(toy_layout, learner,
+                                                                     backend):
+    """An id with a trailing newline passed the id check (`$` matches before it) and the
+    backend was not checked: both went raw into logs, the tape and `yeto status`."""
+    with running_syncer(quorum=1) as (run, addr):
+        with pytest.raises(grpc.RpcError) as e:
+            _join(_stub(addr), toy_layout, learner, None, backend=backend)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not run.members.rows and run.layout is None
