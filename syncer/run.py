@@ -225,8 +225,7 @@ class Run:
 
     def _reject_note(self, learner: str, kind: str, detail: str) -> None:
         self.rejected += 1
-        self.tape.event("rejected", learner=learner, kind=kind, detail=detail,
-                        round=self.version + 1)
+        self.tape.refusal(learner, kind=kind, detail=detail, round=self.version + 1)
 
     # ---- commit (syncer.commit) ---------------------------------------------------------
     def tick(self, now: float | None = None) -> None:

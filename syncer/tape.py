@@ -15,8 +15,14 @@ log = logging.getLogger("syncer")
 
 
 class Tape:
-    def __init__(self, path: Path | None):
-        self.path = path
+    # refused calls are taped at most REFUSALS_BURST at once per learner, then one every
+    # REFUSALS_EVERY_S: a peer that hammers the syncer cannot fill its disk (the next
+    # record it gets says how many were left out)
+    REFUSALS_BURST, REFUSALS_EVERY_S = 20, 1.0
+
+    def __init__(self, path: Path | None, clock=time.monotonic):
+        self.path, self.clock = path, clock
+        self._refusals: dict[str, list[float]] = {}  # learner -> [allowance, last, left out]
         self._lock = threading.Lock()
         self._file = None
         self.lost = 0  # records the disk refused
@@ -47,6 +53,24 @@ class Tape:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self._file.fileno(), end)  # no half line stays behind
                 return False
+
+    def refusal(self, learner: str, **fields) -> bool:
+        """Tape a refused call of `learner`, unless its allowance is spent (a token
+        bucket per learner); what it leaves out is counted in the next record."""
+        now = self.clock()
+        with self._lock:
+            if learner not in self._refusals and len(self._refusals) >= 10_000:
+                self._refusals.clear()  # ids are checked, but many may come: stay bounded
+            allowance, last, left_out = self._refusals.get(
+                learner, [float(self.REFUSALS_BURST), now, 0])
+            allowance = min(float(self.REFUSALS_BURST),
+                            allowance + (now - last) / self.REFUSALS_EVERY_S)
+            if allowance < 1:
+                self._refusals[learner] = [allowance, now, left_out + 1]
+                return False
+            self._refusals[learner] = [allowance - 1, now, 0]
+        extra = {"left_out_before": left_out} if left_out else {}
+        return self.event("rejected", learner=learner, **fields, **extra)
 
     def event(self, event: str, **fields) -> bool:
         """`write` a record of `event` with `fields` and the wall time."""

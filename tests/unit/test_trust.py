@@ -21,3 +21,21 @@ def test_tape_lines_are_whole_or_absent(tmp_path):
     tape.close()
     assert [json.loads(x) for x in (tmp_path / "tape.jsonl").read_text().splitlines()] == [
         dict(event="a")]
+
+
+def test_refused_calls_are_taped_at_a_bounded_rate(tmp_path):
+    """Every refused call was taped: one peer could write 1.5 GB an hour (issue 44). Now
+    a burst per learner, then one a second; the next record counts what was left out."""
+    from syncer.tape import Tape, read_tape
+
+    now = [0.0]
+    tape = Tape(tmp_path / "tape.jsonl", clock=lambda: now[0])
+    written = sum(tape.refusal("rogue", kind="push:invalid", detail="x") for _ in range(1000))
+    assert written == Tape.REFUSALS_BURST
+    assert tape.refusal("honest", kind="join:denied", detail="y")  # its own allowance
+    now[0] += 3 * Tape.REFUSALS_EVERY_S
+    assert tape.refusal("rogue", kind="push:invalid", detail="x")
+    tape.close()
+    rows = read_tape(tmp_path / "tape.jsonl")
+    assert len(rows) == Tape.REFUSALS_BURST + 2
+    assert rows[-1]["left_out_before"] == 1000 - Tape.REFUSALS_BURST
