@@ -87,9 +87,13 @@ def parse(p: argparse.ArgumentParser, argv, role: str, known: bool = False):
 def load(path: Path) -> dict[str, dict]:
     """The file's sections, checked to be known sections of plain values."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise RunFileError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise RunFileError(f"--config {path}: not UTF-8 text (byte {e.start}: "
+                           f"{e.object[e.start:e.start + 1]!r}); TOML files are UTF-8: save "
+                           "it as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise RunFileError(f"--config {path}: not valid TOML: {e}") from None
     for name, section in data.items():

@@ -120,3 +120,12 @@ def test_a_joining_island_hears_which_setting_differs():
     assert "--tuning differs" in differing_setting(lora(8), full)
     assert "the model differs" in differing_setting(
         full, [TensorSpec("model.layers.0.q_proj.weight", (32, 32), "float32")])
+
+
+def test_a_run_file_that_is_not_utf8_is_one_clear_error(tmp_path, capsys):
+    """A non-UTF-8 run file ended the syncer in a UnicodeDecodeError traceback (issue 44)."""
+    f = tmp_path / "run.toml"
+    f.write_bytes(b"[syncer]\nquorum = 2\n# \xff\xfe\n")
+    with pytest.raises(SystemExit) as e:
+        runfile.parse(syncer_parser(), ["--config", str(f)], "syncer")
+    assert e.value.code == 2 and "not UTF-8 text" in capsys.readouterr().err
