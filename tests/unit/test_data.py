@@ -282,3 +282,17 @@ def test_sampler_batches_unpack_as_pairs_and_carry_positions():
     assert tokens.shape == (2, 5) and weights.shape == (2, 4)
     assert batch.positions.shape == (2, 4) and batch.positions.dtype == np.int32
     assert batch.tokens is tokens and batch.weights is weights
+
+
+@pytest.mark.parametrize("content, match", [
+    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"d\.jsonl: not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", r"d\.jsonl line 1: JSON nested too deeply"),
+    (b'{"text": "' + b"x" * (9 << 20) + b'"}\n', r"d\.jsonl line 1: a row of 9,437,196"),
+])
+def test_hostile_data_files_are_one_clear_error(tmp_path, content, match):
+    """A non-UTF-8 file, JSON nested 10^5 deep and a huge row were tracebacks or 21.8 GB
+    of memory (issue 44); each is now a DataError naming the file and line."""
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(content)
+    with pytest.raises(DataError, match=match):
+        load_rows(p)

@@ -93,11 +93,23 @@ def _drop_nulls(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if v is not None} for r in rows]
 
 
+# one JSON row at most this long (a 100 MB chat row took 21.8 GB to tokenize); a .json
+# file holding a list is read whole and bounded by the row count instead
+MAX_ROW_BYTES = 8 << 20
+
+
 def _read_json_file(path: Path, name: str) -> tuple[list[Any], list[str]]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        bad = e.object[e.start:e.start + 1]
+        raise DataError(f"{name}: not UTF-8 text (byte {e.start}: {bad!r}); JSON data files "
+                        "are UTF-8: convert it (iconv -t utf-8)") from None
     if path.suffix == ".json":
         try:
             data = json.loads(text) if text.strip() else []
+        except RecursionError:
+            raise DataError(f"{name}: JSON nested too deeply to be a data row") from None
         except json.JSONDecodeError as e:
             if e.msg != "Extra data":
                 raise DataError(f"{name} line {e.lineno}: invalid JSON ({e.msg})") from None
@@ -112,8 +124,14 @@ def _read_json_file(path: Path, name: str) -> tuple[list[Any], list[str]]:
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        if len(line) > MAX_ROW_BYTES:
+            raise DataError(f"{name} line {lineno}: a row of {len(line):,} characters (at most "
+                            f"{MAX_ROW_BYTES:,}); split it into several rows")
         try:
             rows.append(json.loads(line))
+        except RecursionError:
+            raise DataError(f"{name} line {lineno}: JSON nested too deeply to be a data "
+                            "row") from None
         except json.JSONDecodeError as e:
             raise DataError(
                 f"{name} line {lineno}: invalid JSON ({e.msg} at column {e.colno}); each line "
