@@ -80,9 +80,9 @@ class Bounds:
         """Raise BoundError unless a layout could be a real model's."""
         total = 0
         for s in specs:
-            if not s.shape or any(d < 1 for d in s.shape):
+            if not s.shape or any(d < 1 or d > self.max_params for d in s.shape):
                 raise BoundError(f"tensor {s.name} has shape {tuple(s.shape)}: every "
-                                 "dimension must be at least 1")
+                                 f"dimension must be 1 to {self.max_params} (--max-params)")
             if s.dtype not in DTYPES:
                 raise BoundError(f"tensor {s.name} has dtype {s.dtype!r}; use one of "
                                  f"{', '.join(DTYPES)}")

@@ -14,6 +14,7 @@ hash seeds, so every machine cuts the same fragments.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(int(d) for d in self.shape)  # Python ints: no int64 wrap-around
 
 
 @dataclass(frozen=True)

@@ -167,10 +167,14 @@ def test_claimed_tokens_are_bounded_by_the_declaration(toy_layout):
         honest.close()
 
 
-@pytest.mark.parametrize("shape, why", [((3, 0), "at least 1"), ((2**20, 2**20), "max-params")])
+@pytest.mark.parametrize("shape, why", [
+    ((3, 0), "must be 1 to"), ((2**20, 2**20), "max-params"),
+    ((2**32, 2**32, 4), "max-params"),  # 2^66 wraps to 0 in int64 (issue 44)
+    ((2**31, 2**31, 2, 2), "max-params"),  # wraps to 0: passed --max-params
+])
 def test_the_first_layout_must_be_sane(shape, why):
     """The first island used to set any layout: 2^40 elements made the syncer allocate
-    4 TiB for Θ."""
+    4 TiB for Θ; a shape whose product wraps in int64 passed --max-params."""
     with running_syncer(quorum=1) as (run, addr):
         req = pb.JoinRequest(learner_id="a", fingerprint="x",
                              layout=[pb.TensorSpec(name="w", shape=list(shape), dtype="float32")])
