@@ -40,6 +40,8 @@ from yeto.metrics import JsonlFollower
 from yeto.net import is_loopback
 from yeto.signals import GracefulStop
 
+LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}  # what a loopback dashboard answers to
+
 log = logging.getLogger("syncer.dashboard")
 
 MAX_RECORDS_PER_REPLY = 5000
@@ -72,13 +74,14 @@ class Dashboard:
     for looking at a finished run)."""
 
     def __init__(self, run=None, tape_path: Path | None = None, token: str | None = None,
-                 require_token: bool = False):
+                 require_token: bool = False, loopback_only: bool = False):
         if tape_path is None and run is not None and getattr(run, "tape", None) is not None:
             tape_path = run.tape.path
         self.run = run
         self.tape = TapeCache(Path(tape_path) if tape_path else None)
         self.token = token
         self.require_token = require_token
+        self.loopback_only = loopback_only  # listening on loopback: check the Host header
 
     def status(self) -> dict:
         out: dict = dict(time=time.time(), tape=str(self.tape.path) if self.tape.path else None,
@@ -98,6 +101,16 @@ class Dashboard:
             out["parameters"] = int(layout.numel)
             out["tensors"] = len(layout.specs)
         return out
+
+    def host_ok(self, host_header: str | None) -> bool:
+        """On loopback, only requests addressed to a loopback name: a page on another
+        site whose name was rebound to 127.0.0.1 (DNS rebinding) sends its own name."""
+        if not self.loopback_only:
+            return True
+        host = (host_header or "").strip().lower()
+        host = host[1:host.index("]")] if host.startswith("[") and "]" in host else \
+            host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        return host in LOOPBACK_NAMES
 
     def authorized(self, headers, query: dict) -> bool:
         if not self.require_token:
@@ -133,6 +146,10 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         dash: Dashboard = self.server.dashboard
+        if not dash.host_ok(self.headers.get("Host")):
+            return self._send(HTTPStatus.MISDIRECTED_REQUEST,
+                              b"this dashboard answers only requests to 127.0.0.1 or "
+                              b"localhost\n", "text/plain; charset=utf-8")
         if url.path == "/healthz":
             return self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
         if not dash.authorized(self.headers, query):
@@ -215,8 +232,9 @@ def start_dashboard(run=None, host: str = "127.0.0.1", port: int = 0, *,
             f"refusing to serve the dashboard on {host} without a token: anyone who can reach "
             "the port could watch the run. Set the syncer's --token (or $YETO_TOKEN), keep "
             "--dashboard-host 127.0.0.1 and use an SSH tunnel, or pass --insecure")
-    dash = Dashboard(run, tape_path=tape_path, token=token, require_token=not loopback and
-                     bool(token))
+    # the token whenever the run has one, loopback too (any local page could read it)
+    dash = Dashboard(run, tape_path=tape_path, token=token, require_token=bool(token),
+                     loopback_only=loopback)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         httpd = _Server((host, port), _Handler, dash, family)

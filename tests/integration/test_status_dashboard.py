@@ -92,3 +92,26 @@ def test_dashboard_beyond_loopback_needs_the_token():
             assert _get(base + "api/tape?since=0&token=tok")[0] == 200
         finally:
             dash.stop()
+
+
+def test_a_loopback_dashboard_checks_host_and_the_run_s_token():
+    """On loopback the dashboard asked no token even when the run had one, and answered
+    any Host header: a page whose name was rebound to 127.0.0.1 could read the islands,
+    losses and state dir (issue 44)."""
+    with running_syncer(quorum=1) as (run, _):
+        dash = start_dashboard(run, "127.0.0.1", 0, token="tok")
+        try:
+            base = f"http://127.0.0.1:{dash.port}/"
+            with pytest.raises(urllib.error.HTTPError) as e:
+                _get(base + "api/status")
+            assert e.value.code == 401
+            assert _get(base + "api/status", {"Authorization": "Bearer tok"})[0] == 200
+            for host in ("evil.example:%d" % dash.port, "evil.example", "127.0.0.1.evil.example"):
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    _get(base + "api/status", {"Authorization": "Bearer tok", "Host": host})
+                assert e.value.code == 421, host
+            for host in (f"localhost:{dash.port}", f"[::1]:{dash.port}", "127.0.0.1"):
+                assert _get(base + "api/status",
+                            {"Authorization": "Bearer tok", "Host": host})[0] == 200, host
+        finally:
+            dash.stop()
