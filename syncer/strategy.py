@@ -154,12 +154,13 @@ class RegimeNesterov(WarmupNesterov):
 
     - Supervised islands only (SFT, LoRA or full weights): `nesterov-warmup` with the
       given lr and μ (0.4/0.9): plain averaging at round 1, Nesterov 0.4/0.9 from round
-      21. It met every SFT goal measured (short LoRA, warm k = 4 and 8, from scratch).
+      21: the one rule that met every SFT goal measured (short LoRA, warm k = 4 and 8,
+      from scratch).
     - Once an island that trains with RL (a GRPO island, `yeto rl`) has joined: plain
       averaging (lr 1, μ 0) for every later round. A GRPO island pushes every few steps
       (2 in `yeto demo --rl`); Nesterov 0.4/0.9 steps about lr/(1 − μ) = 4× the merged
-      change once its momentum has built up, and the policy collapsed from round ~21
-      (held-out reward 0.34 → 0.08), where plain averaging raised it.
+      change once its momentum has built up, and the demo's policy collapsed from round
+      ~21, where plain averaging kept raising its reward.
 
     Both choices and the runs that chose them: BENCHMARKS.md, "One outer rule for every
     regime". The switch is made once, at the first RL join, and is taped
