@@ -99,14 +99,24 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
                    help="every pushed value must decode to at most this magnitude (a q4 block "
                         "scale to 1/7 of it): the round's sum can then never overflow")
     g.add_argument("--norm-factor", type=float, default=b.norm_factor,
-                   help="a push longer than this multiple of the median norm of its "
-                        "fragment's last 32 accepted pushes is scaled down to it before it "
-                        "is summed (from the 5th push on; 0 = off)")
+                   help="a push longer than this multiple of the other islands' typical "
+                        "push norm on its fragment (before any other island has pushed: of "
+                        "the seed's norm there) is scaled down to it before it is summed; "
+                        "an island's own pushes never raise its own bound (0 = off)")
     g.add_argument("--max-tokens-per-step", type=int, default=b.max_tokens_per_step,
                    help="the most loss tokens per step a push may claim, whatever the "
                         "island declared when it joined (its batch x sequence length)")
     g.add_argument("--max-steps-per-push", type=int, default=b.max_steps_per_push,
-                   help="the most optimizer steps one push may claim")
+                   help="the most optimizer steps one push may claim (an island that "
+                        "declared its --sync-every H when it joined: also at most H x (2 + "
+                        "the rounds it missed))")
+    g.add_argument("--max-share", type=float, default=b.max_share,
+                   help="the most of a round's merge one island's pushes may hold (its "
+                        "weight lowered to fit, its direction kept); 0 = auto: 2/k for k "
+                        "islands in the round, so no cap for one or two")
+    g.add_argument("--seed-from", default="", metavar="LEARNER_ID",
+                   help="the island whose initial weights seed Θ (default: the first "
+                        "island to join; no other is asked)")
     g.add_argument("--max-params", type=int, default=b.max_params,
                    help="the most values the first island's layout may hold")
     g.add_argument("--max-streams", type=int, default=128,
@@ -126,10 +136,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         sys.exit("error: --quorum must be at least 1 (example: --quorum 2 for two islands)")
     bounds = Bounds(max_delta=args.max_delta, norm_factor=args.norm_factor,
                     max_tokens_per_step=args.max_tokens_per_step,
-                    max_steps_per_push=args.max_steps_per_push, max_params=args.max_params)
+                    max_steps_per_push=args.max_steps_per_push, max_params=args.max_params,
+                    max_share=args.max_share)
     return round_config(args, quorum=args.quorum, rounds=args.rounds, bounds=bounds,
                         save_timeout_s=args.save_timeout_s,
                         state_dir=args.state_dir, resume=args.resume,
+                        seed_from=args.seed_from,
                         expect_islands=tuple(x.strip() for x in
                                              (args.expect_islands or "").split(",") if x.strip()))
 

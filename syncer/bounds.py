@@ -10,16 +10,23 @@ value enters, before it touches the round:
   merge weights bounded too (below), the round's sum stays below 1e30 however many
   islands push, so it cannot overflow float32 (3.4e38): Θ stays finite by
   construction, and the commit checks it again.
-- **Norms** (`norm_factor`): a push whose norm exceeds norm_factor × the median norm
-  of its fragment's last `HISTORY` accepted pushes (once `MIN_HISTORY` are known) is
-  scaled down to that bound before it is summed (its weight is kept). One round's
+- **Norms** (`norm_factor`, `NormBounds`): a push whose norm exceeds norm_factor × the
+  other islands' typical norm on its fragment (before any other island has pushed:
+  × the seed's norm of the fragment) is scaled down to that bound before it is summed
+  (its weight is kept). An island's own pushes never raise its own bound. One round's
   merged change is a weighted mean of bounded pushes, so its norm is at most the
-  bound too. The first `MIN_HISTORY` pushes of a fragment meet the value bound only
-  (add `--clip-factor` for a bound relative to each round's median).
+  largest bound too (add `--clip-factor` for a bound relative to each round's median).
 - **Claims**: loss tokens ≤ steps × the tokens per step the island declared at its
   first join (batch × sequence length; at most `max_tokens_per_step`, which is also
-  the bound of an island that declares none), and steps ≤ `max_steps_per_push`. A
-  rejoin keeps the first declaration: an island cannot raise it mid-run.
+  the bound of an island that declares none); steps ≤ its declared schedule (H steps
+  between pushes, declared at its first join) × (2 + the fragment's commits it missed
+  since its last accepted push: carried work), and ≤ `max_steps_per_push` always. A
+  rejoin keeps the first declarations: an island cannot raise them mid-run.
+- **Shares** (`max_share`): no island's share of a round's merge exceeds the cap
+  (`share_cap`: by default 2/k for k islands in the round, so none for k ≤ 2); an
+  island over it keeps its direction with its weight lowered (`share_factors`). The
+  cap needs every push of the round until the commit, so a round that can be capped
+  keeps them as received (as clipping does).
 - **Layouts**: the first island's layout sets the run's, so it must be sane: every
   dimension ≥ 1, a float dtype, at most `max_params` values in all.
 """
@@ -32,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 SEED_MAX_ABS = 1e8    # initial weights: far beyond any model's, far below overflow
-HISTORY = 32          # accepted push norms per fragment the norm bound looks back on
-MIN_HISTORY = 4       # ... and how many it needs before it binds
+HISTORY = 8           # push norms per island and fragment the norm bound looks back on
+CARRY_SLACK = 2       # schedules of steps a push may carry beyond the commits it missed
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -48,6 +55,7 @@ class Bounds:
     max_tokens_per_step: int = 1 << 20
     max_steps_per_push: int = 100_000
     max_params: int = 1 << 32
+    max_share: float = 0.0  # 0: auto (2/k for k islands in a round)
 
     def check(self) -> None:
         for name in ("max_delta", "max_tokens_per_step", "max_steps_per_push", "max_params"):
@@ -57,12 +65,34 @@ class Bounds:
                                  f"got {v}")
         if not (np.isfinite(self.norm_factor) and self.norm_factor >= 0):
             raise ValueError(f"--norm-factor must be >= 0 (0 = off), got {self.norm_factor}")
+        if not 0 <= self.max_share <= 1:
+            raise ValueError(f"--max-share must be in [0, 1] (0 = auto: 2/k), got "
+                             f"{self.max_share}")
 
-    def claims(self, loss_tokens: int, steps: int, tokens_per_step: int) -> None:
-        """Raise BoundError unless a push's claimed tokens and steps are plausible."""
+    def share_cap(self, islands: int) -> float:
+        """The most of a round's merge one island may hold when `islands` push to it
+        (1: no cap). Never below 1/islands, which equal shares meet."""
+        cap = self.max_share or 2.0 / max(islands, 1)
+        return min(1.0, max(cap, 1.0 / max(islands, 1)))
+
+    def may_cap(self, live: int) -> bool:
+        """Whether a round with `live` islands could be capped (then it keeps its pushes)."""
+        return self.share_cap(live) < 1.0
+
+    def claims(self, loss_tokens: int, steps: int, tokens_per_step: int,
+               sync_every: int = 0, missed: int = 0) -> None:
+        """Raise BoundError unless a push's claimed tokens and steps are plausible: an
+        island that declared `sync_every` H steps between pushes, and missed `missed`
+        commits of the fragment since its last accepted push, carries at most
+        H × (CARRY_SLACK + missed) steps."""
         if steps > self.max_steps_per_push:
             raise BoundError(f"push claims {steps} steps; a push may carry at most "
                              f"{self.max_steps_per_push} (--max-steps-per-push)")
+        if sync_every and steps > sync_every * (CARRY_SLACK + missed):
+            raise BoundError(f"push claims {steps} steps; the island declared a push every "
+                             f"{sync_every} steps when it joined and missed {missed} commits "
+                             f"since its last accepted push, so it can carry at most "
+                             f"{sync_every * (CARRY_SLACK + missed)}")
         per_step = min(tokens_per_step or self.max_tokens_per_step, self.max_tokens_per_step)
         if loss_tokens > steps * per_step:
             raise BoundError(f"push claims {loss_tokens} loss tokens in {steps} steps: more "
@@ -92,22 +122,87 @@ class Bounds:
                                  "raise the syncer's --max-params if the model is that big")
 
 
-class NormHistory:
-    """A fragment's accepted push norms (after any scaling), newest `HISTORY`."""
+class NormBounds:
+    """The norm bound of every fragment (syncer.bounds, "Norms"): each island's recent push
+    norms as received (before any scaling), and each fragment's ceiling from the seed.
 
-    def __init__(self, norms=()):
-        self._norms: collections.deque[float] = collections.deque(
-            (float(x) for x in norms if np.isfinite(x) and x >= 0), maxlen=HISTORY)
+    The bound a push of island i meets is `factor` × the lower median of the other
+    islands' medians (their last `HISTORY` pushes): i's own pushes never raise its own
+    limit, and with an even count the lower middle value is taken, so a minority cannot
+    raise anyone's limit either. Before any other island has pushed to the fragment
+    (round 1, or a run of one island) the bound is `factor` × the fragment's ceiling:
+    the seed's norm of that fragment, or, where the seed holds zeros there (LoRA B),
+    the seed's root mean square × √(fragment size)."""
 
-    def values(self) -> list[float]:
-        return list(self._norms)
+    def __init__(self, factor: float):
+        self.factor = float(factor)
+        self._norms: dict[int, dict[str, collections.deque[float]]] = {}
+        self._ceiling: dict[int, float] = {}
 
-    def limit(self, factor: float) -> float | None:
-        """The norm a push may have now (None: no bound yet, or the bound is off)."""
-        if factor <= 0 or len(self._norms) < MIN_HISTORY:
+    def seed(self, theta: np.ndarray, spans: list[tuple[int, int]]) -> None:
+        """Each fragment's ceiling from Θ as seeded (or as resumed from an older state)."""
+        rms = float(np.sqrt(np.mean(np.square(theta, dtype=np.float64)))) if theta.size else 0.0
+        for f, (lo, hi) in enumerate(spans):
+            own = float(np.linalg.norm(theta[lo:hi].astype(np.float64, copy=False)))
+            self._ceiling[f] = own if own > 0 else rms * float(np.sqrt(hi - lo))
+
+    def limit(self, fragment: int, learner: str) -> float | None:
+        """The norm `learner`'s push to `fragment` may have now (None: the bound is off,
+        or nothing to measure it by: an all-zero seed and no other island's push)."""
+        if self.factor <= 0:
             return None
-        median = float(np.median(self._norms))
-        return factor * median if median > 0 else None
+        others = [float(np.median(h)) for lid, h in self._norms.get(fragment, {}).items()
+                  if lid != learner and h]
+        if others:
+            others.sort()
+            typical = others[(len(others) - 1) // 2]  # the lower median
+        else:
+            typical = self._ceiling.get(fragment, 0.0)
+        return self.factor * typical if typical > 0 else None
 
-    def observe(self, norm: float) -> None:
-        self._norms.append(float(norm))
+    def observe(self, fragment: int, learner: str, norm: float) -> None:
+        """A push's norm as received (before its bound scaled it)."""
+        if np.isfinite(norm) and norm >= 0:
+            self._norms.setdefault(fragment, {}).setdefault(
+                learner, collections.deque(maxlen=HISTORY)).append(float(norm))
+
+    def saved(self) -> dict:
+        """What the state file keeps (`restore` reads it back)."""
+        return dict(ceiling={str(f): c for f, c in self._ceiling.items()},
+                    islands={str(f): {lid: list(h) for lid, h in by.items()}
+                             for f, by in self._norms.items()})
+
+    def restore(self, saved) -> None:
+        """From `saved()`'s dict; an older state's list per fragment (no island ids)
+        counts as one anonymous island's history."""
+        if not isinstance(saved, dict) or "islands" not in saved:
+            saved = dict(ceiling={}, islands={f: {"": n} for f, n in (saved or {}).items()})
+        self._ceiling = {int(f): float(c) for f, c in saved["ceiling"].items()
+                         if np.isfinite(c) and c >= 0}
+        self._norms = {}
+        for f, by in saved["islands"].items():
+            for lid, norms in by.items():
+                for x in norms:
+                    self.observe(int(f), lid, x)
+
+    def has_ceiling(self) -> bool:
+        return bool(self._ceiling)
+
+
+def share_factors(weights: dict[str, float], cap: float) -> dict[str, float]:
+    """Per island, the factor on its merge weight that brings its share of Σ weights to
+    at most `cap` (1 for those within it): the largest islands are lowered to one common
+    weight t, the rest keep theirs (water-filling). `cap` ≥ 1/len(weights)."""
+    total = sum(weights.values())
+    if cap >= 1.0 or total <= 0 or max(weights.values()) <= cap * total:
+        return dict.fromkeys(weights, 1.0)
+    ranked = sorted(weights, key=weights.get, reverse=True)
+    for m in range(1, len(ranked)):
+        rest = sum(weights[i] for i in ranked[m:])
+        if cap * m >= 1.0:
+            break
+        t = cap * rest / (1.0 - cap * m)  # t = cap × (m·t + rest)
+        if weights[ranked[m]] <= t:
+            return {i: (t / weights[i] if k < m else 1.0) for k, i in enumerate(ranked)}
+    return {i: (total / len(ranked)) / weights[i] if weights[i] > 0 else 1.0
+            for i in ranked}  # cap = 1/k: equal weights

@@ -15,13 +15,15 @@ import logging
 
 import numpy as np
 
-from syncer import stepping
-from syncer.bounds import SEED_MAX_ABS, BoundError, NormHistory
+from syncer import state, stepping
+from syncer.bounds import SEED_MAX_ABS, BoundError
 from syncer.errors import Reject
 from syncer.members import Member
 from syncer.messages import PushHeader
 from syncer.pacing import OpenRound
+from syncer.staging import StagedSum
 from yeto import codec
+from yeto.codec import buffers
 from yeto.io import finite_or_none
 
 log = logging.getLogger("syncer")
@@ -52,7 +54,9 @@ def check_header(run, member: Member, h: PushHeader) -> int:
         return want
     _check_round_open(run, h)
     try:
-        run.cfg.bounds.claims(h.loss_tokens, h.steps, member.tokens_per_step)
+        run.cfg.bounds.claims(h.loss_tokens, h.steps, member.tokens_per_step,
+                              member.sync_every,
+                              member.missed(h.fragment, run.commits.get(h.fragment, [])))
     except BoundError as e:
         raise Reject("invalid", f"{h.learner_id}: {e}") from None
     return want
@@ -119,15 +123,19 @@ def staleness(run, h: PushHeader) -> int:
 
 
 def add_delta(run, member: Member, rnd: OpenRound, h: PushHeader, payload,
-              staleness: int) -> None:
-    """Sum a push into its round, within the norm bound (`syncer.bounds`)."""
-    norms = run.norms.setdefault(h.fragment, NormHistory())
+              staleness: int, owned: bool = True) -> None:
+    """Sum a push into its round, within the norm bound (`syncer.bounds`). A round that
+    keeps its pushes keeps a copy of one the run does not own (`owned`: False, a pooled
+    buffer, received while another round was open)."""
+    if rnd.acc.keeps_pushes and not owned:
+        payload = _copy(payload)
     try:
         added = rnd.acc.add(payload, h.encoding, h.loss_tokens,
-                            norms.limit(run.cfg.bounds.norm_factor))
+                            run.norms.limit(h.fragment, h.learner_id), h.learner_id)
     except codec.CodecError as e:
         raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
-    norms.observe(added.norm * added.scale)
+    run.norms.observe(h.fragment, h.learner_id, added.norm)
+    member.pushed_at[h.fragment] = run.version
     if added.scale < 1.0:
         log.warning("push from %s: norm %.4g over the bound, scaled by %.4g",
                     h.learner_id, added.norm, added.scale)
@@ -144,9 +152,14 @@ def add_delta(run, member: Member, rnd: OpenRound, h: PushHeader, payload,
 
 
 def seed(run, member: Member, payload) -> dict:
-    """Θ from the first island's initial weights (a later seed is a duplicate)."""
+    """Θ from the seeding island's initial weights (`Run.seeder`; a later seed is a
+    duplicate, and any other island's is refused)."""
     if run.theta is not None:
         return dict(accepted=False, status="duplicate", round=0, staleness=0)
+    if member.learner_id != run.seeder:
+        raise Reject("precondition", f"{member.learner_id} was not asked for the seed: "
+                     f"{run.seeder or 'the first island to join'} seeds Θ (the syncer's "
+                     "--seed-from names it)")
     try:
         theta = _f32_owned(payload, run.layout.numel, SEED_MAX_ABS)
     except codec.CodecError as e:
@@ -154,9 +167,20 @@ def seed(run, member: Member, payload) -> dict:
     run.theta = theta
     if run.outer.keeps_momentum:
         run.m = np.zeros_like(theta)
+    run.norms.seed(theta, [run.span(f) for f in range(run.cfg.fragments)])
     log.info("Θ seeded by %s (%d parameters)", member.learner_id, theta.size)
+    run.tape.event("seeded", learner=member.learner_id, theta_sha256=state.digest(theta))
     run.maybe_start()
     return dict(accepted=True, status="accepted", round=0, staleness=0)
+
+
+def _copy(payload) -> bytes | np.ndarray:
+    """A push's bytes in memory of their own."""
+    if isinstance(payload, StagedSum):  # demoted: a whole push in its keep buffer
+        payload = payload.payload()
+    if isinstance(payload, buffers.SpilledPayload):
+        return payload.read(slice(0, len(payload)))
+    return payload.copy() if isinstance(payload, np.ndarray) else bytes(payload)
 
 
 def _f32_owned(payload, numel: int, max_abs: float) -> np.ndarray:

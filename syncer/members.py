@@ -13,7 +13,7 @@ import logging
 import re
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from syncer.bounds import BoundError, Bounds
 from syncer.errors import Reject
@@ -40,6 +40,29 @@ class Member:
     loss_tokens: int = 0
     last_seq: int = -1
     tokens_per_step: int = 0  # declared at its first join (0: none; the run's cap binds)
+    sync_every: int = 0       # steps between its pushes, declared at its first join (0: none)
+    # per fragment, the run's version when its last push there was accepted (or it joined)
+    pushed_at: dict[int, int] = field(default_factory=dict)
+    joined_at: int = 0
+    fingerprint: str = ""     # the layout it joined with (an observer's is checked later)
+
+    def missed(self, fragment: int, commits: list[int]) -> int:
+        """Commits of `fragment` (the versions in `commits`) since its last accepted push
+        there: rounds whose steps it may be carrying."""
+        since = self.pushed_at.get(fragment, self.joined_at)
+        return sum(v > since for v in commits)
+
+
+def _kept(learner_id: str, what: str, first: int, now: int, keep: str) -> int:
+    """A declaration as the run keeps it: the first one (0: none yet), which a rejoin may
+    lower but not raise."""
+    if not first:
+        return now
+    if now > first:
+        raise Reject("precondition", f"{learner_id} declared {first} {what} when it first "
+                     f"joined and now {now}: an island cannot raise its "
+                     f"declaration mid-run (keep {keep}, or join under a new --learner-id)")
+    return first
 
 
 def check_learner_id(learner_id: str) -> None:
@@ -56,40 +79,45 @@ class Members:
         # remembers from before the restart
         self.next_generation = (secrets.randbits(31) << 32) + 1
 
-    def enroll(self, learner_id: str, backend: str, state: str, tokens_per_step: int) -> Member:
-        """A new row with a fresh generation for `learner_id` (checks its declaration
-        of tokens per step first: a rejoin may not raise it)."""
-        declared = self._declared_tokens(learner_id, tokens_per_step)
+    def enroll(self, learner_id: str, backend: str, state: str, tokens_per_step: int,
+               sync_every: int = 0, version: int = 0) -> Member:
+        """A new row with a fresh generation for `learner_id` (checks its declarations of
+        tokens per step and steps between pushes first: a rejoin may raise neither).
+        `version`: the run's, now."""
+        try:
+            self.bounds.declaration(tokens_per_step)
+        except BoundError as e:
+            raise Reject("invalid", f"{learner_id} {e}") from None
+        old = self.rows.get(learner_id)
+        declared = (_kept(learner_id, "tokens per step", old and old.tokens_per_step,
+                          tokens_per_step, "its batch size and sequence length"),
+                    _kept(learner_id, "steps between pushes", old and old.sync_every,
+                          sync_every, "its --sync-every"))
         gen = self.next_generation
         self.next_generation += 1
         member = Member(learner_id, gen, backend or "?", self.clock(), state=state,
-                        tokens_per_step=declared)
-        old = self.rows.get(learner_id)
+                        tokens_per_step=declared[0], sync_every=declared[1],
+                        joined_at=version)
         if old is not None:
             member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
-            member.last_seq = old.last_seq
+            member.last_seq, member.pushed_at = old.last_seq, old.pushed_at
+            member.joined_at = old.joined_at
             if old.state in (*LIVE, "observer"):
                 log.warning("%s joined again: generation %d replaces %d, whose calls are "
                             "refused from now on", learner_id, gen, old.generation)
         self.rows[learner_id] = member
         return member
 
-    def _declared_tokens(self, learner_id: str, tokens_per_step: int) -> int:
-        """The tokens per step an island may claim: its first declaration, kept for the
-        run (a rejoin may not raise it)."""
-        try:
-            declared = self.bounds.declaration(tokens_per_step)
-        except BoundError as e:
-            raise Reject("invalid", f"{learner_id} {e}") from None
-        old = self.rows.get(learner_id)
-        if old is None or not old.tokens_per_step:
-            return declared
-        if declared > old.tokens_per_step:
-            raise Reject("precondition", f"{learner_id} declared {old.tokens_per_step} "
-                         f"tokens per step when it first joined and now {declared}:"
-                         " an island cannot raise its declaration mid-run (keep its batch "
-                         "size and sequence length, or join under a new --learner-id)")
-        return old.tokens_per_step
+    def evict_observers(self, fingerprint: str) -> list[str]:
+        """Observers that joined before the run had a layout, with another one: their
+        connection goes stale (their calls are refused; a rejoin meets the layout check)."""
+        evicted = []
+        for m in self.rows.values():
+            if m.state == "observer" and m.fingerprint != fingerprint:
+                m.generation, m.state = self.next_generation, "gone"
+                self.next_generation += 1
+                evicted.append(m.learner_id)
+        return evicted
 
     def check(self, learner_id: str, generation: int) -> Member:
         """The caller's row; refuses unknown or stale callers (and notes the contact)."""
@@ -116,7 +144,8 @@ class Members:
         """What the state file keeps of each island."""
         return {m.learner_id: dict(backend=m.backend, pushes=m.pushes,
                                    loss_tokens=m.loss_tokens, last_seq=m.last_seq,
-                                   tokens_per_step=m.tokens_per_step)
+                                   tokens_per_step=m.tokens_per_step,
+                                   sync_every=m.sync_every)
                 for m in self.rows.values()}
 
     def restore(self, ledger: dict) -> None:
@@ -125,7 +154,8 @@ class Members:
             self.rows[lid] = Member(lid, 0, row["backend"], self.clock(), state="gone",
                                     pushes=row["pushes"], loss_tokens=row["loss_tokens"],
                                     last_seq=row["last_seq"],
-                                    tokens_per_step=row.get("tokens_per_step", 0))
+                                    tokens_per_step=row.get("tokens_per_step", 0),
+                                    sync_every=row.get("sync_every", 0))
 
     def status(self, expected: tuple[str, ...] = ()) -> list[dict]:
         """A row per island, then the expected ones (`--expect-islands`) not yet joined,
@@ -141,7 +171,7 @@ class Members:
 
     def digest_parts(self) -> list[tuple]:
         return [(m.learner_id, m.generation, m.pushes, m.loss_tokens, m.last_seq,
-                 m.tokens_per_step) for m in sorted(self.rows.values(),
+                 m.tokens_per_step, m.sync_every, sorted(m.pushed_at.items())) for m in sorted(self.rows.values(),
                                                     key=lambda m: m.learner_id)]
 
 
@@ -196,9 +226,10 @@ def checked_files(learner_id: str, weights_file: str, export_files: dict[str, st
 
 def adopt_layout(run, learner_id: str, layout: Layout, weights_file: str,
                  export_files: dict[str, str], observer: bool) -> None:
-    """The first island's layout (and output files) become the run's; every later
-    one must match it. An observer's layout is checked (or adopted) too, but the
-    output files come from the first island. A refusal changes nothing."""
+    """The first training island's layout (and output files) become the run's; every
+    later one must match it. An observer's layout is checked against the run's, and
+    never becomes it: observers that joined first are checked when the first island
+    brings the layout (`Members.evict_observers`). A refusal changes nothing."""
     checked_files(learner_id, weights_file, export_files)
     if run.layout is not None:
         try:
@@ -209,11 +240,17 @@ def adopt_layout(run, learner_id: str, layout: Layout, weights_file: str,
                          "island must train the same model with the same --lora-r/"
                          "--lora-targets/--tuning (one run file, --config, keeps them "
                          "equal); check with scripts/check_name_parity.py") from None
-    if not observer and (run.layout is None or not run.export_files):
+    if observer:
+        return
+    if run.layout is None or not run.export_files:
         run.weights_file = weights_file or run.weights_file
         run.export_files = dict(export_files)
     if run.layout is None:
         run.layout = layout
+        for lid in run.members.evict_observers(layout.fingerprint):
+            log.warning("observer %s joined with another model's layout; refused now that "
+                        "%s brought the run's (%s)", lid, learner_id,
+                        "start it with the islands' --model and LoRA settings")
 
 
 def differing_setting(run: list[TensorSpec], island: list[TensorSpec]) -> str:

@@ -4,12 +4,14 @@ merge rule and the outer optimizer are strategy objects (`syncer.strategy`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from syncer import strategy
+from syncer.bounds import share_factors
 from syncer.staging import StagedSum
 from yeto import codec
 from yeto.codec import buffers, chunked
@@ -25,13 +27,14 @@ MERGE_RULES = tuple(strategy.RULES)
 @dataclass(frozen=True)
 class DeferredPush:
     """A push kept as received (compressed) until its round commits: clipping needs
-    the round's median norm, known only then."""
+    the round's median norm, and the share cap every island's weight, known only then."""
 
     payload: bytes | np.ndarray | buffers.SpilledPayload  # the wire bytes (q4: 0.5625 B/param)
     encoding: str
     weight: float
     norm: float
     bound_scale: float = 1.0  # the norm bound's scale (syncer.bounds), before clipping
+    learner: str = ""  # whose push: the share cap adds up each island's pushes
 
 
 class Added(NamedTuple):
@@ -59,18 +62,27 @@ class MergeAccumulator:
     """
 
     def __init__(self, numel: int, rule: strategy.Mean | str = "mean", clip_factor: float = 0.0,
-                 max_abs: float | None = None):
+                 max_abs: float | None = None,
+                 share_cap: Callable[[int], float] | None = None):
         self.rule = strategy.merge_rule(rule) if isinstance(rule, str) else rule
         self.numel, self.clip_factor = numel, float(clip_factor)
+        # the most of the merge one island may hold, given how many pushed (None: no cap)
+        self.share_cap = share_cap
         self.max_abs = max_abs  # the value bound every push meets (syncer.bounds)
         self.sum: np.ndarray | None = None
         self.fresh = True  # nothing summed yet, whatever sum's bytes: the next push writes
         self.total_weight = 0.0  # Σ wᵢ under the rule (0 while no push carried tokens)
         self.norm_sum = 0.0
         self.count = 0
-        self.deferred: list[DeferredPush] = []  # only with clipping (clip_factor > 0)
+        self.deferred: list[DeferredPush] = []  # only when it `keeps_pushes`
         self.clip_scales: list[float] = []
+        self.share_scales: dict[str, float] = {}  # islands whose weight the cap lowered
         self.staging: StagedSum | None = None  # a push summed as it arrives (syncer.staging)
+
+    @property
+    def keeps_pushes(self) -> bool:
+        """Pushes are kept as received until the commit (clipping, or a share cap)."""
+        return self.clip_factor > 0 or self.share_cap is not None
 
     def weight_for(self, loss_tokens: int) -> float:
         return self.rule.weight(loss_tokens)
@@ -85,7 +97,7 @@ class MergeAccumulator:
         return 1.0 if self.uniform_fallback else weight
 
     def add(self, payload, encoding: str, loss_tokens: int,
-            norm_limit: float | None = None) -> Added:
+            norm_limit: float | None = None, learner: str = "") -> Added:
         """Decode and add one push, one chunk at a time (no decoded copy of the push),
         scaled down to norm `norm_limit` when it is longer (the norm bound); returns
         (rule weight, its norm as received, the scale it was summed with). Validates
@@ -97,10 +109,10 @@ class MergeAccumulator:
             codec.validate(payload, encoding, self.numel, self.max_abs)
         if isinstance(payload, StagedSum):  # summed as it arrived: folded in now
             norm, scale = self._fold(payload, w, norm_limit)
-        elif self.clip_factor > 0:  # kept as received (compressed) until the round commits
+        elif self.keeps_pushes:  # kept as received (compressed) until the round commits
             norm = chunked.norm(payload, encoding, self.numel)
             scale = _bound_scale(norm, norm_limit)
-            self.deferred.append(DeferredPush(payload, encoding, w, norm, scale))
+            self.deferred.append(DeferredPush(payload, encoding, w, norm, scale, learner))
             self.total_weight += w
         else:
             norm, scale = self._accumulate(payload, encoding, w, norm_limit)
@@ -217,21 +229,40 @@ class MergeAccumulator:
         if self.count == 0:
             raise RuntimeError("no pushes to merge")
         if self.deferred:
-            self._merge_deferred()
+            return self._merge_deferred()
         return self.count if self.uniform_fallback else self.total_weight
 
-    def _merge_deferred(self) -> None:
-        """Scale each deferred push to norm ≤ clip_factor × the round's median norm."""
-        limit = self.clip_factor * float(np.median([p.norm for p in self.deferred]))
-        buf = self._buffer()
+    def _merge_deferred(self) -> float:
+        """Merge the kept pushes: each island's weight within the share cap, each push
+        scaled to norm ≤ clip_factor × the round's median norm (with clipping on).
+        Returns the round's divisor (Σ of the weights as merged)."""
+        limit = (self.clip_factor * float(np.median([p.norm for p in self.deferred]))
+                 if self.clip_factor > 0 else 0.0)
+        factors = self._share_factors()
+        buf, divisor = self._buffer(), 0.0
         for i, p in enumerate(self.deferred):
-            scale = min(1.0, limit / p.norm) if p.norm > 0 else 1.0
-            w = self.merged_weight(p.weight) * scale * p.bound_scale
-            self.clip_scales.append(scale)
+            scale = min(1.0, limit / p.norm) if limit and p.norm > 0 else 1.0
+            weight = self.merged_weight(p.weight) * factors[p.learner]
+            w = weight * scale * p.bound_scale
+            divisor += weight
+            if self.clip_factor > 0:
+                self.clip_scales.append(scale)
             chunked.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=i == 0)
             self.norm_sum += w * p.norm
         self.fresh = False
         self.deferred.clear()
+        return divisor
+
+    def _share_factors(self) -> dict[str, float]:
+        """Each island's factor under the share cap (1 each without one)."""
+        weights: dict[str, float] = {}
+        for p in self.deferred:
+            weights[p.learner] = weights.get(p.learner, 0.0) + self.merged_weight(p.weight)
+        if self.share_cap is None:
+            return dict.fromkeys(weights, 1.0)
+        factors = share_factors(weights, self.share_cap(len(weights)))
+        self.share_scales = {i: f for i, f in factors.items() if f < 1.0}
+        return factors
 
 
 def _bound_scale(norm: float, limit: float | None) -> float:

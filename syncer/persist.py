@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from syncer import state
-from syncer.bounds import NormHistory
 from yeto import frozen
 from yeto.interop.adapters import run_adapter_tensors
 from yeto.layout import Layout, TensorSpec
@@ -34,7 +33,7 @@ def save(run, version: int, fragment: int) -> None:
     state.save(run.cfg.state_dir, run.theta, run.m, run.downlink.island_theta, dict(
         run_id=run.run_id, version=version, round=version, fragment_versions=versions,
         outer_steps={str(f): t for f, t in run.outer_steps.items()},
-        norm_history={str(f): h.values() for f, h in run.norms.items()},
+        norm_history=run.norms.saved(),
         fingerprint=run.layout.fingerprint,
         layout=[[s.name, list(s.shape), s.dtype] for s in run.layout.specs],
         flags=flags(run.cfg), weights_file=run.weights_file, export_files=run.export_files,
@@ -66,7 +65,9 @@ def restore(run, state_dir: Path) -> None:
     run.outer_steps = {int(f): t for f, t in meta.get("outer_steps", {}).items()}
     run.weights_file, run.export_files = meta["weights_file"], meta["export_files"]
     run.bytes_in, run.bytes_out = meta["bytes_in"], meta["bytes_out"]
-    run.norms = {int(f): NormHistory(n) for f, n in meta.get("norm_history", {}).items()}
+    run.norms.restore(meta.get("norm_history", {}))
+    if not run.norms.has_ceiling():  # a state saved before the bound had one
+        run.norms.seed(theta, [run.span(f) for f in range(run.cfg.fragments)])
     run.members.restore(meta["islands"])
     log.info("resumed run %s at version %d (%d islands in the ledger)", run.run_id,
              run.version, len(run.members.rows))

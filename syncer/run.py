@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from syncer import commit, finish, intake, members, persist, staging, state, strategy
-from syncer.bounds import Bounds, NormHistory
+from syncer.bounds import Bounds, NormBounds
 from syncer.broadcast import Broadcast, Downlink
 from syncer.errors import Reject
 from syncer.members import LIVE, Member, Members
@@ -69,6 +69,7 @@ class Config:
     state_dir: Path | None = None
     resume: bool = False
     expect_islands: tuple[str, ...] = ()  # reserved slots, listed as "reserved" until joined
+    seed_from: str = ""  # the island whose initial weights seed Θ ("": the first to join)
     bounds: Bounds = field(default_factory=Bounds)  # what one island can do (syncer.bounds)
     # a commit whose state cannot be saved is retried this long; then the syncer stops
     save_timeout_s: float = 120.0
@@ -107,11 +108,12 @@ class Run:
         self.m: np.ndarray | None = None  # the outer momentum, kept only when it is used
         self.version, self.started, self.finished = 0, False, False
         # per fragment: its open round; the versions at which it committed; its outer
-        # step count; its accepted push norms (fragment f merges only f's slice of Θ)
+        # step count; its push norms (fragment f merges only f's slice of Θ)
         self.open: dict[int, OpenRound] = {}
         self.commits: dict[int, list[int]] = {}
         self.outer_steps: dict[int, int] = {}
-        self.norms: dict[int, NormHistory] = {}
+        self.norms = NormBounds(config.bounds.norm_factor)
+        self.seeder = config.seed_from  # who is asked for the seed (set at the first join)
         self.bytes_in = self.bytes_out = self.rejected = 0
         self.last_commit_at: float | None = None
         self.final_delivered: set[str] = set()
@@ -133,9 +135,10 @@ class Run:
     # ---- join -------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
              weights_file: str, export_files: dict[str, str], observer: bool = False,
-             tokens_per_step: int = 0, regime: str = "sft") -> dict:
+             tokens_per_step: int = 0, regime: str = "sft", sync_every: int = 0) -> dict:
         """An island joins; an `observer` (a rollout node) gets every Θ, never pushes or
-        counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl"."""
+        counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl";
+        `sync_every`: its steps between pushes of a fragment (0: a schedule by time)."""
         regime = members.checked_regime(learner_id, regime)
         layout = members.checked_layout(self.cfg, learner_id, specs, fp, backend)
         with self.cond:
@@ -144,7 +147,11 @@ class Run:
             members.adopt_layout(self, learner_id, layout, weights_file, export_files,
                                  observer)
             kind = "observer" if observer else "training" if self.started else "waiting"
-            member = self.members.enroll(learner_id, backend, kind, tokens_per_step)
+            member = self.members.enroll(learner_id, backend, kind, tokens_per_step,
+                                         sync_every, self.version)
+            member.fingerprint = layout.fingerprint
+            if not (observer or self.seeder):
+                self.seeder = learner_id  # one island seeds: no race between joiners
             live = len(self.members.live())
             log.info("%s joined (generation %d, %s%s): %d/%d islands", learner_id,
                      member.generation, backend, ", observer" if observer else "", live,
@@ -157,7 +164,7 @@ class Run:
             self.maybe_start()
             return dict(run_id=self.run_id, generation=member.generation,
                         num_fragments=self.cfg.fragments,
-                        send_seed=self.theta is None and not observer,
+                        send_seed=self.theta is None and learner_id == self.seeder,
                         quorum=self.cfg.quorum, joined=len(self.members.live()),
                         version=self.version, finished=self.finished,
                         last_seq=member.last_seq, downlink=self.cfg.downlink)
@@ -197,8 +204,9 @@ class Run:
         with self.cond:
             return intake.check_header(self, self.check_island(h.learner_id, h.generation), h)
 
-    def push(self, h: PushHeader, payload) -> dict:
-        """Seed Θ, or add a pseudo-gradient to the open round of its fragment."""
+    def push(self, h: PushHeader, payload, owned: bool = True) -> dict:
+        """Seed Θ, or add a pseudo-gradient to the open round of its fragment. `owned`:
+        the run may keep `payload` (False: a pooled buffer, copied if it must be kept)."""
         with self.cond:
             member = self.check_island(h.learner_id, h.generation)
             self.bytes_in += len(payload)
@@ -213,7 +221,7 @@ class Run:
                 return dict(accepted=False, status="duplicate", round=self.version + 1,
                             staleness=0)
             staleness = intake.staleness(self, h)
-            intake.add_delta(self, member, rnd, h, payload, staleness)
+            intake.add_delta(self, member, rnd, h, payload, staleness, owned)
             self._maybe_commit(self.clock())
             return dict(accepted=True, status="accepted", round=self.version + 1,
                         staleness=staleness)
@@ -271,11 +279,21 @@ class Run:
         return self.commits[f][-1] if self.commits.get(f) else self.version
 
     def accumulator(self, f: int, reuse: np.ndarray | None = None) -> MergeAccumulator:
+        bounds = self.cfg.bounds
         acc = MergeAccumulator(self.layout.fragments[f].numel, self.rule,
-                               self.cfg.clip_factor, self.cfg.bounds.max_delta)
+                               self.cfg.clip_factor, bounds.max_delta,
+                               bounds.share_cap if bounds.may_cap(len(self.members.live()))
+                               else None)
         if reuse is not None:  # the last round's scratch
             acc.reuse(reuse)
         return acc
+
+    def keeps_pushes(self, fragment: int) -> bool:
+        """Whether a push to `fragment` is kept as received until its round commits
+        (clipping, or a round that may be share-capped) instead of summed as it comes.
+        Read without the lock: a push that finds another round at its end is copied."""
+        rnd = self.open.get(fragment)
+        return self.cfg.clip_factor > 0 if rnd is None else rnd.acc.keeps_pushes
 
     def announce(self, broadcast: Broadcast) -> None:
         """Make `broadcast` its fragment's newest: the streams send it on, and
@@ -302,6 +320,9 @@ class Run:
                     (member.state in LIVE or member.state == "observer"):
                 member.state = "gone"
                 log.warning("%s disconnected", learner_id)
+                if self.theta is None and self.seeder == learner_id and \
+                        not self.cfg.seed_from:
+                    self.seeder = ""  # the next island to join seeds Θ
                 finish.maybe_finish(self)
 
     def close(self) -> None:

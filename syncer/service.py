@@ -98,7 +98,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                               request.weights_file, dict(request.export_files),
                               observer=request.observer,
                               tokens_per_step=request.tokens_per_step,
-                              regime=request.regime)
+                              regime=request.regime, sync_every=request.sync_every)
         except Reject as e:
             _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)
@@ -151,11 +151,11 @@ class SyncerService(pb_grpc.SyncerServicer):
         arrives (`buffers.SpilledPayload`: a push in flight costs a chunk of memory, not
         its size); a small one to a buffer. Both are pooled: back in their pool once
         merged, for the next push. Either is kept instead while the run holds pushes
-        until the round commits (clipping).
+        until the round commits (clipping, a share cap: `Run.keeps_pushes`).
         The first push of a round is also summed as it arrives, if no other push of its
         fragment is arriving then (`syncer.staging`).
         The seed's buffer becomes Θ."""
-        keep = h.seed or self.run.cfg.clip_factor > 0
+        keep = h.seed or self.run.keeps_pushes(h.fragment)
         if not h.seed and h.payload_bytes >= self.spill_min_bytes:
             buf = self._spill_file(h)
             done = None if keep else (lambda: self.spills.put(buf))
@@ -177,7 +177,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                                  f"{h.learner_id} to its spill file: {e}; free disk space "
                                  "in the state dir (or raise --spill-min-mib); the island "
                                  "retries") from None
-                return self.run.push(h, payload)
+                return self.run.push(h, payload, owned=keep)
             finally:
                 if staged is not None:
                     staging.release(self.run, staged)

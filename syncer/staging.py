@@ -27,7 +27,8 @@ its decode so far away; so a push stages only when it starts alone (no other pus
 its fragment arriving), and one that starts beside a stager not yet half in takes it
 off the buffer at once (`Arrivals`, `make_way`).
 
-Not staged: seeds, rounds with `--clip-factor` (pushes are kept until the commit),
+Not staged: seeds, rounds that keep their pushes until the commit (`--clip-factor`, a
+share cap),
 pushes with 0 loss tokens (their weight depends on the pushes after them), a round
 whose sum is not fresh, any push while a commit waits for its save, or one that
 starts while the run's lock is held (a commit saving its state: the push does not
@@ -202,7 +203,8 @@ def claim(run, h, keep) -> StagedSum | None:
             return None
         acc = rnd.acc
         weight = acc.weight_for(h.loss_tokens)
-        if acc.staging is not None or acc.count or not acc.fresh or weight <= 0:
+        if acc.keeps_pushes or acc.staging is not None or acc.count or not acc.fresh or \
+                weight <= 0:
             return None
         acc.staging = StagedSum(acc, h.encoding, h.numel, weight, keep)
         return acc.staging

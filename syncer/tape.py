@@ -88,8 +88,9 @@ def merge_record(rnd, reason: str, now: float, merge_s: float, version: int, liv
     each responder with the weight the merge really used and its share, and the outer
     step's (lr, μ) of this round (`t`: the fragment's outer step count)."""
     step_lr, step_mu, _ = outer.coefficients(t)
-    for r in rnd.responders:  # the weights the merge really used (uniform fallback)
-        r["weight"] = rnd.acc.merged_weight(r["weight"])
+    capped = rnd.acc.share_scales  # islands the share cap lowered (syncer.bounds)
+    for r in rnd.responders:  # the weights the merge really used (uniform fallback, cap)
+        r["weight"] = rnd.acc.merged_weight(r["weight"]) * capped.get(r["learner"], 1.0)
     total_w = sum(r["weight"] for r in rnd.responders) or 1.0
     for r in rnd.responders:
         r["share"] = r["weight"] / total_w
@@ -97,7 +98,7 @@ def merge_record(rnd, reason: str, now: float, merge_s: float, version: int, liv
         event="merge", round=version, fragment=rnd.fragment, version=version, reason=reason,
         responders=rnd.responders, quorum=cfg.quorum, islands_live=live,
         bytes_in=rnd.bytes_in, bytes_out=bytes_out, duplicates=rnd.duplicates,
-        merge_seconds=merge_s, clip_scales=rnd.acc.clip_scales,
+        merge_seconds=merge_s, clip_scales=rnd.acc.clip_scales, share_scales=capped,
         round_seconds=now - rnd.first_push_at, outer=cfg.outer, outer_lr=outer.lr,
         outer_momentum=outer.momentum, step_lr=step_lr, step_momentum=step_mu,
         merge_rule=cfg.merge,

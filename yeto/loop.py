@@ -274,7 +274,8 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend,
                    weights_file=weights_file, export_files=files,
                    tls=TLSConfig.from_files(cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
                    keepalive_s=cfg.keepalive_s, tokens_per_step=tokens_per_step,
-                   regime=regime)
+                   regime=regime,
+                   sync_every=0 if cfg.sync_every_seconds > 0 else cfg.sync_every)
 
 
 def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,

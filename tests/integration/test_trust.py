@@ -16,11 +16,13 @@ import pytest
 from support import AVERAGING, make_client, running_syncer, wait_until
 
 from syncer import state
+from syncer.bounds import HISTORY
 from syncer.admission import Streams
 from syncer.run import Config, Run
 from syncer.service import serve
 from syncer.tape import read_tape
 from yeto import codec, net
+from yeto.layout import Layout, TensorSpec
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
@@ -95,27 +97,161 @@ def test_huge_finite_pushes_are_refused_and_theta_stays_finite(toy_layout):
         honest.close()
 
 
-def test_a_push_far_longer_than_the_history_is_scaled_to_the_norm_bound(toy_layout, rng,
-                                                                         tmp_path):
-    """From the 5th push of a fragment on, a push over 10x the median norm of the last
-    ones is scaled to that bound before it is summed (weight kept)."""
+def _merges(state_dir):
+    return [r for r in read_tape(state_dir / "tape.jsonl") if r["event"] == "merge"]
+
+
+def test_the_first_push_is_bounded_by_the_seed(toy_layout, rng, tmp_path):
+    """Before a fragment's 4th push there was no norm bound: one push moved Θ 6.4e4.
+    Now a push before any other island's is bounded by 10 x the seed's norm."""
     n = toy_layout.numel
+    seed = rng.standard_normal(n).astype(np.float32) * 0.1
     with running_syncer(quorum=1, state_dir=tmp_path / "s", **AVERAGING) as (run, addr):
-        c, = _started(addr, toy_layout, ["a"], token=None)
-        d = rng.standard_normal(n).astype(np.float32) * 0.01
-        theta = np.zeros(n, np.float32)
-        for seq in range(4):
-            c.push(codec.encode(d, "f32"), encoding="f32", base_version=seq, loss_tokens=5,
-                   steps=1, seq=seq).result(20)
-            theta = c.wait_one(timeout=30).theta
-        c.push(codec.encode(d * 1000, "f32"), encoding="f32", base_version=4, loss_tokens=5,
-               steps=1, seq=4).result(20)
-        moved = c.wait_one(timeout=30).theta - theta
+        c = make_client(addr, "a", toy_layout)
+        c.start(seed.copy())
+        assert c.wait_one(timeout=30) is not None, c.last_error
+        c.push(codec.encode(np.full(n, 1e2, np.float32), "f32"), encoding="f32",
+               base_version=0, loss_tokens=5, steps=1, seq=0).result(20)
+        moved = c.wait_one(timeout=30).theta - seed
         c.close()
-    bound = 10 * float(np.linalg.norm(d))
-    assert np.linalg.norm(moved) == pytest.approx(bound, rel=1e-4)
-    merge = [r for r in read_tape(tmp_path / "s" / "tape.jsonl") if r["event"] == "merge"]
-    assert merge[-1]["responders"][0]["bound_scale"] == pytest.approx(0.01, rel=1e-4)
+    assert np.linalg.norm(moved) == pytest.approx(10 * np.linalg.norm(seed), rel=1e-4)
+    assert _merges(tmp_path / "s")[0]["responders"][0]["bound_scale"] < 0.02
+
+
+def test_a_rogue_cannot_raise_its_own_norm_bound(toy_layout, rng, tmp_path):
+    """The bound came from every island's norms as scaled, with np.median averaging two
+    middle values: one rogue beside one honest island grew it 0.64 -> 91 -> 11,281 ->
+    319,680 over 200 rounds. Now each island's bound comes from the others' norms."""
+    n = toy_layout.numel
+    rounds = 12
+    seed = rng.standard_normal(n).astype(np.float32) * 0.01  # round 1: 10 x its norm
+    with running_syncer(quorum=2, state_dir=tmp_path / "s", **AVERAGING) as (run, addr):
+        honest, rogue = (make_client(addr, i, toy_layout) for i in ("honest", "rogue"))
+        for c in (honest, rogue):
+            c.start(seed.copy())
+        for c in (honest, rogue):
+            assert c.wait_one(timeout=30) is not None, c.last_error
+        for v in range(rounds):
+            d = rng.standard_normal(n).astype(np.float32) * 0.01
+            pushes = [honest.push(codec.encode(d, "f32"), encoding="f32", base_version=v,
+                                  loss_tokens=5, steps=1, seq=v),
+                      rogue.push(codec.encode(np.full(n, 10.0 ** min(v, 2), np.float32), "f32"),
+                                 encoding="f32", base_version=v, loss_tokens=5, steps=1,
+                                 seq=v)]
+            for p in pushes:
+                p.result(20)
+            for c in (honest, rogue):
+                assert c.wait_one(timeout=30).version == v + 1
+        for c in (honest, rogue):
+            c.close()
+    honest_norms, rogue_merged = [], []
+    for rec in _merges(tmp_path / "s"):
+        by = {r["learner"]: r for r in rec["responders"]}
+        honest_norms.append(by["honest"]["norm"])
+        rogue_merged.append(by["rogue"]["norm"] * by["rogue"]["bound_scale"])
+    assert len(rogue_merged) == rounds
+    for k in range(1, rounds):  # from round 2 on: 10 x the honest island's median norm
+        # (the honest push of round k may have come before the rogue's, or after it)
+        bound = 10 * max(float(np.median(honest_norms[max(0, j - HISTORY):j]))
+                         for j in (k, k + 1))
+        assert rogue_merged[k] <= bound * (1 + 1e-5), (k, honest_norms, rogue_merged)
+    assert max(rogue_merged) < 20 * max(honest_norms)
+
+
+def test_steps_are_bounded_by_the_declared_schedule(toy_layout):
+    """A rogue claiming 100,000 steps took a merge share of 0.9998 against an honest
+    island's 20. Now steps <= the H declared at the first join x (2 + rounds missed)."""
+    n = toy_layout.numel
+    with running_syncer(quorum=2, token=SECRET) as (run, addr):
+        stub, joined = _stub(addr), []
+        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
+            _join(stub, toy_layout, "rogue", _cred("rogue"), tokens_per_step=100,
+                  sync_every=10)))
+        gen = joined[0].generation
+        payload = np.full(n, 0.5, np.float32).tobytes()
+        digest = run.state_digest()
+        with pytest.raises(grpc.RpcError) as e:
+            _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
+                  numel=n, loss_tokens=100, steps=21)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "every 10 steps" in e.value.details()
+        assert run.state_digest() == digest
+        with pytest.raises(grpc.RpcError) as e:  # a rejoin may not raise the schedule
+            _join(stub, toy_layout, "rogue", _cred("rogue"), tokens_per_step=100,
+                  sync_every=1000)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "steps between pushes" in e.value.details()
+        assert _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
+                     numel=n, loss_tokens=2000, steps=20).accepted
+        honest.close()
+
+
+def test_no_island_holds_more_than_its_share_of_a_merge(toy_layout, tmp_path):
+    """With three islands the default cap is 2/3: a rogue claiming 1,000x the honest
+    tokens is merged at weight 2 x the others' sum, its direction kept."""
+    n = toy_layout.numel
+    with running_syncer(quorum=3, state_dir=tmp_path / "s", **AVERAGING) as (run, addr):
+        cs = _started(addr, toy_layout, ["a", "b", "rogue"], token=None)
+        values = {"a": 0.1, "b": 0.2, "rogue": -0.9}
+        tokens = {"a": 10, "b": 10, "rogue": 10_000}
+        for c in cs:
+            c.push(codec.encode(np.full(n, values[c.learner_id], np.float32), "f32"),
+                   encoding="f32", base_version=0, loss_tokens=tokens[c.learner_id], steps=1,
+                   seq=0).result(20)
+        theta = cs[0].wait_one(timeout=30).theta
+        for c in cs:
+            c.close()
+    # weights 10, 10 and t = (2/3 x 20) / (1 - 2/3) = 40: the rogue's share is 2/3
+    want = -(10 * 0.1 + 10 * 0.2 + 40 * -0.9) / 60
+    assert np.allclose(theta, want, rtol=1e-6)
+    rec = _merges(tmp_path / "s")[0]
+    shares = {r["learner"]: r["share"] for r in rec["responders"]}
+    assert shares["rogue"] == pytest.approx(2 / 3) and set(rec["share_scales"]) == {"rogue"}
+
+
+def test_only_the_first_island_to_join_is_asked_for_the_seed(toy_layout):
+    """Every joiner was asked for the seed while Θ was unset and the first to arrive won:
+    a late joiner seeded Θ with 9.9e7 values."""
+    n = toy_layout.numel
+    with running_syncer(quorum=2, token=SECRET) as (run, addr):
+        stub = _stub(addr)
+        first = _join(stub, toy_layout, "first", _cred("first"))
+        late = _join(stub, toy_layout, "late", _cred("late"))
+        assert first.send_seed and not late.send_seed
+        with pytest.raises(grpc.RpcError) as e:
+            _push(stub, _cred("late"), np.full(n, 9.9e7, np.float32).tobytes(),
+                  learner_id="late", generation=late.generation, numel=n,
+                  kind=pb.PushKind.SEED)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "first" in e.value.details() and run.theta is None
+        assert _push(stub, _cred("first"), np.zeros(n, np.float32).tobytes(),
+                     learner_id="first", generation=first.generation, numel=n,
+                     kind=pb.PushKind.SEED).accepted
+        assert np.all(run.theta == 0)
+    with running_syncer(quorum=2, token=SECRET, seed_from="named") as (run, addr):
+        stub = _stub(addr)
+        assert not _join(stub, toy_layout, "first", _cred("first")).send_seed
+        assert _join(stub, toy_layout, "named", _cred("named")).send_seed
+
+
+def test_an_observer_never_fixes_the_run_s_layout(toy_layout):
+    """An observer joining first used to set the run's layout: every real island was
+    refused. Now the first training island's layout is the run's, and an observer that
+    joined with another one is turned away."""
+    other = Layout([TensorSpec("w", (3, 3), "float32")], 1)
+    with running_syncer(quorum=1, token=SECRET) as (run, addr):
+        stub = _stub(addr)
+        obs = _join(stub, other, "node", _cred("node"), observer=True)
+        assert not obs.send_seed
+        island = _join(stub, toy_layout, "island", _cred("island"))
+        assert island.send_seed and run.layout.fingerprint == toy_layout.fingerprint
+        with pytest.raises(grpc.RpcError) as e:  # the observer's connection is stale now
+            stub.Heartbeat(pb.HeartbeatRequest(learner_id="node", generation=obs.generation),
+                           metadata=net.auth_metadata(_cred("node")), timeout=20)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:
+            _join(stub, other, "node", _cred("node"), observer=True)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 # ---- identity ---------------------------------------------------------------------------

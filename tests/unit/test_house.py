@@ -31,7 +31,9 @@ def test_no_function_is_longer_than_60_lines():
 
 
 # ---- classes --------------------------------------------------------------------------
-MAX_CLASS_LINES = 250
+# A guard against a class that does several jobs, not a target: a cohesive class that owns
+# its state whole beats a short one whose methods moved into functions over its fields.
+MAX_CLASS_LINES = 400
 
 
 def _long_classes() -> dict[str, int]:
@@ -48,7 +50,7 @@ def _long_classes() -> dict[str, int]:
     return long
 
 
-def test_no_class_is_longer_than_250_lines():
+def test_no_class_is_longer_than_400_lines():
     long = _long_classes()
     assert not long, f"classes over {MAX_CLASS_LINES} lines: {long}"
 

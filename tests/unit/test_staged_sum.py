@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from syncer import staging
+from syncer.bounds import Bounds
 from syncer.merge import MergeAccumulator
 from syncer.messages import PushHeader
 from syncer.run import Config, Run
@@ -83,7 +84,8 @@ LAYOUT = Layout.from_shapes({"w": (N,)})
 
 
 def _run(islands=("a", "b", "c")):
-    run = Run(Config(quorum=len(islands), grace_ms=0))
+    # no share cap: three islands would keep their pushes until the commit, not stage
+    run = Run(Config(quorum=len(islands), grace_ms=0, bounds=Bounds(max_share=1.0)))
     gens = {i: run.join(i, LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors",
                         {})["generation"] for i in islands}
     seed = codec.encode(np.linspace(-1, 1, N, dtype=np.float32), "f32")

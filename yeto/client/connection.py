@@ -54,12 +54,14 @@ def open_channel(address: str, tls: TLSConfig | None = None,
 
 def join_request(learner_id: str, layout: Layout, backend: str, weights_file: str,
                  export_files: dict[str, str] | None, tokens_per_step: int,
-                 regime: str = "sft") -> pb.JoinRequest:
-    """What an island says when it joins: who it is, the layout it trains and what it
-    trains (`regime`: "sft" or "rl"; the syncer's default outer rule follows it)."""
+                 regime: str = "sft", sync_every: int = 0) -> pb.JoinRequest:
+    """What an island says when it joins: who it is, the layout it trains, what it
+    trains (`regime`: "sft" or "rl"; the syncer's default outer rule follows it) and
+    how often it pushes (`sync_every` steps; 0: by time)."""
     return pb.JoinRequest(
         learner_id=learner_id, fingerprint=layout.fingerprint, backend=backend,
         tokens_per_step=max(0, int(tokens_per_step)), regime=regime,
+        sync_every=max(0, int(sync_every)),
         weights_file=weights_file, export_files=export_files or {},
         layout=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
                 for s in layout.specs])

@@ -42,7 +42,7 @@ class SyncerClient:
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None,
                  sender: Executor | None = None, tokens_per_step: int = 0,
-                 regime: str = "sft"):
+                 regime: str = "sft", sync_every: int = 0):
         """`keepalive_s`: see `yeto.net.KEEPALIVE_S`. `channel`: a ready channel to use
         instead of opening one to `address` (`yeto.sim` passes an in-process one).
         `sender`: the executor pushes run on (default: one background thread, so a push
@@ -51,10 +51,12 @@ class SyncerClient:
         derived from it). `tokens_per_step`: the most loss tokens one step holds (batch
         × sequence length), declared at join: the syncer refuses pushes claiming more.
         `regime`: what the island trains, "sft" or "rl" (declared at join: the syncer's
-        default outer rule, `--outer auto`, is plain averaging once an "rl" island joins)."""
+        default outer rule, `--outer auto`, is plain averaging once an "rl" island joins).
+        `sync_every`: its steps between pushes of a fragment, declared at join (0: it
+        pushes by time): the syncer refuses pushes claiming more steps than that allows."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
         request = join_request(learner_id, layout, backend, weights_file, export_files,
-                               tokens_per_step, regime)
+                               tokens_per_step, regime, sync_every)
         self.connection = Connection(address, learner_id, request, token=token, tls=tls,
                                      backoff_s=backoff_s, max_backoff_s=max_backoff_s,
                                      keepalive_s=keepalive_s, channel=channel)

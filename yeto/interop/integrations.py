@@ -98,7 +98,8 @@ class _Base:
         from yeto.client import connect
 
         self.client = connect(syncer, learner_id, layout, token=token, backend=self.backend,
-                              weights_file=weights_file, export_files=files, tls=tls)
+                              weights_file=weights_file, export_files=files, tls=tls,
+                              sync_every=0 if sync_every_seconds > 0 else sync_every)
         self.eval_fn = eval_fn
         # range access when the weights have it: the island works chunk by chunk
         self.island = Island(weights, client=self.client, sync_every=sync_every,

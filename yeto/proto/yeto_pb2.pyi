@@ -25,7 +25,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer", "tokens_per_step", "regime")
+    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer", "tokens_per_step", "regime", "sync_every")
     class ExportFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class JoinRequest(_message.Message):
     OBSERVER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     REGIME_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     fingerprint: str
@@ -51,7 +52,8 @@ class JoinRequest(_message.Message):
     observer: bool
     tokens_per_step: int
     regime: str
-    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ...) -> None: ...
+    sync_every: int
+    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ..., sync_every: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink")
