@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from yeto.codec import chunked
+
 SEED_MAX_ABS = 1e8    # initial weights: far beyond any model's, far below overflow
 HISTORY = 8           # push norms per island and fragment the norm bound looks back on
 CARRY_SLACK = 2       # schedules of steps a push may carry beyond the commits it missed
@@ -141,9 +143,9 @@ class NormBounds:
 
     def seed(self, theta: np.ndarray, spans: list[tuple[int, int]]) -> None:
         """Each fragment's ceiling from Θ as seeded (or as resumed from an older state)."""
-        rms = float(np.sqrt(np.mean(np.square(theta, dtype=np.float64)))) if theta.size else 0.0
-        for f, (lo, hi) in enumerate(spans):
-            own = float(np.linalg.norm(theta[lo:hi].astype(np.float64, copy=False)))
+        norms = [chunked.vector_norm(theta[lo:hi]) for lo, hi in spans]  # no copy of Θ
+        rms = float(np.sqrt(sum(x * x for x in norms) / theta.size)) if theta.size else 0.0
+        for f, ((lo, hi), own) in enumerate(zip(spans, norms)):
             self._ceiling[f] = own if own > 0 else rms * float(np.sqrt(hi - lo))
 
     def limit(self, fragment: int, learner: str) -> float | None:

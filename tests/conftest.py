@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier; leave out `slow` unless the -m
     expression names it."""
     expr = config.getoption("markexpr") or ""
-    wants_slow = "slow" in expr or "regimes" in expr
+    wants_slow = any(m in expr for m in ("slow", "regimes", "real"))
     kept, dropped = [], []
     no_gpu = _no_gpu() if any(i.get_closest_marker("cuda") for i in items) else None
     for item in items:

@@ -3,7 +3,8 @@
 One place for each: a file that must never be seen half-written goes through
 `atomic_write` (temp file in the same folder, fsync, rename, fsync of the folder),
 a number that may be NaN goes through `finite_or_none` before it reaches JSON, and
-a host and port become one address string through `host_port`.
+a host and port become one address string through `host_port`, and what yeto caches
+lives under `cache_home`.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def finite_or_none(x: Any) -> float | None:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     return float(x) if math.isfinite(x) else None
+
+
+def cache_home() -> Path:
+    """Where yeto caches what it builds (tiny models, models read from GGUF):
+    $YETO_CACHE, default ~/.cache/yeto."""
+    return Path(os.environ.get("YETO_CACHE") or Path.home() / ".cache" / "yeto")
 
 
 def host_port(host: str, port: int) -> str:

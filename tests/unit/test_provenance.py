@@ -10,6 +10,7 @@ import pytest
 from helpers.provenance import recipe_digest
 
 from yeto.data.provenance import (
+    ProvenanceError,
     dir_digest,
     resolve_model,
 )
@@ -58,3 +59,16 @@ def test_the_recorded_command_never_holds_a_secret():
     finally:
         sys.argv = old
     assert "s3cret" not in str(record)
+
+
+def test_a_gguf_model_that_is_not_one_gets_a_clear_error(tmp_path):
+    """`--model FILE.gguf` is read by `yeto.gguf` (the real reader): a file that is not
+    GGUF is named as such, and a hub revision flag is refused for it."""
+    from yeto import gguf
+
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(gguf.GGUFError, match="not a readable GGUF file"):
+        resolve_model(str(bad))
+    with pytest.raises(ProvenanceError, match="--model-revision"):
+        resolve_model(str(bad), revision="main")

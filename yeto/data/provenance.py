@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from yeto import gguf
 from yeto.io import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class ModelSource:
 
     id: str
     path: Path
-    kind: str  # "local" | "hub"
+    kind: str  # "local" | "hub" | "gguf"
     revision: str | None = None
     commit: str | None = None
     digest: str | None = None
@@ -246,12 +247,22 @@ def check_remote_code(path: Path, name: str, trust: bool) -> None:
 
 def resolve_model(model: str, revision: str | None = None, trust_remote_code: bool = False,
                   need_weights: bool = True) -> ModelSource:
-    """Pin a model (local dir -> content digest; hub id -> commit) and check it is safe
-    to load: safetensors weights (if ``need_weights``), no remote code unless trusted."""
+    """Pin a model (local dir -> content digest; hub id -> commit; a .gguf file -> its
+    digest, read into a cached model dir by `yeto.gguf`) and check it is safe to load: safetensors weights (if ``need_weights``), no remote code unless trusted."""
     path = Path(model)
+    if gguf.is_gguf(path):  # read once into a cached model dir (yeto.gguf)
+        if revision:
+            raise ProvenanceError(f"--model-revision {revision!r} applies to hub ids, but "
+                                  f"{model!r} is a GGUF file; drop the flag")
+        src = ModelSource(model, gguf.model_dir(path), "gguf",
+                          trust_remote_code=trust_remote_code)
+        src.weights = check_weights(src.path, model)
+        src.digest = "sha256:" + gguf.file_digest(path)
+        return src
     if path.exists():
         if not path.is_dir():
-            raise ProvenanceError(f"model {model!r} is a file; pass a Hugging Face model dir")
+            raise ProvenanceError(f"model {model!r} is a file; pass a Hugging Face model dir "
+                                  "or a .gguf file")
         if revision:
             raise ProvenanceError(
                 f"--model-revision {revision!r} applies to hub ids, but {model!r} is a local "

@@ -630,10 +630,15 @@ _PER_MODEL: dict[str, dict[str, Any]] = {
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """A local model dir, or a hub id already in the local Hugging Face cache."""
+    """A local model dir, a .gguf file (read once into a cached model dir: `yeto.gguf`),
+    or a hub id already in the local Hugging Face cache."""
+    from yeto import gguf
+
     path = Path(model)
     if path.is_dir():
         return path
+    if gguf.is_gguf(path):
+        return gguf.model_dir(path)
     from huggingface_hub import snapshot_download
 
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from yeto import gguf
 from yeto.rollout.adapters import AdapterError, LoraSpec, flat_of, read_adapter
 
 log = logging.getLogger("yeto.rollout")
@@ -38,7 +39,9 @@ class LoRAEngine:
     name = "?"
 
     def __init__(self, model_dir: str | Path, spec: LoraSpec, seed: int = 0):
-        self.model_dir, self.seed = Path(model_dir), seed
+        # a .gguf file: the model dir it was read into (yeto.gguf)
+        self.model_dir = gguf.model_dir(model_dir) if gguf.is_gguf(model_dir) else Path(model_dir)
+        self.seed = seed
         self.spec = spec
         self.weights = None
 

@@ -36,7 +36,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from yeto.data import BatchSampler, encode_row, pack_blocks
-from yeto.io import atomic_save
+from yeto.io import atomic_save, cache_home
 from yeto.testing.tasks import copy_row, random_words
 from yeto.testing.tokenizer import (
     generation_config,
@@ -82,8 +82,7 @@ PRETRAIN_OF = {"tiny": PRETRAIN, "small": {**PRETRAIN, "steps": 600, "lr": 1e-3}
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     """Where built models live: ``<cache_dir or $YETO_CACHE or ~/.cache/yeto>/tiny-models``."""
-    base = cache_dir or os.environ.get("YETO_CACHE") or Path.home() / ".cache" / "yeto"
-    return Path(base) / "tiny-models"
+    return Path(cache_dir or cache_home()) / "tiny-models"
 
 
 def shape_of(size: str) -> dict[str, int]:
