@@ -223,3 +223,18 @@ def test_join_commands_carry_the_run_file(tmp_path):
     block = join_block(spec, "torch", "island-1", 1)
     assert shell_lines(block)[-1].endswith(f"--output island-1 --config {config}")
     assert any(line.startswith(f"  # {config}: paths on this machine") for line in block)
+
+
+def test_torch_only_flags_reach_torch_islands_only(tmp_path):
+    """`yeto launch --islands torch,mlx --threads 1` passed --threads to the MLX island,
+    which refused it (and the launch ended in an unrelated traceback)."""
+    from yeto.cli.local_run import LaunchConfig, LocalRun
+
+    run = LocalRun(LaunchConfig(out=tmp_path, backends=["torch", "mlx"], model="m", data="d",
+                                island_args=["--threads", "1", "--device=cpu", "--max-steps",
+                                             "5"]))
+    torch_cmd = run.island_command(0, "torch", tmp_path / "a")
+    mlx_cmd = run.island_command(1, "mlx", tmp_path / "b")
+    assert torch_cmd[torch_cmd.index("--threads") + 1] == "1" and "--device=cpu" in torch_cmd
+    assert "--threads" not in mlx_cmd and not any(a.startswith("--device") for a in mlx_cmd)
+    assert mlx_cmd[mlx_cmd.index("--max-steps") + 1] == "5"

@@ -29,6 +29,23 @@ from yeto.metrics import JsonlFollower
 log = logging.getLogger("yeto.cli.launch")
 
 
+# flags of the torch island that an MLX island does not take (it refuses them)
+TORCH_ONLY = ("--threads", "--device")
+
+
+def without_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`args` without `flags` and their values (as `--flag V` or `--flag=V`)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
 @dataclass
 class LaunchConfig:
     out: Path
@@ -155,6 +172,9 @@ class LocalRun:
         """The island program (``python -m yeto.learner`` / ``yeto.mlx.learner``) and its
         flags: the run's model and data, this island's id and output, the shared flags."""
         n = self.cfg.num_islands
+        shared = self.cfg.island_args
+        if backend != "torch":  # torch's own flags (CPU threads, device) stay with torch
+            shared = without_flags(shared, TORCH_ONLY)
         extra = list(self.cfg.backend_args.get(backend, []))
         if backend == "torch" and "--threads" not in self.cfg.island_args + extra:
             extra += ["--threads", str(max(1, (os.cpu_count() or 1) // len(self.cfg.backends)))]
@@ -165,7 +185,7 @@ class LocalRun:
                 *(["--eval-data", str(self.cfg.eval_data)] if self.cfg.eval_data else []),
                 "--syncer", self.address, "--learner-id", f"island-{index}",
                 "--num-learners", str(n), "--output", str(out_dir), "--no-progress",
-                *self.cfg.island_args, *extra]
+                *shared, *extra]
 
     def start_islands(self) -> None:
         for i, backend in enumerate(self.cfg.backends):
