@@ -10,7 +10,6 @@ read by every program as `--model FILE.gguf` (`yeto.gguf`):
 - the rollout node's logprobs equal transformers' own on the same checkpoint.
 """
 
-import inspect
 import json
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 from yeto import gguf
-from yeto.testing.real import FETCH, SMOLLM2
+from yeto.testing.real import FETCH, SMOLLM2, stdlib_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.real]
@@ -37,32 +36,6 @@ def smollm2() -> Path:
 @pytest.fixture(scope="module")
 def smollm2_dir(smollm2) -> Path:
     return gguf.model_dir(smollm2)
-
-
-def stdlib_docs(out: Path) -> tuple[Path, Path]:
-    """Train and held-out text: the docstrings of standard-library modules, a row per
-    paragraph; the held-out rows come from other modules than the training rows."""
-    import argparse, asyncio, collections, csv, datetime, decimal, email, functools  # noqa: E401,I001
-    import http.client, itertools, json as json_, logging, pathlib, re, sqlite3, string  # noqa: E401,I001
-    import subprocess as sp, tarfile, threading, unittest, urllib.parse, zipfile  # noqa: E401,I001
-
-    train = [argparse, asyncio, collections, csv, datetime, decimal, email, functools,
-             http.client, itertools, json_, logging, pathlib, re, string, tarfile]
-    held = [sqlite3, sp, threading, unittest, urllib.parse, zipfile]
-
-    def rows(modules):
-        for m in modules:
-            for obj in [m, *(v for _, v in inspect.getmembers(m) if inspect.isclass(v)
-                             or inspect.isfunction(v))]:
-                doc = inspect.getdoc(obj) or ""
-                for para in doc.split("\n\n"):
-                    if len(para) > 200:
-                        yield {"text": para}
-
-    paths = out / "train.jsonl", out / "held_out.jsonl"
-    for path, mods in zip(paths, (train, held)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows(mods)))
-    return paths
 
 
 @pytest.mark.mlx

