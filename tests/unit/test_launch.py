@@ -97,6 +97,15 @@ def test_display_reads_metrics_and_tape(tmp_path):
     text = "".join(lines)
     assert d.mode == "plain" and "round   1: island-0 500 tok, island-1 300 tok" in text
     assert "island-0 done at step 20" in text
+    # the periodic status off a terminal: a line per island, each value named, no
+    # table header repeated into the log
+    lines.clear()
+    d.status_every_s = 0.0
+    d.update(run, [], [])
+    status = "".join(lines).splitlines()
+    assert len(status) == 3 and status[0].startswith("syncer ")
+    assert "island island-0  backend torch  step 20/40" in status[1]
+    assert not any(line.startswith("island  ") or set(line) == {"-"} for line in status)
 
 
 class _Done:

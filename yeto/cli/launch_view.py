@@ -85,10 +85,20 @@ def event_lines(new: list[dict], exited: list[IslandProc]) -> list[str]:
     return lines
 
 
+def status_lines(run: LocalRun) -> list[str]:
+    """The view as lines that stand alone (a log file, a pipe): the headline, then a
+    line per island naming each value."""
+    islands = sorted(run.islands, key=lambda i: (len(i.id), i.id))
+    return [headline(run)] + [
+        "  " + "  ".join(f"{h} {v}" for h, v in zip(ISLAND_COLUMNS, island_row(run, isl)))
+        for isl in islands]
+
+
 class Display:
     """live: the run's view redrawn in place (a terminal), event lines above it; plain:
-    a line per merged round and per island that exits, and the view every
-    `status_every_s`; none: quiet."""
+    a line per merged round and per island that exits, and every `status_every_s` a
+    line per island (no table: one line per event in a log file); none: quiet. The
+    last view is a table in both."""
 
     def __init__(self, mode: str, stream=None, status_every_s: float = 30.0):
         self.screen = Screen(mode, stream)
@@ -105,9 +115,12 @@ class Display:
             return
         for line in notes + event_lines(new, exited):
             self.screen.say(line)
-        if self.mode == "live" or time.monotonic() - self._last_view >= self.status_every_s:
-            self._last_view = time.monotonic()
+        if self.mode == "live":
             self.screen.show(view(run))
+        elif time.monotonic() - self._last_view >= self.status_every_s:
+            self._last_view = time.monotonic()
+            for line in status_lines(run):
+                self.screen.say(line)
 
     def show(self, run: LocalRun) -> None:
         """The run's view now (plain: printed once; live: redrawn)."""
