@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from yeto.config import IslandConfig
+from yeto.io import atomic_write, finite_or_none
 from yeto.island import Island
 from yeto.layout import Layout
 from yeto.signals import GracefulStop, ignore_signals
@@ -52,6 +53,7 @@ from yeto.transport import Refused, Transport
 log = logging.getLogger("yeto.island")
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOT_FEDERATED = 0, 2, 3
+PROGRESS_FILE = "progress.json"  # `LiveProgress`
 
 
 class Weights(Protocol):
@@ -307,6 +309,7 @@ def train(cfg: IslandConfig, backend: Backend, island: Island, weights: Weights,
     group = backend.group
     sampler = BatchSampler(blocks, cfg.batch_size, seed=cfg.seed + cfg.resolved_index())
     t0, seen = time.perf_counter(), 0
+    live = LiveProgress(cfg.output)
     with progress(cfg, f"{cfg.learner_id} ({backend.name})", group.leader) as bar:
         for step in range(1, cfg.max_steps + 1):
             t_step = time.perf_counter()
@@ -320,6 +323,8 @@ def train(cfg: IslandConfig, backend: Backend, island: Island, weights: Weights,
             done = island_turn(cfg, island, group, weights, step, loss, loss_tokens, t0,
                                stopping=stop.is_set() or not math.isfinite(loss))
             bar(loss, seen / (time.perf_counter() - t0), island.version)
+            if group.leader:
+                live.step(island.step, loss)
             if not math.isfinite(loss) and group.leader:
                 log.error("training loss is %s at step %d: lower --inner-lr", loss, island.step)
             if done:
@@ -346,6 +351,27 @@ def island_turn(cfg: IslandConfig, island: Island, group, weights: Weights, step
             tokens_per_s=island.total_tokens / (time.perf_counter() - t0),
             time=time.time()), group)
     return done
+
+
+class LiveProgress:
+    """OUT/progress.json: the island's step and training loss between its pushes, for
+    `yeto launch`'s view (metrics.jsonl has a line per sync). Rewritten at most every
+    `EVERY_S` seconds (the first step always), never fsynced: a reader may miss a step,
+    never see half a file."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, out: Path | None):
+        self.path = None if out is None else out / PROGRESS_FILE
+        self.last = -math.inf
+
+    def step(self, step: int, train_loss: float) -> None:
+        now = time.monotonic()
+        if self.path is None or now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        atomic_write(self.path, json.dumps(dict(step=step, train_loss=finite_or_none(
+            train_loss), time=time.time())), durable=False)
 
 
 class progress:
@@ -421,7 +447,6 @@ def save_outputs(cfg: IslandConfig, backend: Backend, inputs: Inputs, summary: d
     """Rank 0 saves the model and the run's records (every rank of a sharded group takes
     part in gathering the model)."""
     from yeto.data.provenance import write_provenance
-    from yeto.io import atomic_write
 
     saved = backend.save(cfg, cfg.output)
     if not group.leader:

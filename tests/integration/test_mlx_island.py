@@ -86,6 +86,8 @@ def test_outputs_mirror_the_torch_island(island_out, tiny_llama):
     assert set(s) == SUMMARY_KEYS and s["step"] == 4 and s["loss_tokens"] > 0
     lines = [json.loads(x) for x in (island_out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 2, 4, 4] and set(lines[-1]) == SUMMARY_KEYS
+    live = json.loads((island_out / "progress.json").read_text())  # between pushes
+    assert 1 <= live["step"] <= 4 and live["train_loss"] > 0
     assert (island_out / "provenance.json").is_file()
     assert (island_out / "adapter" / "provenance.json").is_file()
     assert json.loads((island_out / "provenance.json").read_text())["backend"] == "mlx"

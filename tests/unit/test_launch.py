@@ -71,11 +71,13 @@ def test_display_reads_metrics_and_tape(tmp_path):
         event="merge", round=1, version=1, bytes_in=1000, bytes_out=4000, time=now,
         responders=[dict(learner="island-0", tokens=500), dict(learner="island-1",
                                                                tokens=300)])) + "\n")
+    # between pushes an island rewrites progress.json: the view follows its step
+    (out / "islands" / "island-1" / "progress.json").write_text('{"step": 27, "train_loss": 2.5}')
     new, exited = run.poll(with_status=False)
     assert len(new) == 1 and [i.id for i in exited] == ["island-0", "island-1"]
     a, b = run.islands
     assert (a.step, a.train_loss, a.eval_loss, a.version, a.pushes) == (20, 1.9, 2.1, 1, 1)
-    assert b.train_loss == 2.9 and b.state == "done"
+    assert (b.step, b.train_loss) == (27, 2.5) and b.state == "done"
     assert 45 < run.progress.rate(a) < 55  # 500 tokens over the 10 s since its step 0
     text = render_table(run)
     assert "island-0  torch    20/40" in text and "island-1  mlx" in text

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from yeto.cli.join import MODULES as ISLAND_MODULES
 from yeto.io import finite_or_none
+from yeto.loop import PROGRESS_FILE
 from yeto.metrics import JsonlFollower, tape_scalars
 
 ISLAND_SCALARS = ("train_loss", "eval_loss", "tokens_per_s", "loss_tokens")  # to TensorBoard
@@ -103,12 +104,26 @@ class Progress:
                 continue
             for rec in isl.metrics.read_new():
                 self._island_record(isl, rec)
+            self._live(isl)
             if isl.code is None and isl.proc.poll() is not None:
                 isl.code = isl.proc.returncode
                 for rec in isl.metrics.read_new():
                     self._island_record(isl, rec)
                 exited.append(isl)
         return exited
+
+    @staticmethod
+    def _live(isl: IslandProc) -> None:
+        """The island's step and loss between its pushes (`yeto.loop.LiveProgress`)."""
+        try:
+            rec = json.loads((isl.dir / PROGRESS_FILE).read_text())
+        except (OSError, ValueError):
+            return  # not written yet (or not by this island's version)
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and \
+                rec["step"] >= isl.step:  # newer than its last metrics line
+            isl.step = rec["step"]
+            if finite_or_none(rec.get("train_loss")) is not None:
+                isl.train_loss = float(rec["train_loss"])
 
     def _merge_record(self, rec: dict) -> None:
         self.merges.append(rec)
