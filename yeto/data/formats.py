@@ -42,6 +42,7 @@ Backend-neutral: nothing here imports torch or mlx.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import logging
@@ -195,18 +196,24 @@ def _str(row: dict, key: str, where: str, optional: bool = False) -> str:
     return v
 
 
-def _content(value: Any, where: str) -> str:
+_PARTS = 'a string or a list of text parts ([{"type": "text", "text": ...}])'
+
+
+def content_text(value: Any, where: str) -> str:
+    """A message's content as one string: a string, or OpenAI text parts joined.
+    DataError (one line, naming `where` and the part) for anything else."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in value
-    ):
-        return "".join(p["text"] for p in value)
-    raise DataError(
-        f"{where}: content must be a string or a list of text parts "
-        f'([{{"type": "text", "text": ...}}]), got {value!r:.80}'
-    )
+    if not isinstance(value, list):
+        raise DataError(f"{where}: content must be {_PARTS}, got {value!r:.80}")
+    for i, p in enumerate(value):
+        if not (isinstance(p, dict) and p.get("type") == "text"):
+            raise DataError(f"{where}: content[{i}] is not a text part; content must be "
+                            f"{_PARTS}, got {p!r:.80}")
+        if not isinstance(p.get("text"), str):
+            raise DataError(f"{where}: content[{i}].text must be a string, got "
+                            f"{p.get('text')!r:.80}")
+    return "".join(p["text"] for p in value)
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict]:
@@ -241,10 +248,10 @@ def _openai_message(m: Any, where: str) -> dict:
     if m.get("tool_calls"):
         msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         if m.get("content") is not None:
-            msg["content"] = _content(m["content"], where)
+            msg["content"] = content_text(m["content"], where)
     else:
         msg.pop("tool_calls", None)
-        msg["content"] = _content(m.get("content"), where)
+        msg["content"] = content_text(m.get("content"), where)
     return msg
 
 
@@ -258,7 +265,7 @@ def _sharegpt_message(m: Any, where: str) -> dict:
         raise DataError(
             f'{where}: unknown "from" {m["from"]!r}; accepted: {", ".join(SHAREGPT_ROLES)}'
         )
-    value = _content(m.get("value"), where)
+    value = content_text(m.get("value"), where)
     if m["from"].lower() == "function_call":
         try:
             call = json.loads(value)
@@ -352,8 +359,21 @@ def _weights_from_spans(
     offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
 ) -> list[float]:
     # A token counts when its character span overlaps a weighted span; zero-width
-    # tokens (special tokens added by the tokenizer) never do.
-    return [1.0 if any(s < hi and e > lo for lo, hi in spans) else 0.0 for s, e in offsets]
+    # tokens (special tokens added by the tokenizer) never do. Overlapping spans are
+    # merged first; then only the last span starting before a token's end can hold it
+    # (a binary search per token: linear in the tokens, however many turns).
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    starts = [lo for lo, _ in merged]
+    weights = []
+    for s, e in offsets:
+        i = bisect.bisect_left(starts, e) - 1
+        weights.append(1.0 if i >= 0 and s < merged[i][1] else 0.0)
+    return weights
 
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -414,10 +434,69 @@ _NOT_PREFIX = (
 )
 
 
+#: the most messages a chat may have when its template cannot be rendered turn by turn,
+#: so that locating its assistant turns takes a render of every prefix (quadratic)
+PREFIX_RENDER_MAX_MESSAGES = 512
+
+
 def assistant_spans(ex: Chat, tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
     """The prefix-render fallback: the rendered chat and the character span of each
-    trained assistant turn (see the module docstring)."""
+    trained assistant turn (see the module docstring). Each turn's part of the render
+    comes from a short window of the chat (`_turn_pieces`), so the cost is linear in
+    the turns; a template whose turns do not render alike in a window is rendered
+    prefix by prefix instead, for chats of up to `PREFIX_RENDER_MAX_MESSAGES`."""
     full = _render(tokenizer, ex.messages, ex.tools)
+    pieces = _turn_pieces(ex, tokenizer, full)
+    if pieces is None:
+        return full, _prefix_spans(ex, tokenizer, full)
+    spans, at = [], 0
+    for k, (piece, gen) in enumerate(pieces):
+        if ex.messages[k]["role"] == "assistant" and k >= ex.train_from:
+            start = at + len(gen) if gen and full.startswith(gen, at) else at
+            end = at + len(piece.rstrip())
+            if end > start:
+                spans.append((start, end))
+        at += len(piece)
+    return full, spans
+
+
+def _turn_pieces(ex: Chat, tokenizer: Any, full: str) -> list[tuple[str, str]] | None:
+    """(what message k adds to the render, the generation prompt the render before it
+    ends with: "" when none or not needed) for every message k, each from a window of
+    the chat: a leading system message, then the one or two messages before k (the
+    same parity of position as in the chat, for templates that check that roles
+    alternate) and k. None when the pieces do not add up to `full`: a template whose
+    turns depend on more of the chat than that."""
+    msgs, tools = list(ex.messages), ex.tools
+    head = 1 if msgs[0]["role"] == "system" else 0
+    pieces = []
+    for k, m in enumerate(msgs):
+        if k <= head:  # the chat's own prefix
+            context = msgs[:k]
+        else:
+            s = (k - 1) - (k - 1 - head) % 2
+            context = [*msgs[:head], *msgs[s:k]]
+        before = _render(tokenizer, context, tools) if context else ""
+        after = _render(tokenizer, [*context, m], tools)
+        if not after.startswith(before):
+            return None
+        gen = ""
+        if context and m["role"] == "assistant" and k >= ex.train_from:
+            opened = _render(tokenizer, context, tools, gen=True)
+            gen = opened[len(before):] if opened.startswith(before) else ""
+        pieces.append((after[len(before):], gen))
+    return pieces if "".join(p for p, _ in pieces) == full else None
+
+
+def _prefix_spans(ex: Chat, tokenizer: Any, full: str) -> list[tuple[int, int]]:
+    """The assistant spans from a render of every prefix of the chat (a render per
+    turn, each as long as the chat so far: for short chats only)."""
+    if len(ex.messages) > PREFIX_RENDER_MAX_MESSAGES:
+        raise DataError(
+            f"this chat has {len(ex.messages)} messages and its chat template does not render "
+            "turns alike in a short window of the chat, so locating the assistant turns takes "
+            f"a render of every prefix; that is done for up to {PREFIX_RENDER_MAX_MESSAGES} "
+            "messages: split the conversation, or use a template with {% generation %} markers")
     spans = []
     for k, m in enumerate(ex.messages):
         if m["role"] != "assistant" or k < ex.train_from:
@@ -434,7 +513,7 @@ def assistant_spans(ex: Chat, tokenizer: Any) -> tuple[str, list[tuple[int, int]
         end = len(upto.rstrip())
         if end > start:
             spans.append((start, end))
-    return full, spans
+    return spans
 
 
 def _encode_chat(ex: Chat, tokenizer: Any) -> tuple[list[int], list[float], str]:
