@@ -32,6 +32,7 @@ Backend-neutral: numpy + safetensors; nothing here imports torch, peft or mlx.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,63 @@ _REFUSED = (
 
 class AdapterConversionError(ValueError):
     """An adapter that cannot be converted exactly, and why."""
+
+
+# ---- sane values --------------------------------------------------------------
+# What every reader of an adapter (a rollout node, `yeto export`, `yeto convert`)
+# accepts. Trained LoRA factors hold values well below 1 (kaiming-initialised A,
+# B grown from zero), and LoRA scales (lora_alpha / r) are small numbers such as 2;
+# an adapter beyond these bounds is broken or hostile: finite, but it would make a
+# model's logits overflow to inf and NaN.
+MAX_FACTOR_ABS = 1e4   # |value| of any LoRA factor
+MAX_LORA_SCALE = 1e4   # |lora_alpha / r| (mlx-lm: |lora_parameters.scale|)
+
+
+def values_problem(name: str, values: np.ndarray) -> str | None:
+    """What makes tensor `name`'s values unusable (NaN / inf, or a magnitude beyond
+    `MAX_FACTOR_ABS`), as a phrase naming the tensor and the bound; None when fine."""
+    a = np.asarray(values)
+    if not np.issubdtype(a.dtype, np.inexact) or a.size == 0:
+        return None
+    bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+    if bad:
+        return f"tensor {name} holds {bad} non-finite values (NaN or infinite)"
+    top = float(np.abs(a).max())
+    if top > MAX_FACTOR_ABS:
+        return (f"tensor {name} holds a value of magnitude {top:.3g}, beyond the bound "
+                f"{MAX_FACTOR_ABS:g} on LoRA factors (trained ones stay far below 1)")
+    return None
+
+
+def scale_problem(cfg: dict) -> str | None:
+    """What makes an adapter config's LoRA scale unusable, as a phrase naming the
+    adapter_config.json field and the bound `MAX_LORA_SCALE`; None when fine. peft:
+    lora_alpha / r (and every alpha_pattern entry / r); mlx-lm: lora_parameters.scale.
+    A missing or non-numeric field is left to the format's own checks."""
+    lp = cfg.get("lora_parameters")
+    if isinstance(lp, dict):  # mlx-lm
+        scales = {"lora_parameters.scale": (lp.get("scale"), 1)}
+    else:
+        r = cfg.get("r")
+        alphas = cfg.get("alpha_pattern") if isinstance(cfg.get("alpha_pattern"), dict) else {}
+        scales = {"lora_alpha": (cfg.get("lora_alpha"), r),
+                  **{f"alpha_pattern[{k!r}]": (v, r) for k, v in alphas.items()}}
+    for field, (value, divisor) in scales.items():
+        if not _number(value) or not _number(divisor) or divisor == 0:
+            continue
+        try:
+            scale = abs(value) / abs(divisor)
+        except OverflowError:  # an integer beyond any float
+            scale = math.inf
+        if not scale <= MAX_LORA_SCALE:  # NaN fails too
+            return (f"{field} = {value!r:.40} gives a LoRA scale of {scale:.3g}, beyond the "
+                    f"bound {MAX_LORA_SCALE:g} (trained adapters use scales such as 2: "
+                    "lora_alpha = 2 r)")
+    return None
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 # ---- peft ---------------------------------------------------------------------

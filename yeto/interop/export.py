@@ -38,6 +38,8 @@ from yeto.interop.adapters import (
     peft_to_mlx,
     run_adapter_tensors,
     save_peft_adapter,
+    scale_problem,
+    values_problem,
 )
 from yeto.io import atomic_save, atomic_write
 
@@ -72,14 +74,19 @@ _DAMAGED = ("; a damaged or partial copy? Copy the adapter again, or export it a
 def check_adapter(path: Path, fix: str = _DAMAGED) -> str:
     """The format ("peft" | "mlx") of an adapter dir after checking what it holds: the
     config is a JSON object, the weights parse as safetensors (the library's own
-    reader), every value is finite, and the LoRA factors come in pairs of one rank
-    (peft: the config's r and target_modules; mlx-lm: lora_parameters' rank and keys).
+    reader), every value is finite and within `MAX_FACTOR_ABS`, the LoRA scale within
+    `MAX_LORA_SCALE` (both in `yeto.interop.adapters`), and the LoRA factors come in
+    pairs of one rank (peft: the config's r and target_modules; mlx-lm:
+    lora_parameters' rank and keys).
     `ExportError` naming the file, the problem and ``fix`` (what to do) otherwise."""
     path = Path(path)
     kind = adapter_format(path)
     weights = path / (PEFT_WEIGHTS if kind == "peft" else MLX_WEIGHTS)
     cfg = _read_config(path / PEFT_CONFIG, fix)
-    shapes = _finite_tensor_shapes(weights, fix)
+    shapes = _sane_tensor_shapes(weights, fix)
+    problem = scale_problem(cfg)
+    if problem:
+        raise ExportError(f"{path / PEFT_CONFIG}: {problem}{fix}")
     problem = (_peft_problem if kind == "peft" else _mlx_problem)(shapes, cfg)
     if problem:
         raise ExportError(f"{weights}: {problem}{fix}")
@@ -97,8 +104,9 @@ def _read_config(path: Path, fix: str) -> dict:
     return cfg
 
 
-def _finite_tensor_shapes(path: Path, fix: str) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of a safetensors file whose every value is finite."""
+def _sane_tensor_shapes(path: Path, fix: str) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a safetensors file whose every value is finite and within the
+    bound on LoRA factors (`yeto.interop.adapters.values_problem`)."""
     from safetensors import SafetensorError, safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
@@ -106,10 +114,9 @@ def _finite_tensor_shapes(path: Path, fix: str) -> dict[str, tuple[int, ...]]:
         with safe_open(str(path), framework="numpy") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
                 shapes[name] = tuple(st.get_slice(name).get_shape())
-                bad = _non_finite(st, path, name)
-                if bad:
-                    raise ExportError(f"{path}: tensor {name} holds {bad} NaN or infinite "
-                                      f"values (a diverged run or a damaged file){fix}")
+                problem = values_problem(name, _values(st, path, name))
+                if problem:
+                    raise ExportError(f"{path}: {problem}{fix}")
     except (SafetensorError, OSError) as e:
         raise ExportError(f"{path} is not a readable safetensors file ({e}){fix}") from None
     if not shapes:
@@ -117,25 +124,21 @@ def _finite_tensor_shapes(path: Path, fix: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _non_finite(st, path: Path, name: str) -> int:
-    """How many NaN / inf values tensor `name` holds (bfloat16 and fp8, which numpy
-    cannot hold, through torch when it is installed, else unchecked)."""
+def _values(st, path: Path, name: str):
+    """Tensor `name` as a numpy array; bfloat16 and fp8, which numpy cannot hold, as
+    float32 through torch when it is installed (else an empty array: unchecked)."""
     import numpy as np
 
     try:
-        a = st.get_tensor(name)
+        return st.get_tensor(name)
     except TypeError:  # a dtype numpy lacks
         try:
-            import torch
+            import torch  # noqa: F401 - safetensors' "pt" framework needs it
             from safetensors import safe_open
         except ImportError:
-            return 0
+            return np.zeros(0, np.float32)
         with safe_open(str(path), framework="pt") as pt:
-            t = pt.get_tensor(name).float()
-        return int(t.numel() - torch.isfinite(t).sum())
-    if not np.issubdtype(a.dtype, np.inexact):
-        return 0
-    return int(a.size - np.count_nonzero(np.isfinite(a)))
+            return pt.get_tensor(name).float().numpy()
 
 
 def _factors(shapes: dict, key: re.Pattern) -> dict[str, dict[str, tuple]]:
@@ -292,7 +295,16 @@ def _adapter_from_state(state_dir: Path, out: Path) -> int:
     layout = Layout([TensorSpec(n, tuple(s), d) for n, s, d in meta["layout"]])
     # the same tensors the syncer's final/ gets (frozen-A runs: lora_A rebuilt from the seed)
     tensors = run_adapter_tensors(layout.unflatten(theta), meta["export_files"])
-    save_peft_adapter(out, tensors, meta["export_files"][PEFT_CONFIG])
+    config = meta["export_files"][PEFT_CONFIG]
+    problem = next(filter(None, (values_problem(k, v) for k, v in tensors.items())), None)
+    try:
+        problem = problem or scale_problem(json.loads(config))
+    except (json.JSONDecodeError, AttributeError, TypeError):
+        problem = "the adapter config the islands sent is not a JSON object"
+    if problem:
+        raise ExportError(f"{state_dir}/state.safetensors: {problem}: the run diverged or the "
+                          "file is damaged")
+    save_peft_adapter(out, tensors, config)
     return int(meta.get("version", 0))
 
 

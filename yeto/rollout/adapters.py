@@ -19,6 +19,8 @@ from yeto.interop.adapters import (
     AdapterConversionError,
     mlx_to_peft,
     read_peft_adapter,
+    scale_problem,
+    values_problem,
 )
 
 _MODULE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -52,8 +54,9 @@ def adapter_format(path: str | Path) -> str:
 def read_adapter(path: str | Path, base_model: str | Path
                  ) -> tuple[dict[str, np.ndarray], LoraSpec, str]:
     """(peft-named float32 tensors, the LoRA that holds them, "peft" | "mlx"). Refuses
-    (`AdapterError`) unreadable files, a nonsense config, unpaired or misshapen LoRA
-    factors and non-finite values."""
+    (`AdapterError`) unreadable files, a nonsense config (a LoRA scale beyond
+    `MAX_LORA_SCALE` included), unpaired or misshapen LoRA factors, and values that are
+    non-finite or beyond `MAX_FACTOR_ABS` (`yeto.interop.adapters`)."""
     kind = adapter_format(path)
     try:
         if kind == "mlx":
@@ -68,9 +71,10 @@ def read_adapter(path: str | Path, base_model: str | Path
     if not isinstance(cfg, dict):
         raise AdapterError(f"the adapter at {path}: adapter_config.json is not a JSON object")
     for name, t in tensors.items():
-        if not np.isfinite(t).all():
-            raise AdapterError(f"the adapter at {path} holds non-finite values (NaN or inf) in "
-                               f"{name}; it would sample garbage: fix or retrain it")
+        problem = values_problem(name, t)
+        if problem:
+            raise AdapterError(f"the adapter at {path}: {problem}; it would sample garbage: "
+                               "fix or retrain it")
     return tensors, spec_of(tensors, cfg), kind
 
 
@@ -83,6 +87,9 @@ def _rank_alpha(cfg: dict) -> tuple[int, float]:
             or not math.isfinite(alpha) or alpha <= 0):
         raise AdapterError(f"adapter_config.json: lora_alpha must be a finite number > 0, "
                            f"got {alpha!r}")
+    problem = scale_problem(cfg)
+    if problem:
+        raise AdapterError(f"adapter_config.json: {problem}")
     return r, float(alpha)
 
 

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from yeto.data.formats import DataError, content_text
 from yeto.io import finite_or_none
 from yeto.rollout.generate import Output, SamplingParams
 
@@ -54,6 +55,7 @@ class Context:
     vocab_size: int
     aliases: tuple[str, ...] = ()
     max_rows: int | None = None     # rows (prompts x n) one request may ask for (--max-batch)
+    max_chars: int | None = None    # characters a prompt may hold (`max_prompt_chars`)
 
 
 @dataclass
@@ -69,6 +71,27 @@ class Request:
 
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def max_prompt_chars(tokenizer, max_len: int) -> int | None:
+    """The most characters a prompt can hold and still fit in `max_len` tokens: no
+    token stands for more characters than the tokenizer's longest vocabulary entry
+    (byte-level entries hold a character per byte, and text has no more characters
+    than bytes). Lets a request be refused before tokenizing it; None when the
+    tokenizer lists no vocabulary."""
+    try:
+        longest = max(map(len, tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return max_len * max(longest, 1)
+
+
+def _check_chars(chars: int, ctx: Context, param: str) -> None:
+    """Refuse a prompt of `chars` characters that cannot fit the context, untokenized."""
+    if ctx.max_chars is not None and chars > ctx.max_chars:
+        raise _bad(f"This model's maximum context length is {ctx.max_len} tokens, and no text "
+                   f"over {ctx.max_chars} characters fits in it; this prompt holds {chars} "
+                   "characters. Please reduce the length of the prompt", param)
 
 
 def int_field(body: dict, key: str, default, lo: int | None = None, hi: int | None = None):
@@ -206,6 +229,9 @@ def _prompt_list(prompt) -> list:
 
 def _tokenized(prompt: list, ctx: Context) -> list[list[int]]:
     """Each prompt as token ids (strings with the tokenizer's default special tokens)."""
+    for p in prompt:  # every prompt's size first: a refused request costs no tokenizing
+        if isinstance(p, str):
+            _check_chars(len(p), ctx, "prompt")
     out = []
     for p in prompt:
         if isinstance(p, str):
@@ -240,18 +266,19 @@ def chat_prompt(body: dict, ctx: Context) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}] must be an object with a role", "messages")
-        content = m.get("content", "")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content must be a string or text parts", "messages")
+        try:  # a string, or OpenAI content parts: text only
+            content = content_text(m.get("content", ""), f"messages[{i}]")
+        except DataError as e:
+            raise _bad(str(e), "messages") from None
         clean.append({"role": m["role"], "content": content})
+    _check_chars(sum(len(m["content"]) for m in clean), ctx, "messages")
     try:
         text = ctx.tokenizer.apply_chat_template(
             clean, tokenize=False, add_generation_prompt=_bool(body, "add_generation_prompt",
                                                                True))
     except Exception as e:  # noqa: BLE001 - a template error is the request's problem
         raise _bad(f"the chat template cannot render these messages: {e}", "messages") from e
+    _check_chars(len(text), ctx, "messages")
     ids = list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise _bad("the rendered chat is empty", "messages")

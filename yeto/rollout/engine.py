@@ -18,6 +18,8 @@ from yeto.rollout.adapters import AdapterError, LoraSpec, flat_of, read_adapter
 
 log = logging.getLogger("yeto.rollout")
 
+PROBE_TOKENS = 8  # the input a newly loaded adapter must give finite logits on
+
 
 def stop_token_ids(model_dir: str | Path, tokenizer) -> list[int]:
     """End-of-sequence ids: generation_config.json's ``eos_token_id`` (one or a list)
@@ -62,9 +64,38 @@ class LoRAEngine:
     def load_adapter(self, path: str | Path, fixed_layout: bool = False) -> str:
         """Load a peft or mlx-lm adapter; returns its format. The LoRA is rebuilt when
         the adapter's shape differs, unless `fixed_layout` (a node in a run: its layout
-        is the run's), which refuses such an adapter instead. An adapter refused
+        is the run's), which refuses such an adapter instead. The loaded model must
+        give finite logits on a probe input (`check_logits`). An adapter refused
         (`AdapterError`) leaves the engine serving what it served before."""
         tensors, spec, kind = read_adapter(path, self.model_dir)
+        old_spec, old_flat = self.spec, self.weights.get()
+        self._put(tensors, spec, path, fixed_layout)
+        try:
+            self.check_logits(path)
+        except AdapterError:
+            if self.spec != old_spec:  # rebuilt for the adapter: the old LoRA back
+                self.attach(old_spec)
+            self.set_weights(old_flat)
+            raise
+        return kind
+
+    def check_logits(self, path) -> None:
+        """Refuse (`AdapterError`) the adapter just put in place, loaded from `path`,
+        when the model's logits on a short probe input are NaN or infinite: finite
+        factors and scale can still overflow the model's activations."""
+        vocab = self.vocab_size
+        probe = [(3 + 7919 * i) % vocab for i in range(PROBE_TOKENS)]  # spread over the vocab
+        _, logits = self.prefill(probe)
+        if not np.isfinite(logits).all():
+            raise AdapterError(f"the adapter at {path} makes this model's logits NaN or infinite "
+                               f"on a {PROBE_TOKENS}-token probe input (its values or LoRA scale "
+                               "overflow the model's activations); it would sample garbage: fix "
+                               "or retrain it")
+
+    def _put(self, tensors: dict[str, np.ndarray], spec: LoraSpec, path,
+             fixed_layout: bool) -> None:
+        """Put the adapter's `tensors` in place (rebuilding the LoRA for `spec` where
+        it differs, unless `fixed_layout`)."""
         same_scale = abs(spec.alpha / spec.r - self.spec.alpha / self.spec.r) < 1e-12
         try:
             flat = flat_of(tensors, self.layout)
@@ -78,7 +109,6 @@ class LoRAEngine:
             self._rebuild(spec, tensors, path)
         else:
             self.set_weights(flat)
-        return kind
 
     def _rebuild(self, spec: LoraSpec, tensors: dict[str, np.ndarray], path) -> None:
         """Attach the LoRA of `spec` and load `tensors` into it; on failure, the LoRA

@@ -17,7 +17,9 @@ With ``--api-key`` (or $YETO_ROLLOUT_API_KEY) every route but /health needs
 does not name the node and a cross-origin ``Origin`` (403), every POST a body not
 sent as ``application/json`` (415), and adapters load only from under the
 node's adapter roots (403); see `yeto.rollout.guard`. JSON bodies must hold
-finite numbers (no NaN / Infinity).
+finite numbers (no NaN / Infinity). A connection idle or stalled mid-request for
+`CONNECTION_TIMEOUT_S` is closed (a body cut short: 408), and beyond
+`MAX_CONNECTIONS` open at once a new one is answered 503 and closed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ log = logging.getLogger("yeto.rollout")
 API_KEY_ENV = "YETO_ROLLOUT_API_KEY"
 MAX_BODY = 32 << 20
 REQUEST_TIMEOUT_S = 3600.0
+CONNECTION_TIMEOUT_S = 30.0  # the longest wait for a client's next bytes (idle or mid-request)
+MAX_CONNECTIONS = 1024       # connections open at once (a thread each)
 
 
 class RolloutNode:
@@ -60,7 +64,8 @@ class RolloutNode:
         self.scheduler = Scheduler(engine, eos_ids, self.detok, max_batch=max_batch)
         self.ctx = api.Context(model_name, _Locked(self.tokenizer, self._tok_lock),
                                engine.max_len, engine.vocab_size, aliases,
-                               max_rows=self.scheduler.max_batch)
+                               max_rows=self.scheduler.max_batch,
+                               max_chars=api.max_prompt_chars(self.tokenizer, engine.max_len))
         self.adapter_roots = resolve_roots([Path.cwd()] if adapter_roots is None
                                            else adapter_roots)
         self.api_key, self.request_log = api_key, request_log
@@ -249,7 +254,10 @@ class Handler(BaseHTTPRequestHandler):
         if n > MAX_BODY:
             self.close_connection = True
         elif n:
-            self.rfile.read(n)
+            try:
+                self.rfile.read(n)
+            except TimeoutError:
+                self.close_connection = True
 
     def _body(self) -> dict:
         n = self._length()
@@ -257,7 +265,13 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise api.ApiError(413, f"request body over {MAX_BODY} bytes", "RequestTooLarge")
         self._read = True
-        raw = self.rfile.read(n) if n else b""
+        try:
+            raw = self.rfile.read(n) if n else b""
+        except TimeoutError:
+            self.close_connection = True  # the stream is out of step: no keep-alive
+            raise api.ApiError(408, f"the request body stalled: no byte of it came for "
+                               f"{self.timeout:g} s (Content-Length {n}); send the whole body "
+                               "at once", "RequestTimeoutError") from None
         try:
             body = json.loads(raw or b"null", parse_constant=_not_json,
                               parse_float=_finite_float)
@@ -276,21 +290,64 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once: one more is
+    answered 503 and closed, so held-open connections cannot pile up threads."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request) -> None:
+        body = json.dumps(api.ApiError(
+            503, f"the node has {self.max_connections} connections open, its limit: close "
+            "idle connections, or retry", "ServiceUnavailableError").body()).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.setblocking(False)  # a short reply into an empty buffer: never waits
+            request.sendall(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+
 def make_server(node: RolloutNode, host: str = "127.0.0.1", port: int = 0,
-                allow_hosts: tuple[str, ...] = ()) -> ThreadingHTTPServer:
+                allow_hosts: tuple[str, ...] = (), timeout_s: float = CONNECTION_TIMEOUT_S,
+                max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
     """An HTTP server for `node` (port 0: any free port; see `server_address`).
-    `allow_hosts`: Host names it answers to besides its own (``*``: any)."""
-    handler = type("NodeHandler", (Handler,), {"node": node})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    `allow_hosts`: Host names it answers to besides its own (``*``: any);
+    `timeout_s`: how long a connection may wait for the client's next bytes before
+    it is closed; `max_connections`: how many may be open at once."""
+    handler = type("NodeHandler", (Handler,), {"node": node, "timeout": timeout_s})
+    server = _Server((host, port), handler, max_connections)
     handler.guard = Guard.for_bind(host, server.server_address[1], allow_hosts)
     return server
 
 
-def serve_in_thread(node: RolloutNode, host: str = "127.0.0.1", port: int = 0):
+def serve_in_thread(node: RolloutNode, host: str = "127.0.0.1", port: int = 0, **kw):
     """Start serving on a daemon thread; returns (server, base URL). Stop with
-    `server.shutdown(); server.server_close()`."""
-    server = make_server(node, host, port)
+    `server.shutdown(); server.server_close()`. `kw`: `make_server`'s."""
+    server = make_server(node, host, port, **kw)
     threading.Thread(target=server.serve_forever, daemon=True, name="yeto-http").start()
     h, p = server.server_address[:2]
     return server, f"http://{h}:{p}"
