@@ -171,8 +171,8 @@ class Members:
 
     def digest_parts(self) -> list[tuple]:
         return [(m.learner_id, m.generation, m.pushes, m.loss_tokens, m.last_seq,
-                 m.tokens_per_step, m.sync_every, sorted(m.pushed_at.items())) for m in sorted(self.rows.values(),
-                                                    key=lambda m: m.learner_id)]
+                 m.tokens_per_step, m.sync_every, sorted(m.pushed_at.items()))
+                for m in sorted(self.rows.values(), key=lambda m: m.learner_id)]
 
 
 # a file the syncer writes into final/ for an island: a bare name, never a path

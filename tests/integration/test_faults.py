@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from support import make_client, running_syncer, wait_until
 
-from syncer.bounds import Bounds
 from syncer import state
+from syncer.bounds import Bounds
 from syncer.run import Config, Run
 from syncer.tape import read_tape
 from yeto import codec, net

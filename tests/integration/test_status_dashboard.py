@@ -106,7 +106,7 @@ def test_a_loopback_dashboard_checks_host_and_the_run_s_token():
                 _get(base + "api/status")
             assert e.value.code == 401
             assert _get(base + "api/status", {"Authorization": "Bearer tok"})[0] == 200
-            for host in ("evil.example:%d" % dash.port, "evil.example", "127.0.0.1.evil.example"):
+            for host in (f"evil.example:{dash.port}", "evil.example", "127.0.0.1.evil.example"):
                 with pytest.raises(urllib.error.HTTPError) as e:
                     _get(base + "api/status", {"Authorization": "Bearer tok", "Host": host})
                 assert e.value.code == 421, host

@@ -16,8 +16,8 @@ import pytest
 from support import AVERAGING, make_client, running_syncer, wait_until
 
 from syncer import state
-from syncer.bounds import HISTORY
 from syncer.admission import Streams
+from syncer.bounds import HISTORY
 from syncer.run import Config, Run
 from syncer.service import serve
 from syncer.tape import read_tape

@@ -248,7 +248,8 @@ def check_remote_code(path: Path, name: str, trust: bool) -> None:
 def resolve_model(model: str, revision: str | None = None, trust_remote_code: bool = False,
                   need_weights: bool = True) -> ModelSource:
     """Pin a model (local dir -> content digest; hub id -> commit; a .gguf file -> its
-    digest, read into a cached model dir by `yeto.gguf`) and check it is safe to load: safetensors weights (if ``need_weights``), no remote code unless trusted."""
+    digest, read into a cached model dir by `yeto.gguf`) and check it is safe to load:
+    safetensors weights (if ``need_weights``), no remote code unless trusted."""
     path = Path(model)
     if gguf.is_gguf(path):  # read once into a cached model dir (yeto.gguf)
         if revision:
