@@ -111,7 +111,7 @@ def test_export_a_finished_and_an_unfinished_run(tmp_path, tiny_llama, base, cap
     assert main_export(["--state-dir", str(state), "--out", str(tmp_path / "m"),
                         "--format", "mlx", "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "the final adapter of" in out and "verify: max |logits(peft) - logits(mlx-lm)|" in out
+    assert "the final adapter of" in out and "verify: max |logits(peft) - logits(mlx_lm.load)|" in out
     assert np.abs(mlx_logits(tiny_llama, tmp_path / "m") - want).max() <= TOL
 
     # a run still going: its last merged Θ, with the adapter config the islands sent
@@ -160,3 +160,29 @@ def test_refuses_what_mlx_lm_cannot_express(tmp_path, tiny_llama, lora, words, c
     assert main_export(["--state-dir", str(state), "--out", str(tmp_path / "m2"),
                         "--format", "mlx"]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.mlx
+def test_verify_reads_through_plain_mlx_lm_and_names_a_nested_rope_theta(tmp_path, tiny_llama,
+                                                                        capsys):
+    """transformers 5 saves rope_theta inside rope_parameters; plain mlx-lm reads a
+    top-level one and silently uses its default. --verify loaded through yeto's own fix-up
+    and could not see it; now it loads with plain mlx_lm.load, fails, and says what the
+    base's config.json needs. With the fix in the config, it passes."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    config = json.loads((base / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_theta": 1e5,
+                                 "rope_type": "default"}
+    (base / "config.json").write_text(json.dumps(config))
+    peft_dir = make_peft(tmp_path / "peft", base)
+    argv = [str(peft_dir), str(tmp_path / "mlx"), "--to", "mlx", "--verify",
+            "--base-model", str(base)]
+    assert main_convert(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and 'add "rope_theta": 100000 at the top level' in out
+    config["rope_theta"] = 1e5
+    (base / "config.json").write_text(json.dumps(config))
+    assert main_convert([*argv, "--force"]) == 0
+    assert "(ok, tolerance" in capsys.readouterr().out

@@ -120,7 +120,7 @@ def test_mlx_island_adapter_loads_in_peft_and_mlx_lm(moe_models, tmp_path):
     assert np.array_equal(peft_logits, want)  # the same tensors into the same peft model
     mlx_cfg = json.loads((tmp_path / "mlx" / "adapter_config.json").read_text())
     assert "mlp.switch_mlp.gate_proj" in mlx_cfg["lora_parameters"]["keys"]
-    mlx_model = load_with_mlx_lm_adapter(d, tmp_path / "mlx")
+    mlx_model = load_with_mlx_lm_adapter(d, tmp_path / "mlx", plain=False)
     got = parity._mlx_logits(mlx_model, ids)
     assert effect > 0.1 and np.abs(got - want).max() <= parity.REL_TOL * np.abs(want).max()
     # and back: mlx-lm's per-expert factors to peft's, bit for bit, config included
@@ -160,7 +160,7 @@ def test_torch_adapter_converts_for_mixtral(moe_models, tmp_path):
     tm, _, _, ids, want = _adapted(d, seed=5)
     tm.save_pretrained(tmp_path / "peft")
     peft_to_mlx(tmp_path / "peft", tmp_path / "mlx", base_model=d)
-    got = parity._mlx_logits(load_with_mlx_lm_adapter(d, tmp_path / "mlx"), ids)
+    got = parity._mlx_logits(load_with_mlx_lm_adapter(d, tmp_path / "mlx", plain=False), ids)
     assert np.abs(got - want).max() <= parity.REL_TOL * np.abs(want).max()
 
 

@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from yeto.interop.adapters import (
@@ -351,43 +352,96 @@ def convert(src: Path, dest: Path, to: str, base_model: str | None = None,
     return mlx_to_peft(src, dest, base_model=base)
 
 
+VERIFY_TOL = 1e-4  # relative: float32 noise over a few dozen layers stays far below it
+
 # ---- verify -----------------------------------------------------------------------------
-def load_with_mlx_lm_adapter(base_model: str | Path, mlx_dir: str | Path):
-    """What ``mlx_lm.load(base_model, adapter_path=mlx_dir)`` does (mlx-lm's
-    ``load_adapters`` on the loaded model), with yeto's config translation for
-    checkpoints transformers 5 wrote (`yeto.mlx.shims.load_model`, float32), which
-    mlx-lm alone may not read (e.g. a tiny qwen3_moe's config)."""
-    from mlx_lm.tuner.utils import load_adapters
+def load_with_mlx_lm_adapter(base_model: str | Path, mlx_dir: str | Path, plain: bool = True):
+    """The base model with the mlx-lm adapter in float32. `plain`: exactly what a user's
+    ``mlx_lm.load(base_model, adapter_path=mlx_dir)`` computes; else through yeto's
+    config translation (`yeto.mlx.shims.load_model`, what the MLX island loads)."""
+    import mlx.core as mx
 
-    from yeto.mlx.shims import load_model
+    if plain:
+        import mlx_lm
 
-    model, _ = load_model(base_model)
-    model = load_adapters(model, str(mlx_dir))
+        model, _ = mlx_lm.load(str(base_model), adapter_path=str(mlx_dir))
+        model.set_dtype(mx.float32)
+    else:
+        from mlx_lm.tuner.utils import load_adapters
+
+        from yeto.mlx.shims import load_model
+
+        model = load_adapters(load_model(base_model)[0], str(mlx_dir))
     model.eval()
     return model
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What `verify` measured: max |Δlogit| between peft and plain mlx-lm, the largest
+    |logit| (the tolerance is relative to it), and, when plain mlx-lm could not load the
+    base or disagreed, the same through yeto's config translation and why."""
+
+    diff: float
+    scale: float
+    shim_diff: float | None = None
+    note: str = ""
+
+    def ok(self, rel_tol: float) -> bool:
+        return self.diff <= rel_tol * max(1.0, self.scale)
+
+
 def verify(peft_dir: Path, mlx_dir: Path, base_model: str, seq_len: int = 24,
-           batch: int = 2, seed: int = 0) -> float:
-    """Max |Δ| between the logits of the base model with the peft adapter
-    (``peft.PeftModel.from_pretrained``) and with the mlx-lm adapter
-    (mlx-lm's own adapter loading, `load_with_mlx_lm_adapter`), both in float32, on
-    a fixed batch."""
+           batch: int = 2, seed: int = 0, rel_tol: float = 1e-4) -> Verdict:
+    """Compare the logits of the base model with the peft adapter
+    (``peft.PeftModel.from_pretrained``) and with the mlx-lm adapter as plain
+    ``mlx_lm.load(base, adapter_path=...)`` loads it, both in float32, on a fixed
+    batch. A `.gguf` base is read into its model dir first (`yeto.gguf`)."""
     import mlx.core as mx
     import numpy as np
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
+    from yeto import gguf
+
+    base = gguf.model_dir(base_model) if gguf.is_gguf(base_model) else Path(base_model)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     vocab = model.config.vocab_size
     ids = np.random.default_rng(seed).integers(3, min(vocab, 30000), (batch, seq_len))
     peft_model = PeftModel.from_pretrained(model, str(peft_dir)).eval()
     with torch.no_grad():
         want = peft_model(input_ids=torch.from_numpy(ids)).logits.float().numpy()
-    mlx_model = load_with_mlx_lm_adapter(base_model, mlx_dir)
-    got = np.asarray(mlx_model(mx.array(ids)).astype(mx.float32))
-    return float(np.abs(got - want).max())
+    scale = float(np.abs(want).max())
+
+    def diff(plain: bool) -> float:
+        got = load_with_mlx_lm_adapter(base, mlx_dir, plain)(mx.array(ids))
+        return float(np.abs(np.asarray(got.astype(mx.float32)) - want).max())
+
+    try:
+        plain = diff(True)
+    except Exception as e:  # noqa: BLE001 - any failure of mlx-lm's own loader is the finding
+        return Verdict(float("inf"), scale, diff(False),
+                       f"plain mlx_lm.load cannot load {base} ({type(e).__name__}: {e})")
+    verdict = Verdict(plain, scale)
+    if not verdict.ok(rel_tol):
+        verdict = Verdict(plain, scale, diff(False), _config_note(base))
+    return verdict
+
+
+def _config_note(base: Path) -> str:
+    """Why plain mlx-lm may compute another function than transformers on `base`."""
+    try:
+        config = json.loads((base / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and "rope_theta" not in config:
+        return (f"{base}/config.json has rope_theta {theta:g} only inside rope_parameters "
+                "(as transformers 5 saves it); mlx-lm reads a top-level rope_theta and falls "
+                f"back to its default: add \"rope_theta\": {theta:g} at the top level of that "
+                "config.json")
+    return ""
 
 
 # ---- CLI ----------------------------------------------------------------------------------
@@ -412,10 +466,12 @@ def build_export_parser() -> argparse.ArgumentParser:
                    help="refuse a run that has not finished instead of exporting its last "
                         "merged weights")
     p.add_argument("--verify", action="store_true",
-                   help="with --format mlx: load both adapters with the real loaders and "
-                        "compare logits (needs torch, peft, mlx, mlx-lm)")
-    p.add_argument("--verify-tol", type=float, default=1e-4,
-                   help="largest accepted max |Δlogit| for --verify")
+                   help="with --format mlx: load the adapter with plain mlx_lm.load and the "
+                        "peft one with peft, and compare logits (needs torch, peft, mlx, "
+                        "mlx-lm)")
+    p.add_argument("--verify-tol", type=float, default=VERIFY_TOL,
+                   help="largest accepted max |Δlogit| for --verify, relative to the "
+                        "largest |logit| (at least 1)")
     return p
 
 
@@ -434,9 +490,11 @@ def build_convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", default=None,
                    help="the local base model dir (default: the one the adapter names)")
     p.add_argument("--verify", action="store_true",
-                   help="load both adapters with the real loaders and compare logits")
-    p.add_argument("--verify-tol", type=float, default=1e-4,
-                   help="largest accepted max |Δlogit| for --verify")
+                   help="load both adapters with the real loaders (peft, plain mlx_lm.load) "
+                        "and compare logits")
+    p.add_argument("--verify-tol", type=float, default=VERIFY_TOL,
+                   help="largest accepted max |Δlogit| for --verify, relative to the "
+                        "largest |logit| (at least 1)")
     return p
 
 
@@ -444,10 +502,15 @@ def _run_verify(peft_dir: Path, mlx_dir: Path, base: str | None, tol: float) -> 
     if not base:
         print("error: --verify needs the base model: pass --base-model PATH", file=sys.stderr)
         return 2
-    diff = verify(peft_dir, mlx_dir, base)
-    ok = diff <= tol
-    print(f"verify: max |logits(peft) - logits(mlx-lm)| = {diff:.3g} "
-          f"({'ok' if ok else 'FAILED'}, tolerance {tol:g})")
+    v = verify(peft_dir, mlx_dir, base, rel_tol=tol)
+    ok = v.ok(tol)
+    print(f"verify: max |logits(peft) - logits(mlx_lm.load)| = {v.diff:.3g} at max |logit| "
+          f"{v.scale:.3g} ({'ok' if ok else 'FAILED'}, tolerance {tol:g} x max(1, |logit|))")
+    if v.shim_diff is not None:
+        print(f"  through yeto's config translation (what the MLX island loads): "
+              f"{v.shim_diff:.3g}")
+    if v.note:
+        print(f"  {v.note}")
     return 0 if ok else 1
 
 
