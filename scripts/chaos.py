@@ -28,6 +28,27 @@ at random; --kinds picks some):
                   (127.0.0.1 too: no network namespaces needed); the relay drops its
                   connections and refuses new ones, or holds every byte, until the fleet
                   committed twice without it; then the link comes back
+  rogue-claims    the rogue joins declaring the most tokens per step a join may
+                  (--max-tokens-per-step) and a push every 100 steps, then pushes 100,000
+                  steps, and tokens one over steps × its declaration: each refused
+                  INVALID_ARGUMENT; then exactly the steps the refusal named as its bound,
+                  with the most tokens they may hold: accepted. Its share of that merge
+                  (the tape's) must be within the cap, 2/k for k islands in the merge (1 for
+                  k <= 2); up to 3 such pushes, until one lands in a merge of k >= 3.
+                  It starts after a commit with every island in it: the syncer decides
+                  whether a round may be capped when the round opens, by the islands live
+                  then (a round that opened with 2 has no cap, however many push to it)
+  rogue-bound     the rogue pushes ±max_delta in one direction (far over the norm bound)
+                  once a round for --bound-rounds rounds: each must be merged at <= its
+                  bound, 10 × the lower median of the other islands' median norms (their
+                  last 8, as the tape lists them) (the tape's norm × bound_scale); max |Θ|
+                  before and after is said
+  seed-race       a fresh run on a second syncer (--quorum 2): an honest raw client joins
+                  first, the rogue second and sends a seed of 9.9e7 values before it: it
+                  must be refused FAILED_PRECONDITION, and Θ must be the honest seed
+  observer-first  a fresh run on a second syncer: an observer with another layout joins
+                  first, then an island with the real one: accepted and asked for the seed;
+                  the observer's next Heartbeat and its rejoin are refused
 
 Every wait is on an event (a process exit, a tape or log line, an RPC answer) and has a
 bound (--wait-s) that fails loudly; every fault ends with a committed round. After the
@@ -43,9 +64,24 @@ islands run until the final weights arrive. Then:
   islands_identical  every island's final weights == the syncer's final Θ == final/, bit
                      for bit
 
+Then the drift (--drift-rounds, in this process: `syncer.run.Run` objects driven round by
+round through the real Run.push, f32 pushes, the fleet's outer step; deterministic): the
+fleet's synthetic islands (synthetic_island.Quadratic, seeds 0.., H = --sync-every, its
+tokens per step) from a LoRA-like Θ_0, and the rogue beside them with rogue-claims' most
+claims, pushing ±max_delta in one direction (summed at its norm bound) every round.
+rogue_drift_ratio = ‖Θ_R − Θ_0‖ with a minority rogue (beside max(3, --islands) honest
+islands) ÷ the same honest islands alone; rogue_drift_half beside one honest island;
+rogue_drift_alone the rogue alone ÷ one honest island alone. A run in which an honest
+push is refused (Θ pushed so far that its delta is over max_delta) stops there: its
+ratio is a lower bound. Measured, not checked (the exit status does not depend on it).
+
 One line per fault as it goes (kind, target, outcome), and the last line:
 RESULT faults=N kinds=K rounds=R lost_commits=0 theta_finite=1 islands_identical=1
-The exit status is 0 only when every check and every fault passed.
+       rogue_share_max=S share_cap=C rogue_drift_ratio=D rogue_drift_half=D2
+       rogue_drift_alone=D1
+(one line) where S is the rogue's largest share of a merge of k >= 3 islands in
+rogue-claims (of any merge if none had k >= 3) and C the cap in that merge; -1 for a
+figure not measured. The exit status is 0 only when every check and every fault passed.
 """
 
 from __future__ import annotations
@@ -55,6 +91,7 @@ import collections
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import re
@@ -78,10 +115,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from synthetic_island import layout_for  # noqa: E402
+from synthetic_island import Quadratic, layout_for  # noqa: E402
+from synthetic_island import build_parser as island_parser  # noqa: E402
 
 from syncer import spawn, state  # noqa: E402
+from syncer.bounds import HISTORY, Bounds  # noqa: E402
+from syncer.errors import Reject  # noqa: E402
+from syncer.messages import PushHeader  # noqa: E402
+from syncer.run import Config, Run  # noqa: E402
+from syncer.tape import Tape  # noqa: E402
 from yeto import codec, net  # noqa: E402
+from yeto.layout import Layout  # noqa: E402
 from yeto.proto import yeto_pb2 as pb  # noqa: E402
 from yeto.proto import yeto_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -92,6 +136,10 @@ RESUMED = re.compile(r"resumed run \S+ at version (\d+)")
 DISK_FULL = re.compile(r"(?i)no space left|errno 28|enospc|disk (is )?full")
 IDENTITY = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+OUTER, OUTER_LR, OUTER_MOMENTUM = "nesterov", 0.7, 0.9  # the fleet's outer step (and drift's)
+BOUNDS = Bounds()  # the syncer's bounds: the harness passes none of their flags
+ROGUE_TOKENS = BOUNDS.max_tokens_per_step  # the most tokens per step a join may declare
+ROGUE_EVERY = 100  # the steps between pushes the rogue declares (rogue-claims, drift)
 # the last line of a Python traceback in the syncer's log
 EXCEPTION = re.compile(r"^((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b:?.*)$",
                        re.MULTILINE)
@@ -260,6 +308,7 @@ class Fleet:
         self.tmpfs_problem: str | None = "not set up"
         self.mounted = False
         self.ending = False  # the final rounds: islands exit by themselves
+        self.shares: list[tuple[int, float, int]] = []  # rogue-claims: (version, share, k)
 
     @property
     def address(self) -> str:
@@ -277,8 +326,8 @@ class Fleet:
         a = self.args
         flags = ["--state-dir", str(self.state_dir), "--quorum", str(quorum or a.quorum),
                  "--rounds", str(rounds), "--grace", "fixed", "--grace-ms", "100",
-                 "--round-timeout-s", "10", "--outer", "nesterov", "--outer-lr", "0.7",
-                 "--outer-momentum", "0.9"]
+                 "--round-timeout-s", "10", "--outer", OUTER, "--outer-lr", str(OUTER_LR),
+                 "--outer-momentum", str(OUTER_MOMENTUM)]
         try:
             self.syncer = spawn.start_syncer(flags + (["--resume"] if resume else []),
                                              port=self.port, cwd=ROOT, env=self.env(),
@@ -402,17 +451,19 @@ class Fleet:
                                  f"v{self.tape.version})")
             time.sleep(0.05)
 
-    def next_merge(self, what: str, who: str | None = None, without: str | None = None,
-                   after: int | None = None, bound: float | None = None) -> dict:
+    def next_merge(self, what: str, who: str | set[str] | None = None,
+                   without: str | None = None, after: int | None = None,
+                   bound: float | None = None) -> dict:
         """Wait for a merge record past tape index `after` (default: now) that has `who`
-        among its responders and not `without`."""
+        (an island, or each of a set) among its responders and not `without`."""
         self.tape.poll()
         start = len(self.tape.merges) if after is None else after
+        wanted = {who} if isinstance(who, str) else set(who or ())
 
         def found():
             for m in self.tape.merges[start:]:
                 ids = responders(m)
-                if (who is None or who in ids) and (without is None or without not in ids):
+                if wanted <= ids and (without is None or without not in ids):
                     return m
             return None
         return self.wait_for(what, found, bound)
@@ -465,75 +516,85 @@ class Fleet:
 
 # ---- the rogue: a client in this process with its own valid credential ---------------------
 class Rogue:
-    """Raw stubs (yeto/proto) on a fresh channel; the credential is rogue's own."""
+    """Raw stubs (yeto/proto) on a fresh channel, with the credential of its own learner
+    id: "rogue", or another id for an honest raw client (seed-race, observer-first);
+    `address` (default: the fleet's syncer) and `layout` (default: the fleet's)."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
-        self.layout = layout_for(fleet.args.dim)
-        self.cred = net.island_credential(fleet.secret, "rogue")
+    def __init__(self, fleet: Fleet, address: str | None = None, learner_id: str = "rogue",
+                 layout: Layout | None = None):
+        self.fleet, self.lid = fleet, learner_id
+        self.layout = layout or layout_for(fleet.args.dim)
+        self.cred = net.island_credential(fleet.secret, learner_id)
         self.md = net.auth_metadata(self.cred)
-        self.channel = grpc.insecure_channel(fleet.address, options=net.GRPC_OPTIONS)
+        self.channel = grpc.insecure_channel(address or fleet.address, options=net.GRPC_OPTIONS)
         self.stub = pb_grpc.SyncerStub(self.channel)
         self.gen, self.seq = 0, 0
 
-    def join(self, learner_id: str = "rogue") -> pb.JoinReply:
+    def join(self, learner_id: str | None = None, **declared) -> pb.JoinReply:
+        """Join as `learner_id` (default: its own) with `declared` JoinRequest fields
+        (tokens_per_step, sync_every, observer)."""
+        lid = learner_id or self.lid
         specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
                  for s in self.layout.specs]
         reply = self.stub.Join(pb.JoinRequest(
-            learner_id=learner_id, layout=specs, fingerprint=self.layout.fingerprint,
-            backend="numpy", weights_file="weights.safetensors"), metadata=self.md,
-            timeout=RPC_S)
-        if learner_id == "rogue":
+            learner_id=lid, layout=specs, fingerprint=self.layout.fingerprint,
+            backend="numpy", weights_file="weights.safetensors", **declared),
+            metadata=self.md, timeout=RPC_S)
+        if lid == self.lid:
             self.gen, self.seq = reply.generation, max(self.seq, reply.last_seq + 1)
         return reply
 
-    def join_as_self(self) -> None:
-        """Join as "rogue"; FaultFailed when the syncer refuses rogue's valid credential
+    def join_as_self(self, **declared) -> None:
+        """Join as itself; FaultFailed when the syncer refuses its valid credential
         (then no rogue fault can test what it means to)."""
         try:
-            self.join()
+            self.join(**declared)
         except grpc.RpcError as e:
-            raise FaultFailed(f"the syncer refused rogue's own valid credential at Join "
+            raise FaultFailed(f"the syncer refused {self.lid}'s own valid credential at Join "
                               f"({e.code().name}: {e.details()}): per-island credentials "
                               "(yeto.net.island_credential) not accepted, fault not "
                               "exercised") from None
 
     def version(self) -> int:
-        return self.stub.Heartbeat(pb.HeartbeatRequest(learner_id="rogue", generation=self.gen),
+        return self.stub.Heartbeat(pb.HeartbeatRequest(learner_id=self.lid, generation=self.gen),
                                    metadata=self.md, timeout=RPC_S).version
 
-    def header(self, encoding: str, version: int, learner_id: str = "rogue",
-               generation: int | None = None, seq: int | None = None) -> pb.PushHeader:
+    def header(self, encoding: str, version: int, learner_id: str | None = None,
+               generation: int | None = None, seq: int | None = None,
+               **fields) -> pb.PushHeader:
+        """A push header against `version`; `fields` replace its claims (loss_tokens,
+        steps) or its kind (pb.SEED)."""
         n = self.layout.numel
-        return pb.PushHeader(
-            learner_id=learner_id, generation=self.gen if generation is None else generation,
+        return pb.PushHeader(**dict(dict(
+            learner_id=learner_id or self.lid,
+            generation=self.gen if generation is None else generation,
             round=version + 1, base_version=version, loss_tokens=5 * 100, steps=5,
             encoding=encoding, numel=n, payload_bytes=codec.encoded_size(encoding, n),
             kind=pb.DELTA, seq=self.seq if seq is None else seq, train_loss=float("nan"),
-            eval_loss=float("nan"))
+            eval_loss=float("nan")), **fields))
 
     def push(self, header: pb.PushHeader, payload: bytes) -> pb.PushReply:
         chunks = [pb.PushChunk(header=header if i == 0 else None, data=bytes(piece))
                   for i, piece in enumerate(net.chunks(payload))]
         return self.stub.Push(iter(chunks), metadata=self.md, timeout=RPC_S)
 
-    def push_now(self, encoding: str, payload: bytes) -> pb.PushReply:
+    def push_now(self, encoding: str, payload: bytes, **claims) -> pb.PushReply:
         """Push against the current version; again if rounds committed meanwhile and it
-        came too stale (so a refusal is for the payload, not for being late)."""
+        came too stale (so a refusal is for the payload or `claims`, not for being late)."""
         for _ in range(5):
             try:
-                reply = self.push(self.header(encoding, self.version()), payload)
+                reply = self.push(self.header(encoding, self.version(), **claims), payload)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in e.details():
                     continue
                 raise
             self.seq += reply.accepted
             return reply
-        raise ChaosError("the rogue's push came stale five times running")
+        raise ChaosError(f"{self.lid}'s push came stale five times running")
 
     def finish(self) -> None:
         try:
-            self.stub.Finish(pb.FinishRequest(learner_id="rogue", generation=self.gen),
+            self.stub.Finish(pb.FinishRequest(learner_id=self.lid, generation=self.gen),
                              metadata=self.md, timeout=RPC_S)
         except grpc.RpcError:
             pass  # it never joined, or the syncer is gone: nothing to leave
@@ -827,6 +888,252 @@ def inject_disk_full(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
     return "state dir", f"filled with {size >> 10} KiB; noticed: {how}; committed v{m['version']}"
 
 
+# ---- the rogue's claims and norms (issue 44) -------------------------------------------------
+CARRY = re.compile(r"can carry at most (\d+)")
+CLAIM_TRIES = 3  # rogue-claims: pushes at the bound until one lands in a merge of k >= 3
+
+
+def rogue_share(merge: dict, lid: str = "rogue") -> tuple[float, int]:
+    """`lid`'s share of a merge as the tape gives it (the weights really merged), and k:
+    how many islands pushed to it."""
+    share = sum(r.get("share", 0.0) for r in merge.get("responders", ()) if r["learner"] == lid)
+    return share, len(responders(merge))
+
+
+def small_delta(numel: int, rng: random.Random) -> bytes:
+    """A push an honest island could send (the claims are what is rogue about it)."""
+    noise = np.random.default_rng(rng.getrandbits(32)).standard_normal(numel)
+    return (0.01 * noise).astype(np.float32).tobytes()
+
+
+def rogue_direction(numel: int, seed: int) -> np.ndarray:
+    """±1 per value: the one direction the rogue pushes in all run long."""
+    return np.where(np.random.default_rng(seed).standard_normal(numel) < 0, -1.0, 1.0) \
+        .astype(np.float32)
+
+
+def refused(rogue: Rogue, what: str, payload: bytes, code: grpc.StatusCode, **claims) -> str:
+    """Push `payload` with `claims` now; its refusal's details (FaultFailed unless it was
+    refused with `code`)."""
+    try:
+        reply = rogue.push_now("f32", payload, **claims)
+    except grpc.RpcError as e:
+        if e.code() != code:
+            raise FaultFailed(f"{what}: refused with {e.code().name}, not {code.name} "
+                              f"({e.details()})") from None
+        return e.details()
+    raise FaultFailed(f"{what}: ACCEPTED ({reply.status})")
+
+
+def claims_refused(rogue: Rogue, payload: bytes) -> int:
+    """Steps far beyond the declared schedule, then loss tokens one over steps × the
+    declared tokens per step: both refused. Returns the bound the first refusal states."""
+    steps = BOUNDS.max_steps_per_push
+    details = refused(rogue, f"{steps} steps (declared every {ROGUE_EVERY})", payload,
+                      grpc.StatusCode.INVALID_ARGUMENT, steps=steps,
+                      loss_tokens=steps * ROGUE_TOKENS)
+    found = CARRY.search(details)
+    if not found:
+        raise FaultFailed(f"{steps} steps refused, but not for the schedule: {details}")
+    bound = int(found.group(1))
+    refused(rogue, f"{bound} steps with {bound * ROGUE_TOKENS + 1} loss tokens", payload,
+            grpc.StatusCode.INVALID_ARGUMENT, steps=bound, loss_tokens=bound * ROGUE_TOKENS + 1)
+    return bound
+
+
+def pushed_at_bound(fleet: Fleet, rogue: Rogue, payload: bytes, steps: int) -> dict:
+    """Push `steps` steps (the bound) with the most loss tokens they may hold: accepted;
+    the merge it went into."""
+    fleet.tape.poll()
+    mark = len(fleet.tape.merges)
+    reply = rogue.push_now("f32", payload, steps=steps, loss_tokens=steps * ROGUE_TOKENS)
+    if not reply.accepted:
+        raise FaultFailed(f"{steps} steps at the bound: not merged ({reply.status})")
+    return fleet.next_merge("commit with the rogue's push at its bound", who="rogue", after=mark)
+
+
+def inject_rogue_claims(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    rogue, got, over = Rogue(fleet), [], []
+    payload = small_delta(rogue.layout.numel, rng)
+    # the rounds after a commit with every island open with all of them live: the syncer
+    # decides whether a round's shares may be capped when it opens, by the islands live then
+    fleet.next_merge("commit with every island in it", who=set(fleet.ids))
+    try:
+        rogue.join_as_self(tokens_per_step=ROGUE_TOKENS, sync_every=ROGUE_EVERY)
+        for _ in range(CLAIM_TRIES):
+            bound = claims_refused(rogue, payload)
+            m = pushed_at_bound(fleet, rogue, payload, bound)
+            share, k = rogue_share(m)
+            fleet.shares.append((m["version"], share, k))
+            cap = BOUNDS.share_cap(k)
+            got.append(f"v{m['version']} {bound} steps: share {share:.3f}, k={k}, cap {cap:.3f}")
+            if share > cap * (1 + 1e-6):
+                over.append(f"v{m['version']}: share {share:.4f} > cap {cap:.4f} (k={k})")
+            if k >= 3:
+                break
+    finally:
+        rogue.finish()
+        rogue.close()
+    text = (f"declared {ROGUE_TOKENS} tokens/step, every {ROGUE_EVERY} steps; "
+            f"{BOUNDS.max_steps_per_push} steps and tokens over the declaration: "
+            "INVALID_ARGUMENT; at the bound: " + "; ".join(got))
+    if over:
+        raise FaultFailed("; ".join(over) + f" [{text}]")
+    return "rogue", text
+
+
+def bound_at(merges: list[dict], upto: int, lid: str = "rogue") -> float:
+    """The norm bound `lid`'s push in merge `upto` (a tape index) met, as
+    syncer.bounds.NormBounds sets it: norm_factor × the lower median of the other islands'
+    medians of their last HISTORY norms before it (the tape lists pushes as they came)."""
+    norms = collections.defaultdict(lambda: collections.deque(maxlen=HISTORY))
+    for i, m in enumerate(merges[:upto + 1]):
+        for r in m["responders"]:
+            if i == upto and r["learner"] == lid:
+                typical = sorted(float(np.median(h)) for who, h in norms.items() if who != lid)
+                return BOUNDS.norm_factor * typical[(len(typical) - 1) // 2] if typical \
+                    else float("inf")
+            norms[r["learner"]].append(r["norm"])
+    return float("inf")
+
+
+def inject_rogue_bound(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    """The rogue pushes ±max_delta in one direction (far over the norm bound), one push
+    a round for --bound-rounds rounds: each merged at ≤ norm_factor × the others' norms."""
+    rogue = Rogue(fleet)
+    payload = (rogue_direction(rogue.layout.numel, fleet.args.seed) * BOUNDS.max_delta) \
+        .tobytes()
+    before, merges = fleet.snapshot("before rogue-bound"), []
+    try:
+        rogue.join_as_self()
+        for _ in range(fleet.args.bound_rounds):
+            fleet.tape.poll()
+            mark = len(fleet.tape.merges)
+            reply = rogue.push_now("f32", payload)
+            if not reply.accepted:
+                raise FaultFailed(f"a push over the norm bound was not merged ({reply.status})")
+            merges.append(fleet.next_merge("commit with the rogue's push", who="rogue",
+                                           after=mark))
+    finally:
+        rogue.finish()
+        rogue.close()
+    if not merges:
+        return "rogue", "no pushes (--bound-rounds 0)"
+    mine = [next(r for r in m["responders"] if r["learner"] == "rogue") for m in merges]
+    ratios = [r["norm"] * r["bound_scale"] / bound_at(fleet.tape.merges,
+                                                      fleet.tape.merges.index(m))
+              for r, m in zip(mine, merges)]
+    after = fleet.snapshot("after rogue-bound")
+    text = (f"{len(merges)} pushes of norm {mine[0]['norm']:.4g} in one direction, scaled by "
+            f"{min(r['bound_scale'] for r in mine):.3g}..{max(r['bound_scale'] for r in mine):.3g}"
+            f": merged at {min(ratios):.4f}..{max(ratios):.4f} × its bound ("
+            f"{BOUNDS.norm_factor:g} × the others' typical norm, from the tape), share ≤ "
+            f"{max(rogue_share(m)[0] for m in merges):.3f}"
+            f"; max |Θ| {before[3] if before else float('nan'):.4g} → "
+            f"{after[3] if after else float('nan'):.4g} (v{merges[-1]['version']})")
+    if max(ratios) > 1 + 1e-4:
+        raise FaultFailed(f"merged over the norm bound: {text}")
+    return "rogue", text
+
+
+# ---- races on a fresh run: a throwaway syncer --------------------------------------------
+@contextlib.contextmanager
+def throwaway_syncer(fleet: Fleet, name: str, quorum: int):
+    """A second syncer (`python -m syncer`, the fleet's secret) for a fresh run: yields
+    (its process, its state dir); stopped on leaving."""
+    base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=fleet.workdir))
+    try:
+        proc = spawn.start_syncer(["--state-dir", str(base / "state"), "--quorum", str(quorum),
+                                   "--grace", "fixed", "--grace-ms", "100"], cwd=ROOT,
+                                  env=fleet.env(), log=base / "syncer.log",
+                                  timeout_s=fleet.args.wait_s)
+    except spawn.SyncerStartError as e:
+        raise ChaosError(f"the throwaway syncer did not start: {e}") from None
+    try:
+        yield proc, base / "state"
+    finally:
+        proc.stop()
+
+
+def answered(what: str, call: Callable):
+    """`call()`'s answer; FaultFailed when it was refused."""
+    try:
+        return call()
+    except grpc.RpcError as e:
+        raise FaultFailed(f"{what} was refused: {e.code().name}: {e.details()}") from None
+
+
+def seed_race(fleet: Fleet, honest: Rogue, rogue: Rogue, state_dir: Path,
+              rng: random.Random) -> str:
+    first = answered("the honest client's Join", honest.join)
+    second = answered("the rogue's Join", rogue.join)
+    if not first.send_seed or second.send_seed:
+        raise FaultFailed(f"send_seed: {first.send_seed} to the first to join (honest), "
+                          f"{second.send_seed} to the second (rogue)")
+    n = honest.layout.numel
+    got = refused(rogue, "the rogue's seed of 9.9e7 values", np.full(n, 9.9e7, np.float32)
+                  .tobytes(), grpc.StatusCode.FAILED_PRECONDITION, kind=pb.SEED)
+    theta0 = np.frombuffer(small_delta(n, rng), np.float32)
+    reply = answered("the honest seed", lambda: honest.push(
+        honest.header("f32", 0, kind=pb.SEED), theta0.tobytes()))
+    if not reply.accepted:
+        raise FaultFailed(f"the honest seed was not taken ({reply.status})")
+    seeded = fleet.wait_for("'seeded' on the throwaway syncer's tape", lambda: next(
+        (r for r in records(state_dir / "tape.jsonl") if r.get("event") == "seeded"), None))
+    if seeded["learner"] != honest.lid or seeded["theta_sha256"] != state.digest(theta0):
+        raise FaultFailed(f"Θ was seeded by {seeded['learner']} (sha "
+                          f"{seeded['theta_sha256'][:12]}), not by the honest seed")
+    return (f"the rogue (second to join) seeded first: FAILED_PRECONDITION "
+            f"({got.split(':')[0]}); "
+            f"Θ = the honest seed (sha {seeded['theta_sha256'][:12]})")
+
+
+def inject_seed_race(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    with throwaway_syncer(fleet, "seed-race", quorum=2) as (syncer, state_dir):
+        honest = Rogue(fleet, syncer.address, "honest-seed")
+        rogue = Rogue(fleet, syncer.address)
+        try:
+            text = seed_race(fleet, honest, rogue, state_dir, rng)
+        finally:
+            honest.close()
+            rogue.close()
+    m = fleet.next_merge("commit after the seed race")
+    return f"port {syncer.port}", text + f"; fleet committed v{m['version']}"
+
+
+def observer_first(observer: Rogue, island: Rogue) -> str:
+    answered("the observer's Join (first, another layout)", lambda: observer.join(observer=True))
+    joined = answered("the island's Join after an observer of another layout", island.join)
+    if not joined.send_seed:
+        raise FaultFailed("the first island was not asked for the seed")
+    got = []
+    for what, call in (("Heartbeat", observer.version),
+                       ("rejoin", lambda: observer.join(observer=True))):
+        try:
+            call()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise FaultFailed(f"the observer's {what} refused with {e.code().name}: "
+                                  f"{e.details()}") from None
+            got.append(f"observer's {what} FAILED_PRECONDITION")
+            continue
+        raise FaultFailed(f"the observer's {what} after the island brought the layout: ACCEPTED")
+    return "island accepted and asked for the seed; " + "; ".join(got)
+
+
+def inject_observer_first(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    with throwaway_syncer(fleet, "observer-first", quorum=1) as (syncer, _):
+        observer = Rogue(fleet, syncer.address, "rollout-0", layout_for(fleet.args.dim + 2))
+        island = Rogue(fleet, syncer.address, "island-x")
+        try:
+            text = observer_first(observer, island)
+        finally:
+            observer.close()
+            island.close()
+    m = fleet.next_merge("commit after the observer race")
+    return f"port {syncer.port}", text + f"; fleet committed v{m['version']}"
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str
@@ -844,6 +1151,10 @@ KINDS = (
     Kind("impersonation", inject_impersonation),
     Kind("disk-full", inject_disk_full, lambda fleet: fleet.tmpfs_problem),
     Kind("link-cut", inject_link_cut),
+    Kind("rogue-claims", inject_rogue_claims),
+    Kind("rogue-bound", inject_rogue_bound),
+    Kind("seed-race", inject_seed_race),
+    Kind("observer-first", inject_observer_first),
 )
 
 
@@ -1043,6 +1354,119 @@ def check_theta(fleet: Fleet) -> tuple[bool, int | None, str | None]:
     return all(s[2] for s in fleet.snapshots), last[1], state.digest(theta)
 
 
+# ---- drift: how far a rogue at its bounds moves Θ (in-process runs) ----------------------
+ISLAND = island_parser()  # the synthetic island's defaults (--lr, --tokens), as in the fleet
+
+
+class KeptTape(Tape):
+    """A run's tape kept in memory (the drift runs have no state dir)."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> bool:
+        self.records.append(record)
+        return True
+
+
+@dataclass
+class Drift:
+    moved: float       # ‖Θ_R − Θ_0‖
+    share: float       # the rogue's largest share of a merge (0: no rogue)
+    stopped: str = ""  # why it ended before --drift-rounds rounds ("": it did not)
+
+
+def drift_seed(layout: Layout, seed: int) -> np.ndarray:
+    """Θ_0 as a LoRA adapter starts: lora_A small random values, lora_B zeros (before any
+    other island pushed, the norm bound is 10 × its norm)."""
+    theta = np.zeros(layout.numel, np.float32)
+    a = layout.specs[0].numel  # lora_A comes first (layout_for)
+    theta[:a] = 0.1 * np.random.default_rng(seed).standard_normal(a)
+    return theta
+
+
+def drift_push(run: Run, lid: str, gen: int, v: int, delta: np.ndarray, steps: int,
+               tokens: int, seed: bool = False) -> None:
+    """`lid`'s push against version `v` through the real Run.push (f32)."""
+    n = run.layout.numel
+    run.push(PushHeader(lid, gen, v + 1, 0, v, tokens, steps, "f32", n, 4 * n, seed, v),
+             np.ascontiguousarray(delta, np.float32).tobytes())
+
+
+def drift_run(args, honest: int, rogue: bool) -> Drift:
+    """--drift-rounds rounds of `honest` synthetic islands (Quadratic, seeds 0.., the
+    fleet's lr, H = --sync-every and tokens) and, with `rogue`, the rogue; the first to
+    join seeds Θ_0 (`drift_seed`)."""
+    layout = layout_for(args.dim)
+    run = Run(Config(quorum=honest + rogue, outer=OUTER, outer_lr=OUTER_LR,
+                     outer_momentum=OUTER_MOMENTUM))
+    run.tape = KeptTape()
+    declared = {f"island-{i}": (ISLAND.get_default("tokens"), args.sync_every)
+                for i in range(honest)}
+    if rogue:
+        declared["rogue"] = (ROGUE_TOKENS, ROGUE_EVERY)
+    gens = {lid: run.join(lid, layout.specs, layout.fingerprint, "numpy", "weights.safetensors",
+                          {}, tokens_per_step=t, sync_every=h)["generation"]
+            for lid, (t, h) in declared.items()}
+    theta0 = drift_seed(layout, args.seed)
+    first = next(iter(gens))
+    drift_push(run, first, gens[first], 0, theta0, 0, 0, seed=True)
+    models = {lid: Quadratic(layout, i, ISLAND.get_default("lr"))
+              for i, lid in enumerate(declared) if lid != "rogue"}
+    stopped = drift_rounds(run, gens, models, args)
+    shares = [rogue_share(r)[0] for r in run.tape.records if r.get("event") == "merge"]
+    return Drift(float(np.linalg.norm(run.theta.astype(np.float64) - theta0)),
+                 max(shares, default=0.0), stopped)
+
+
+def drift_rounds(run: Run, gens: dict[str, int], models: dict[str, Quadratic], args) -> str:
+    """Each island pushes once a round, the honest ones first (H steps of their quadratic
+    from Θ), then the rogue: the most steps and tokens its declaration allows, ±max_delta
+    in one direction (far over its norm bound: summed at the bound). Returns "" or why it
+    stopped early (a refused push)."""
+    h, tokens = args.sync_every, ISLAND.get_default("tokens")
+    rogue = rogue_direction(run.layout.numel, args.seed) * BOUNDS.max_delta
+    for v in range(args.drift_rounds):
+        theta = run.theta.copy()
+        try:
+            for lid, model in models.items():
+                model.set(theta)
+                for _ in range(h):
+                    model.update()
+                drift_push(run, lid, gens[lid], v, theta - model.w, h, h * tokens)
+            if "rogue" in gens:
+                steps = 2 * ROGUE_EVERY  # within H × (2 + missed) whatever it missed
+                drift_push(run, "rogue", gens["rogue"], v, rogue, steps, steps * ROGUE_TOKENS)
+        except Reject as e:  # an island's push: the one being pushed when it raised
+            return f"stopped in round {v + 1} ({e}): a lower bound"
+        if run.version != v + 1:
+            return f"round {v + 1} did not commit"
+    return ""
+
+
+def measure_drift(args) -> dict[str, float]:
+    """rogue_drift_*: ‖Θ_R − Θ_0‖ with the rogue ÷ the same honest islands without it, for
+    a minority rogue (beside max(3, --islands) honest ones), half (beside one), alone
+    (against one honest island alone)."""
+    log = logging.getLogger("syncer")
+    level, ratios, baseline = log.level, {}, {}
+    log.setLevel(logging.ERROR)  # the norm bound's warning, every round
+    try:
+        for name, honest in (("minority", max(3, args.islands)), ("half", 1), ("alone", 0)):
+            n = max(honest, 1)
+            alone = baseline[n] = baseline.get(n) or drift_run(args, n, rogue=False)
+            with_rogue = drift_run(args, honest, rogue=True)
+            ratios[name] = with_rogue.moved / alone.moved
+            say(f"drift {name}: {honest} honest + rogue moved Θ {with_rogue.moved:.4g}, {n} "
+                f"honest alone {alone.moved:.4g}: ratio {ratios[name]:.4g} (rogue's share "
+                f"≤ {with_rogue.share:.4f}){' ' + with_rogue.stopped if with_rogue.stopped else ''}"
+                f"{' ' + alone.stopped if alone.stopped else ''}")
+    finally:
+        log.setLevel(level)
+    return ratios
+
+
 # ---- main -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
@@ -1059,6 +1483,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--silent-streams", type=int, default=5,
                    help="header-only silent Push streams per fault (plus 2 empty ones)")
     p.add_argument("--final-rounds", type=int, default=3)
+    p.add_argument("--bound-rounds", type=int, default=10,
+                   help="rogue-bound: the rogue's pushes over the norm bound (one a round)")
+    p.add_argument("--drift-rounds", type=int, default=100,
+                   help="rounds of each in-process drift run (0: no drift figures)")
     p.add_argument("--tmpfs-mib", type=int, default=16)
     p.add_argument("--wait-s", type=float, default=90.0, help="bound of every wait")
     p.add_argument("--workdir", type=Path, default=None,
@@ -1094,10 +1522,31 @@ def run(fleet: Fleet, args) -> int:
         problems = finish_run(fleet)
     except (FaultFailed, ChaosError) as e:
         problems.append(f"the final rounds failed: {e}")
-    return report(fleet, outcomes, problems)
+    drift = measure_drift(args) if args.drift_rounds > 0 else {}
+    return report(fleet, outcomes, problems, drift)
 
 
-def report(fleet: Fleet, outcomes: list[Outcome], problems: list[str]) -> int:
+def figure(x: float | None) -> str:
+    return "-1" if x is None else f"{x:.4g}"
+
+
+def share_figures(fleet: Fleet) -> tuple[float | None, float | None]:
+    """rogue-claims: the rogue's largest share of a merge of k >= 3 islands, and the cap
+    there (of any merge when none had k >= 3: then the cap is 1); a line for each."""
+    wide = [s for s in fleet.shares if s[2] >= 3]
+    for label, group in (("k >= 3", wide), ("k <= 2", [s for s in fleet.shares if s[2] < 3])):
+        if group:
+            v, share, k = max(group, key=lambda s: s[1])
+            say(f"  shares: {len(group)} rogue-claims merge(s) with {label}: max share "
+                f"{share:.4f} (v{v}, k={k}, cap {BOUNDS.share_cap(k):.4f})")
+    if not fleet.shares:
+        return None, None
+    _, share, k = max(wide or fleet.shares, key=lambda s: s[1])
+    return share, BOUNDS.share_cap(k)
+
+
+def report(fleet: Fleet, outcomes: list[Outcome], problems: list[str],
+           drift: dict[str, float]) -> int:
     say("checks:")
     for p in problems:
         say(f"  end: {p}")
@@ -1109,9 +1558,14 @@ def report(fleet: Fleet, outcomes: list[Outcome], problems: list[str]) -> int:
         say("FAILED faults: " + ", ".join(f"{o.index} {o.kind}" for o in failed))
     rounds = final_version if final_version is not None else fleet.tape.version
     kinds = len({o.kind for o in outcomes})
+    share, cap = share_figures(fleet)
     say(f"logs and records: {fleet.workdir}")
     say(f"RESULT faults={len(outcomes)} kinds={kinds} rounds={rounds} lost_commits={lost} "
-        f"theta_finite={int(finite)} islands_identical={int(identical)}")
+        f"theta_finite={int(finite)} islands_identical={int(identical)} "
+        f"rogue_share_max={figure(share)} share_cap={figure(cap)} "
+        f"rogue_drift_ratio={figure(drift.get('minority'))} "
+        f"rogue_drift_half={figure(drift.get('half'))} "
+        f"rogue_drift_alone={figure(drift.get('alone'))}")
     return int(bool(failed or problems or lost or not finite or not identical))
 
 
@@ -1132,7 +1586,8 @@ def main(argv=None) -> int:
         say(f"chaos: the fleet failed outside any fault: {e}")
         say(f"logs and records: {workdir}")
         say(f"RESULT faults=0 kinds=0 rounds={fleet.tape.version} lost_commits=-1 "
-            "theta_finite=0 islands_identical=0")
+            "theta_finite=0 islands_identical=0 rogue_share_max=-1 share_cap=-1 "
+            "rogue_drift_ratio=-1 rogue_drift_half=-1 rogue_drift_alone=-1")
     finally:
         fleet.close()
         if code == 0 and not args.keep and args.workdir is None:
