@@ -25,8 +25,9 @@ value enters, before it touches the round:
 - **Shares** (`max_share`): no island's share of a round's merge exceeds the cap
   (`share_cap`: by default 2/k for k islands in the round, so none for k ≤ 2); an
   island over it keeps its direction with its weight lowered (`share_factors`). The
-  cap needs every push of the round until the commit, so a round that can be capped
-  keeps them as received (as clipping does).
+  cap needs the pushes until the commit: from the moment a third island may push to a
+  round (live, or pushed), the round keeps its pushes as received (as clipping does);
+  those summed before keep their weight.
 - **Layouts**: the first island's layout sets the run's, so it must be sane: every
   dimension ≥ 1, a float dtype, at most `max_params` values in all.
 """
@@ -77,9 +78,6 @@ class Bounds:
         cap = self.max_share or 2.0 / max(islands, 1)
         return min(1.0, max(cap, 1.0 / max(islands, 1)))
 
-    def may_cap(self, live: int) -> bool:
-        """Whether a round with `live` islands could be capped (then it keeps its pushes)."""
-        return self.share_cap(live) < 1.0
 
     def claims(self, loss_tokens: int, steps: int, tokens_per_step: int,
                sync_every: int = 0, missed: int = 0) -> None:

@@ -127,7 +127,12 @@ def add_delta(run, member: Member, rnd: OpenRound, h: PushHeader, payload,
     """Sum a push into its round, within the norm bound (`syncer.bounds`). A round that
     keeps its pushes keeps a copy of one the run does not own (`owned`: False, a pooled
     buffer, received while another round was open)."""
-    if rnd.acc.keeps_pushes and not owned:
+    # the islands that may push to this round, this one included: a third makes the
+    # share cap bind (its pushes from here on are kept until the commit)
+    rnd.acc.expect(len(run.members.live_ids() | {r["learner"] for r in rnd.responders}
+                       | {h.learner_id}))
+    staged = isinstance(payload, StagedSum) and not payload.demoted  # summed already
+    if rnd.acc.keeps_pushes and not owned and not staged:
         payload = _copy(payload)
     try:
         added = rnd.acc.add(payload, h.encoding, h.loss_tokens,

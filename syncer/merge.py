@@ -68,6 +68,8 @@ class MergeAccumulator:
         self.numel, self.clip_factor = numel, float(clip_factor)
         # the most of the merge one island may hold, given how many pushed (None: no cap)
         self.share_cap = share_cap
+        self.keeping = self.clip_factor > 0  # pushes are kept from now on (`expect`)
+        self.summed_weights: list[tuple[str, float]] = []  # (learner, rule weight) summed as they came
         self.max_abs = max_abs  # the value bound every push meets (syncer.bounds)
         self.sum: np.ndarray | None = None
         self.fresh = True  # nothing summed yet, whatever sum's bytes: the next push writes
@@ -81,8 +83,16 @@ class MergeAccumulator:
 
     @property
     def keeps_pushes(self) -> bool:
-        """Pushes are kept as received until the commit (clipping, or a share cap)."""
-        return self.clip_factor > 0 or self.share_cap is not None
+        """Pushes are kept as received until the commit (clipping, or a share cap that
+        may bind: `expect`)."""
+        return self.keeping
+
+    def expect(self, islands: int) -> None:
+        """`islands` islands may push to this round: if the share cap can bind for that
+        many, every push from now on is kept until the commit (those already summed
+        keep their weight)."""
+        if self.share_cap is not None and self.share_cap(islands) < 1.0:
+            self.keeping = True
 
     def weight_for(self, loss_tokens: int) -> float:
         return self.rule.weight(loss_tokens)
@@ -109,6 +119,7 @@ class MergeAccumulator:
             codec.validate(payload, encoding, self.numel, self.max_abs)
         if isinstance(payload, StagedSum):  # summed as it arrived: folded in now
             norm, scale = self._fold(payload, w, norm_limit)
+            self.summed_weights.append((learner, w))
         elif self.keeps_pushes:  # kept as received (compressed) until the round commits
             norm = chunked.norm(payload, encoding, self.numel)
             scale = _bound_scale(norm, norm_limit)
@@ -116,6 +127,7 @@ class MergeAccumulator:
             self.total_weight += w
         else:
             norm, scale = self._accumulate(payload, encoding, w, norm_limit)
+            self.summed_weights.append((learner, w))
         self.count += 1
         return Added(w, norm, scale)
 
@@ -233,36 +245,51 @@ class MergeAccumulator:
         return self.count if self.uniform_fallback else self.total_weight
 
     def _merge_deferred(self) -> float:
-        """Merge the kept pushes: each island's weight within the share cap, each push
-        scaled to norm ≤ clip_factor × the round's median norm (with clipping on).
-        Returns the round's divisor (Σ of the weights as merged)."""
+        """Merge the kept pushes into the sum of those summed as they came: each
+        island's weight within the share cap, each push scaled to norm ≤ clip_factor ×
+        the round's median norm (with clipping on). Returns the round's divisor (Σ of
+        the weights as merged)."""
         limit = (self.clip_factor * float(np.median([p.norm for p in self.deferred]))
                  if self.clip_factor > 0 else 0.0)
         factors = self._share_factors()
-        buf, divisor = self._buffer(), 0.0
-        for i, p in enumerate(self.deferred):
+        summed = [self.merged_weight(w) for _, w in self.summed_weights]
+        if not any(summed):  # nothing summed, or only 0-token pushes a weighted push drops
+            self.fresh, self.norm_sum = True, 0.0
+        buf, divisor = self._buffer(), float(sum(summed))
+        for p in self.deferred:
             scale = min(1.0, limit / p.norm) if limit and p.norm > 0 else 1.0
             weight = self.merged_weight(p.weight) * factors[p.learner]
             w = weight * scale * p.bound_scale
             divisor += weight
             if self.clip_factor > 0:
                 self.clip_scales.append(scale)
-            chunked.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=i == 0)
+            chunked.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=self.fresh)
+            self.fresh = False
             self.norm_sum += w * p.norm
-        self.fresh = False
         self.deferred.clear()
         return divisor
 
     def _share_factors(self) -> dict[str, float]:
-        """Each island's factor under the share cap (1 each without one)."""
-        weights: dict[str, float] = {}
+        """Each island's factor on its kept pushes under the share cap (1 without one):
+        its whole weight (summed and kept) brought to the cap where it is over, by
+        lowering its kept part (a part already summed keeps its weight)."""
+        fixed: dict[str, float] = {}
+        kept: dict[str, float] = {}
+        for lid, w in self.summed_weights:
+            fixed[lid] = fixed.get(lid, 0.0) + self.merged_weight(w)
         for p in self.deferred:
-            weights[p.learner] = weights.get(p.learner, 0.0) + self.merged_weight(p.weight)
+            kept[p.learner] = kept.get(p.learner, 0.0) + self.merged_weight(p.weight)
         if self.share_cap is None:
-            return dict.fromkeys(weights, 1.0)
-        factors = share_factors(weights, self.share_cap(len(weights)))
-        self.share_scales = {i: f for i, f in factors.items() if f < 1.0}
-        return factors
+            return dict.fromkeys(kept, 1.0)
+        total = {i: fixed.get(i, 0.0) + kept.get(i, 0.0) for i in fixed.keys() | kept.keys()}
+        want = share_factors(total, self.share_cap(len(total)))
+        out = {}
+        for i, q in kept.items():
+            s = fixed.get(i, 0.0)
+            out[i] = max(0.0, (want[i] * total[i] - s) / q) if q > 0 else 1.0
+            if out[i] < 1.0:
+                self.share_scales[i] = (s + out[i] * q) / total[i]
+        return out
 
 
 def _bound_scale(norm: float, limit: float | None) -> float:

@@ -159,8 +159,12 @@ class Run:
             if observer:
                 self.tape.event("observer", learner=learner_id, backend=backend,
                                 version=self.version)
-            elif change := self.outer.note_island(learner_id, regime):  # a rule that follows it
-                self.tape.event("outer_rule", learner=learner_id, regime=regime, detail=change)
+            else:
+                for rnd in self.open.values():  # its pushes may make a round cappable
+                    rnd.acc.expect(len(self.members.live()))
+                if change := self.outer.note_island(learner_id, regime):  # a rule that follows it
+                    self.tape.event("outer_rule", learner=learner_id, regime=regime,
+                                    detail=change)
             self.maybe_start()
             return dict(run_id=self.run_id, generation=member.generation,
                         num_fragments=self.cfg.fragments,
@@ -281,9 +285,8 @@ class Run:
     def accumulator(self, f: int, reuse: np.ndarray | None = None) -> MergeAccumulator:
         bounds = self.cfg.bounds
         acc = MergeAccumulator(self.layout.fragments[f].numel, self.rule,
-                               self.cfg.clip_factor, bounds.max_delta,
-                               bounds.share_cap if bounds.may_cap(len(self.members.live()))
-                               else None)
+                               self.cfg.clip_factor, bounds.max_delta, bounds.share_cap)
+        acc.expect(len(self.members.live()))  # more may join, or push: syncer.intake
         if reuse is not None:  # the last round's scratch
             acc.reuse(reuse)
         return acc

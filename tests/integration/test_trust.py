@@ -555,3 +555,30 @@ def test_ids_and_backends_cannot_forge_log_lines_or_terminal_escapes(toy_layout,
             _join(_stub(addr), toy_layout, learner, None, backend=backend)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert not run.members.rows and run.layout is None
+
+
+def test_a_rogue_joining_mid_round_cannot_escape_the_share_cap(toy_layout, tmp_path):
+    """Whether a round could be capped was decided when it opened (from the islands
+    live then): a rogue that joined after round 1 opened beside two islands took a share
+    of 1.0 with k = 3 (found by scripts/chaos.py). Now its pushes are kept from the
+    moment it may push, and the cap applies; a push summed before keeps its weight."""
+    n = toy_layout.numel
+    with running_syncer(quorum=2, state_dir=tmp_path / "s", token=SECRET, **AVERAGING) as (
+            run, addr):
+        a, b = _started(addr, toy_layout, ["a", "b"])
+        a.push(codec.encode(np.full(n, 0.1, np.float32), "f32"), encoding="f32",
+               base_version=0, loss_tokens=10, steps=1, seq=0).result(20)  # summed: k = 2
+        stub = _stub(addr)
+        rogue = _join(stub, toy_layout, "rogue", _cred("rogue"))
+        assert _push(stub, _cred("rogue"), np.full(n, -0.9, np.float32).tobytes(),
+                     learner_id="rogue", generation=rogue.generation, numel=n,
+                     loss_tokens=10_000, steps=1).accepted
+        b.push(codec.encode(np.full(n, 0.2, np.float32), "f32"), encoding="f32",
+               base_version=0, loss_tokens=10, steps=1, seq=0).result(20)
+        theta = a.wait_one(timeout=30).theta
+        for c in (a, b):
+            c.close()
+    want = -(10 * 0.1 + 10 * 0.2 + 40 * -0.9) / 60  # the rogue at 2/3 (weight 40)
+    assert np.allclose(theta, want, rtol=1e-6)
+    rec = _merges(tmp_path / "s")[0]
+    assert {r["learner"]: r["share"] for r in rec["responders"]}["rogue"] == pytest.approx(2 / 3)
