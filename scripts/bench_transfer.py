@@ -153,9 +153,9 @@ class Probe:
     def __init__(self, run: Run, stamps):
         push, prepare = run.push, run.downlink.next
 
-        def timed_push(h, payload):
+        def timed_push(h, payload, **kw):
             stamps[0] = time.perf_counter()
-            return push(h, payload)
+            return push(h, payload, **kw)
 
         def timed_prepare(*args, **kwargs):  # the broadcast is ready to stream
             broadcast = prepare(*args, **kwargs)
