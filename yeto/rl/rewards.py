@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 
 Reward = Callable[..., float]
@@ -45,8 +46,24 @@ def reversal_accuracy(completion: str, *, reference: str | None = None,
     return hits / max(len(ref), len(out))
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(n) for n in _NUMBER.findall(text.replace(",", ""))]
+
+
+def number_match(completion: str, *, reference: str | None = None, prompt: str = "") -> float:
+    """1.0 when the last number in the completion equals the reference's number (so
+    "42", "The answer is 42." and "6 * 7 = 42" all score 1; "6 * 7 = 41" scores 0;
+    thousands separators ignored); 0.0 when either has no number."""
+    got, want = _numbers(completion), _numbers(reference or "")
+    return float(bool(got) and bool(want) and got[-1] == want[-1])
+
+
 BUILTIN: dict[str, Reward] = {"exact_match": exact_match,
-                              "reversal_accuracy": reversal_accuracy}
+                              "reversal_accuracy": reversal_accuracy,
+                              "number_match": number_match}
 
 
 def load_reward(spec: str) -> Reward:
