@@ -24,6 +24,12 @@ def flags(cfg) -> dict:
     return {k: getattr(cfg, k) for k in state.MATH_FLAGS}
 
 
+def state_key(cfg) -> state.StateKey:
+    """What the run's state is signed with: its secret (`cfg.token`, set by `python -m
+    syncer` from --token / $YETO_TOKEN; a Config without one has no secret)."""
+    return state.StateKey(getattr(cfg, "token", None))
+
+
 def save(run, version: int, fragment: int) -> None:
     """The state as of `version`, committed by `fragment`'s round (raises OSError)."""
     if run.cfg.state_dir is None:
@@ -37,7 +43,8 @@ def save(run, version: int, fragment: int) -> None:
         fingerprint=run.layout.fingerprint,
         layout=[[s.name, list(s.shape), s.dtype] for s in run.layout.specs],
         flags=flags(run.cfg), weights_file=run.weights_file, export_files=run.export_files,
-        bytes_in=run.bytes_in, bytes_out=run.bytes_out, islands=run.members.ledger()))
+        bytes_in=run.bytes_in, bytes_out=run.bytes_out, islands=run.members.ledger()),
+        key=state_key(run.cfg))
 
 
 def restore_or_refuse(run, state_dir: Path, resume: bool) -> None:
@@ -50,7 +57,7 @@ def restore_or_refuse(run, state_dir: Path, resume: bool) -> None:
 
 
 def restore(run, state_dir: Path) -> None:
-    theta, momentum, island_theta, meta = state.load(state_dir)
+    theta, momentum, island_theta, meta = state.load(state_dir, state_key(run.cfg))
     state.check_flags(meta, flags(run.cfg))
     specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
     run.layout = Layout(specs, run.cfg.fragments)

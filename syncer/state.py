@@ -4,11 +4,15 @@
 when it is not 0: with momentum 0 it is zero by definition and the run keeps none);
 its metadata holds a JSON document with the version, the round counter, the layout,
 the flags that change the math, the island ledger, and SHA-256 digests of the
-tensors. It is written atomically (`yeto.io.atomic_file`: temp file, fsync, rename)
+tensors; a digest of that document covers the whole state (`StateKey`): HMAC-SHA256
+under a key derived from the run's secret when the run has one, so whoever can write
+the state dir without holding the secret cannot make a state that resumes. It is
+written atomically (`yeto.io.atomic_file`: temp file, fsync, rename)
 after every committed round, so a crash leaves either the old state or the new one.
 
 Files are written and read in the safetensors format by `write_safetensors` /
-`read_safetensors` here, streaming from and into the arrays: `safetensors.numpy`
+`read_safetensors` here, streaming from and into the arrays (a file's header is
+checked against the file's size before anything is allocated for it): `safetensors.numpy`
 builds the whole file as one `bytes` object first (and `safe_open` hands out
 read-only copies), which would cost the syncer more memory than Θ itself. The files
 are ordinary safetensors files: `safetensors.safe_open` and peft load them.
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -32,7 +38,9 @@ from yeto.io import atomic_file, atomic_write
 
 STATE_FILE = "state.safetensors"
 FINAL_DIR = "final"
-FORMAT = 2  # 2: the metadata is under its own digest too; 1 (no metadata digest) still loads
+# 3: the metadata digest is keyed when the run has a secret (`StateKey`); 2: its plain
+# SHA-256; 1: no metadata digest. 2 and 1 still load in a run without a secret.
+FORMAT = 3
 # flags whose change would make a resumed run a different computation
 MATH_FLAGS = ("outer", "outer_lr", "outer_momentum", "merge", "clip_factor", "downlink",
               "fragments")
@@ -41,6 +49,8 @@ FLAG_DEFAULTS = {"outer": "nesterov"}
 # the weights the islands hold, when a compressed downlink makes them differ from Θ
 ISLAND_THETA = "island_theta"
 META_DIGEST = "meta_sha256"  # the metadata's own digest, beside the tensors'
+DIGEST_KIND = "meta_digest"  # how META_DIGEST was made: "hmac-sha256" or "sha256"
+KEYED, PLAIN = "hmac-sha256", "sha256"
 
 
 class StateError(RuntimeError):
@@ -52,17 +62,69 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.in
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 _WRITE_BYTES = 16 << 20  # one write call's slice of a tensor
 _MAX_HEADER = 100 << 20  # as safetensors itself
+_MAX_DIMS = 32  # numpy's own limit is 64; no tensor of a run has more than a few
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a)).cast("B")
 
 
+def _meta_body(meta: dict) -> bytes:
+    return json.dumps({k: v for k, v in meta.items() if k != META_DIGEST},
+                      sort_keys=True).encode()
+
+
 def meta_digest(meta: dict) -> str:
     """SHA-256 of the state's metadata (everything but this digest itself): with the
     tensors' own digests in it, it covers the whole state."""
-    body = {k: v for k, v in meta.items() if k != META_DIGEST}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(_meta_body(meta)).hexdigest()
+
+
+class StateKey:
+    """What a state's metadata digest is made with, and the check of a saved one.
+
+    With the run's secret: HMAC-SHA256 under a key derived from it (`LABEL` is no
+    learner id, so no island credential is that key). A peer who can write the state
+    dir but holds no secret cannot make a state that resumes; a run with a secret
+    resumes only such a state. Without a secret: plain SHA-256, which catches
+    corruption only (anyone can recompute it); such a run resumes unkeyed states
+    (formats 1 and 2 too) and refuses keyed ones, whose digest it cannot check."""
+
+    LABEL = b"yeto state digest v1"
+
+    def __init__(self, secret: str | None):
+        self._key = (hmac.new(secret.encode(), self.LABEL, hashlib.sha256).digest()
+                     if secret else None)
+        self.kind = KEYED if self._key is not None else PLAIN
+
+    def digest(self, meta: dict) -> str:
+        if self._key is None:
+            return meta_digest(meta)
+        return hmac.new(self._key, _meta_body(meta), hashlib.sha256).hexdigest()
+
+    def check(self, path: Path, meta: dict) -> None:
+        """Refuse (StateError) a state whose metadata this run cannot vouch for."""
+        kind = meta.get(DIGEST_KIND, PLAIN if meta["format"] >= 2 else None)
+        if self._key is not None and kind != KEYED:
+            raise StateError(
+                f"{path} carries no digest under the run's secret (it was saved by a run "
+                "without --token / $YETO_TOKEN, or by a yeto older than keyed states): "
+                "anyone who can write its folder could have made it, so this run, which "
+                "has a secret, does not resume it. Start a new run with another "
+                "--state-dir, or resume it with the flags it was saved under")
+        if self._key is None and kind == KEYED:
+            raise StateError(
+                f"{path} was saved by a run with a secret, and its digest can be checked "
+                "with that secret only: resume with the same --token (or $YETO_TOKEN)")
+        if kind is not None and not hmac.compare_digest(
+                str(meta.get(META_DIGEST, "")), self.digest(meta)):
+            under = " under this run's secret" if kind == KEYED else ""
+            raise StateError(
+                f"{path}: its metadata (version, ledger, layout, the tensors' digests) does "
+                f"not match its digest{under}: changed or corrupted on disk"
+                + (", or saved by a run with another secret" if kind == KEYED else "") +
+                "; it was left untouched. Resume with the secret the run was saved "
+                "with, restore a backup or start a new run with another --state-dir")
 
 
 def make_private_dir(path: Path) -> None:
@@ -101,7 +163,10 @@ def write_safetensors(f, tensors: dict[str, np.ndarray], metadata: dict[str, str
 def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of a safetensors file, read straight into new writable
     arrays through one open file (one consistent version even while a newer one is
-    renamed over it). Raises ValueError on a malformed file."""
+    renamed over it). Every tensor's entry in the header is checked against the bytes
+    the file really holds before any array is made (a shape of 2^40 is refused, not
+    allocated). Raises ValueError, naming the tensor and the field, on a malformed
+    file."""
     with open(path, "rb", buffering=0) as f:
         size = f.seek(0, 2)
         f.seek(0)
@@ -110,19 +175,50 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
         if n > min(_MAX_HEADER, size - 8):
             raise ValueError(f"header of {n} bytes in a file of {size}")
         header = json.loads(_read_exact(f, n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise ValueError("__metadata__ is not a JSON object")
+        entries = sorted(_entry(name, info, size - 8 - n) for name, info in header.items())
         tensors, end = {}, 0
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
-            lo, hi = info["data_offsets"]
-            a = np.empty(info["shape"], _DTYPES[info["dtype"]])
-            if lo != end or hi - lo != a.nbytes:
-                raise ValueError(f"{name}: data offsets {lo}..{hi} do not fit its shape")
+        for lo, hi, name, dtype, shape in entries:
+            if lo != end:
+                raise ValueError(f"{name}: data_offsets start at {lo}, not at {end} where "
+                                 "the tensor before it ends")
+            a = np.empty(shape, dtype)
             f.seek(8 + n + lo)
             _read_into(f, memoryview(a).cast("B") if a.nbytes else memoryview(b""))
             tensors[name], end = a, hi
         if 8 + n + end != size:
             raise ValueError(f"{size - 8 - n - end} bytes after the last tensor")
     return tensors, metadata
+
+
+def _entry(name: str, info, body: int) -> tuple[int, int, str, type, list[int]]:
+    """(start, end, name, dtype, shape) of one tensor's header entry, checked against
+    the `body` bytes of tensor data the file holds: a well-formed dtype, shape and
+    data_offsets, and a shape whose bytes are the offsets' span (Python ints: no
+    wrap-around)."""
+    if not isinstance(info, dict):
+        raise ValueError(f"{name}: its header entry is not a JSON object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{name}: dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(
+            type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"{name}: shape {shape!r} is not a list of at most {_MAX_DIMS} "
+                         "sizes >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(
+            type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1] <= body:
+        raise ValueError(f"{name}: data_offsets {offsets!r} do not lie within the {body} "
+                         "bytes of tensor data the file holds")
+    need = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
+    if need != offsets[1] - offsets[0]:
+        raise ValueError(f"{name}: shape {shape} of {dtype} needs {need} bytes, but its "
+                         f"data_offsets span {offsets[1] - offsets[0]} (the file holds "
+                         f"{body} bytes of tensor data)")
+    return offsets[0], offsets[1], name, _DTYPES[dtype], shape
 
 
 def _read_exact(f, n: int) -> bytes:
@@ -142,10 +238,12 @@ def _read_into(f, mv: memoryview) -> None:
 
 
 def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray | None,
-         island_theta: np.ndarray | None, meta: dict) -> None:
+         island_theta: np.ndarray | None, meta: dict, key: StateKey | None = None) -> None:
     """`momentum`: None when the run keeps none (momentum 0; not stored). `island_theta`:
     the weights islands hold when the downlink is compressed (else None, or Θ itself:
-    then it is not stored)."""
+    then it is not stored). `key`: what the metadata's digest is made with (None: a
+    run without a secret, plain SHA-256)."""
+    key = key or StateKey(None)
     tensors = {"theta": theta}
     if momentum is not None:
         tensors["momentum"] = momentum
@@ -153,30 +251,40 @@ def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray | None,
             not np.array_equal(island_theta, theta):
         tensors[ISLAND_THETA] = island_theta
     meta = dict(meta, format=FORMAT, **{f"{k}_sha256": digest(v) for k, v in tensors.items()})
-    meta[META_DIGEST] = meta_digest(meta)
+    meta[DIGEST_KIND] = key.kind
+    meta[META_DIGEST] = key.digest(meta)
     make_private_dir(Path(state_dir))
     with atomic_file(Path(state_dir) / STATE_FILE) as f:
         write_safetensors(f, tensors, {"yeto_state": json.dumps(meta, sort_keys=True)})
 
 
-def load(state_dir: Path) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, dict]:
+def load(state_dir: Path, key: StateKey | None = None
+         ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, dict]:
     """(Θ, momentum or None when none was stored, the islands' weights or None,
-    metadata) of a saved run."""
+    metadata) of a saved run. `key`: the resuming run's (`StateKey.check`: a state it
+    cannot vouch for is refused); None reads a state without vouching for it (a tool
+    looking at a run's files: the tensors' digests, and a plain metadata digest, are
+    still checked)."""
     path = Path(state_dir) / STATE_FILE
     if not path.exists():
         raise StateError(f"no saved state in {state_dir} (expected {STATE_FILE}); start "
                          "without --resume to begin a new run")
     tensors, meta = _read(path)
     theta, momentum = tensors.get("theta"), tensors.get("momentum")
-    if theta is None or meta.get("format") not in (1, FORMAT):
+    if theta is None or meta.get("format") not in (1, 2, FORMAT):
         raise StateError(f"{path} is not a yeto syncer state (format {meta.get('format')})")
+    if key is not None:
+        key.check(path, meta)
+    elif meta.get(DIGEST_KIND) != KEYED:  # a reader without the key checks what it can
+        StateKey(None).check(path, meta)
+    for k, v in tensors.items():
+        if v.dtype != np.float32 or v.shape != (theta.size,):
+            raise StateError(f"{path}: tensor {k!r} is {v.dtype} of shape {list(v.shape)}; a "
+                             "state holds flat float32 tensors the size of theta "
+                             f"({theta.size}): not a yeto syncer state")
     if any(digest(v) != meta.get(f"{k}_sha256") for k, v in tensors.items()):
         raise StateError(f"{path}: tensor digests do not match (corrupted on disk); it was "
                          "left untouched")
-    if meta["format"] >= 2 and meta.get(META_DIGEST) != meta_digest(meta):
-        raise StateError(f"{path}: its metadata (version, ledger, layout) does not match its "
-                         "digest: changed or corrupted on disk; it was left untouched. Restore "
-                         "a backup or start a new run with another --state-dir")
     island_theta = tensors.get(ISLAND_THETA)
     return theta, momentum, island_theta, meta
 
@@ -186,6 +294,8 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     try:
         tensors, metadata = read_safetensors(path)
         meta = json.loads(metadata["yeto_state"])
+        if not isinstance(meta, dict):
+            raise ValueError("its yeto_state metadata is not a JSON object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StateError(f"{path} is corrupt or truncated ({e}); it was left untouched. "
                          "Restore a backup or start a new run with another --state-dir") from None
