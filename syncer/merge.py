@@ -69,7 +69,8 @@ class MergeAccumulator:
         # the most of the merge one island may hold, given how many pushed (None: no cap)
         self.share_cap = share_cap
         self.keeping = self.clip_factor > 0  # pushes are kept from now on (`expect`)
-        self.summed_weights: list[tuple[str, float]] = []  # (learner, rule weight) summed as they came
+        # (learner, rule weight) of each push summed as it came (not kept)
+        self.summed_weights: list[tuple[str, float]] = []
         self.max_abs = max_abs  # the value bound every push meets (syncer.bounds)
         self.sum: np.ndarray | None = None
         self.fresh = True  # nothing summed yet, whatever sum's bytes: the next push writes
