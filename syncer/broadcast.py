@@ -4,6 +4,12 @@
 update against what islands hold); `Source` serves its bytes to every stream
 without a copy of Θ; `Subscription` is one island's stream: each new version once,
 as the compressed update when it holds that update's base version.
+
+A stream still sending an older version when Θ changes keeps that version's bytes
+alive: one copy per version, shared by all of its streams, and at most
+`Downlink.KEPT` older versions per fragment. A stream that falls further behind (a
+stalled or hostile reader) is ended instead of costing another copy of Θ; its island
+reconnects and is sent the newest version.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from syncer.errors import Reject
 from syncer.stepping import Filling
 from yeto import net, wire
 from yeto.codec import chunked
@@ -29,9 +36,11 @@ class Source:
     downlink), not a copy. Before a commit changes those weights it calls `detach`:
     the part that streams still in progress have not sent yet is copied, so they
     finish with the version they started (nothing is copied when none is in
-    progress, the usual case); a source with no reader is retired. A chunk built for
-    one reader is kept for the others until they have all passed it (at most
-    `SHARED` chunks): islands streaming in step share one copy per chunk."""
+    progress, the usual case); a source with no reader is retired, and a detached one
+    frees its copy when its last reader closes, or when `retire` ends its readers
+    (`Downlink.KEPT`). A chunk built for one reader is kept for the others until they
+    have all passed it (at most `SHARED` chunks): islands streaming in step share one
+    copy per chunk."""
 
     SHARED = 2  # chunks kept for readers behind (each net.CHUNK_BYTES at most)
 
@@ -45,6 +54,7 @@ class Source:
         self._built: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.filling = filling  # the bytes not yet written (an outer step behind it)
+        self._retired = ""  # why its readers were ended (`retire`)
 
     def open(self) -> int:
         with self._lock:
@@ -61,6 +71,8 @@ class Source:
         if self.filling is not None:
             self.filling.wait(hi)
         with self._lock:
+            if self._retired:
+                raise Reject("exhausted", self._retired)
             self._readers[reader] = hi
             key = (lo, hi, prefix)
             data = self._built.get(key)
@@ -76,6 +88,20 @@ class Source:
         with self._lock:
             self._readers.pop(reader, None)
             self._forget_passed()
+            if not self._live and not self._readers:
+                self._array = None  # its copy served its last stream
+
+    def holding(self) -> bool:
+        """A detached source still keeping a copy for streams in progress."""
+        with self._lock:
+            return not self._live and self._array is not None
+
+    def retire(self, why: str) -> None:
+        """Free the copy kept for streams in progress: their next read raises Reject
+        (`why`), and the island reconnects for the newest version."""
+        with self._lock:
+            self._array, self._retired = None, why
+            self._built.clear()
 
     def _forget_passed(self) -> None:
         """Drop the built chunks every open reader has passed (all, with no reader)."""
@@ -120,10 +146,13 @@ class Downlink:
     far: islands add the same bytes, so they hold these exact bits; the gap to Θ
     rides along in the next update). With f32 the islands hold Θ itself."""
 
+    KEPT = 2  # older versions per fragment kept (copied) for streams still sending them
+
     def __init__(self, encoding: str):
         self.encoding = encoding
         self.latest: dict[int, Broadcast] = {}
         self.island_theta: np.ndarray | None = None
+        self.kept: dict[int, list[Broadcast]] = {}  # per fragment, oldest first
 
     def next(self, theta: np.ndarray, f: int, lo: int, hi: int, final: bool,
              version: int, filling: bool = False) -> Broadcast:
@@ -159,6 +188,23 @@ class Downlink:
             if copied:
                 log.info("fragment %d: %d bytes of version %d kept for streams in progress",
                          f, copied, prev.version)
+                self._keep(f, prev)
+
+    def _keep(self, f: int, bc: Broadcast) -> None:
+        """`bc` now keeps a copy for its streams in progress: at most `KEPT` such
+        versions of fragment f hold one; the streams of older ones are ended."""
+        kept = [b for b in self.kept.get(f, []) if b.source.holding()] + [bc]
+        while len(kept) > self.KEPT:
+            old = kept.pop(0)
+            old.source.retire(
+                f"this stream fell behind: fragment {f} version {old.version} was still "
+                f"being sent when version {bc.version} was replaced, and the syncer keeps "
+                f"at most {self.KEPT} older versions for slow streams; reconnect for the "
+                "newest (an island does so by itself)")
+            log.warning("fragment %d: streams still sending version %d ended (%d newer "
+                        "versions kept for slower streams); their islands reconnect",
+                        f, old.version, self.KEPT)
+        self.kept[f] = kept
 
 
 class Subscription:

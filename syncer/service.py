@@ -248,9 +248,12 @@ class SyncerService(pb_grpc.SyncerServicer):
 
 
 def _touching(chunks, watch):
-    """The chunks of a push, telling `watch` of each (it is cancelled when silent)."""
+    """The chunks of a push, telling `watch` of each that moves it on (it is cancelled
+    when silent): a chunk without payload bytes is no progress, so a stream of empty
+    chunks is cut off like a silent one."""
     for chunk in chunks:
-        watch.touch()
+        if len(chunk.data) or chunk.header is not None:
+            watch.touch()
         yield chunk
 
 
