@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM server private key")
     p.add_argument("--tls-ca", type=Path, default=None,
-                   help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+                   help="PEM CA bundle: require client certificates signed by it (mutual "
+                        "TLS). Without a token each certificate is its island's credential: "
+                        "it must name the island's learner id as its CN or a subjectAltName")
     p.add_argument("--insecure", action="store_true",
                    help="allow listening beyond loopback with neither token nor TLS")
     p.add_argument("--port-file", type=Path, default=None,

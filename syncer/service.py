@@ -4,7 +4,12 @@ Authentication (with a run secret): every call carries `authorization: Bearer <t
 where the token is the caller's island credential (`yeto.net.island_credential`:
 derived from the secret, so the syncer keeps no list), good for its own learner id
 only, or the run's secret itself (the operator's: it can act for anyone). A call for
-another island's id is refused (PERMISSION_DENIED) and written to the tape."""
+another island's id is refused (PERMISSION_DENIED) and written to the tape.
+
+Under mutual TLS without a run secret the client certificate is the credential: it is
+good for the learner ids it names, as its subject's CN or a subjectAltName, and for no
+other (refused and taped the same way). With a secret, the token names the island and
+the certificate only admits the machine."""
 
 from __future__ import annotations
 
@@ -58,10 +63,12 @@ def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
 class SyncerService(pb_grpc.SyncerServicer):
     def __init__(self, run: Run, max_inflight_pushes: int = 4,
                  spill_min_bytes: int = SPILL_MIN_BYTES, secret: str | None = None,
-                 streams: Streams | None = None):
+                 streams: Streams | None = None, client_certs: bool = False):
         """`secret`: the run's secret (None: no authentication, for loopback runs).
-        `streams`: the bounds on streaming calls (`syncer.admission`)."""
-        self.run, self.secret = run, secret
+        `streams`: the bounds on streaming calls (`syncer.admission`). `client_certs`:
+        the server requires client certificates (mutual TLS): without a secret, a call
+        may act only for an island its certificate names."""
+        self.run, self.secret, self.client_certs = run, secret, client_certs
         self.streams = streams or Streams()
         self.inflight = threading.BoundedSemaphore(max_inflight_pushes)
         self.pool = buffers.buffer_pool(max_inflight_pushes)
@@ -71,10 +78,11 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     def _caller(self, context, learner_id: str | None, call: str) -> str | None:
         """Check a call's credential; returns the island it authenticates (None: no
-        secret is set, or the caller holds the run's secret and may act for anyone).
-        Raises Reject for a missing or wrong credential, or one of another island."""
+        secret or client certificate is required, or the caller holds the run's secret
+        and may act for anyone). Raises Reject for a missing or wrong credential, or
+        one of another island."""
         if self.secret is None:
-            return None
+            return self._certified(context, learner_id, call) if self.client_certs else None
         got = dict(context.invocation_metadata() or ()).get(net.AUTH_KEY, "")
         token = got[len("Bearer "):] if got.startswith("Bearer ") else ""
         if token and hmac.compare_digest(token.encode(), self.secret.encode()):
@@ -88,6 +96,24 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.run.note_rejected(call, owner, e)
             raise e
         return owner
+
+    def _certified(self, context, learner_id: str | None, call: str) -> str:
+        """The island a call's client certificate (checked by the TLS handshake)
+        speaks for: `learner_id` when the certificate names it, else Reject; with no id
+        claimed (Status, a push before its header), the first name it holds."""
+        names = _certificate_names(context.auth_context())
+        if not names:
+            raise Reject("unauthenticated", "the client certificate names no island (no CN "
+                         "or subjectAltName): give each island a certificate whose CN is "
+                         "its learner id, e.g. openssl req -subj /CN=island-0 ...")
+        if learner_id is not None and learner_id not in names:
+            e = Reject("denied", f"the client certificate of {names[0]!r} cannot act as "
+                       f"{learner_id!r}: under mutual TLS without a token an island's "
+                       "certificate must name its learner id as its CN or a "
+                       f"subjectAltName (e.g. openssl req -subj /CN={learner_id} ...)")
+            self.run.note_rejected(call, names[0], e)
+            raise e
+        return learner_id if learner_id is not None else names[0]
 
     def Join(self, request, context):
         specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype)
@@ -247,6 +273,14 @@ class SyncerService(pb_grpc.SyncerServicer):
             _abort(context, e)
 
 
+def _certificate_names(auth: dict) -> list[str]:
+    """The names a verified client certificate holds (gRPC's auth context): its
+    subject's CN, then its subjectAltNames, each once."""
+    names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
+    return list(dict.fromkeys(n.decode("utf-8", "replace") if isinstance(n, bytes) else n
+                              for n in names))
+
+
 def _touching(chunks, watch):
     """The chunks of a push, telling `watch` of each that moves it on (it is cancelled
     when silent): a chunk without payload bytes is no progress, so a stream of empty
@@ -309,8 +343,8 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     workers = streams.max_streams + UNARY_WORKERS  # unary calls always find a worker
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=net.SERVER_OPTIONS + EXCLUSIVE_PORT)
-    add_to_server(SyncerService(run, max_inflight_pushes, spill_min_bytes, token, streams),
-                  server)
+    add_to_server(SyncerService(run, max_inflight_pushes, spill_min_bytes, token, streams,
+                                client_certs=bool(tls and tls[2] is not None)), server)
     address = host_port(host, port)
     try:
         if tls:

@@ -233,7 +233,8 @@ def certs(tmp_path):
     d.mkdir()
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
              "ca.pem", "-days", "2", "-subj", "/CN=yeto-test-ca", cwd=d)
-    for name, san in (("server", "IP:127.0.0.1,DNS:localhost"), ("client", "DNS:island")):
+    for name, san in (("server", "IP:127.0.0.1,DNS:localhost"), ("client", "DNS:island"),
+                      ("mallory", "DNS:mallory")):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
                  f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
         (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
@@ -262,7 +263,7 @@ def test_tls_and_mutual_tls(certs, toy_layout):
             addr = f"127.0.0.1:{port}"
             tls = TLSConfig(ca=read("ca.pem"), cert=read("client.pem") if mutual else None,
                             key=read("client.key") if mutual else None)
-            ok = make_client(addr, "a", toy_layout, tls=tls)
+            ok = make_client(addr, "island", toy_layout, tls=tls)  # its certificate's name
             ok.start(np.zeros(toy_layout.numel, np.float32))
             assert ok.wait_one(timeout=20).version == 0
             ok.close()
@@ -279,6 +280,63 @@ def test_tls_and_mutual_tls(certs, toy_layout):
         finally:
             server.ticker_stop.set()
             server.stop(0).wait()
+
+
+def test_a_client_certificate_acts_only_for_the_island_it_names(certs, toy_layout, tmp_path):
+    """Under mutual TLS without a token any certificate the CA had signed could join,
+    push, subscribe and heartbeat as any learner id (issue 44). Now a call may act only
+    for an id its certificate names (CN or subjectAltName): else PERMISSION_DENIED,
+    taped, and the island keeps its place."""
+    from syncer.service import serve
+    from yeto.client import TLSConfig
+
+    read = lambda n: (certs / n).read_bytes()  # noqa: E731
+    run = Run(Config(quorum=1, state_dir=tmp_path / "s"))
+    server, port = serve(run, "127.0.0.1", 0, tls=(read("server.pem"), read("server.key"),
+                                                   read("ca.pem")))
+    addr, n = f"127.0.0.1:{port}", toy_layout.numel
+    try:
+        island = make_client(addr, "island", toy_layout, tls=TLSConfig(
+            ca=read("ca.pem"), cert=read("client.pem"), key=read("client.key")))
+        island.start(np.zeros(n, np.float32))
+        assert island.wait_one(timeout=30) is not None, island.last_error
+        gen = run.members.rows["island"].generation
+        creds = grpc.ssl_channel_credentials(read("ca.pem"), read("mallory.key"),
+                                             read("mallory.pem"))
+        with grpc.secure_channel(addr, creds, options=net.GRPC_OPTIONS) as ch:
+            stub = pb_grpc.SyncerStub(ch)
+            join = pb.JoinRequest(learner_id="island", fingerprint=toy_layout.fingerprint,
+                                  layout=[pb.TensorSpec(name=s.name, shape=list(s.shape),
+                                                        dtype=s.dtype)
+                                          for s in toy_layout.specs])
+            header = pb.PushHeader(learner_id="island", generation=gen, round=1,
+                                   base_version=0, loss_tokens=1, steps=1, encoding="f32",
+                                   numel=n, payload_bytes=4 * n, seq=0)
+            calls = [
+                lambda: stub.Join(join, timeout=20),
+                lambda: stub.Push(iter([pb.PushChunk(header=header, data=bytes(4 * n))]),
+                                  timeout=20),
+                lambda: stub.Heartbeat(pb.HeartbeatRequest(learner_id="island",
+                                                           generation=gen), timeout=20),
+                lambda: next(stub.Subscribe(pb.SubscribeRequest(learner_id="island",
+                                                                generation=gen), timeout=20)),
+            ]
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+                assert "'mallory'" in e.value.details() and "CN" in e.value.details()
+            assert run.members.rows["island"].generation == gen and run.version == 0
+            join.learner_id = "mallory"  # its own name: admitted
+            assert stub.Join(join, timeout=20).generation > 0
+        island.close()
+    finally:
+        server.ticker_stop.set()
+        server.stop(0).wait()
+        run.tape.close()
+    denied = [r for r in read_tape(tmp_path / "s" / "tape.jsonl")
+              if r["event"] == "rejected" and r["kind"].endswith(":denied")]
+    assert {r["learner"] for r in denied} == {"mallory"} and len(denied) == 4
 
 
 def test_refuses_public_address_without_token_or_tls():
