@@ -296,7 +296,7 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
         meta = json.loads(metadata["yeto_state"])
         if not isinstance(meta, dict):
             raise ValueError("its yeto_state metadata is not a JSON object")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise StateError(f"{path} is corrupt or truncated ({e}); it was left untouched. "
                          "Restore a backup or start a new run with another --state-dir") from None
     return tensors, meta

@@ -76,6 +76,17 @@ def test_a_state_header_is_checked_against_the_file_before_allocating(
         assert f"needs {2**42} bytes" in msg, msg
 
 
+def test_a_state_header_nested_too_deep_is_refused(tmp_path, toy_layout):
+    """A header of 200,000 nested JSON arrays raised RecursionError out of `--resume`
+    (a traceback, not the state's error)."""
+    path = _saved_state(tmp_path / "s", toy_layout)
+    text = b"[" * 200_000 + b"]" * 200_000
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(state.StateError, match="corrupt") as e:
+        _resume(tmp_path / "s")
+    assert str(path) in str(e.value)
+
+
 def test_the_state_digest_is_keyed_by_the_run_s_secret(tmp_path, toy_layout):
     """The metadata digest was a plain SHA-256 that anyone who could write the state dir
     could recompute. Now a run with a secret signs it (HMAC-SHA256): a forged state, a
