@@ -27,7 +27,7 @@ def flags(cfg) -> dict:
 def state_key(cfg) -> state.StateKey:
     """What the run's state is signed with: its secret (`cfg.token`, set by `python -m
     syncer` from --token / $YETO_TOKEN; a Config without one has no secret)."""
-    return state.StateKey(getattr(cfg, "token", None))
+    return state.StateKey(cfg.token)
 
 
 def save(run, version: int, fragment: int) -> None:

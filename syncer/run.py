@@ -73,6 +73,8 @@ class Config:
     bounds: Bounds = field(default_factory=Bounds)  # what one island can do (syncer.bounds)
     # a commit whose state cannot be saved is retried this long; then the syncer stops
     save_timeout_s: float = 120.0
+    # the run's secret (--token / $YETO_TOKEN): keys the state's digest (syncer.persist)
+    token: str | None = field(default=None, repr=False)
 
     def check(self) -> None:
         """Refuse settings that would make the outer step non-finite or meaningless."""

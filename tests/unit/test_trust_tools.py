@@ -13,3 +13,16 @@ def test_a_new_state_dir_is_private(tmp_path):
     _check_state_dir(state)
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     assert list(state.iterdir()) == []  # the probe file is gone
+
+
+def test_the_run_s_secret_never_reaches_the_final_provenance():
+    """The run's Config holds its token (it keys the state's digest); provenance.json
+    is built from the Config and must not carry it."""
+    import json
+
+    from syncer import state
+    from syncer.run import Config
+
+    record = state.final_provenance(Config(token="s3cret-token-value"), {})
+    assert "s3cret-token-value" not in json.dumps(record)
+    assert record  # a record was built
