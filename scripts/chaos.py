@@ -121,6 +121,7 @@ from synthetic_island import build_parser as island_parser  # noqa: E402
 from syncer import spawn, state  # noqa: E402
 from syncer.bounds import HISTORY, Bounds  # noqa: E402
 from syncer.errors import Reject  # noqa: E402
+from syncer.merge import MERGE_RULES  # noqa: E402
 from syncer.messages import PushHeader  # noqa: E402
 from syncer.run import Config, Run  # noqa: E402
 from syncer.tape import Tape  # noqa: E402
@@ -1400,7 +1401,7 @@ def drift_run(args, honest: int, rogue: bool) -> Drift:
     join seeds Θ_0 (`drift_seed`)."""
     layout = layout_for(args.dim)
     run = Run(Config(quorum=honest + rogue, outer=OUTER, outer_lr=OUTER_LR,
-                     outer_momentum=OUTER_MOMENTUM))
+                     outer_momentum=OUTER_MOMENTUM, merge=args.drift_merge))
     run.tape = KeptTape()
     declared = {f"island-{i}": (ISLAND.get_default("tokens"), args.sync_every)
                 for i in range(honest)}
@@ -1487,6 +1488,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rogue-bound: the rogue's pushes over the norm bound (one a round)")
     p.add_argument("--drift-rounds", type=int, default=100,
                    help="rounds of each in-process drift run (0: no drift figures)")
+    p.add_argument("--drift-merge", choices=MERGE_RULES, default=Config.merge,
+                   help="the merge rule of the drift runs only (default: the syncer's)")
     p.add_argument("--tmpfs-mib", type=int, default=16)
     p.add_argument("--wait-s", type=float, default=90.0, help="bound of every wait")
     p.add_argument("--workdir", type=Path, default=None,

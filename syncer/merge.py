@@ -15,6 +15,7 @@ from syncer.bounds import share_factors
 from syncer.staging import StagedSum
 from yeto import codec
 from yeto.codec import buffers, chunked
+from yeto.codec import format as fmt
 
 # values per outer-step call: one compiled pass each (cache-sized chunks buy nothing to a
 # single pass), and one release of the GIL each (BENCHMARKS.md, "The step behind the
@@ -68,7 +69,8 @@ class MergeAccumulator:
         self.numel, self.clip_factor = numel, float(clip_factor)
         # the most of the merge one island may hold, given how many pushed (None: no cap)
         self.share_cap = share_cap
-        self.keeping = self.clip_factor > 0  # pushes are kept from now on (`expect`)
+        # pushes are kept from now on (`expect`); a reducing rule keeps them all
+        self.keeping = self.clip_factor > 0 or self.rule.keeps_pushes
         # (learner, rule weight) of each push summed as it came (not kept)
         self.summed_weights: list[tuple[str, float]] = []
         self.max_abs = max_abs  # the value bound every push meets (syncer.bounds)
@@ -84,8 +86,8 @@ class MergeAccumulator:
 
     @property
     def keeps_pushes(self) -> bool:
-        """Pushes are kept as received until the commit (clipping, or a share cap that
-        may bind: `expect`)."""
+        """Pushes are kept as received until the commit (clipping, a rule that reduces
+        them, or a share cap that may bind: `expect`)."""
         return self.keeping
 
     def expect(self, islands: int) -> None:
@@ -241,17 +243,54 @@ class MergeAccumulator:
         """Merge deferred (clipped) pushes; the divisor of the round's sum."""
         if self.count == 0:
             raise RuntimeError("no pushes to merge")
+        if self.deferred and self.rule.keeps_pushes:
+            return self._merge_reduced()
         if self.deferred:
             return self._merge_deferred()
         return self.count if self.uniform_fallback else self.total_weight
+
+    def _clip_limit(self) -> float:
+        """The norm every kept push is scaled to at most: clip_factor × the round's
+        median norm (0: no clipping)."""
+        return (self.clip_factor * float(np.median([p.norm for p in self.deferred]))
+                if self.clip_factor > 0 else 0.0)
+
+    def _merge_reduced(self) -> float:
+        """The rule's coordinate-wise reduction (`strategy.TrimmedMean.reduce`) of the
+        kept pushes into the sum's buffer, one chunk of values at a time: each island's
+        row of the chunk (its pushes within the norm bound and clipping, averaged),
+        stacked k × chunk and reduced. No push is decoded whole. Returns 1 (the buffer
+        holds g)."""
+        if self.summed_weights:
+            raise RuntimeError("a reducing rule merges kept pushes only")
+        limit, islands = self._clip_limit(), {}
+        for p in self.deferred:
+            scale = min(1.0, limit / p.norm) if limit and p.norm > 0 else 1.0
+            if self.clip_factor > 0:
+                self.clip_scales.append(scale)
+            islands.setdefault(p.learner, []).append((p, scale * p.bound_scale))
+        rows_of = [[(p, w / len(ps)) for p, w in ps] for ps in islands.values()]
+        buf = self._buffer()
+
+        def one(lo: int, hi: int) -> None:
+            rows = np.empty((len(rows_of), hi - lo), np.float32)
+            for row, pushes in zip(rows, rows_of):
+                for j, (p, w) in enumerate(pushes):
+                    piece = chunked.chunk_payload(p.payload, p.encoding, self.numel, lo, hi)
+                    fmt.decode_add(piece, p.encoding, hi - lo, row, w, assign=j == 0)
+            self.rule.reduce(rows, buf[lo:hi])
+
+        chunked.each_chunk(self.numel, one)
+        self.fresh, self.norm_sum = False, 0.0
+        self.deferred.clear()
+        return 1.0
 
     def _merge_deferred(self) -> float:
         """Merge the kept pushes into the sum of those summed as they came: each
         island's weight within the share cap, each push scaled to norm ≤ clip_factor ×
         the round's median norm (with clipping on). Returns the round's divisor (Σ of
         the weights as merged)."""
-        limit = (self.clip_factor * float(np.median([p.norm for p in self.deferred]))
-                 if self.clip_factor > 0 else 0.0)
+        limit = self._clip_limit()
         factors = self._share_factors()
         summed = [self.merged_weight(w) for _, w in self.summed_weights]
         if not any(summed):  # nothing summed, or only 0-token pushes a weighted push drops

@@ -298,7 +298,7 @@ class Run:
         (clipping, or a round that may be share-capped) instead of summed as it comes.
         Read without the lock: a push that finds another round at its end is copied."""
         rnd = self.open.get(fragment)
-        return self.cfg.clip_factor > 0 if rnd is None else rnd.acc.keeps_pushes
+        return rnd.acc.keeps_pushes if rnd else self.cfg.clip_factor > 0 or self.rule.keeps_pushes
 
     def announce(self, broadcast: Broadcast) -> None:
         """Make `broadcast` its fragment's newest: the streams send it on, and

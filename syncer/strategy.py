@@ -6,7 +6,9 @@ strategies and torchft's outer optimizer are; a new one is one class here, added
 
 The syncer sums each push as it arrives (`syncer.merge.MergeAccumulator`), so a rule
 sees a push's loss tokens when it arrives and the round's totals at the commit: the
-weight of each push, then one optional factor on the weighted mean.
+weight of each push, then one optional factor on the weighted mean. A robust rule
+(`keeps_pushes`: `TrimmedMean`) has the round keep its pushes as received instead, and
+reduces them coordinate by coordinate at the commit, one chunk of values at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Mean:
 
     name = "mean"
     rescales = False  # whether `factor` needs the mean's norm (a pass over g)
+    keeps_pushes = False  # whether the round keeps its pushes for `reduce` (not summed)
 
     def weight(self, loss_tokens: int) -> float:
         return float(max(loss_tokens, 0))
@@ -56,7 +59,43 @@ class RDA(Mean):
         return typical_norm / mean_norm if mean_norm > 0 else None
 
 
-RULES = {r.name: r for r in (Mean, Uniform, RDA)}
+class TrimmedMean(Mean):
+    """The coordinate-wise trimmed mean (Yin et al., "Byzantine-Robust Distributed
+    Learning: Towards Optimal Statistical Rates", arXiv 1803.01498): per coordinate, the
+    round's k island values (each island's pushes within the norm bound, averaged) are
+    sorted, the `trim` lowest and `trim` highest dropped, and the rest averaged. One
+    island's value is then dropped where it is extreme, and lies between honest values
+    where it is kept: a rogue at its norm bound moves no coordinate past the honest
+    islands' range (issue 44). With k ≤ 2·trim it trims (k − 1) // 2 from each end: the
+    coordinate median (k = 2: the mean of the two; k = 1: the push itself).
+
+    Plain, not token-weighted: the tokens are each island's own claim, and a weight
+    would let a rogue that sits at the edge of the honest range hold most of the
+    coordinate's mean; plainly, an island holds at most 1/(k − 2·trim) of any coordinate
+    (the share cap is not applied: the trim bounds every island). Its `weight` is 1 (the
+    tape's shares are 1/k). The round keeps every push (`keeps_pushes`); the merge
+    decodes one chunk of each at a time (`syncer.merge.MergeAccumulator`)."""
+
+    name = "trimmed"
+    keeps_pushes = True
+
+    def __init__(self, trim: int = 1):
+        self.trim = int(trim)
+
+    def weight(self, loss_tokens: int) -> float:
+        return 1.0
+
+    def reduce(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """out = the trimmed mean of each column of `rows` (k × n float32, sorted in
+        place): the kept values summed in float64 in sorted order, ÷ their count."""
+        k = rows.shape[0]
+        t = min(self.trim, (k - 1) // 2)
+        rows.sort(axis=0)
+        kept = rows[t:k - t]
+        out[...] = np.add.reduce(kept, axis=0, dtype=np.float64) / kept.shape[0]
+
+
+RULES = {r.name: r for r in (Mean, Uniform, RDA, TrimmedMean)}
 
 
 def merge_rule(name: str) -> Mean:

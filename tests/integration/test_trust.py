@@ -582,3 +582,29 @@ def test_a_rogue_joining_mid_round_cannot_escape_the_share_cap(toy_layout, tmp_p
     assert np.allclose(theta, want, rtol=1e-6)
     rec = _merges(tmp_path / "s")[0]
     assert {r["learner"]: r["share"] for r in rec["responders"]}["rogue"] == pytest.approx(2 / 3)
+
+
+def test_a_trimmed_merge_drops_a_rogue_at_its_bound(toy_layout, rng, tmp_path):
+    """Under `--merge trimmed` one rogue among four islands pushing huge values (summed
+    at its norm bound, over 1,000 x the honest tokens) is the highest value of every
+    coordinate and is dropped: Θ moves by the mean of the two upper honest values, as
+    if the rogue had not pushed (issue 44: under the mean it holds half the merge)."""
+    n = toy_layout.numel
+    with running_syncer(quorum=4, merge="trimmed", state_dir=tmp_path / "s", **AVERAGING) as (
+            run, addr):
+        cs = _started(addr, toy_layout, ["a", "b", "c", "rogue"], token=None)
+        honest = rng.uniform(-0.01, 0.01, (3, n)).astype(np.float32)
+        for c, d in zip(cs, [*honest, np.full(n, 1e3, np.float32)]):  # the rogue last
+            c.push(codec.encode(d, "f32"), encoding="f32", base_version=0,
+                   loss_tokens=10_000 if c.learner_id == "rogue" else 10, steps=1,
+                   seq=0).result(20)
+        theta = cs[0].wait_one(timeout=30).theta
+        for c in cs:
+            c.close()
+    upper = np.sort(honest, axis=0)[1:]  # per coordinate: the lowest honest one dropped
+    want = -((upper[0].astype(np.float64) + upper[1]) / 2).astype(np.float32)
+    assert np.array_equal(theta, want)
+    rec = _merges(tmp_path / "s")[0]
+    by = {r["learner"]: r for r in rec["responders"]}
+    assert rec["merge_rule"] == "trimmed" and by["rogue"]["bound_scale"] < 1e-3
+    assert 1e3 * by["rogue"]["bound_scale"] > 0.01  # still above every honest value
