@@ -47,3 +47,25 @@ def test_memory_benchmark_runs_and_reports(args, key):
     last = proc.stdout.strip().splitlines()[-1]
     fields = dict(kv.split("=", 1) for kv in last.split()[1:])
     assert last.startswith("RESULT ") and float(fields[key]) > 0, last
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_real_model_benchmark_runs_and_reports(tmp_path):
+    """bench_real.py --quick (about 2 minutes): SmolLM2 federated against a bare peft loop;
+    the last line is a RESULT line with three held-out losses and both tokens/s."""
+    from yeto.testing.real import FETCH, SMOLLM2
+
+    if SMOLLM2.available() is None:
+        pytest.skip(f"SmolLM2 is not fetched: run {FETCH}")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_real.py"), "--quick",
+                           "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = RESULT.match(last)
+    assert m, f"last line is not a RESULT line: {last!r}"
+    fields = dict(kv.split("=", 1) for kv in m.group(2).split())
+    assert float(m.group(1)) > 0 and int(fields["rounds"]) >= 3, last
+    for key in ("base", "yeto", "baseline", "island_tok_s", "bare_tok_s"):
+        assert float(fields[key]) > 0, last
