@@ -16,6 +16,12 @@ cell's ratio to data-parallel on the same tokens:
            hold as the model grows (run it with --seeds 0,1)
 DiLoCo arms run through `python -m yeto.sim` (one process per arm), dp arms as one
 island process.
+
+Mode `--real` (issue 45) runs `REAL_CELLS`: LoRA (rank 16, the default targets) on a real
+pretrained model (SmolLM2-135M-Instruct from its GGUF file, `yeto.testing.real.SMOLLM2`,
+or --model) and real text (standard-library docstrings, `yeto.testing.real.stdlib_docs`),
+k = 2 and 4 islands, 4 rounds each, the default rule and plain averaging (`REAL_RULES`),
+each against dp<k> on the same tokens, through `python -m yeto.sim` as well.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Regime:
     sim: bool = False      # DiLoCo arms through python -m yeto.sim (one process)
     eval_blocks: int = 0   # held-out blocks evaluated (0 = all); islands evaluate at syncs
     size: str = "tiny"     # the tiny model's size (yeto.testing.tiny.MODEL_SIZES)
+    base: str = ""         # a real base instead (a GGUF file or a model dir); "" = tiny
 
 
 @dataclass(frozen=True)
@@ -225,7 +232,12 @@ def long_arms(rg: Regime) -> list[Arm]:
     return list({a.name: a for a in arms}.values())  # each once, where it first appears
 
 
-def plan(mode: str) -> tuple[dict[str, Regime], list[Arm], list[int]]:
+def plan(mode: str, model: str | None = None) -> tuple[dict[str, Regime], list[Arm], list[int]]:
+    """The regimes, arms and seeds of a mode; `model` is --real's base (default
+    SmolLM2-135M-Instruct's GGUF file)."""
+    if mode == "real":
+        regimes, arms = real_plan(model)
+        return regimes, arms, [0, 1]
     if mode == "smoke":
         rg = Regime("lora", "lora", True, "task", steps=24, batch=4, seq_len=64, inner_lr=3e-3,
                     lora_r=8)
@@ -293,20 +305,49 @@ def rules_plan() -> tuple[dict[str, Regime], list[Arm]]:
     for name, k, H in CELLS:
         rg = regimes[name]
         per_island = rg.steps // k if name == "short" else rg.steps  # short: same tokens
-        arms.append(Arm(name, f"dp{k}", "dp", k=k, steps=per_island, batch=rg.batch * k,
-                        ref=f"dp{k}"))
-        rules = LARGER_RULES if rg.size != "tiny" else CANDIDATES
-        arms += [rule_arm(rg, k, H, c, per_island) for c in rules]
+        arms += cell_arms(rg, k, H, LARGER_RULES if rg.size != "tiny" else CANDIDATES,
+                          per_island)
     return regimes, list({a.key: a for a in arms}.values())
 
 
+def cell_arms(rg: Regime, k: int, H: int, rules, per_island: int) -> list[Arm]:
+    """A cell's arms: dp<k> (one island, k x the batch, as many steps per island as a
+    DiLoCo island makes), then each rule's DiLoCo arm."""
+    dp = Arm(rg.name, f"dp{k}", "dp", k=k, steps=per_island, batch=rg.batch * k, ref=f"dp{k}")
+    return [dp, *(rule_arm(rg, k, H, c, per_island) for c in rules)]
+
+
 def cell_of(arm: Arm) -> tuple[str, int, int] | None:
-    """The rules-table cell a DiLoCo arm belongs to, None for another arm."""
+    """The rules-table (or --real table) cell a DiLoCo arm belongs to, None for another."""
     cell = (arm.regime, arm.k, arm.H)
-    return cell if arm.kind == "diloco" and cell in CELLS else None
+    return cell if arm.kind == "diloco" and (cell in CELLS or cell in REAL_CELLS) else None
 
 
 def candidate_of(arm: Arm) -> str | None:
     """The candidate an arm runs (by its outer rule, lr and momentum), None if none."""
     flags = (arm.outer, arm.outer_lr, arm.outer_momentum)
     return next((c for c, f in CANDIDATES.items() if f == flags), None)
+
+
+# ---------------------------------------------------------------- real text (issue 45)
+
+# N, the single-island steps of --real's token budget: N x REAL_BATCH blocks of 128 tokens,
+# about one pass over stdlib_docs' 125 training blocks (SmolLM2's tokenizer), sized for
+# ~45 minutes on one CPU core; each k-island cell runs N/k steps per island and syncs every
+# N/(4k): 4 rounds
+REAL_STEPS, REAL_BATCH = 64, 2
+REAL_CELLS = tuple(("real", k, REAL_STEPS // k // 4) for k in (2, 4))
+REAL_RULES = (DEFAULT, "avg")  # the syncer's default for SFT, and plain averaging
+
+
+def real_plan(model: str | None = None) -> tuple[dict[str, Regime], list[Arm]]:
+    """--real: LoRA r16 on a real base and real text, dp<k> and each REAL_RULES arm per
+    REAL_CELLS cell, every arm on the same tokens (N x b)."""
+    if model is None:
+        from yeto.testing.real import SMOLLM2
+
+        model = str(SMOLLM2.path)
+    rg = Regime("real", "lora", True, "docs", steps=REAL_STEPS, batch=REAL_BATCH, seq_len=128,
+                inner_lr=1e-3, sim=True, base=model)
+    arms = [a for _, k, H in REAL_CELLS for a in cell_arms(rg, k, H, REAL_RULES, rg.steps // k)]
+    return {rg.name: rg}, arms

@@ -1,6 +1,6 @@
 """Does DiLoCo learn? DiLoCo against synchronous data-parallel on the same budget.
 
-Every arm trains the same tiny model on the same data with the same total token
+Every arm trains the same tiny model (--real: a real one) on the same data with the same total token
 budget (k islands x steps x batch = single-island steps x batch), as real processes
 (a `python -m syncer` and `python -m yeto.learner` islands, one torch thread each),
 one arm at a time. Each (arm, seed) result is cached as JSON under --out, so a
@@ -58,7 +58,13 @@ Goals of --rules (issue 33; the arms: scripts/_diloco_arms.py), per outer rule
     fewer bytes per token; from scratch and the larger model (warm2m: warm, k = 4, H = 100
     on the >2M-parameter "small" tiny model) reported against the same goal.
 
+Goals of --real (issue 45): LoRA r16 on SmolLM2-135M-Instruct (a real pretrained model,
+its GGUF file) and real text (standard-library docstrings), the default outer rule at
+k = 2 and k = 4 (4 rounds each) <= 1.03 x dp<k> on the same tokens; plain averaging
+reported beside it.
+
 Usage
+  python scripts/compare_diloco.py --real --jobs 1      # real model and text (~45 min)
   python scripts/compare_diloco.py --quick        # the default rule's short cell, 3 seeds
   python scripts/compare_diloco.py --rules --jobs 2   # every outer rule x regime, 3 seeds
   python scripts/compare_diloco.py --rules --arms 'warm2m:*warmup' --seeds 0,1  # larger model
@@ -96,7 +102,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _diloco_arms import CANDIDATES, CELLS, Arm, Regime, candidate_of, cell_of, plan  # noqa: E402
+from _diloco_arms import (  # noqa: E402
+    CANDIDATES,
+    CELLS,
+    REAL_CELLS,
+    Arm,
+    Regime,
+    candidate_of,
+    cell_of,
+    plan,
+)
 
 from syncer.spawn import SyncerStartError, start_syncer  # noqa: E402
 from yeto.cli.display import markdown_table, table_text  # noqa: E402
@@ -111,22 +126,40 @@ DATA_VERSION = 1  # bump when the prepared data change
 
 
 def prepare(out: Path, rg: Regime) -> tuple[Path, Path, Path]:
-    """(model dir, train.jsonl, eval.jsonl) for a regime; built once under out/."""
+    """(model dir, train.jsonl, eval.jsonl) for a regime; built once under out/ (a real
+    base: its GGUF file read once into the cached model dir, `yeto.gguf.model_dir`)."""
     from yeto.testing.tasks import make_task
-    from yeto.testing.tiny import make_tiny_model
 
-    name = ("pretrained" if rg.pretrain else "scratch") + ("" if rg.size == "tiny"
-                                                          else f"-{rg.size}")
-    model = make_tiny_model(out / "models" / name, pretrain=rg.pretrain, size=rg.size)
+    model = base_model(out, rg)
     d = out / "data" / f"{rg.data}-v{DATA_VERSION}"
-    train, held_out = d / "train.jsonl", d / "eval.jsonl"
+    train = d / "train.jsonl"
+    held_out = d / ("held_out.jsonl" if rg.data == "docs" else "eval.jsonl")
     if not (train.is_file() and held_out.is_file()):
-        if rg.data == "task":
+        if rg.data == "docs":  # real text: standard-library docstrings (yeto.testing.real)
+            from yeto.testing.real import stdlib_docs
+
+            d.mkdir(parents=True, exist_ok=True)
+            assert stdlib_docs(d) == (train, held_out)
+        elif rg.data == "task":
             tmp_train, tmp_eval = make_task(d, n_train=8000, n_eval=200)
             assert (tmp_train, tmp_eval) == (train, held_out)
         else:
             stdlib_rows(d)
     return model, train, held_out
+
+
+def base_model(out: Path, rg: Regime) -> Path:
+    """The model dir a regime trains: its real base (a GGUF file through the cache, or a
+    model dir as it is), else the tiny model of its size, built once under out/models."""
+    if rg.base:
+        from yeto.gguf import is_gguf, model_dir
+
+        return model_dir(rg.base) if is_gguf(rg.base) else Path(rg.base)
+    from yeto.testing.tiny import make_tiny_model
+
+    name = ("pretrained" if rg.pretrain else "scratch") + ("" if rg.size == "tiny"
+                                                          else f"-{rg.size}")
+    return make_tiny_model(out / "models" / name, pretrain=rg.pretrain, size=rg.size)
 
 
 def stdlib_rows(d: Path, eval_files: int = 20, eval_pieces: int = 3,
@@ -200,6 +233,8 @@ def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
         drop |= {"H", "wire", "outer", "outer_lr", "outer_momentum", "merge", "downlink"}
     what = {k: v for k, v in asdict(arm).items() if k not in drop}
     regime = asdict(rg)
+    if not rg.base:  # the tiny model, as every earlier cache: their digests hold; a real
+        del regime["base"]  # base is keyed by its path (GGUF file or model dir)
     if rg.size == "tiny":  # the size every earlier cache ran: their digests hold
         del regime["size"]
     else:  # the base's cache key: a changed shape or pretraining recipe is a new result
@@ -485,8 +520,9 @@ def print_tables(rows: dict[str, Row], regimes: dict[str, Regime], md: bool = Fa
         first = next(iter(r for r in rows.values() if r.arm.regime == name and r.results))
         before = statistics.fmean(r["eval_loss_before"] for r in first.results.values())
         params = first.results[seeds[0]]["params"] if seeds[0] in first.results else "?"
-        print(f"\n== regime {name}: tuning {rg.tuning}, "
-              f"{'pretrained base' if rg.pretrain else 'from scratch'}, data {rg.data}, "
+        base = (f"base {Path(rg.base).name}" if rg.base
+                else "pretrained base" if rg.pretrain else "from scratch")
+        print(f"\n== regime {name}: tuning {rg.tuning}, {base}, data {rg.data}, "
               f"budget {rg.steps} x {rg.batch} x {rg.seq_len} tokens, inner lr {rg.inner_lr:g}, "
               f"{params} trainable params, held-out loss before {before:.4f}, "
               f"seeds {','.join(map(str, seeds))}")
@@ -667,7 +703,7 @@ def goal_lines(rows: dict[str, Row]) -> list[str]:
 # each regime's goal (issue 33): ratio to dp<k> at most, bytes per token fewer at least;
 # a rule meets the goal when it meets the short and warm cells (scratch: reported)
 RULE_TARGETS = {"short": (1.03, 0), "warm": (1.00, 400), "scratch": (1.00, 400),
-                "warm2m": (1.00, 400)}
+                "warm2m": (1.00, 400), "real": (1.03, 0)}  # real: issue 45, k = 2 and 4
 REQUIRED = ("short", "warm")
 
 
@@ -685,7 +721,7 @@ def _cell_name(cell: tuple) -> str:
     return f"{cell[0]}:k{cell[1]}:H{cell[2]}"
 
 
-def print_rules(rows: dict[str, Row], md: bool) -> None:
+def print_rules(rows: dict[str, Row], md: bool, cells: tuple = CELLS) -> None:
     """Candidates by cells: the ratio to dp<k> ± half the range (seeds), "not run" where
     no seed ran; the bytes per token fewer than an all-reduce under each cell."""
     by = _rule_rows(rows)
@@ -693,23 +729,24 @@ def print_rules(rows: dict[str, Row], md: bool) -> None:
         return
     cands = list(dict.fromkeys(c for c in CANDIDATES if any(k[0] == c for k in by)))
     body = [[f"{c} ({'/'.join(map(str, CANDIDATES[c]))})",
-             *[_grid_cell(by[(c, cell)]) if (c, cell) in by else "not run" for cell in CELLS]]
+             *[_grid_cell(by[(c, cell)]) if (c, cell) in by else "not run" for cell in cells]]
             for c in cands]
     fewer = [next((f"{1 / r.mean('bytes_per_token_ratio'):,.0f}x" for (_, cl), r in by.items()
-                   if cl == cell), "-") for cell in CELLS]
+                   if cl == cell), "-") for cell in cells]
     body.append(["bytes fewer than all-reduce", *fewer])
     print("\n== outer rules: ratio to dp<k> ± half the range (seeds), q4 both ways")
-    print(markdown_table(["rule (outer/lr/momentum)", *map(_cell_name, CELLS)], body) if md
-          else table_text(["rule", *map(_cell_name, CELLS)], body))
+    print(markdown_table(["rule (outer/lr/momentum)", *map(_cell_name, cells)], body) if md
+          else table_text(["rule", *map(_cell_name, cells)], body))
 
 
-def rules_goal_lines(rows: dict[str, Row]) -> list[str]:
+def rules_goal_lines(rows: dict[str, Row], cells: tuple = CELLS,
+                     required: tuple = REQUIRED) -> list[str]:
     """Per candidate and cell: its ratio, spread, bytes and goal; then per candidate
     whether it meets every required cell (no once one fails; n/a while one has no run)."""
     by, out = _rule_rows(rows), []
     for cand in CANDIDATES:
         verdicts = {}
-        for cell in CELLS:
+        for cell in cells:
             r = by.get((cand, cell))
             if r is None:
                 continue
@@ -723,12 +760,12 @@ def rules_goal_lines(rows: dict[str, Row]) -> list[str]:
                        f"target_ratio={at_most:g} target_fewer={at_least}")
         if not verdicts:
             continue
-        missing = [_cell_name(c) for c in CELLS if c[0] in REQUIRED and c not in verdicts]
-        failed = any(not ok for c, ok in verdicts.items() if c[0] in REQUIRED)
+        missing = [_cell_name(c) for c in cells if c[0] in required and c not in verdicts]
+        failed = any(not ok for c, ok in verdicts.items() if c[0] in required)
         met = "no" if failed else "n/a" if missing else "yes"
         out.append(f"RESULT goal=one_rule rule={cand} met={met} "
                    + (f"missing={','.join(missing)} " if missing else "")
-                   + f"cells={len(verdicts)}/{len(CELLS)}")
+                   + f"cells={len(verdicts)}/{len(cells)}")
     return out
 
 
@@ -758,11 +795,22 @@ def build_parser() -> argparse.ArgumentParser:
                            "steps per island (100 rounds at H=50), DiLoCo arms through "
                            "python -m yeto.sim; k, H and outer-optimizer sweeps at that "
                            "per-island budget")
+    mode.add_argument("--real", action="store_true",
+                      help="issue 45: LoRA (r16) on a real pretrained model (--model, default "
+                           "SmolLM2-135M-Instruct) and real text (standard-library "
+                           "docstrings, held out by module), k=2 and 4 islands, 4 rounds, the "
+                           "default outer rule and plain averaging against dp<k> on the same "
+                           "tokens, DiLoCo arms through python -m yeto.sim, 2 seeds")
     mode.add_argument("--smoke", action="store_true",
                       help="2 arms, a few steps, 1 seed (< 60 s): checks the plumbing")
     p.add_argument("--out", type=Path, default=None,
                    help="cache and run folder (default runs/compare, runs/compare-rules "
-                        "(--rules and --quick), runs/compare-long, runs/compare-smoke)")
+                        "(--rules and --quick), runs/compare-long, runs/compare-real, "
+                        "runs/compare-smoke)")
+    p.add_argument("--model", default=None, metavar="FILE.gguf|DIR",
+                   help="--real's base: a GGUF file or a model dir (default: SmolLM2-135M-"
+                        "Instruct, `python -m yeto.testing.real --fetch`); part of each "
+                        "result's cache key")
     p.add_argument("--arms", default=None,
                    help="comma list of glob patterns over regime:arm names, e.g. "
                         "'lora:diloco4*,full:*' (default: all of the mode's)")
@@ -785,11 +833,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     mode_name = ("smoke" if args.smoke else "quick" if args.quick else "long" if args.long
-                 else "rules" if args.rules else "full")
+                 else "rules" if args.rules else "real" if args.real else "full")
     out = (args.out or ROOT / "runs" / ("compare" if mode_name == "full" else "compare-rules"
                                         if mode_name == "quick"
                                         else f"compare-{mode_name}")).resolve()
-    regimes, arms, seeds = plan(mode_name)
+    if args.model and mode_name != "real":
+        raise SystemExit("--model: only --real takes a model (the other modes train the "
+                         "tiny one)")
+    regimes, arms, seeds = plan(mode_name, args.model)
+    missing = [rg.base for rg in regimes.values() if rg.base and not Path(rg.base).exists()]
+    if missing:
+        raise SystemExit(f"--model {missing[0]}: not found (SmolLM2-135M-Instruct: "
+                         "python -m yeto.testing.real --fetch)")
     if args.seeds:
         seeds = [int(s) for s in args.seeds.split(",")]
     arms = choose(arms, args.arms or "*")
@@ -921,6 +976,9 @@ def report(rows: dict[str, Row], regimes: dict[str, Regime], skipped: list[str],
     if "short" in regimes:  # --rules, --quick
         print_rules(rows, md)
         goals = spike_lines(rows) + rules_goal_lines(rows)
+    elif "real" in regimes:  # --real
+        print_rules(rows, md, REAL_CELLS)
+        goals = spike_lines(rows) + rules_goal_lines(rows, REAL_CELLS, ("real",))
     else:
         goals = long_goal_lines(rows) if long_mode else goal_lines(rows)
     for line in result_lines(rows) + goals:

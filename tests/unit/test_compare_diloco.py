@@ -182,3 +182,59 @@ def test_max_steps_caps_every_arm_and_keys_its_cache_apart():
     assert cd.config_of(short, regimes["warm2m"], 0) != cd.config_of(arm, regimes["warm2m"], 0)
     with pytest.raises(SystemExit, match="at least 1 step"):
         cd.capped([arm], 0)
+
+
+def test_real_runs_the_default_rule_and_averaging_against_dp_on_the_same_tokens():
+    """--real (issue 45): per k in (2, 4), dp<k> (one island, k x the batch) and the
+    default rule's and plain averaging's DiLoCo arms, every arm on the same tokens, at
+    least 4 rounds, LoRA r16 on the real base; the base's path keys the cache, and the
+    tiny regimes' keys do not change (see the digests above)."""
+    import _diloco_arms as arms_mod
+    import compare_diloco as cd
+
+    from yeto.testing.real import SMOLLM2
+
+    regimes, arms, seeds = cd.plan("real")
+    rg = regimes["real"]
+    assert seeds == [0, 1] and list(regimes) == ["real"]
+    assert (rg.base, rg.tuning, rg.lora_r, rg.data, rg.seq_len, rg.sim) == (
+        str(SMOLLM2.path), "lora", 16, "docs", 128, True)
+    assert arms_mod.REAL_RULES[0] == arms_mod.DEFAULT and "avg" in arms_mod.REAL_RULES
+    assert [(a.name, cd.candidate_of(a) if a.kind == "diloco" else a.kind) for a in arms] == [
+        (n, c) for _, k, H in arms_mod.REAL_CELLS for n, c in (
+            (f"dp{k}", "dp"), (f"diloco{k}-H{H}-q4-dq4-warmup", "warmup"),
+            (f"diloco{k}-H{H}-q4-dq4", "avg"))]
+    assert {k for _, k, _ in arms_mod.REAL_CELLS} == {2, 4}
+    for a in arms:
+        assert a.steps * a.batch * (1 if a.kind == "dp" else a.k) == rg.steps * rg.batch
+        assert a.ref == f"dp{a.k}"
+        if a.kind == "diloco":
+            assert a.steps // a.H >= 4 and cd.cell_of(a) == ("real", a.k, a.H)
+    other = cd.plan("real", "/elsewhere/model.gguf")[0]["real"]
+    assert other.base == "/elsewhere/model.gguf"
+    assert cd.config_of(arms[1], other, 0) != cd.config_of(arms[1], rg, 0)
+    assert "base" not in cd.config_of(arms[0], cd.plan("rules")[0]["short"], 0)["regime"]
+
+
+def test_the_real_table_and_goals_are_per_k_against_1_03(capsys):
+    import _diloco_arms as arms_mod
+    import compare_diloco as cd
+
+    _, arms, _ = cd.plan("real")
+    rows = {a.key: cd.Row(a) for a in arms}
+    (_, _, h2), (_, _, h4) = arms_mod.REAL_CELLS
+    for key, losses in (("dp2", (2.0, 2.0)), ("dp4", (2.0, 2.0)),
+                        (f"diloco2-H{h2}-q4-dq4-warmup", (2.02, 2.06)),
+                        (f"diloco4-H{h4}-q4-dq4-warmup", (2.1, 2.1))):
+        rows[f"real:{key}"].results = {s: {"eval_loss": x, "bytes_per_token_ratio": 0.1}
+                                       for s, x in enumerate(losses)}
+    cd.attach_ratios(rows)
+    cd.print_rules(rows, md=True, cells=arms_mod.REAL_CELLS)
+    out = capsys.readouterr().out
+    assert (f"| rule (outer/lr/momentum) | real:k2:H{h2} | real:k4:H{h4} |\n" in out
+            and "| warmup (nesterov-warmup/0.4/0.9) | 1.0200 ± 0.0100 (2) | "
+                "1.0500 ± 0.0000 (2) |" in out)
+    lines = cd.rules_goal_lines(rows, arms_mod.REAL_CELLS, ("real",))
+    assert f"RESULT goal=outer_rule rule=warmup cell=real:k2:H{h2} met=yes ratio=1.0200+-" \
+           "0.0100 fewer_bytes=10 seeds=2 target_ratio=1.03 target_fewer=0" in lines
+    assert "RESULT goal=one_rule rule=warmup met=no cells=2/2" in lines
