@@ -162,6 +162,10 @@ def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClo
     class SimBackend(TorchBackend):
         costs: Iterator[float]  # simulated seconds of each step
 
+        def load(self, cfg: IslandConfig, source):
+            with setup:  # transformers' loader is not thread-safe (a meta-device model)
+                return super().load(cfg, source)
+
         def attach(self, cfg: IslandConfig):
             with setup:  # LoRA init draws from torch's global RNG: one island at a time
                 return super().attach(cfg)
