@@ -2,9 +2,8 @@
 
 import sys
 
-from yeto.signals import die_with_threads
+from yeto.signals import island_process
 from yeto.torch.learner import main
 
 if __name__ == "__main__":
-    die_with_threads()  # a dead push or receive thread must not leave a silent island
-    sys.exit(main())
+    sys.exit(island_process(main))

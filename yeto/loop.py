@@ -47,7 +47,7 @@ from yeto.config import IslandConfig
 from yeto.io import atomic_write, finite_or_none
 from yeto.island import Island
 from yeto.layout import Layout
-from yeto.signals import GracefulStop, ignore_signals
+from yeto.signals import GracefulStop
 from yeto.transport import Refused, Transport
 
 log = logging.getLogger("yeto.island")
@@ -175,7 +175,6 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None,
     backend.release()
     gc.collect()
     group.close()
-    ignore_signals()  # outputs are saved: a late signal must not make this exit an error
     return code
 
 

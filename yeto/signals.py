@@ -71,6 +71,19 @@ def ignore_signals() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
+def island_process(main: Callable[[list[str] | None], int], argv: list[str] | None = None
+                   ) -> int:
+    """Run an island's `main(argv)` as this process's work: a background thread that
+    dies ends the process (`die_with_threads`), and once `main` returns (its outputs
+    saved) a late signal cannot turn a clean exit into "killed by SIGINT". Process-wide
+    settings: entry points only, never the library (an in-process island leaves its
+    host's signals alone)."""
+    die_with_threads()
+    code = main(argv)
+    ignore_signals()
+    return code
+
+
 def die_with_threads(exit_code: int = 70) -> None:
     """Make a background thread that dies of an exception end the process, loudly
     (its traceback, then exit `exit_code`), instead of leaving the process running

@@ -137,6 +137,22 @@ def test_torch_island_writes_provenance_everywhere(tmp_path, model_dir):
         assert rec["yeto"]["code_digest"] == recipe_digest(YETO, (".py", ".proto"))
 
 
+def test_an_island_run_in_process_leaves_the_host_s_signals_alone(tmp_path, model_dir):
+    """An island that ended used to set SIGINT and SIGTERM to be ignored in its process:
+    run in-process (a test, a notebook, the library API) it left the host deaf to both,
+    and every subprocess the host started afterwards too."""
+    import signal
+
+    from yeto.testing.tasks import make_task
+
+    train, _ = make_task(tmp_path / "task", n_train=16, n_eval=4)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    assert _island(["--model", str(model_dir), "--data", str(train), "--max-steps", "1",
+                    "--seq-len", "32", "--batch-size", "2", "--lora-r", "2",
+                    "--output", str(tmp_path / "run")]) == 0
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 def test_torch_island_refuses_pickles_and_remote_code(tmp_path, model_dir, caplog):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hello"}\n')

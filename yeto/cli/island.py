@@ -8,7 +8,7 @@ import argparse
 import importlib.util
 import sys
 
-from yeto.signals import die_with_threads
+from yeto.signals import island_process
 
 BACKENDS = {"torch": "yeto.torch.learner", "mlx": "yeto.mlx.learner"}
 
@@ -30,12 +30,10 @@ def main(argv=None) -> int:
               "transformers and peft are installed, else mlx), then the flags of the "
               f"{backend} island, python -m {BACKENDS[backend].replace('.torch', '')}:\n")
     learner = importlib.import_module(BACKENDS[backend])
-    die_with_threads()  # a dead push or receive thread must not leave a silent island
-    return learner.main(rest)
+    return island_process(learner.main, rest)
 
 
 def main_rl(argv=None) -> int:
     from yeto.rl.cli import main as rl
 
-    die_with_threads()  # a dead push, receive or sampling thread must not leave a silent island
-    return rl(argv)
+    return island_process(rl, argv)

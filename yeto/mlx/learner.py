@@ -291,7 +291,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from yeto.signals import die_with_threads
+    from yeto.signals import island_process
 
-    die_with_threads()  # a dead push or receive thread must not leave a silent island
-    sys.exit(main())
+    sys.exit(island_process(main))

@@ -1,7 +1,6 @@
 import sys
 
 from yeto.rl.cli import main
-from yeto.signals import die_with_threads
+from yeto.signals import island_process
 
-die_with_threads()  # a dead push, receive or sampling thread must not leave a silent island
-sys.exit(main())
+sys.exit(island_process(main))

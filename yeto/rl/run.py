@@ -30,7 +30,7 @@ from yeto.loop import (
 from yeto.rl.overlap import StaleRollouts
 from yeto.rl.pool import NoNodes
 from yeto.rl.trainer import GRPOTrainer, RLConfig, finite
-from yeto.signals import GracefulStop, ignore_signals
+from yeto.signals import GracefulStop
 from yeto.transport import Refused
 
 log = logging.getLogger("yeto.island")
@@ -158,7 +158,6 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
         save(cfg, parts, summary)
     trainer.sampler.close()
     trainer.pool.close()
-    ignore_signals()
     if failure:
         return EXIT_NO_ROLLOUTS
     return exit_code(cfg, island, client)
