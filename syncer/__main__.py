@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     tls = _tls_credentials(args)
     _refuse_open_listening(args, token, tls)
     cfg = config_from_args(args)
-    cfg.token = token  # keys the state's digest (syncer.persist.state_key)
+    cfg.token = token  # keys the state's digest (syncer.persist.Store)
     memory.limit_arenas()  # freed chunk buffers reused from two arenas, not kept in 16
     try:
         run = Run(cfg)

@@ -180,6 +180,18 @@ class Downlink:
                          "f32", final, delta,
                          prev.version if prev else 0)
 
+    def publish(self, broadcast: Broadcast) -> None:
+        """`broadcast` becomes its fragment's newest: streams send it on."""
+        self.latest[broadcast.fragment] = broadcast
+
+    def newest(self) -> list[Broadcast]:
+        """Each fragment's newest broadcast, by fragment."""
+        return [bc for _, bc in sorted(self.latest.items())]
+
+    def restore(self, island_theta: np.ndarray | None) -> None:
+        """The weights islands hold under a compressed downlink, as saved."""
+        self.island_theta = island_theta if self.encoding != "f32" else None
+
     def detach(self, f: int) -> None:
         """Before the weights of fragment f change: its broadcast stops viewing them."""
         prev = self.latest.get(f)
@@ -218,7 +230,8 @@ class Subscription:
         self.sent_final: set[int] = set()
 
     def _pending(self) -> Broadcast | None:
-        for f, bc in sorted(self.run.downlink.latest.items()):
+        for bc in self.run.newest_broadcasts():
+            f = bc.fragment
             if bc.version > self.sent.get(f, -1) or (bc.final and f not in self.sent_final):
                 return bc
         return None
@@ -231,7 +244,7 @@ class Subscription:
         run = self.run
         with run.cond:
             bc = self._pending()
-            while active() and (bc is None or (run.pending and not run.pending.streamed)):
+            while active() and (bc is None or run.holds_back()):
                 run.cond.wait(timeout=1.0)  # (a commit not yet on disk: its Θ is not out)
                 bc = self._pending()
             if bc is None:
@@ -251,7 +264,7 @@ class Subscription:
         header = pb.BroadcastHeader(
             version=bc.version, round=bc.version, fragment=bc.fragment,
             encoding=run.cfg.downlink if out.use_delta else bc.encoding,
-            numel=run.layout.fragments[bc.fragment].numel, payload_bytes=size,
+            numel=run.model.numel(bc.fragment), payload_bytes=size,
             final=bc.final, delta=out.use_delta, base_version=bc.base_version)
         if out.use_delta:
             chunks = (wire.chunk_bytes(header if i == 0 else None, piece) for i, piece
@@ -269,8 +282,7 @@ class Subscription:
                 self._sent(bc, size)
 
     def _sent(self, bc: Broadcast, size: int) -> None:
-        with self.run.cond:
-            self.run.bytes_out += size
+        self.run.count_sent(size)
         self.sent[bc.fragment] = bc.version
         if bc.final:
             self.sent_final.add(bc.fragment)

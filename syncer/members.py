@@ -52,6 +52,13 @@ class Member:
         since = self.pushed_at.get(fragment, self.joined_at)
         return sum(v > since for v in commits)
 
+    def accepted(self, fragment: int, version: int, seq: int, loss_tokens: int) -> None:
+        """Its push `seq` to `fragment` was summed into the round open on `version`."""
+        self.pushed_at[fragment] = version
+        self.last_seq, self.pushes = seq, self.pushes + 1
+        if fragment == 0:  # each fragment's push carries the same steps: count once
+            self.loss_tokens += loss_tokens
+
 
 def _kept(learner_id: str, what: str, first: int, now: int, keep: str) -> int:
     """A declaration as the run keeps it: the first one (0: none yet), which a rejoin may
@@ -80,7 +87,7 @@ class Members:
         self.next_generation = (secrets.randbits(31) << 32) + 1
 
     def enroll(self, learner_id: str, backend: str, state: str, tokens_per_step: int,
-               sync_every: int = 0, version: int = 0) -> Member:
+               sync_every: int = 0, version: int = 0, fingerprint: str = "") -> Member:
         """A new row with a fresh generation for `learner_id` (checks its declarations of
         tokens per step and steps between pushes first: a rejoin may raise neither).
         `version`: the run's, now."""
@@ -97,7 +104,7 @@ class Members:
         self.next_generation += 1
         member = Member(learner_id, gen, backend or "?", self.clock(), state=state,
                         tokens_per_step=declared[0], sync_every=declared[1],
-                        joined_at=version)
+                        joined_at=version, fingerprint=fingerprint)
         if old is not None:
             member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
             member.last_seq, member.pushed_at = old.last_seq, old.pushed_at
@@ -118,6 +125,24 @@ class Members:
                 self.next_generation += 1
                 evicted.append(m.learner_id)
         return evicted
+
+    def start_training(self) -> None:
+        """Round 1 starts: every waiting island trains."""
+        for member in self.live():
+            member.state = "training"
+
+    def finished(self, learner_id: str) -> None:
+        self.rows[learner_id].state = "finished"
+
+    def gone(self, learner_id: str, generation: int) -> bool:
+        """`learner_id`'s connection `generation` dropped: whether that made it gone (a
+        stale connection or an island already finished changes nothing)."""
+        member = self.rows.get(learner_id)
+        if member and member.generation == generation and \
+                (member.state in LIVE or member.state == "observer"):
+            member.state = "gone"
+            return True
+        return False
 
     def check(self, learner_id: str, generation: int) -> Member:
         """The caller's row; refuses unknown or stale callers (and notes the contact)."""
@@ -175,10 +200,6 @@ class Members:
                 for m in sorted(self.rows.values(), key=lambda m: m.learner_id)]
 
 
-# a file the syncer writes into final/ for an island: a bare name, never a path
-FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-
-
 def checked_regime(learner_id: str, regime: str) -> str:
     """What a joining island says it trains ("sft" when it says nothing), or a refusal."""
     regime = regime or "sft"
@@ -206,68 +227,3 @@ def checked_layout(cfg, learner_id: str, specs: list[TensorSpec], fp: str,
         raise Reject("invalid", f"layout fingerprint from {learner_id} does not match its "
                      "tensor list (corrupted join message?)")
     return layout
-
-
-def checked_files(learner_id: str, weights_file: str, export_files: dict[str, str]) -> None:
-    """The names of the files an island asks the syncer to write into `final/`: each a
-    bare file name (no folder, no `..`, no absolute path), none of them the same file
-    as another or as provenance.json. Checked before anything is adopted."""
-    names = [weights_file, *export_files] if weights_file else list(export_files)
-    for name in names:
-        if not FILE_NAME.fullmatch(name):
-            raise Reject("invalid", f"{learner_id}: output file name {name[:80]!r} is not a "
-                                    "bare file name (letters, digits, '.', '_', '-'; at most "
-                                    "128 characters, not starting with '.')")
-    lowered = [n.lower() for n in names]  # one file on a case-insensitive disk
-    if len(set(lowered)) != len(lowered) or "provenance.json" in lowered:
-        raise Reject("invalid", f"{learner_id}: output files {sorted(names)} name one file "
-                                "twice (or provenance.json, which the syncer writes)")
-
-
-def adopt_layout(run, learner_id: str, layout: Layout, weights_file: str,
-                 export_files: dict[str, str], observer: bool) -> None:
-    """The first training island's layout (and output files) become the run's; every
-    later one must match it. An observer's layout is checked against the run's, and
-    never becomes it: observers that joined first are checked when the first island
-    brings the layout (`Members.evict_observers`). A refusal changes nothing."""
-    checked_files(learner_id, weights_file, export_files)
-    if run.layout is not None:
-        try:
-            run.layout.check_same(layout)
-        except LayoutMismatch as e:
-            raise Reject("precondition", f"{learner_id} cannot join: "
-                         f"{differing_setting(run.layout.specs, layout.specs)} ({e}). Every "
-                         "island must train the same model with the same --lora-r/"
-                         "--lora-targets/--tuning (one run file, --config, keeps them "
-                         "equal); check with scripts/check_name_parity.py") from None
-    if observer:
-        return
-    if run.layout is None or not run.export_files:
-        run.weights_file = weights_file or run.weights_file
-        run.export_files = dict(export_files)
-    if run.layout is None:
-        run.layout = layout
-        for lid in run.members.evict_observers(layout.fingerprint):
-            log.warning("observer %s joined with another model's layout; refused now that "
-                        "%s brought the run's (%s)", lid, learner_id,
-                        "start it with the islands' --model and LoRA settings")
-
-
-def differing_setting(run: list[TensorSpec], island: list[TensorSpec]) -> str:
-    """Which shared setting two layouts disagree on, in the words of the flags."""
-    def lora(specs):
-        return [s for s in specs if ".lora_A." in s.name]
-    if bool(lora(run)) != bool(lora(island)):
-        return ("--tuning differs: the run trains "
-                f"{'LoRA adapters' if lora(run) else 'full weights'}, this island "
-                f"{'LoRA adapters' if lora(island) else 'full weights'}")
-    ranks = {s.shape[0] for s in lora(run)}, {s.shape[0] for s in lora(island)}
-    if lora(run) and ranks[0] != ranks[1]:
-        return (f"the LoRA rank differs (--lora-r, [lora] r): the run has "
-                f"{'/'.join(map(str, sorted(ranks[0])))}, this island "
-                f"{'/'.join(map(str, sorted(ranks[1])))}")
-    names = {s.name for s in run}, {s.name for s in island}
-    if lora(run) and names[0] != names[1]:
-        return "the LoRA targets differ (--lora-targets, [lora] targets)"
-    return "the model differs (--model, [run] model: another architecture or size)"
-

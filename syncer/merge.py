@@ -162,6 +162,17 @@ class MergeAccumulator:
         self.fresh, self.staging = False, None
         return norm, scale
 
+    def stage(self, staged: StagedSum) -> None:
+        """`staged` decodes into this round's fresh sum as it arrives (`syncer.staging`)."""
+        self.staging = staged
+
+    def unstage(self, demote: bool = False) -> None:
+        """No push stages into the sum any more; `demote`: the one that did goes on as a
+        whole push."""
+        if demote and self.staging is not None:
+            self.staging.demote()
+        self.staging = None
+
     def staging_buffer(self) -> np.ndarray:
         """The sum buffer a push stages into (it stays fresh until folded)."""
         buf = self._buffer()

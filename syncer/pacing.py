@@ -25,6 +25,14 @@ class OpenRound:
     bytes_in: int = 0
     duplicates: int = 0
 
+    def joined(self, learner_id: str, now: float, quorum: int) -> None:
+        """A push from `learner_id` joined the round at `now`."""
+        self.learners.add(learner_id)
+        if self.first_push_at is None:
+            self.first_push_at = now
+        if self.quorum_at is None and len(self.learners) >= quorum:
+            self.quorum_at = now
+
 
 class Pacing:
     def __init__(self, quorum: int, grace: str, grace_ms: int, round_timeout_s: float):
@@ -34,12 +42,8 @@ class Pacing:
 
     def pushed(self, rnd: OpenRound, learner_id: str, loss_tokens: int, now: float) -> None:
         """A push joined `rnd` at `now`."""
-        rnd.learners.add(learner_id)
+        rnd.joined(learner_id, now, self.quorum)
         self.pace.observe(learner_id, rnd.fragment, now, loss_tokens)
-        if rnd.first_push_at is None:
-            rnd.first_push_at = now
-        if rnd.quorum_at is None and len(rnd.learners) >= self.quorum:
-            rnd.quorum_at = now
 
     def reason(self, rnd: OpenRound, live: set[str], now: float) -> str | None:
         """Why `rnd` commits at `now` (None: it waits on)."""
@@ -55,6 +59,8 @@ class Pacing:
     def deadlines(self, rnd: OpenRound, live: set[str]) -> list[tuple[float, str]]:
         """When a round with pushes commits by time alone, and why: at its quorum plus
         the grace window, or `round_timeout_s` after its first push."""
+        if rnd.first_push_at is None:
+            return []
         out = [(rnd.first_push_at + self.round_timeout_s, "timeout")]
         if rnd.quorum_at is not None:
             out.insert(0, (rnd.quorum_at + self._grace_s(rnd, live), "quorum"))

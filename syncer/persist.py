@@ -1,17 +1,19 @@
-"""The run on disk: what `syncer.state` saves after every commit and `--resume` loads,
-and the final folder. The file formats live in `syncer.state`; this module maps a
-`Run` to them and back (callers hold the run's lock)."""
+"""The run on disk: the state `syncer.state` saves after every commit and `--resume`
+loads, and the final folder. The file formats live in `syncer.state`; `Store` owns the
+state dir and what signs it, and moves records in and out (callers hold the run's lock).
+"""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from syncer import state
+from syncer.config import Config
+from syncer.model import Restored
 from yeto import frozen
 from yeto.interop.adapters import run_adapter_tensors
 from yeto.layout import Layout, TensorSpec
@@ -19,95 +21,66 @@ from yeto.layout import Layout, TensorSpec
 log = logging.getLogger("syncer")
 
 
-def flags(cfg) -> dict:
-    """The settings a resumed run must share (`state.MATH_FLAGS`)."""
-    return {k: getattr(cfg, k) for k in state.MATH_FLAGS}
+@dataclass
+class Saved:
+    """A run as `--resume` reads it back."""
+
+    model: Restored
+    island_theta: np.ndarray | None
+    meta: dict
+
+    @property
+    def fragment_versions(self) -> list[int]:
+        return list(self.meta["fragment_versions"])
 
 
-def state_key(cfg) -> state.StateKey:
-    """What the run's state is signed with: its secret (`cfg.token`, set by `python -m
-    syncer` from --token / $YETO_TOKEN; a Config without one has no secret)."""
-    return state.StateKey(cfg.token)
+class Store:
+    """The run's state dir: `state-dir/state.safetensors` and `state-dir/final/`."""
 
+    def __init__(self, cfg: Config):
+        if cfg.state_dir is None:
+            raise ValueError("a Store needs a state dir")
+        self.cfg = cfg
+        self.dir: Path = cfg.state_dir
+        self.key = state.StateKey(cfg.token)  # the run's secret signs its state
 
-def save(run, version: int, fragment: int) -> None:
-    """The state as of `version`, committed by `fragment`'s round (raises OSError)."""
-    if run.cfg.state_dir is None:
-        return
-    versions = [version if f == fragment else run.fragment_version(f)
-                for f in range(run.cfg.fragments)]
-    state.save(run.cfg.state_dir, run.theta, run.m, run.downlink.island_theta, dict(
-        run_id=run.run_id, version=version, round=version, fragment_versions=versions,
-        outer_steps={str(f): t for f, t in run.outer_steps.items()},
-        norm_history=run.norms.saved(),
-        fingerprint=run.layout.fingerprint,
-        layout=[[s.name, list(s.shape), s.dtype] for s in run.layout.specs],
-        flags=flags(run.cfg), weights_file=run.weights_file, export_files=run.export_files,
-        bytes_in=run.bytes_in, bytes_out=run.bytes_out, islands=run.members.ledger()),
-        key=state_key(run.cfg))
+    def flags(self) -> dict:
+        """The settings a resumed run must share (`state.MATH_FLAGS`)."""
+        return {k: getattr(self.cfg, k) for k in state.MATH_FLAGS}
 
+    def refuse_existing(self) -> None:
+        """A new run never overwrites a saved one silently."""
+        if (self.dir / state.STATE_FILE).exists():
+            raise state.StateError(
+                f"{self.dir} already holds a run's state; continue it with --resume, or "
+                "choose a new --state-dir (it is never overwritten silently)")
 
-def restore_or_refuse(run, state_dir: Path, resume: bool) -> None:
-    if (state_dir / state.STATE_FILE).exists() and not resume:
-        raise state.StateError(
-            f"{state_dir} already holds a run's state; continue it with --resume, or "
-            "choose a new --state-dir (it is never overwritten silently)")
-    if resume:
-        restore(run, state_dir)
+    def save(self, theta: np.ndarray, momentum: np.ndarray | None,
+             island_theta: np.ndarray | None, meta: dict) -> None:
+        """The state as `meta` describes it (raises OSError: the caller retries)."""
+        state.save(self.dir, theta, momentum, island_theta, dict(meta, flags=self.flags()),
+                   key=self.key)
 
+    def load(self) -> Saved:
+        """The saved run, checked: the key, the flags, the layout against the weights."""
+        theta, momentum, island_theta, meta = state.load(self.dir, self.key)
+        state.check_flags(meta, self.flags())
+        specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
+        layout = Layout(specs, self.cfg.fragments)
+        if layout.fingerprint != meta["fingerprint"] or layout.numel != theta.size:
+            raise state.StateError(f"{self.dir}: layout and weights disagree (corrupt state)")
+        model = Restored(layout, theta, momentum,
+                         {int(f): t for f, t in meta.get("outer_steps", {}).items()},
+                         meta["weights_file"], meta["export_files"])
+        return Saved(model, island_theta if self.cfg.downlink != "f32" else None, meta)
 
-def restore(run, state_dir: Path) -> None:
-    theta, momentum, island_theta, meta = state.load(state_dir, state_key(run.cfg))
-    state.check_flags(meta, flags(run.cfg))
-    specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
-    run.layout = Layout(specs, run.cfg.fragments)
-    if run.layout.fingerprint != meta["fingerprint"] or run.layout.numel != theta.size:
-        raise state.StateError(f"{state_dir}: layout and weights disagree (corrupt state)")
-    run.run_id, run.version = meta["run_id"], meta["version"]
-    run.theta = theta
-    if run.outer.keeps_momentum:
-        run.m = momentum if momentum is not None else np.zeros_like(theta)
-    run.downlink.island_theta = island_theta if run.cfg.downlink != "f32" else None
-    run.commits = {f: [v] for f, v in enumerate(meta["fragment_versions"])}
-    run.outer_steps = {int(f): t for f, t in meta.get("outer_steps", {}).items()}
-    run.weights_file, run.export_files = meta["weights_file"], meta["export_files"]
-    run.bytes_in, run.bytes_out = meta["bytes_in"], meta["bytes_out"]
-    run.norms.restore(meta.get("norm_history", {}))
-    if not run.norms.has_ceiling():  # a state saved before the bound had one
-        run.norms.seed(theta, [run.span(f) for f in range(run.cfg.fragments)])
-    run.members.restore(meta["islands"])
-    log.info("resumed run %s at version %d (%d islands in the ledger)", run.run_id,
-             run.version, len(run.members.rows))
-    run.tape.write(dict(event="resumed", version=run.version, time=time.time()))
-
-
-def write_final(run) -> None:
-    """`state-dir/final/`: the final weights in the islands' file name, with frozen
-    LoRA A rebuilt (it never travelled), their export files and provenance.json."""
-    tensors = run_adapter_tensors(run.layout.unflatten(run.theta), run.export_files)
-    files = dict(run.export_files)
-    files.pop(frozen.EXPORT_FILE, None)  # A is rebuilt above: the seed file stays out
-    record = state.final_provenance(run.cfg, run_record(run))
-    state.write_final(run.cfg.state_dir / state.FINAL_DIR, run.weights_file, tensors,
-                      run.version, files, record)
-
-
-def run_record(run) -> dict:
-    """What the final weights are: for provenance.json."""
-    return dict(run_id=run.run_id, version=run.version, weights_file=run.weights_file,
-                theta_sha256=state.digest(run.theta), fingerprint=run.layout.fingerprint,
-                parameters=int(run.layout.numel), islands=run.members.ledger())
-
-
-def digest(run) -> str:
-    """SHA-256 over everything a rejected message must leave untouched."""
-    h = hashlib.sha256(f"{run.version}|{run.started}|{run.finished}".encode())
-    for a in (run.theta, run.m):
-        h.update(b"-" if a is None else memoryview(a).cast("B"))
-    for f, rnd in sorted(run.open.items()):
-        summed = rnd.acc.summed()
-        h.update(b"-" if summed is None else memoryview(summed).cast("B"))
-        h.update(repr((f, len(rnd.responders), rnd.acc.total_weight,
-                       rnd.acc.count)).encode())
-    h.update(repr(run.members.digest_parts()).encode())
-    return h.hexdigest()
+    def write_final(self, layout: Layout, theta: np.ndarray, weights_file: str,
+                    export_files: dict[str, str], version: int, record: dict) -> None:
+        """`state-dir/final/`: the final weights in the islands' file name, with frozen
+        LoRA A rebuilt (it never travelled), their export files and provenance.json
+        (`record`: what the run says of itself)."""
+        tensors = run_adapter_tensors(layout.unflatten(theta), export_files)
+        files = dict(export_files)
+        files.pop(frozen.EXPORT_FILE, None)  # A is rebuilt above: the seed file stays out
+        state.write_final(self.dir / state.FINAL_DIR, weights_file, tensors, version, files,
+                          state.final_provenance(self.cfg, record))

@@ -1,9 +1,17 @@
-"""The run: the outer loop's coordinator. It holds the lock and the shared model (Θ,
-the outer momentum m, versions) and moves a push through the parts, in this order:
+"""The run: the outer loop's coordinator. It holds the lock and the run's lifecycle
+(started, finished, failed), and moves each call through the owners of the run's state:
 
-    join     syncer.members   (the ledger)        push    syncer.intake  (checks)
-    merge    syncer.merge     (+ syncer.strategy)  pace    syncer.pacing  (when to commit)
-    commit   syncer.persist   (state on disk)     publish syncer.broadcast
+    Members    syncer.members    the ledger of islands
+    Model      syncer.model      the layout, Θ, the outer momentum and step counts
+    Rounds     syncer.rounds     each fragment's open round, its sum and pacing
+    Committer  syncer.commit     the version, each commit until its state is on disk
+    Store      syncer.persist    the state dir (state file, final/)
+    Downlink   syncer.broadcast  the newest broadcast per fragment
+    Tape       syncer.tape       the event tape
+
+One push: `SyncerService` -> `Run.push` -> `Members.check` -> `Rounds.add` ->
+`Committer.commit` -> `Model.outer_step`, `Run.save_state` (`Store.save`) -> `Tape`,
+`Downlink.publish`. Each owner's methods alone change its state.
 
 Transport-free: `syncer.service` turns gRPC messages into plain calls and dataclasses
 (`syncer.messages`); every input is checked before it touches state, so a refused
@@ -16,77 +24,33 @@ uniform weights (see `syncer.merge.MergeAccumulator`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from syncer import commit, finish, intake, members, persist, staging, state, strategy
-from syncer.bounds import Bounds, NormBounds
+from syncer import intake, members, state, strategy
 from syncer.broadcast import Broadcast, Downlink
+from syncer.commit import Committer
+from syncer.config import MAX_QUORUM, Config
 from syncer.errors import Reject
-from syncer.members import LIVE, Member, Members
-from syncer.merge import MergeAccumulator
+from syncer.members import Member, Members
 from syncer.messages import PushHeader
-from syncer.pacing import OpenRound, Pacing
+from syncer.model import Model
+from syncer.pacing import Pacing
+from syncer.persist import Store
+from syncer.rounds import Rounds
+from syncer.staging import StagedSum
 from syncer.tape import Tape
 from yeto.layout import Layout, TensorSpec
 
 log = logging.getLogger("syncer")
 
-__all__ = ["Config", "Member", "PushHeader", "Reject", "Run"]
-
-
-MAX_QUORUM = 1 << 20  # islands a round may wait for (the wire carries it as uint32)
-
-
-@dataclass
-class Config:
-    """The run's settings; the defaults are `python -m syncer`'s (its flags take them
-    from here)."""
-
-    quorum: int = 1
-    rounds: int = 0
-    # the outer rule: auto = nesterov-warmup 0.4/0.9 for SFT (plain averaging to Nesterov
-    # 0.4/0.9 over the first 20 rounds), plain averaging once an RL island joins
-    # (syncer.strategy.RegimeNesterov; BENCHMARKS.md, "One outer rule for every regime")
-    outer: str = "auto"
-    outer_lr: float = 0.4
-    outer_momentum: float = 0.9
-    merge: str = "mean"         # the merge rule (syncer.strategy.RULES)
-    grace_ms: int = 500
-    grace: str = "auto"         # auto: syncer.grace (grace_ms until measured); fixed
-    round_timeout_s: float = 600.0
-    max_staleness: int = 1
-    clip_factor: float = 0.0
-    downlink: str = "f32"
-    fragments: int = 1
-    state_dir: Path | None = None
-    resume: bool = False
-    expect_islands: tuple[str, ...] = ()  # reserved slots, listed as "reserved" until joined
-    seed_from: str = ""  # the island whose initial weights seed Θ ("": the first to join)
-    bounds: Bounds = field(default_factory=Bounds)  # what one island can do (syncer.bounds)
-    # a commit whose state cannot be saved is retried this long; then the syncer stops
-    save_timeout_s: float = 120.0
-    # the run's secret (--token / $YETO_TOKEN): keys the state's digest (syncer.persist)
-    token: str | None = field(default=None, repr=False)
-
-    def check(self) -> None:
-        """Refuse settings that would make the outer step non-finite or meaningless."""
-        if not 1 <= self.quorum <= MAX_QUORUM:
-            raise ValueError(f"--quorum must be 1 to {MAX_QUORUM}, got {self.quorum}")
-        if not (np.isfinite(self.outer_lr) and self.outer_lr > 0):
-            raise ValueError(f"--outer-lr must be a positive number, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
-        strategy.merge_rule(self.merge)
-        strategy.outer_optimizer(self.outer, self.outer_lr, self.outer_momentum)
-        self.bounds.check()
+__all__ = ["MAX_QUORUM", "Config", "Member", "PushHeader", "Reject", "Run"]
 
 
 class Run:
@@ -97,42 +61,79 @@ class Run:
         self.on_publish: Callable[[int, int], None] = lambda fragment, version: None
         self.run_id = uuid.uuid4().hex[:12]
         self.cond = threading.Condition()
-        self.outer = strategy.outer_optimizer(config.outer, config.outer_lr,
-                                              config.outer_momentum)
-        self.rule = strategy.merge_rule(config.merge)
         self.tape = Tape(config.state_dir / "tape.jsonl" if config.state_dir else None)
         self.members = Members(config.bounds, clock)
-        self.pacing = Pacing(config.quorum, config.grace, config.grace_ms, config.round_timeout_s)
+        self.model = Model(config.fragments, strategy.outer_optimizer(
+            config.outer, config.outer_lr, config.outer_momentum), config.seed_from)
+        self.rounds = Rounds(strategy.merge_rule(config.merge), config.bounds,
+                             config.clip_factor, config.max_staleness,
+                             Pacing(config.quorum, config.grace, config.grace_ms,
+                                    config.round_timeout_s), clock)
         self.downlink = Downlink(config.downlink)
-        self.layout: Layout | None = None
-        self.weights_file, self.export_files = "weights.safetensors", {}
-        self.theta: np.ndarray | None = None
-        self.m: np.ndarray | None = None  # the outer momentum, kept only when it is used
-        self.version, self.started, self.finished = 0, False, False
-        # per fragment: its open round; the versions at which it committed; its outer
-        # step count; its push norms (fragment f merges only f's slice of Θ)
-        self.open: dict[int, OpenRound] = {}
-        self.commits: dict[int, list[int]] = {}
-        self.outer_steps: dict[int, int] = {}
-        self.norms = NormBounds(config.bounds.norm_factor)
-        self.seeder = config.seed_from  # who is asked for the seed (set at the first join)
+        self.committer = Committer(config, self, self.cond, clock, self.model, self.rounds,
+                                   self.members, self.downlink, self.tape)
+        self.store = Store(config) if config.state_dir is not None else None
+        self.started, self.finished = False, False
         self.bytes_in = self.bytes_out = self.rejected = 0
-        self.last_commit_at: float | None = None
         self.final_delivered: set[str] = set()
-        self.pending = None  # a syncer.commit.PendingCommit: merged, not yet on disk
-        self.problem = ""  # what keeps the run from committing, for status ("" if nothing)
-        self.fatal: str | None = None  # why the run cannot go on: the syncer exits non-zero
+        self._fatal: str | None = None  # why the run cannot go on: the syncer exits non-zero
         self.closing = False  # the syncer is stopping: nothing finishes the run now
-        self.overlap_step = False  # syncer.stepping; serve() turns it on (not yeto.sim)
-        if config.state_dir is not None:
-            persist.restore_or_refuse(self, config.state_dir, config.resume)
+        if self.store is not None:
+            if config.resume:
+                self._restore(self.store)
+            else:
+                self.store.refuse_existing()
         elif config.resume:
             raise state.StateError("--resume needs --state-dir (where the state was saved)")
 
+    # ---- what others read -------------------------------------------------------------
+    @property
+    def fatal(self) -> str | None:
+        return self._fatal
+
+    @property
+    def version(self) -> int:
+        return self.committer.version
+
+    @property
+    def theta(self) -> np.ndarray | None:
+        return self.model.theta
+
     @property
     def momentum(self) -> np.ndarray | None:
-        """The outer momentum m (zeros made on request when the run keeps none)."""
-        return np.zeros_like(self.theta) if self.m is None and self.theta is not None else self.m
+        return self.model.momentum
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.model.layout
+
+    @property
+    def weights_file(self) -> str:
+        return self.model.weights_file
+
+    @property
+    def outer(self) -> strategy.Nesterov:
+        return self.model.outer
+
+    @property
+    def problem(self) -> str:
+        return self.committer.problem
+
+    def overlap_steps(self) -> None:
+        """From now on a commit without a state dir may step behind its broadcast
+        (`syncer.stepping`); `syncer.service.serve` turns it on."""
+        self.committer.overlap_steps()
+
+    def newest_broadcasts(self) -> list[Broadcast]:
+        return self.downlink.newest()
+
+    def holds_back(self) -> bool:
+        """A merged Θ is not on disk yet: broadcasts wait (call under `cond`)."""
+        return self.committer.holds_back
+
+    def count_sent(self, nbytes: int) -> None:
+        with self.cond:
+            self.bytes_out += nbytes
 
     # ---- join -------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
@@ -146,14 +147,16 @@ class Run:
         with self.cond:
             if self.finished:
                 raise Reject("precondition", "this run has finished; start a new syncer")
-            members.adopt_layout(self, learner_id, layout, weights_file, export_files,
-                                 observer)
+            if self.model.adopt(learner_id, layout, weights_file, export_files, observer):
+                for lid in self.members.evict_observers(layout.fingerprint):
+                    log.warning("observer %s joined with another model's layout; refused now "
+                                "that %s brought the run's (%s)", lid, learner_id,
+                                "start it with the islands' --model and LoRA settings")
             kind = "observer" if observer else "training" if self.started else "waiting"
             member = self.members.enroll(learner_id, backend, kind, tokens_per_step,
-                                         sync_every, self.version)
-            member.fingerprint = layout.fingerprint
-            if not (observer or self.seeder):
-                self.seeder = learner_id  # one island seeds: no race between joiners
+                                         sync_every, self.version, layout.fingerprint)
+            if not observer:
+                self.model.choose_seeder(learner_id)  # one island seeds: no race
             live = len(self.members.live())
             log.info("%s joined (generation %d, %s%s): %d/%d islands", learner_id,
                      member.generation, backend, ", observer" if observer else "", live,
@@ -162,30 +165,31 @@ class Run:
                 self.tape.event("observer", learner=learner_id, backend=backend,
                                 version=self.version)
             else:
-                for rnd in self.open.values():  # its pushes may make a round cappable
-                    rnd.acc.expect(len(self.members.live()))
-                if change := self.outer.note_island(learner_id, regime):  # a rule that follows it
+                self.rounds.expect(live)  # its pushes may make a round cappable
+                if change := self.model.note_island(learner_id, regime):
                     self.tape.event("outer_rule", learner=learner_id, regime=regime,
                                     detail=change)
-            self.maybe_start()
+            self._maybe_start()
             return dict(run_id=self.run_id, generation=member.generation,
                         num_fragments=self.cfg.fragments,
-                        send_seed=self.theta is None and learner_id == self.seeder,
+                        send_seed=self.model.asks_seed_of(learner_id),
                         quorum=self.cfg.quorum, joined=len(self.members.live()),
                         version=self.version, finished=self.finished,
                         last_seq=member.last_seq, downlink=self.cfg.downlink)
 
-    def maybe_start(self) -> None:
-        if self.started or self.theta is None or len(self.members.live()) < self.cfg.quorum:
+    def _maybe_start(self) -> None:
+        if self.started or self.model.theta is None or \
+                len(self.members.live()) < self.cfg.quorum:
             return
         self.started = True
-        for member in self.members.live():
-            member.state = "training"
+        self.members.start_training()
+        self.rounds.start([self.model.numel(f) for f in range(self.cfg.fragments)],
+                          len(self.members.live()))
+        self.committer.start()
         for f in range(self.cfg.fragments):
-            self.open[f] = OpenRound(f, self.accumulator(f))
-            self.commits.setdefault(f, [self.version])
-            self.announce(self.downlink.next(self.theta, f, *self.span(f), final=False,
-                                             version=self.fragment_version(f)))
+            self.announce(self.downlink.next(self.model.the_theta, f, *self.model.span(f),
+                                             final=False,
+                                             version=self.committer.fragment_version(f)))
         log.info("quorum of %d reached: round %d starts from version %d", self.cfg.quorum,
                  self.version + 1, self.version)
 
@@ -205,10 +209,32 @@ class Run:
 
     # ---- push -------------------------------------------------------------------------
     def check_push_header(self, h: PushHeader) -> int:
-        """Validate a push header before any payload is read; returns the payload size
-        (`syncer.intake`)."""
+        """Validate a push header before any payload is read (`syncer.intake`); returns
+        the payload size."""
         with self.cond:
-            return intake.check_header(self, self.check_island(h.learner_id, h.generation), h)
+            member = self.check_island(h.learner_id, h.generation)
+            if member.state == "observer":
+                raise Reject("precondition", f"{h.learner_id} joined as an observer: "
+                             "observers receive Θ and never push")
+            self.committer.check_saved()
+            if self.model.layout is None:
+                raise Reject("precondition", "no layout yet")
+            if h.seed:
+                return intake.payload_size(h, self.model.numel())
+            size = intake.payload_size(
+                h, self.model.numel(intake.fragment(h, self.cfg.fragments)))
+            intake.round_open(h, self.started, self.finished, self.version)
+            intake.claims(self.cfg.bounds, member, h, self.committer.commits_of(h.fragment))
+            return size
+
+    def max_abs(self, h: PushHeader) -> float:
+        """The value bound of push `h`'s elements."""
+        return intake.max_abs(h, self.cfg.bounds)
+
+    def keeps_pushes(self, fragment: int) -> bool:
+        """Whether a push to `fragment` is kept as received until its round commits
+        (`Rounds.keeps_pushes`; read without the lock)."""
+        return self.rounds.keeps_pushes(fragment)
 
     def push(self, h: PushHeader, payload, owned: bool = True) -> dict:
         """Seed Θ, or add a pseudo-gradient to the open round of its fragment. `owned`:
@@ -217,20 +243,63 @@ class Run:
             member = self.check_island(h.learner_id, h.generation)
             self.bytes_in += len(payload)
             if h.seed:
-                return intake.seed(self, member, payload)
-            staging.take_turn(self, h, payload)  # a whole push never waits for a stager
-            intake.check_delta(self, h)
-            rnd = self.open[h.fragment]
-            if h.seq <= member.last_seq:
-                rnd.duplicates += 1
+                return self._seed(member, payload)
+            self.rounds.take_turn(h, payload)  # a whole push never waits for a stager
+            if self.finished:
+                raise Reject("precondition", "the run has finished")
+            self.committer.check_saved()
+            intake.round_matches(h)
+            if self.rounds.duplicate(member, h):
                 self._reject_note(h.learner_id, "duplicate", f"seq {h.seq} already received")
                 return dict(accepted=False, status="duplicate", round=self.version + 1,
                             staleness=0)
-            staleness = intake.staleness(self, h)
-            intake.add_delta(self, member, rnd, h, payload, staleness, owned)
+            staleness = self.rounds.staleness(h, self.committer.commits_of(h.fragment))
+            self.rounds.add(member, h, payload, staleness, owned, self.members.live_ids(),
+                            self.version)
             self._maybe_commit(self.clock())
             return dict(accepted=True, status="accepted", round=self.version + 1,
                         staleness=staleness)
+
+    def _seed(self, member: Member, payload) -> dict:
+        if not self.model.seed(member.learner_id, payload):
+            return dict(accepted=False, status="duplicate", round=0, staleness=0)
+        theta = self.model.the_theta
+        self.rounds.seed_norms(theta, self.model.spans())
+        self.tape.event("seeded", learner=member.learner_id, theta_sha256=state.digest(theta))
+        self._maybe_start()
+        return dict(accepted=True, status="accepted", round=0, staleness=0)
+
+    # ---- staging: a push summed as it arrives (`syncer.staging`) ----------------------
+    def claim_staging(self, h: PushHeader, keep) -> StagedSum | None:
+        """A `StagedSum` for push `h` when it may stage into its round (`Rounds.claim`),
+        else None. Not while a commit holds the lock (its save may take a while: this
+        push arrives whole instead of waiting)."""
+        if h.seed or not self.cond.acquire(blocking=False):
+            return None
+        try:
+            if self.committer.busy or self.finished or self._fatal:
+                return None
+            return self.rounds.claim(h, keep)
+        finally:
+            self.cond.release()
+
+    def make_way(self, h: PushHeader) -> None:
+        """Push `h` starts beside others (`Rounds.make_way`); skipped while a commit
+        holds the lock (nobody waits here)."""
+        if h.seed or not self.cond.acquire(blocking=False):
+            return
+        try:
+            self.rounds.make_way(h)
+        finally:
+            self.cond.release()
+
+    def release_staging(self, staged: StagedSum) -> None:
+        """The staged push's stream is over. (Folded or taken over, it is already: then
+        the lock is not waited for.)"""
+        if staged.acc.staging is not staged:
+            return
+        with self.cond:
+            self.rounds.release(staged)
 
     def note_rejected(self, call: str, learner: str, reject: Reject) -> None:
         """Every refused call is counted and written to the tape."""
@@ -241,24 +310,22 @@ class Run:
         self.rejected += 1
         self.tape.refusal(learner, kind=kind, detail=detail, round=self.version + 1)
 
-    # ---- commit (syncer.commit) ---------------------------------------------------------
+    # ---- commit (`syncer.commit`) -----------------------------------------------------
     def tick(self, now: float | None = None) -> None:
         """Called periodically: commits rounds whose grace or timeout has passed by
         `now` (default: the run's clock), and retries a save that failed."""
         with self.cond:
             now = self.clock() if now is None else now
-            if self.pending is not None:
-                commit.retry_save(self, now)
+            if self.committer.busy:
+                self.committer.retry(now)
             elif self.started and not self.finished:
                 self._maybe_commit(now)
 
     def _maybe_commit(self, now: float) -> None:
-        live = self.members.live_ids()
-        for rnd in list(self.open.values()):
-            if rnd.responders and not (self.finished or self.pending or self.fatal):
-                reason = self.pacing.reason(rnd, live, now)
-                if reason:
-                    commit.commit(self, rnd, reason, now)
+        for rnd, reason in self.rounds.due(self.members.live_ids(), now):
+            if self.finished or self.committer.busy or self._fatal:
+                return
+            self.committer.commit(rnd, reason, now)
 
     def next_deadline(self) -> float | None:
         """When the first open round commits by its grace window or its timeout if no
@@ -266,46 +333,39 @@ class Run:
         with self.cond:
             if not self.started or self.finished:
                 return None
-            live = self.members.live_ids()
-            return min((t for rnd in self.open.values() if rnd.responders
-                        for t, _ in self.pacing.deadlines(rnd, live)), default=None)
+            return self.rounds.next_deadline(self.members.live_ids())
 
     def fail(self, why: str) -> None:
         """The run cannot go on: `python -m syncer` exits non-zero with `why`."""
         with self.cond:
             log.critical("%s", why)
-            self.fatal = why
+            self._fatal = why
             self.cond.notify_all()
-
-    def span(self, f: int) -> tuple[int, int]:
-        frag = self.layout.fragments[f]
-        return frag.start, frag.stop
-
-    def fragment_version(self, f: int) -> int:
-        return self.commits[f][-1] if self.commits.get(f) else self.version
-
-    def accumulator(self, f: int, reuse: np.ndarray | None = None) -> MergeAccumulator:
-        bounds = self.cfg.bounds
-        acc = MergeAccumulator(self.layout.fragments[f].numel, self.rule,
-                               self.cfg.clip_factor, bounds.max_delta, bounds.share_cap)
-        acc.expect(len(self.members.live()))  # more may join, or push: syncer.intake
-        if reuse is not None:  # the last round's scratch
-            acc.reuse(reuse)
-        return acc
-
-    def keeps_pushes(self, fragment: int) -> bool:
-        """Whether a push to `fragment` is kept as received until its round commits
-        (clipping, or a round that may be share-capped) instead of summed as it comes.
-        Read without the lock: a push that finds another round at its end is copied."""
-        rnd = self.open.get(fragment)
-        return rnd.acc.keeps_pushes if rnd else self.cfg.clip_factor > 0 or self.rule.keeps_pushes
 
     def announce(self, broadcast: Broadcast) -> None:
         """Make `broadcast` its fragment's newest: the streams send it on, and
         `on_publish(fragment, version)` hears of it (`yeto.sim` holds its clock)."""
-        self.downlink.latest[broadcast.fragment] = broadcast
+        self.downlink.publish(broadcast)
         self.cond.notify_all()
         self.on_publish(broadcast.fragment, broadcast.version)
+
+    def save_state(self, version: int, fragment: int) -> None:
+        """The state as of `version`, committed by `fragment`'s round (raises OSError)."""
+        if self.store is None:
+            return
+        self.store.save(self.model.the_theta, self.model.m, self.downlink.island_theta, dict(
+            run_id=self.run_id, version=version, round=version,
+            fragment_versions=self.committer.fragment_versions(fragment, version),
+            norm_history=self.rounds.norm_record(), bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out, islands=self.members.ledger(), **self.model.record()))
+
+    def committed(self, last: bool) -> None:
+        """A round's state is on disk and published; `last`: the run's last round."""
+        if last:
+            self._final_broadcasts()
+            self._finish()
+        else:
+            self._maybe_finish()  # islands that finished while the save waited
 
     # ---- finish -----------------------------------------------------------------------
     def finish_island(self, learner_id: str, generation: int) -> bool:
@@ -313,22 +373,60 @@ class Run:
             member = self.check_island(learner_id, generation)
             if member.state == "observer":
                 return self.finished  # an observer has no training to finish
-            member.state = "finished"
+            self.members.finished(learner_id)
             log.info("%s finished training", learner_id)
-            finish.maybe_finish(self)
+            self._maybe_finish()
             return self.finished
 
     def island_gone(self, learner_id: str, generation: int) -> None:
         with self.cond:
-            member = self.members.rows.get(learner_id)
-            if member and member.generation == generation and \
-                    (member.state in LIVE or member.state == "observer"):
-                member.state = "gone"
+            if self.members.gone(learner_id, generation):
                 log.warning("%s disconnected", learner_id)
-                if self.theta is None and self.seeder == learner_id and \
-                        not self.cfg.seed_from:
-                    self.seeder = ""  # the next island to join seeds Θ
-                finish.maybe_finish(self)
+                self.model.seeder_gone(learner_id)
+                self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        """Finish the run once no island trains and one has finished (committing what
+        the open rounds hold first); everyone vanished: keep Θ, wait for them."""
+        if self.finished or not self.started or self.members.live() or self.closing:
+            return
+        if not self.members.in_state("finished"):
+            return
+        for rnd in self.rounds.with_pushes():
+            if self.finished or self.committer.busy:
+                break
+            self.committer.commit(rnd, "finish", self.clock())
+        if not self.finished and not self.committer.busy and not self._fatal:
+            self._final_broadcasts()
+            self._finish()
+
+    def _final_broadcasts(self) -> None:
+        """Every fragment's final weights, exact, in f32."""
+        for f in range(self.cfg.fragments):
+            self.announce(self.downlink.next(self.model.the_theta, f, *self.model.span(f),
+                                             final=True,
+                                             version=self.committer.fragment_version(f)))
+
+    def _finish(self) -> None:
+        """The run is over: final/ is written (a failure to write it fails the run)."""
+        self.finished = True
+        self.cond.notify_all()
+        if self.store is not None:
+            try:
+                self.store.write_final(self.model.the_layout, self.model.the_theta,
+                                       self.model.weights_file, self.model.export_files,
+                                       self.version, self.run_record())
+            except OSError as e:
+                self.fail(f"cannot write the final weights to {self.cfg.state_dir}: {e}. "
+                          f"The state holds them (version {self.version}): free space and "
+                          "restart the syncer with --resume")
+                return
+            except Exception as e:  # noqa: BLE001 - what an island sent cannot make final/
+                self.fail(f"cannot build the final weights from what the islands sent "
+                          f"({e!r}); the state holds Θ at version {self.version}: `yeto "
+                          "export` writes it in another format")
+                return
+        log.info("run finished at version %d", self.version)
 
     def close(self) -> None:
         """The syncer is stopping (a signal): islands that drop off now are leaving a
@@ -346,18 +444,46 @@ class Run:
             waiting = {m.learner_id for m in self.members.rows.values() if m.state != "gone"}
             return waiting <= self.final_delivered
 
+    # ---- on disk ----------------------------------------------------------------------
+    def _restore(self, store: Store) -> None:
+        saved = store.load()
+        meta = saved.meta
+        self.model.restore(saved.model)
+        self.committer.restore(meta["version"], saved.fragment_versions)
+        self.downlink.restore(saved.island_theta)
+        self.rounds.restore_norms(meta.get("norm_history", {}), saved.model.theta,
+                                  self.model.spans())
+        self.members.restore(meta["islands"])
+        self.run_id = meta["run_id"]
+        self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]
+        log.info("resumed run %s at version %d (%d islands in the ledger)", self.run_id,
+                 self.version, len(self.members.rows))
+        self.tape.write(dict(event="resumed", version=self.version, time=time.time()))
+
+    def run_record(self) -> dict:
+        """What the final weights are: for provenance.json."""
+        return dict(run_id=self.run_id, version=self.version, **self.model.provenance(),
+                    islands=self.members.ledger())
+
     # ---- status -----------------------------------------------------------------------
     def status(self) -> dict:
         with self.cond:
             now = self.clock()
+            last = self.committer.last_commit_at
             return dict(
-                run_id=self.run_id, round=self.version + 1, problem=self.fatal or self.problem,
+                run_id=self.run_id, round=self.version + 1,
+                problem=self._fatal or self.committer.problem,
                 version=self.version, quorum=self.cfg.quorum, finished=self.finished,
                 bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-                last_merge_s=now - self.last_commit_at if self.last_commit_at else -1.0,
+                last_merge_s=now - last if last else -1.0,
                 islands=self.members.status(self.cfg.expect_islands))
 
     def state_digest(self) -> str:
         """SHA-256 over everything a rejected message must leave untouched."""
         with self.cond:
-            return persist.digest(self)
+            h = hashlib.sha256(f"{self.version}|{self.started}|{self.finished}".encode())
+            self.model.digest_into(h)
+            self.rounds.digest_into(h)
+            h.update(repr(self.members.digest_parts()).encode())
+            return h.hexdigest()
+

@@ -21,7 +21,7 @@ from concurrent import futures
 
 import grpc
 
-from syncer import intake, staging
+from syncer import staging
 from syncer.admission import UNARY_WORKERS, Exhausted, Streams
 from syncer.broadcast import Subscription
 from syncer.errors import Reject
@@ -191,13 +191,13 @@ class SyncerService(pb_grpc.SyncerServicer):
         with self.arrivals.arriving(h) as alone:
             staged = None  # summed as it arrives, when it arrives alone (syncer.staging)
             if not keep and alone:
-                staged = staging.claim(self.run, h, buf)
+                staged = self.run.claim_staging(h, buf)
             elif not keep:  # beside others: it arrives whole, and a stager may too
-                staging.make_way(self.run, h)
+                self.run.make_way(h)
             try:
                 try:
                     payload = _receive(h, first, rest, staged or buf,
-                                       intake.max_abs(self.run, h))
+                                       self.run.max_abs(h))
                 except OSError as e:  # the spill file: a full or vanished disk
                     raise Reject("exhausted", f"the syncer could not write the push from "
                                  f"{h.learner_id} to its spill file: {e}; free disk space "
@@ -206,7 +206,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 return self.run.push(h, payload, owned=keep)
             finally:
                 if staged is not None:
-                    staging.release(self.run, staged)
+                    self.run.release_staging(staged)
                 if done is not None:
                     done()
 
@@ -339,7 +339,7 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     stops (`Run.fatal`). Served, the run steps Θ behind its broadcasts when it has no
     state dir (`syncer.stepping`)."""
     streams = streams or Streams()
-    run.overlap_step = True
+    run.overlap_steps()
     workers = streams.max_streams + UNARY_WORKERS  # unary calls always find a worker
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=net.SERVER_OPTIONS + EXCLUSIVE_PORT)

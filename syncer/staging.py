@@ -9,7 +9,7 @@ accepted it (caller, round, duplicates, staleness: `syncer.run.Run.push`), it is
 folded in at once (`MergeAccumulator.add`: its norm is known from the chunks' squares,
 the norm bound scales it, and the buffer stops being fresh). A push broken mid-stream
 (short, overlong, a bad value, the island gone) or refused at its end lets the buffer
-go still fresh: the round's state is what it was, bit for bit (`syncer.persist.digest`
+go still fresh: the round's state is what it was, bit for bit (`syncer.run.Run.state_digest`
 reads no fresh sum), and the next push overwrites it.
 
 The staged push's bytes also go where a whole push's would (its spill file or pooled
@@ -25,7 +25,7 @@ would), and memory is unchanged: no push is held decoded beside the sum.
 Pushes that arrive together race to their last byte, and a stager that loses throws
 its decode so far away; so a push stages only when it starts alone (no other push of
 its fragment arriving), and one that starts beside a stager not yet half in takes it
-off the buffer at once (`Arrivals`, `make_way`).
+off the buffer at once (`Arrivals`, `syncer.rounds.Rounds.make_way`).
 
 Not staged: seeds, rounds that keep their pushes until the commit (`--clip-factor`, a
 share cap),
@@ -171,63 +171,3 @@ class Arrivals:
         finally:
             with self._lock:
                 self._count[h.fragment] -= 1
-
-
-def make_way(run, h) -> None:
-    """Push `h` starts beside others: the push staging into its fragment's open round
-    goes on as a whole one, unless it is half in (then it most likely ends first). Not
-    done while a commit holds the run's lock (nobody waits here)."""
-    if h.seed or not run.cond.acquire(blocking=False):
-        return
-    try:
-        rnd = run.open.get(h.fragment)
-        stager = None if rnd is None else rnd.acc.staging
-        if stager is not None and 2 * stager.lo < stager.numel:
-            stager.demote()
-            rnd.acc.staging = None
-    finally:
-        run.cond.release()
-
-
-def claim(run, h, keep) -> StagedSum | None:
-    """A `StagedSum` for push `h` into its fragment's open round, its bytes kept in
-    `keep` too, when it may stage there (see the module docstring), else None (it
-    arrives whole into `keep`)."""
-    if h.seed or run.cfg.clip_factor > 0:
-        return None
-    if not run.cond.acquire(blocking=False):  # a commit holds the run (its save may take
-        return None                           # a while): this push arrives whole
-    try:
-        rnd = run.open.get(h.fragment)
-        if rnd is None or run.pending is not None or run.finished or run.fatal:
-            return None
-        acc = rnd.acc
-        weight = acc.weight_for(h.loss_tokens)
-        if acc.keeps_pushes or acc.staging is not None or acc.count or not acc.fresh or \
-                weight <= 0:
-            return None
-        acc.staging = StagedSum(acc, h.encoding, h.numel, weight, keep)
-        return acc.staging
-    finally:
-        run.cond.release()
-
-
-def release(run, staged: StagedSum) -> None:
-    """The staged push's stream is over: its round is free again. (Folded or taken
-    over, it is already: then the run's lock is not waited for.)"""
-    if staged.acc.staging is not staged:
-        return
-    with run.cond:
-        if staged.acc.staging is staged:
-            staged.acc.staging = None
-
-
-def take_turn(run, h, payload) -> None:
-    """(Under the run's lock, as push `h` is summed) a push that is not the one staging
-    into its fragment's open round takes that round's buffer: the stager goes on as
-    a whole push. Nobody waits for a push still arriving."""
-    rnd = None if h.seed else run.open.get(h.fragment)
-    if rnd is None or rnd.acc.staging is None or rnd.acc.staging is payload:
-        return
-    rnd.acc.staging.demote()
-    rnd.acc.staging = None

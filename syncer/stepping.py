@@ -7,21 +7,26 @@ step has written it (`Filling`), while the step goes on, on a thread of its own
 (`start`). Islands apply the chunks as they arrive (`yeto.codec.receiver`), so the
 step, the send and the apply overlap instead of following each other.
 
-What stays as before: the bytes (the step is the same pass, `MergeAccumulator.
+The bytes are the same (the step is the same pass, `MergeAccumulator.
 step_outer`); no island holds the new version before the syncer does (the payload's
 last byte waits for the commit to complete: `Filling.complete`); pushes wait for the
-step to end (`syncer.intake.check_saved`) and no other round commits meanwhile (the
-commit is `run.pending` until then). A step that makes Θ non-finite stops at that
-chunk: readers are woken with an error and the run fails (`python -m syncer` exits
-non-zero) before any island has the version. With a state dir, a compressed downlink
-or the run's last round, the step runs whole before the save (`syncer.commit`).
+step to end (`Committer.check_saved`) and no other round commits meanwhile (the
+commit is pending until then: `syncer.commit.Committer`). A step that makes Θ
+non-finite stops at that chunk: readers are woken with an error and the run fails
+(`python -m syncer` exits non-zero) before any island has the version. With a state
+dir, a compressed downlink or the run's last round, the step runs whole before the save
+(`syncer.commit`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from syncer.merge import NonFinite
+
+T = TypeVar("T")
 
 WAIT_S = 600.0  # the longest a reader waits for one chunk of the step
 
@@ -76,38 +81,38 @@ class Filling:
         return hi <= self._ready and (hi < self.size or self._complete)
 
 
-def behind(run, final: bool) -> bool:
-    """Whether this commit's step may run behind its broadcast."""
-    return (run.overlap_step and run.cfg.state_dir is None and not final
-            and run.cfg.downlink == "f32")
-
-
-def start(run, fragment: int, filling: Filling, step, stepped, failed) -> threading.Thread:
+def start(fragment: int, filling: Filling, lock: threading.Condition,
+          step: Callable[[Callable[[int, int], None]], T], stepped: Callable[[T], None],
+          failed: Callable[[NonFinite], None], fail: Callable[[str], None]
+          ) -> threading.Thread:
     """On a thread of its own: `step(on_chunk)` (the outer step of `fragment`, calling
-    `on_chunk(lo, hi)` for each chunk of values it has written; returns the round's
-    sum buffer), then `stepped(g)` under the run's lock; `failed(e)` on NonFinite. Any
-    other error fails the run."""
-    thread = threading.Thread(target=_step, args=(run, fragment, filling, step, stepped, failed),
+    `on_chunk(lo, hi)` for each chunk of values it has written), then `stepped(result)`
+    under `lock`; `failed(e)` on NonFinite. Any other error is `fail`ed: the run ends."""
+    thread = threading.Thread(target=_step,
+                              args=(fragment, filling, lock, step, stepped, failed, fail),
                               name=f"outer-step-{fragment}", daemon=True)
     thread.start()
     return thread
 
 
-def _step(run, fragment: int, filling: Filling, step, stepped, failed) -> None:
+def _step(fragment: int, filling: Filling, lock: threading.Condition,
+          step: Callable[[Callable[[int, int], None]], T], stepped: Callable[[T], None],
+          failed: Callable[[NonFinite], None], fail: Callable[[str], None]) -> None:
     try:
-        g = step(lambda lo, hi: filling.done(4 * lo, 4 * hi))  # f32: 4 bytes a value
+        out = step(lambda lo, hi: filling.done(4 * lo, 4 * hi))  # f32: 4 bytes a value
     except NonFinite as e:
         filling.abort(str(e))
-        failed(e)
+        with lock:
+            failed(e)
         return
     except BaseException as e:  # a thread that dies ends the run, loudly
         filling.abort(repr(e))
-        run.fail(f"the outer step of fragment {fragment} failed: {e!r}")
+        fail(f"the outer step of fragment {fragment} failed: {e!r}")
         raise
     try:
-        with run.cond:
-            stepped(g)
+        with lock:
+            stepped(out)
     except BaseException as e:
         filling.abort(repr(e))
-        run.fail(f"the commit of fragment {fragment}'s round failed after its step: {e!r}")
+        fail(f"the commit of fragment {fragment}'s round failed after its step: {e!r}")
         raise

@@ -16,9 +16,10 @@ AVERAGING = dict(outer="nesterov", outer_lr=1.0, outer_momentum=0.0)
 
 
 @contextlib.contextmanager
-def running_syncer(token=None, spill_min_bytes=SPILL_MIN_BYTES, **cfg):
-    """A real gRPC syncer on a free loopback port, in this process."""
-    run = Run(Config(**cfg))
+def running_syncer(token=None, spill_min_bytes=SPILL_MIN_BYTES, secret=None, **cfg):
+    """A real gRPC syncer on a free loopback port, in this process. `token`: what
+    callers must present; `secret`: what keys its state (`Config.token`)."""
+    run = Run(Config(token=secret, **cfg))
     server, port = serve(run, "127.0.0.1", 0, token=token, spill_min_bytes=spill_min_bytes)
     try:
         yield run, f"127.0.0.1:{port}"

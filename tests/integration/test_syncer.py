@@ -109,7 +109,7 @@ def test_late_and_duplicate_pushes_follow_the_stated_rule(toy_layout, tmp_state)
         assert _push(b, 2 * one, 10, base=0, seq=0) == PushReply(True, "accepted", 2, 1)
         # the same seq again is a duplicate, never merged twice
         assert _push(b, 2 * one, 10, base=0, seq=0) == PushReply(False, "duplicate", 2, 0)
-        assert run.version == 1 and run.open[0].learners == {"b"}
+        assert run.version == 1 and run.rounds.open[0].learners == {"b"}
         # a's push makes round 2's quorum: b's late work and a's merge, equally weighted
         assert _push(a, 4 * one, 10, base=1, seq=1).accepted and run.version == 2
         # c is now two commits behind (max_staleness 1): refused, never mixed in
@@ -168,7 +168,7 @@ def test_bad_pushes_are_refused_and_leave_state_unchanged(toy_layout, rng, tmp_s
             a.push(b"\0" * 12, encoding="f32", base_version=0, loss_tokens=1, steps=1,
                    seq=0).result(timeout=20)
         np.testing.assert_array_equal(run.theta, before)
-        assert run.version == 0 and run.open[0].acc.count == 0
+        assert run.version == 0 and run.rounds.open[0].acc.count == 0
         # the syncer still serves: a good push commits
         assert _push(a, np.full(toy_layout.numel, 0.1, np.float32), 5, base=0, seq=0).accepted
         assert a.wait_one(timeout=20).version == 1
@@ -357,7 +357,7 @@ def test_heartbeat_mid_round_reports_the_open_round(toy_layout):
                                   timeout=20)
 
         assert _push(a, one, 10, base=0, seq=0).accepted
-        assert run.open[0].learners == {"a"} and run.version == 0  # round 1 is open
+        assert run.rounds.open[0].learners == {"a"} and run.version == 0  # round 1 is open
         for c in (a, b):
             r = heartbeat(c)
             assert (r.version, r.round, r.finished) == (0, 1, False)

@@ -38,7 +38,7 @@ def test_a_bad_chunk_mid_push_leaves_the_round_and_theta_unchanged(toy_layout, c
         assert a.push(ok, encoding="q4", base_version=0, loss_tokens=5, steps=1,
                       seq=0).result(20).accepted
         digest, theta = run.state_digest(), run.theta.copy()
-        acc_sum = run.open[0].acc.sum.copy()
+        acc_sum = run.rounds.open[0].acc.sum.copy()
         payload = codec.encode(np.ones(n, np.float32), "f32")
         if case == "nan chunk":
             payload = payload[:200] + np.array([np.nan], np.float32).tobytes() + payload[204:]
@@ -59,7 +59,7 @@ def test_a_bad_chunk_mid_push_leaves_the_round_and_theta_unchanged(toy_layout, c
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
         assert run.state_digest() == digest and run.version == 0
         assert run.theta.tobytes() == theta.tobytes()
-        assert run.open[0].acc.sum.tobytes() == acc_sum.tobytes()
+        assert run.rounds.open[0].acc.sum.tobytes() == acc_sum.tobytes()
         # the same push, whole and in small chunks, is then taken and commits
         good = [pb.PushChunk(header=header if i == 0 else None, data=payload[j:j + 64])
                 for i, j in enumerate(range(0, len(payload), 64))] if case != "nan chunk" \

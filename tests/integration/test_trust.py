@@ -430,7 +430,7 @@ def test_a_commit_is_a_commit_only_once_on_disk(toy_layout, tmp_path):
         a.push(codec.encode(np.ones(n, np.float32), "f32"), encoding="f32", base_version=1,
                loss_tokens=3, steps=1, seq=1).result(20)
         with run.cond:  # the round merged, but it is not committed: nothing was saved
-            assert run.pending is not None and run.version == 1
+            assert run.committer.pending is not None and run.version == 1
         status = _stub(addr).Status(pb.StatusRequest(), timeout=20)
         assert status.version == 1 and "cannot save" in status.problem
         with pytest.raises(grpc.RpcError) as e:  # pushes wait for the save
@@ -520,7 +520,7 @@ def test_a_refused_layout_leaves_the_run_s_output_files_as_they_were(toy_layout)
             _join(stub, toy_layout, "second", _cred("second"), weights_file="elsewhere.bin",
                   export_files={"adapter_config.json": "{}"})
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert run.weights_file == "adapter_model.safetensors" and run.export_files == {}
+        assert run.weights_file == "adapter_model.safetensors" and run.model.export_files == {}
 
 
 def test_a_finish_that_cannot_build_final_fails_the_run_loudly(toy_layout, tmp_path):

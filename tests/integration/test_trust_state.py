@@ -22,8 +22,8 @@ SECRET = "run-secret"
 
 def _saved_state(state_dir, layout, secret=None):
     """A state saved by a real syncer after one committed round (keyed with `secret`)."""
-    with running_syncer(quorum=1, state_dir=state_dir) as (run, addr):
-        run.cfg.token = secret  # what `python -m syncer` sets from --token / $YETO_TOKEN
+    # the secret keys the state as `python -m syncer` does from --token / $YETO_TOKEN
+    with running_syncer(quorum=1, state_dir=state_dir, secret=secret) as (run, addr):
         c = make_client(addr, "a", layout)
         c.start(np.zeros(layout.numel, np.float32))
         assert _wait_version(c, 0) is not None, c.last_error

@@ -8,7 +8,7 @@ import pytest
 
 from syncer.__main__ import build_parser as syncer_parser
 from syncer.__main__ import config_from_args
-from syncer.members import differing_setting
+from syncer.model import differing_setting
 from yeto import runfile
 from yeto.config import IslandConfig, parse_island_args
 from yeto.layout import TensorSpec

@@ -99,7 +99,7 @@ def _header(learner, gen, seed=False, encoding="q4", tokens=7, seq=0):
 
 
 def _claim(run, h, payload, upto=None):
-    staged = staging.claim(run, h, np.empty(len(payload), np.uint8))
+    staged = run.claim_staging(h, np.empty(len(payload), np.uint8))
     assert staged is not None
     return staged, _stream(staged, payload, upto)
 
@@ -113,8 +113,8 @@ def test_a_push_broken_mid_stream_leaves_the_run_unchanged():
     assert staged.lo > 0  # chunks were summed into the round's buffer as they came
     with pytest.raises(ValueError, match="payload ended"):
         rx.finish()  # the stream broke off here
-    staging.release(run, staged)
-    assert run.state_digest() == digest and run.open[0].acc.staging is None
+    run.release_staging(staged)
+    assert run.state_digest() == digest and run.rounds.open[0].acc.staging is None
     # the same round goes on, and ends as if the broken push had never come
     reference, ref_gens = _run(("a", "b"))
     for r, g in ((run, gens), (reference, ref_gens)):
@@ -133,10 +133,10 @@ def test_a_whole_push_takes_the_round_from_one_still_arriving():
     ha = _header("a", gens["a"])
     staged, rx = _claim(run, ha, pushes[0], upto=len(pushes[0]) // 2)
     assert run.push(_header("b", gens["b"], tokens=9), pushes[1])["accepted"]
-    assert staged.demoted and run.open[0].acc.staging is None
+    assert staged.demoted and run.rounds.open[0].acc.staging is None
     rx.add(memoryview(pushes[0])[len(pushes[0]) // 2:])
     assert run.push(ha, rx.finish())["accepted"]
-    staging.release(run, staged)
+    run.release_staging(staged)
     assert run.push(_header("c", gens["c"], tokens=11), pushes[2])["accepted"]
     reference, g = _run()
     for learner, p, t in (("b", pushes[1], 9), ("a", pushes[0], 7), ("c", pushes[2], 11)):
@@ -154,7 +154,7 @@ def test_a_staged_push_refused_at_its_end_changes_nothing():
     run.finished = True  # the run ended while the push arrived
     with pytest.raises(Exception, match="finished"):
         run.push(late, rx.finish())
-    staging.release(run, staged)
+    run.release_staging(staged)
     run.finished = False
     assert run.state_digest() == digest
 
@@ -172,8 +172,8 @@ def test_a_push_that_starts_beside_a_stager_not_half_in_takes_it_off_the_buffer(
         staged, rx = _claim(run, ha, pushes[0], upto=len(pushes[0]) // 4)
         with arrivals.arriving(hb) as alone_b:
             assert alone_a and not alone_b
-            staging.make_way(run, hb)
-            assert staged.demoted and run.open[0].acc.staging is None
+            run.make_way(hb)
+            assert staged.demoted and run.rounds.open[0].acc.staging is None
             rx.add(memoryview(pushes[0])[len(pushes[0]) // 4:])
             assert run.push(ha, rx.finish())["accepted"]
             assert run.push(hb, pushes[1])["accepted"]
@@ -191,5 +191,5 @@ def test_a_stager_past_half_keeps_staging_when_another_push_starts():
     run, gens = _run(("a", "b"))
     staged, _ = _claim(run, _header("a", gens["a"]), pushes[0], upto=3 * len(pushes[0]) // 4)
     assert 2 * staged.lo >= staged.numel
-    staging.make_way(run, _header("b", gens["b"]))
-    assert not staged.demoted and run.open[0].acc.staging is staged
+    run.make_way(_header("b", gens["b"]))
+    assert not staged.demoted and run.rounds.open[0].acc.staging is staged

@@ -58,13 +58,14 @@ def _header(kind, seq=0, round_=0, base=0, gen=1, encoding="f32"):
 
 def _started(overlap: bool, poison: bool = False) -> tuple[Run, int]:
     run = Run(Config(quorum=1, outer="nesterov", outer_lr=0.7, outer_momentum=0.9))
-    run.overlap_step = overlap
+    if overlap:
+        run.overlap_steps()
     gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors", {})[
         "generation"]
     theta0 = np.random.default_rng(0).standard_normal(LAYOUT.numel).astype(np.float32)
     run.push(_header(pb.SEED, gen=gen), codec.encode(theta0, "f32"))
     if overlap:
-        run.outer = Gated(run.theta.__array_interface__["data"][0], poison)
+        run.model.outer = Gated(run.theta.__array_interface__["data"][0], poison)
     return run, gen
 
 
@@ -110,10 +111,10 @@ def test_the_broadcast_streams_while_the_step_runs_and_ends_bit_identical():
     before = run.theta.copy()
     _push_in_thread(run, gen, 2, reply)
     bc = run.downlink.latest[0]
-    assert bc.version == 2 and run.pending is not None
+    assert bc.version == 2 and run.committer.pending is not None
     reader = bc.source.open()
     first = bc.source.read(reader, 0, net.CHUNK_BYTES)  # stepped while the rest is held
-    assert run.version == 1 and run.pending.stepping
+    assert run.version == 1 and run.committer.pending.stepping
     round2 = whole.theta.tobytes()
     assert first == round2[:net.CHUNK_BYTES]
     assert not np.array_equal(before[:HELD_FROM], run.theta[:HELD_FROM])

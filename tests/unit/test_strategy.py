@@ -76,10 +76,10 @@ def _committed_run(state_dir, outer: str, rounds: int = 3) -> Run:
 
 def test_the_outer_optimizer_and_its_step_count_are_saved_and_resume(tmp_path):
     run = _committed_run(tmp_path / "s", "nesterov-bc")
-    assert run.version == 3 and run.outer_steps == {0: 3}
+    assert run.version == 3 and run.model.outer_steps == {0: 3}
     back = Run(Config(quorum=1, outer="nesterov-bc", outer_lr=0.7, outer_momentum=0.9,
                       state_dir=tmp_path / "s", resume=True))
-    assert back.outer_steps == {0: 3} and back.m.tobytes() == run.m.tobytes()
+    assert back.model.outer_steps == {0: 3} and back.model.m.tobytes() == run.model.m.tobytes()
     back.tape.close()
     with pytest.raises(state.StateError, match="--outer was 'nesterov-bc', now 'nesterov'"):
         Run(Config(quorum=1, outer="nesterov", outer_lr=0.7, outer_momentum=0.9,
@@ -192,7 +192,7 @@ def test_a_resumed_run_steps_as_one_that_never_stopped(tmp_path, outer):
     back.tape.close()
     assert back.version == runs["through"].version == 4
     assert back.theta.tobytes() == runs["through"].theta.tobytes()
-    assert back.m.tobytes() == runs["through"].m.tobytes()
+    assert back.model.m.tobytes() == runs["through"].model.m.tobytes()
 
 
 # ---- the default rule follows the regime (issue 43) -------------------------------------

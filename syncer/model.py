@@ -1,0 +1,234 @@
+"""The run's model: the layout every island trains, Θ, the outer optimizer's state (the
+momentum m and each fragment's step count), which island seeds Θ, and the files the
+final weights are written as. `Model` alone changes them; callers hold the run's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from syncer import state, strategy
+from syncer.bounds import SEED_MAX_ABS
+from syncer.errors import Reject
+from syncer.merge import MergeAccumulator
+from yeto import codec
+from yeto.layout import Layout, LayoutMismatch, TensorSpec
+
+log = logging.getLogger("syncer")
+
+# a file the syncer writes into final/ for an island: a bare name, never a path
+FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass
+class Restored:
+    """What a saved state gives the model back."""
+
+    layout: Layout
+    theta: np.ndarray
+    momentum: np.ndarray | None
+    outer_steps: dict[int, int]
+    weights_file: str
+    export_files: dict[str, str]
+
+
+class Model:
+    """Θ and what the outer step keeps beside it, over the run's layout."""
+
+    def __init__(self, fragments: int, outer: strategy.Nesterov, seed_from: str = ""):
+        self.fragments = fragments
+        self.outer = outer
+        self.layout: Layout | None = None
+        self.weights_file = "weights.safetensors"
+        self.export_files: dict[str, str] = {}
+        self.theta: np.ndarray | None = None
+        self.m: np.ndarray | None = None  # the outer momentum, kept only when it is used
+        self.outer_steps: dict[int, int] = {}  # per fragment: outer steps taken
+        self.seed_from = seed_from  # the operator's choice (--seed-from); "" for none
+        self.seeder = seed_from  # who is asked for the seed (set at the first join)
+
+    # ---- what islands bring ---------------------------------------------------------
+    def adopt(self, learner_id: str, layout: Layout, weights_file: str,
+              export_files: dict[str, str], observer: bool) -> bool:
+        """The first training island's layout (and output files) become the run's;
+        every later one must match it. An observer's layout is checked against the
+        run's and never becomes it. Returns whether `layout` became the run's now. A
+        refusal changes nothing."""
+        checked_files(learner_id, weights_file, export_files)
+        if self.layout is not None:
+            try:
+                self.layout.check_same(layout)
+            except LayoutMismatch as e:
+                raise Reject("precondition", f"{learner_id} cannot join: "
+                             f"{differing_setting(self.layout.specs, layout.specs)} ({e}). "
+                             "Every island must train the same model with the same "
+                             "--lora-r/--lora-targets/--tuning (one run file, --config, keeps "
+                             "them equal); check with `yeto check-parity`") from None
+        if observer:
+            return False
+        if self.layout is None or not self.export_files:
+            self.weights_file = weights_file or self.weights_file
+            self.export_files = dict(export_files)
+        if self.layout is None:
+            self.layout = layout
+            return True
+        return False
+
+    def choose_seeder(self, learner_id: str) -> None:
+        """A training island joined: the first one seeds Θ unless --seed-from names one."""
+        if not self.seeder:
+            self.seeder = learner_id
+
+    def seeder_gone(self, learner_id: str) -> None:
+        """An island left: if it was to seed Θ and has not, the next to join seeds it."""
+        if self.theta is None and self.seeder == learner_id and not self.seed_from:
+            self.seeder = ""
+
+    def asks_seed_of(self, learner_id: str) -> bool:
+        return self.theta is None and learner_id == self.seeder
+
+    def seed(self, learner_id: str, payload) -> bool:
+        """Θ from the seeding island's initial weights (False: Θ was seeded already; a
+        seed from any other island is refused)."""
+        if self.theta is not None:
+            return False
+        if learner_id != self.seeder:
+            raise Reject("precondition", f"{learner_id} was not asked for the seed: "
+                         f"{self.seeder or 'the first island to join'} seeds Θ (the syncer's "
+                         "--seed-from names it)")
+        assert self.layout is not None  # a push header is refused before the layout
+        try:
+            theta = _f32_owned(payload, self.layout.numel, SEED_MAX_ABS)
+        except codec.CodecError as e:
+            raise Reject("invalid", f"seed from {learner_id} rejected: {e}") from None
+        self.theta = theta
+        if self.outer.keeps_momentum:
+            self.m = np.zeros_like(theta)
+        log.info("Θ seeded by %s (%d parameters)", learner_id, theta.size)
+        return True
+
+    def note_island(self, learner_id: str, regime: str) -> str:
+        """An island joined with `regime`; what changed in the outer rule ("": nothing)."""
+        return self.outer.note_island(learner_id, regime)
+
+    # ---- the outer step -------------------------------------------------------------
+    def span(self, f: int) -> tuple[int, int]:
+        frag = self.the_layout.fragments[f]
+        return frag.start, frag.stop
+
+    def spans(self) -> list[tuple[int, int]]:
+        return [self.span(f) for f in range(self.fragments)]
+
+    def numel(self, f: int | None = None) -> int:
+        """Values in fragment f (None: in Θ)."""
+        return self.the_layout.numel if f is None else self.the_layout.fragments[f].numel
+
+    @property
+    def the_layout(self) -> Layout:
+        if self.layout is None:
+            raise RuntimeError("the run has no layout yet")
+        return self.layout
+
+    @property
+    def the_theta(self) -> np.ndarray:
+        if self.theta is None:
+            raise RuntimeError("Θ is not seeded yet")
+        return self.theta
+
+    @property
+    def momentum(self) -> np.ndarray | None:
+        """The outer momentum m (zeros made on request when the run keeps none)."""
+        return np.zeros_like(self.theta) if self.m is None and self.theta is not None else self.m
+
+    def outer_step(self, f: int, acc: MergeAccumulator,
+                   on_chunk: Callable[[int, int], None] | None = None
+                   ) -> tuple[np.ndarray | None, int]:
+        """Step fragment f's slice of Θ (and of m) by `acc`'s merged pseudo-gradient:
+        (the round's sum buffer, the step number). Counted once `stepped` says so."""
+        lo, hi = self.span(f)
+        m = None if self.m is None else self.m[lo:hi]
+        t = self.outer_steps.get(f, 0) + 1
+        return acc.step_outer(self.outer, self.the_theta[lo:hi], m, t, on_chunk=on_chunk), t
+
+    def stepped(self, f: int, t: int) -> None:
+        self.outer_steps[f] = t
+
+    def steps(self, f: int) -> int:
+        return self.outer_steps.get(f, 0)
+
+    # ---- on disk --------------------------------------------------------------------
+    def restore(self, saved: Restored) -> None:
+        self.layout, self.theta = saved.layout, saved.theta
+        if self.outer.keeps_momentum:
+            self.m = saved.momentum if saved.momentum is not None else np.zeros_like(saved.theta)
+        self.outer_steps = dict(saved.outer_steps)
+        self.weights_file, self.export_files = saved.weights_file, dict(saved.export_files)
+
+    def record(self) -> dict:
+        """What the state file keeps of the model beside its arrays."""
+        layout = self.the_layout
+        return dict(fingerprint=layout.fingerprint,
+                    layout=[[s.name, list(s.shape), s.dtype] for s in layout.specs],
+                    outer_steps={str(f): t for f, t in self.outer_steps.items()},
+                    weights_file=self.weights_file, export_files=self.export_files)
+
+    def provenance(self) -> dict:
+        """What provenance.json says of the final weights."""
+        return dict(weights_file=self.weights_file, theta_sha256=state.digest(self.the_theta),
+                    fingerprint=self.the_layout.fingerprint,
+                    parameters=int(self.the_layout.numel))
+
+    def digest_into(self, h) -> None:
+        for a in (self.theta, self.m):
+            h.update(b"-" if a is None else memoryview(a).cast("B"))
+
+
+def checked_files(learner_id: str, weights_file: str, export_files: dict[str, str]) -> None:
+    """The names of the files an island asks the syncer to write into `final/`: each a
+    bare file name (no folder, no `..`, no absolute path), none of them the same file
+    as another or as provenance.json. Checked before anything is adopted."""
+    names = [weights_file, *export_files] if weights_file else list(export_files)
+    for name in names:
+        if not FILE_NAME.fullmatch(name):
+            raise Reject("invalid", f"{learner_id}: output file name {name[:80]!r} is not a "
+                                    "bare file name (letters, digits, '.', '_', '-'; at most "
+                                    "128 characters, not starting with '.')")
+    lowered = [n.lower() for n in names]  # one file on a case-insensitive disk
+    if len(set(lowered)) != len(lowered) or "provenance.json" in lowered:
+        raise Reject("invalid", f"{learner_id}: output files {sorted(names)} name one file "
+                                "twice (or provenance.json, which the syncer writes)")
+
+
+def differing_setting(run: Iterable[TensorSpec], island: Iterable[TensorSpec]) -> str:
+    """Which shared setting two layouts disagree on, in the words of the flags."""
+    def lora(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+        return [s for s in specs if ".lora_A." in s.name]
+    if bool(lora(run)) != bool(lora(island)):
+        return ("--tuning differs: the run trains "
+                f"{'LoRA adapters' if lora(run) else 'full weights'}, this island "
+                f"{'LoRA adapters' if lora(island) else 'full weights'}")
+    ranks = {s.shape[0] for s in lora(run)}, {s.shape[0] for s in lora(island)}
+    if lora(run) and ranks[0] != ranks[1]:
+        return (f"the LoRA rank differs (--lora-r, [lora] r): the run has "
+                f"{'/'.join(map(str, sorted(ranks[0])))}, this island "
+                f"{'/'.join(map(str, sorted(ranks[1])))}")
+    names = {s.name for s in run}, {s.name for s in island}
+    if lora(run) and names[0] != names[1]:
+        return "the LoRA targets differ (--lora-targets, [lora] targets)"
+    return "the model differs (--model, [run] model: another architecture or size)"
+
+
+
+def _f32_owned(payload, numel: int, max_abs: float) -> np.ndarray:
+    """An f32 payload within `max_abs` as a writable float32 array: the received
+    buffer itself when the caller hands over a uint8 array it owns, else a copy."""
+    codec.validate(payload, "f32", numel, max_abs)
+    if isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and \
+            payload.flags.writeable and payload.flags.c_contiguous:
+        return payload.view(np.float32)
+    return codec.decode(payload, "f32", numel)
