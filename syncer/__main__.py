@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tape.jsonl) and final weights (final/) are written")
     p.add_argument("--resume", action="store_true",
                    help="continue the run saved in --state-dir")
+    p.add_argument("--trust-unkeyed-state", action="store_true",
+                   help="with --resume and a --token: continue a state saved without a "
+                        "secret (by a run without --token, or by a yeto older than keyed "
+                        "states) once, vouching that nobody else could write its folder; "
+                        "it is saved under the secret from its next round on")
     p.add_argument("--token", default=None,
                    help=f"shared secret islands must send (default: ${net.TOKEN_ENV})")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate")
@@ -143,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return round_config(args, quorum=args.quorum, rounds=args.rounds, bounds=bounds,
                         save_timeout_s=args.save_timeout_s,
                         state_dir=args.state_dir, resume=args.resume,
+                        trust_unkeyed_state=args.trust_unkeyed_state,
                         seed_from=args.seed_from,
                         expect_islands=tuple(x.strip() for x in
                                              (args.expect_islands or "").split(",") if x.strip()))

@@ -37,6 +37,7 @@ class Config:
     fragments: int = 1
     state_dir: Path | None = None
     resume: bool = False
+    trust_unkeyed_state: bool = False  # resume an unkeyed state under the run's secret
     expect_islands: tuple[str, ...] = ()  # reserved slots, listed as "reserved" until joined
     seed_from: str = ""  # the island whose initial weights seed Θ ("": the first to join)
     bounds: Bounds = field(default_factory=Bounds)  # what one island can do (syncer.bounds)

@@ -63,7 +63,8 @@ class Store:
 
     def load(self) -> Saved:
         """The saved run, checked: the key, the flags, the layout against the weights."""
-        theta, momentum, island_theta, meta = state.load(self.dir, self.key)
+        theta, momentum, island_theta, meta = state.load(
+            self.dir, self.key, trust_unkeyed=self.cfg.trust_unkeyed_state)
         state.check_flags(meta, self.flags())
         specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
         layout = Layout(specs, self.cfg.fragments)

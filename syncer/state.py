@@ -102,16 +102,21 @@ class StateKey:
             return meta_digest(meta)
         return hmac.new(self._key, _meta_body(meta), hashlib.sha256).hexdigest()
 
-    def check(self, path: Path, meta: dict) -> None:
-        """Refuse (StateError) a state whose metadata this run cannot vouch for."""
+    def check(self, path: Path, meta: dict, trust_unkeyed: bool = False) -> None:
+        """Refuse (StateError) a state whose metadata this run cannot vouch for.
+        `trust_unkeyed`: the operator vouches for an unkeyed state (checked as one)."""
         kind = meta.get(DIGEST_KIND, PLAIN if meta["format"] >= 2 else None)
+        if self._key is not None and kind != KEYED and trust_unkeyed:
+            StateKey(None).check(path, meta)
+            return
         if self._key is not None and kind != KEYED:
             raise StateError(
                 f"{path} carries no digest under the run's secret (it was saved by a run "
                 "without --token / $YETO_TOKEN, or by a yeto older than keyed states): "
                 "anyone who can write its folder could have made it, so this run, which "
-                "has a secret, does not resume it. Start a new run with another "
-                "--state-dir, or resume it with the flags it was saved under")
+                "has a secret, does not resume it unless you vouch for it: "
+                "--trust-unkeyed-state (once; it is saved under the secret from then on). "
+                "Or start a new run with another --state-dir")
         if self._key is None and kind == KEYED:
             raise StateError(
                 f"{path} was saved by a run with a secret, and its digest can be checked "
@@ -258,7 +263,7 @@ def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray | None,
         write_safetensors(f, tensors, {"yeto_state": json.dumps(meta, sort_keys=True)})
 
 
-def load(state_dir: Path, key: StateKey | None = None
+def load(state_dir: Path, key: StateKey | None = None, trust_unkeyed: bool = False
          ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, dict]:
     """(Θ, momentum or None when none was stored, the islands' weights or None,
     metadata) of a saved run. `key`: the resuming run's (`StateKey.check`: a state it
@@ -274,7 +279,7 @@ def load(state_dir: Path, key: StateKey | None = None
     if theta is None or meta.get("format") not in (1, 2, FORMAT):
         raise StateError(f"{path} is not a yeto syncer state (format {meta.get('format')})")
     if key is not None:
-        key.check(path, meta)
+        key.check(path, meta, trust_unkeyed)
     elif meta.get(DIGEST_KIND) != KEYED:  # a reader without the key checks what it can
         StateKey(None).check(path, meta)
     for k, v in tensors.items():
