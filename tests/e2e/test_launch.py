@@ -72,6 +72,12 @@ def test_ctrl_c_stops_everything_with_outputs_saved(tmp_path, tiny_llama, tiny_t
     assert all(v["final"] for v in summary["islands"].values())
     merges = [r for r in read_tape(out / "syncer" / "tape.jsonl") if r["event"] == "merge"]
     assert len(merges) == summary["rounds"]
+    # bytes: the run's summary is the islands' own counts summed (the seed and the final
+    # weights included), so the two files agree
+    mine = [json.loads((out / "islands" / i / "summary.json").read_text())
+            for i in ("island-0", "island-1")]
+    assert summary["bytes_up"] == sum(s["bytes_up"] for s in mine) > 0
+    assert summary["bytes_down"] == sum(s["bytes_down"] for s in mine) > 0
     # the display: a status table with both islands, and the syncer's dashboard URL
     assert "island-0  torch" in stdout and "island-1  torch" in stdout
     assert "dashboard http://127.0.0.1:" in stdout

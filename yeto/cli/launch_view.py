@@ -40,7 +40,8 @@ def headline(run: LocalRun) -> str:
         if waiting else ""
     return (f"syncer {run.join_address or run.address}  {run_state(run)}{wait}  "
             f"round {m[-1]['round'] if m else 0}  "
-            f"merges {len(m)}  up {human_bytes(sum(r.get('bytes_in', 0) for r in m))}  down "
+            f"merges {len(m)}  merged pushes "
+            f"{human_bytes(sum(r.get('bytes_in', 0) for r in m))}  broadcasts "
             f"{human_bytes(sum(r.get('bytes_out', 0) for r in m))}  "
             f"rejected {run.progress.rejected}  {human_seconds(time.monotonic() - run.t0)}")
 

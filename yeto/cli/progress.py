@@ -216,7 +216,10 @@ def summarize(out: Path, seconds: float, external: list[str] = ()) -> dict:
     held-out loss before/after (island-0's), rounds, bytes up/down, seconds, and
     per island its held-out loss, loss tokens and whether it got the final weights;
     per external slot, from the tape: merged pushes and loss tokens (its own outputs
-    are on its machine)."""
+    are on its machine). Bytes up and down are the launched islands' own counts summed
+    (their summary.json: the seed, every push, every broadcast received, the final
+    weights included), so they agree with the islands' files; the live view's merged
+    pushes and broadcasts count only what the merges took and sent."""
     from syncer.tape import read_tape
 
     tape = out / "syncer" / "tape.jsonl"
@@ -233,8 +236,10 @@ def summarize(out: Path, seconds: float, external: list[str] = ()) -> dict:
             ext[r["learner"]]["loss_tokens"] += int(r.get("tokens") or 0)
     return dict(eval_loss_before=finite_or_none(first.get("eval_loss_before")),
                 eval_loss_after=finite_or_none(first.get("eval_loss")),
-                rounds=len(merges), bytes_up=sum(r["bytes_in"] for r in merges),
-                bytes_down=sum(r["bytes_out"] for r in merges), seconds=round(seconds, 1),
+                rounds=len(merges),
+                bytes_up=sum(int(v.get("bytes_up", 0)) for v in islands.values()),
+                bytes_down=sum(int(v.get("bytes_down", 0)) for v in islands.values()),
+                seconds=round(seconds, 1),
                 islands={k: dict(eval_loss=finite_or_none(v.get("eval_loss")),
                                  loss_tokens=v.get("loss_tokens"),
                                  final=v.get("final")) for k, v in islands.items()},
