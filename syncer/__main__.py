@@ -13,13 +13,14 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from syncer.admission import Streams
 from syncer.bounds import Bounds
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
-from syncer.service import SPILL_MIN_BYTES, serve
+from syncer.service import EXCLUSIVE_PORT, SPILL_MIN_BYTES, serve
 from syncer.state import StateError
 from yeto import memory, net, runfile
 from yeto.codec import kernels
@@ -73,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "secret (by a run without --token, or by a yeto older than keyed "
                         "states) once, vouching that nobody else could write its folder; "
                         "it is saved under the secret from its next round on")
+    p.add_argument("--standby-of", default=None, metavar="HOST:PORT",
+                   help="run as the standby of the primary syncer at HOST:PORT: receive each "
+                        "state it commits (into --state-dir) and take the run over, serving "
+                        "it on --port, once the primary has not answered for "
+                        "--takeover-after-s; islands list both: --syncer PRIMARY,STANDBY")
+    p.add_argument("--takeover-after-s", type=float, default=10.0,
+                   help="a standby takes over after the primary has been silent this long")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="where the primary reaches this standby (default: --host and the "
+                        "bound port; needed when --host is 0.0.0.0)")
     p.add_argument("--token", default=None,
                    help=f"shared secret islands must send (default: ${net.TOKEN_ENV})")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate")
@@ -165,10 +176,15 @@ def main(argv=None) -> int:
     cfg = config_from_args(args)
     cfg.token = token  # keys the state's digest (syncer.persist.Store)
     memory.limit_arenas()  # freed chunk buffers reused from two arenas, not kept in 16
+    if args.standby_of:
+        args.port = _stand_by(args, cfg, token, tls)  # returns once it takes over
+        cfg.resume = True
     try:
         run = Run(cfg)
     except (StateError, ValueError) as e:
         sys.exit(f"error: {e}")
+    if args.standby_of:
+        run.tape.event("takeover", primary=args.standby_of, version=run.version)
     die_with_threads()
     try:
         server, port = serve(run, args.host, args.port, token=token, tls=tls,
@@ -188,6 +204,54 @@ def main(argv=None) -> int:
                  cfg.merge, cfg.outer_lr, cfg.outer_momentum)
         log.info("q4 sums: %s", kernels.describe())
     return _serve_until_done(run, server, dashboard, announce)
+
+
+def _stand_by(args, cfg: Config, token: str | None, tls) -> int:
+    """Serve as a standby (`syncer.standby`) until the primary stops answering; returns
+    the port, freed for the run this syncer now serves. A signal ends it (exit 0)."""
+    import grpc
+
+    from syncer.standby import Standby, StandbyService
+    from syncer.state import StateKey
+    from yeto.proto import yeto_pb2_grpc as pb_grpc
+
+    if cfg.state_dir is None:
+        sys.exit("error: --standby-of needs --state-dir (where the primary's states are kept)")
+    if tls:
+        sys.exit("error: --standby-of does not take TLS flags yet: keep the primary and its "
+                 "standby on a private network and give both the run's --token")
+    if args.takeover_after_s <= 0:
+        sys.exit("error: --takeover-after-s must be positive")
+    try:
+        net.parse_address(args.standby_of)
+    except ValueError as e:
+        sys.exit(f"error: --standby-of: {e}")
+    server = grpc.server(ThreadPoolExecutor(max_workers=8),
+                         options=net.SERVER_OPTIONS + EXCLUSIVE_PORT)
+    port = server.add_insecure_port(host_port(args.host, args.port))
+    if port == 0:
+        sys.exit(f"error: cannot listen on {host_port(args.host, args.port)}")
+    advertise = args.advertise or host_port(args.host, port)
+    try:
+        standby = Standby(cfg.state_dir, StateKey(token), args.standby_of, advertise,
+                          args.takeover_after_s, 12 * cfg.bounds.max_params + (64 << 20))
+    except StateError as e:
+        sys.exit(f"error: {e}")
+    pb_grpc.add_SyncerServicer_to_server(StandbyService(standby, token), server)
+    server.start()
+    if args.port_file:
+        atomic_write(args.port_file, str(port))
+    log.info("standby of %s on %s (reached at %s), holding version %d", args.standby_of,
+             host_port(args.host, port), advertise, standby.version)
+    with GracefulStop() as stop:
+        took_over = standby.watch(stop.event, token)
+    server.stop(grace=0).wait()
+    if not took_over:
+        log.info("standby stopped")
+        sys.exit(0)
+    log.warning("the primary %s has not answered for %.0f s: taking the run over at "
+                "version %d", args.standby_of, args.takeover_after_s, standby.version)
+    return port
 
 
 def _tls_credentials(args) -> tuple[bytes, bytes, bytes | None] | None:

@@ -45,6 +45,7 @@ from syncer.pacing import Pacing
 from syncer.persist import Store
 from syncer.rounds import Rounds
 from syncer.staging import StagedSum
+from syncer.standby import Standbys
 from syncer.tape import Tape
 from yeto.layout import Layout, TensorSpec
 
@@ -73,6 +74,8 @@ class Run:
         self.committer = Committer(config, self, self.cond, clock, self.model, self.rounds,
                                    self.members, self.downlink, self.tape)
         self.store = Store(config) if config.state_dir is not None else None
+        self.standbys = Standbys(config.state_dir / state.STATE_FILE, config.token, self.tape) \
+            if config.state_dir is not None else None
         self.started, self.finished = False, False
         self.bytes_in = self.bytes_out = self.rejected = 0
         self.final_delivered: set[str] = set()
@@ -358,6 +361,16 @@ class Run:
             fragment_versions=self.committer.fragment_versions(fragment, version),
             norm_history=self.rounds.norm_record(), bytes_in=self.bytes_in,
             bytes_out=self.bytes_out, islands=self.members.ledger(), **self.model.record()))
+        if self.standbys is not None:  # before the round is published: a standby has it
+            self.standbys.replicate(version)
+
+    def register_standby(self, address: str, version: int) -> dict:
+        """A standby syncer at `address` (holding `version`) is there (`syncer.standby`)."""
+        if self.standbys is None:
+            raise Reject("precondition", "this syncer has no --state-dir: a standby needs "
+                         "the states it saves")
+        self.standbys.register(address, version, self.version)
+        return dict(run_id=self.run_id, version=self.version)
 
     def committed(self, last: bool) -> None:
         """A round's state is on disk and published; `last`: the run's last round."""

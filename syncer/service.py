@@ -41,15 +41,6 @@ EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 # a delta push this large goes to a temporary file as it arrives (see SyncerService._push)
 SPILL_MIN_BYTES = 16 << 20
 
-_CODES = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
-    "not_found": grpc.StatusCode.NOT_FOUND,
-    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-    "denied": grpc.StatusCode.PERMISSION_DENIED,
-    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the island retries later
-}
-
 
 def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
            learner: str = ""):
@@ -57,7 +48,7 @@ def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
     (an unauthenticated caller cannot fill the tape; `_caller` tapes impersonations)."""
     if run is not None and reject.code not in ("unauthenticated", "denied"):
         run.note_rejected(call, learner, reject)
-    context.abort(_CODES[reject.code], str(reject))
+    context.abort(reject.status, str(reject))
 
 
 class SyncerService(pb_grpc.SyncerServicer):
@@ -96,6 +87,13 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.run.note_rejected(call, owner, e)
             raise e
         return owner
+
+    def _operator(self, context, call: str) -> None:
+        """Calls only the run's secret may make (a standby syncer's)."""
+        if self._caller(context, None, call) is not None or \
+                (self.secret is None and self.client_certs):
+            raise Reject("denied", f"{call} needs the run's secret (--token / "
+                         f"${net.TOKEN_ENV}), not an island's credential")
 
     def _certified(self, context, learner_id: str | None, call: str) -> str:
         """The island a call's client certificate (checked by the TLS handshake)
@@ -272,6 +270,21 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Reject as e:
             _abort(context, e)
 
+    def RegisterStandby(self, request, context):
+        try:
+            self._operator(context, "register_standby")
+            net.parse_address(request.address)  # host:port, or ValueError
+            return pb.RegisterStandbyReply(**self.run.register_standby(request.address,
+                                                                       request.version))
+        except ValueError as e:
+            _abort(context, Reject("invalid", f"standby address: {e}"))
+        except Reject as e:
+            _abort(context, e)
+
+    def Replicate(self, request_iterator, context):
+        _abort(context, Reject("precondition", "this syncer is a primary: replicas go to a "
+                               "standby (--standby-of)"))
+
 
 def _certificate_names(auth: dict) -> list[str]:
     """The names a verified client certificate holds (gRPC's auth context): its
@@ -324,6 +337,10 @@ def add_to_server(service: SyncerService, server) -> None:
                         pb.StatusReply.SerializeToString),
         "Finish": unary(service.Finish, pb.FinishRequest.FromString,
                         pb.FinishReply.SerializeToString),
+        "RegisterStandby": unary(service.RegisterStandby, pb.RegisterStandbyRequest.FromString,
+                                 pb.RegisterStandbyReply.SerializeToString),
+        "Replicate": grpc.stream_unary_rpc_method_handler(
+            service.Replicate, pb.ReplicateChunk.FromString, pb.ReplicateReply.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

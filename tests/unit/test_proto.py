@@ -14,5 +14,6 @@ def test_service_stub_lists_every_rpc():
 
     rpcs = {m.name for m in yeto_pb2.DESCRIPTOR.services_by_name["Syncer"].methods}
     src = Path(yeto_pb2_grpc.__file__).read_text()
-    assert rpcs == {"Join", "Push", "Subscribe", "Heartbeat", "Status", "Finish"}
+    assert rpcs == {"Join", "Push", "Subscribe", "Heartbeat", "Status", "Finish",
+                    "RegisterStandby", "Replicate"}
     assert all(f"/yeto.v1.Syncer/{r}" in src for r in rpcs)

@@ -91,17 +91,15 @@ class Connection:
                  token: str | None = None, tls: TLSConfig | None = None,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None):
-        self.address, self.learner_id, self.join_request = address, learner_id, request
+        """`address`: 'host:port', or several comma-separated (a primary syncer and its
+        standbys, `syncer.standby`): after a failure the next one is tried."""
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.learner_id, self.join_request = learner_id, request
         self.metadata = net.auth_metadata(
             net.credential_for(net.token_from_env(token), learner_id))
-        self.channel = channel if channel is not None else open_channel(address, tls,
-                                                                         keepalive_s)
-        self.stub = pb_grpc.SyncerStub(self.channel)
-        # the broadcast stream without protobuf copies of the payload (yeto.wire)
-        self._subscribe_call = self.channel.unary_stream(
-            "/yeto.v1.Syncer/Subscribe", request_serializer=pb.SubscribeRequest.SerializeToString,
-            response_deserializer=wire.parse_broadcast_chunk)
+        self._tls, self._keepalive_s = tls, keepalive_s
         self._stream = None
+        self._use(0, channel)
         self.backoff = (backoff_s, max_backoff_s)
         self.cond = threading.Condition()
         self.connected = threading.Event()
@@ -109,6 +107,29 @@ class Connection:
         self.generation, self.run_id, self.num_fragments, self.acked_seq = 0, "", 1, -1
         self.fatal: str | None = None
         self.last_error: str | None = None
+
+    def _use(self, i: int, channel: grpc.Channel | None = None) -> None:
+        """Talk to `addresses[i]` from now on."""
+        self.current, self.address = i, self.addresses[i]
+        self.channel = channel if channel is not None else open_channel(
+            self.address, self._tls, self._keepalive_s)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+        # the push and broadcast streams without protobuf copies of the payload (yeto.wire)
+        self.push_call = self.channel.stream_unary(
+            "/yeto.v1.Syncer/Push", request_serializer=wire.passthrough,
+            response_deserializer=pb.PushReply.FromString)
+        self._subscribe_call = self.channel.unary_stream(
+            "/yeto.v1.Syncer/Subscribe", request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=wire.parse_broadcast_chunk)
+
+    def _next_address(self) -> None:
+        """After a failure: the next address, if there are several."""
+        if len(self.addresses) < 2:
+            return
+        old = self.channel
+        self._use((self.current + 1) % len(self.addresses))
+        old.close()
+        log.warning("trying the syncer at %s next", self.address)
 
     def start(self, session: Callable[[pb.JoinReply], None], over: Callable[[], bool]) -> None:
         """Join on a background thread and run `session(reply)` (seed, listen) after
@@ -132,6 +153,7 @@ class Connection:
                 if e.code() in REFUSALS and self.generation == 0:
                     self._refused(e)
                     return
+                self._next_address()
                 # full jitter: islands do not retry in lockstep after a syncer restart
                 wait = random.uniform(delay / 2, delay)
                 log.warning("syncer %s unreachable (%s); retrying in %.1fs, training "

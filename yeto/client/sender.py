@@ -27,10 +27,6 @@ class PushSender:
     def __init__(self, link: Connection, numel: int, executor: Executor | None = None):
         self.link, self.numel = link, numel
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="yeto-push")
-        # the push stream without protobuf copies of the payload (yeto.wire)
-        self._call = link.channel.stream_unary(
-            "/yeto.v1.Syncer/Push", request_serializer=wire.passthrough,
-            response_deserializer=pb.PushReply.FromString)
         self.bytes_up = 0
 
     def seed(self, initial: np.ndarray) -> None:
@@ -74,7 +70,7 @@ class PushSender:
                 yield wire.chunk_bytes(header if i == 0 else None, piece)
 
         try:
-            reply = self._call(chunks(), metadata=self.link.metadata, timeout=300)
+            reply = self.link.push_call(chunks(), metadata=self.link.metadata, timeout=300)
         finally:
             trim()  # the chunks' messages, freed in gRPC's threads
         self.bytes_up += len(payload)

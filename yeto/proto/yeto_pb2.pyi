@@ -252,3 +252,35 @@ class FinishReply(_message.Message):
     RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
     run_finished: bool
     def __init__(self, run_finished: _Optional[bool] = ...) -> None: ...
+
+class RegisterStandbyRequest(_message.Message):
+    __slots__ = ("address", "version")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    version: int
+    def __init__(self, address: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class RegisterStandbyReply(_message.Message):
+    __slots__ = ("run_id", "version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ReplicateChunk(_message.Message):
+    __slots__ = ("version", "size", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    size: int
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicateReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,16 @@ class SyncerStub:
                 request_serializer=yeto_dot_proto_dot_yeto__pb2.FinishRequest.SerializeToString,
                 response_deserializer=yeto_dot_proto_dot_yeto__pb2.FinishReply.FromString,
                 _registered_method=True)
+        self.RegisterStandby = channel.unary_unary(
+                '/yeto.v1.Syncer/RegisterStandby',
+                request_serializer=yeto_dot_proto_dot_yeto__pb2.RegisterStandbyRequest.SerializeToString,
+                response_deserializer=yeto_dot_proto_dot_yeto__pb2.RegisterStandbyReply.FromString,
+                _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/yeto.v1.Syncer/Replicate',
+                request_serializer=yeto_dot_proto_dot_yeto__pb2.ReplicateChunk.SerializeToString,
+                response_deserializer=yeto_dot_proto_dot_yeto__pb2.ReplicateReply.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -110,6 +120,21 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterStandby(self, request, context):
+        """A standby syncer (`--standby-of`) says it is there, every second; the run's secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request_iterator, context):
+        """The primary sends a standby each committed state as it is saved: the state file's
+        bytes in chunks; the reply acknowledges the version it now holds on disk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +167,16 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=yeto_dot_proto_dot_yeto__pb2.FinishRequest.FromString,
                     response_serializer=yeto_dot_proto_dot_yeto__pb2.FinishReply.SerializeToString,
+            ),
+            'RegisterStandby': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterStandby,
+                    request_deserializer=yeto_dot_proto_dot_yeto__pb2.RegisterStandbyRequest.FromString,
+                    response_serializer=yeto_dot_proto_dot_yeto__pb2.RegisterStandbyReply.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=yeto_dot_proto_dot_yeto__pb2.ReplicateChunk.FromString,
+                    response_serializer=yeto_dot_proto_dot_yeto__pb2.ReplicateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +341,60 @@ class Syncer:
             '/yeto.v1.Syncer/Finish',
             yeto_dot_proto_dot_yeto__pb2.FinishRequest.SerializeToString,
             yeto_dot_proto_dot_yeto__pb2.FinishReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterStandby(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yeto.v1.Syncer/RegisterStandby',
+            yeto_dot_proto_dot_yeto__pb2.RegisterStandbyRequest.SerializeToString,
+            yeto_dot_proto_dot_yeto__pb2.RegisterStandbyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/yeto.v1.Syncer/Replicate',
+            yeto_dot_proto_dot_yeto__pb2.ReplicateChunk.SerializeToString,
+            yeto_dot_proto_dot_yeto__pb2.ReplicateReply.FromString,
             options,
             channel_credentials,
             insecure,
