@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from yeto.client import SyncerClient  # noqa: E402
+from yeto.client import connect  # noqa: E402
 from yeto.island import Island  # noqa: E402
 from yeto.layout import Layout  # noqa: E402
 
@@ -168,8 +168,8 @@ def main(argv=None) -> int:
         record("push")
         return float("nan")
 
-    client = SyncerClient(args.syncer, args.learner_id, layout, token=args.token,
-                          backend="numpy", backoff_s=0.1, max_backoff_s=1.0)
+    client = connect(args.syncer, args.learner_id, layout, token=args.token,
+                     backend="numpy", backoff_s=0.1, max_backoff_s=1.0)
     if args.record:
         _record_pushes(client, record)
     island = Island(model, client=client,

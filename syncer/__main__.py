@@ -21,6 +21,7 @@ from syncer.bounds import Bounds
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
 from syncer.service import EXCLUSIVE_PORT, SPILL_MIN_BYTES, serve
+from syncer.shards import Shard
 from syncer.state import StateError
 from yeto import memory, net, runfile
 from yeto.codec import kernels
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "secret (by a run without --token, or by a yeto older than keyed "
                         "states) once, vouching that nobody else could write its folder; "
                         "it is saved under the secret from its next round on")
+    p.add_argument("--shard", default="0/1", metavar="I/S",
+                   help="serve shard I of S: the rounds of the fragments dealt to it (by "
+                        "parameter count; needs --fragments >= S); islands list every "
+                        "shard's address in order, separated by ';' (--syncer 'A;B')")
     p.add_argument("--standby-of", default=None, metavar="HOST:PORT",
                    help="run as the standby of the primary syncer at HOST:PORT: receive each "
                         "state it commits (into --state-dir) and take the run over, serving "
@@ -160,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                         save_timeout_s=args.save_timeout_s,
                         state_dir=args.state_dir, resume=args.resume,
                         trust_unkeyed_state=args.trust_unkeyed_state,
+                        shard=_shard(args.shard),
                         seed_from=args.seed_from,
                         expect_islands=tuple(x.strip() for x in
                                              (args.expect_islands or "").split(",") if x.strip()))
@@ -204,6 +210,13 @@ def main(argv=None) -> int:
                  cfg.merge, cfg.outer_lr, cfg.outer_momentum)
         log.info("q4 sums: %s", kernels.describe())
     return _serve_until_done(run, server, dashboard, announce)
+
+
+def _shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
 
 def _stand_by(args, cfg: Config, token: str | None, tls) -> int:

@@ -288,7 +288,7 @@ class Subscription:
             self.sent_final.add(bc.fragment)
 
     def all_finals_sent(self) -> bool:
-        return len(self.sent_final) == self.run.cfg.fragments
+        return len(self.sent_final) == len(self.run.owned())
 
 
 @dataclass

@@ -10,6 +10,7 @@ import numpy as np
 
 from syncer import strategy
 from syncer.bounds import Bounds
+from syncer.shards import Shard
 
 MAX_QUORUM = 1 << 20  # islands a round may wait for (the wire carries it as uint32)
 
@@ -35,6 +36,7 @@ class Config:
     clip_factor: float = 0.0
     downlink: str = "f32"
     fragments: int = 1
+    shard: Shard = field(default_factory=Shard)  # which fragments this syncer owns
     state_dir: Path | None = None
     resume: bool = False
     trust_unkeyed_state: bool = False  # resume an unkeyed state under the run's secret
@@ -54,6 +56,10 @@ class Config:
             raise ValueError(f"--outer-lr must be a positive number, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.shard.count > max(1, self.fragments):
+            raise ValueError(f"--shard {self.shard.index}/{self.shard.count}: {self.shard.count} "
+                             f"shards need --fragments {self.shard.count} or more (each shard "
+                             "owns whole fragments)")
         strategy.merge_rule(self.merge)
         strategy.outer_optimizer(self.outer, self.outer_lr, self.outer_momentum)
         self.bounds.check()

@@ -37,6 +37,14 @@ def fragment(h: PushHeader, fragments: int) -> int:
     return h.fragment
 
 
+def owner(h: PushHeader, owners: list[int], shard: int) -> None:
+    """A delta goes to the shard that owns its fragment."""
+    if owners[h.fragment] != shard:
+        raise Reject("invalid", f"fragment {h.fragment} belongs to shard {owners[h.fragment]}, "
+                     f"this syncer is shard {shard}: push it there (the island's --syncer "
+                     "lists the shards in order, separated by ';')")
+
+
 def round_open(h: PushHeader, started: bool, finished: bool, version: int) -> None:
     """A delta needs a round open on a version the syncer has."""
     if finished:

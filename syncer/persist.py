@@ -66,6 +66,11 @@ class Store:
         theta, momentum, island_theta, meta = state.load(
             self.dir, self.key, trust_unkeyed=self.cfg.trust_unkeyed_state)
         state.check_flags(meta, self.flags())
+        shard = self.cfg.shard
+        if meta.get("shard", [0, 1]) != [shard.index, shard.count]:
+            saved = meta.get("shard", [0, 1])
+            raise state.StateError(f"{self.dir} holds shard {saved[0]}/{saved[1]} of its run; "
+                                   f"this syncer is --shard {shard.index}/{shard.count}")
         specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in meta["layout"]]
         layout = Layout(specs, self.cfg.fragments)
         if layout.fingerprint != meta["fingerprint"] or layout.numel != theta.size:

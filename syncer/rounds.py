@@ -46,9 +46,10 @@ class Rounds:
         self.norms = NormBounds(bounds.norm_factor)
 
     # ---- opening --------------------------------------------------------------------
-    def start(self, numels: list[int], islands: int) -> None:
-        """Round 1 of every fragment opens (fragment f has `numels[f]` values)."""
-        for f, numel in enumerate(numels):
+    def start(self, numels: dict[int, int], islands: int) -> None:
+        """Round 1 of each fragment opens (fragment f: `numels[f]` values; a shard opens
+        only its own)."""
+        for f, numel in numels.items():
             self.open[f] = OpenRound(f, self._accumulator(numel, islands))
 
     def reopen(self, f: int, numel: int, islands: int, reuse: np.ndarray | None) -> None:

@@ -127,6 +127,15 @@ class Run:
         (`syncer.stepping`); `syncer.service.serve` turns it on."""
         self.committer.overlap_steps()
 
+    def _owners(self) -> list[int]:
+        """The shard owning each fragment (`syncer.shards`; call once the layout is set)."""
+        return self.cfg.shard.owners([self.model.numel(f) for f in range(self.cfg.fragments)])
+
+    def owned(self) -> list[int]:
+        """The fragments whose rounds this syncer runs (all of them, unsharded)."""
+        owners = self._owners()
+        return [f for f in range(self.cfg.fragments) if owners[f] == self.cfg.shard.index]
+
     def newest_broadcasts(self) -> list[Broadcast]:
         return self.downlink.newest()
 
@@ -178,7 +187,10 @@ class Run:
                         send_seed=self.model.asks_seed_of(learner_id),
                         quorum=self.cfg.quorum, joined=len(self.members.live()),
                         version=self.version, finished=self.finished,
-                        last_seq=member.last_seq, downlink=self.cfg.downlink)
+                        last_seq=member.last_seq, downlink=self.cfg.downlink,
+                        shard=self.cfg.shard.index, shards=self.cfg.shard.count,
+                        fragment_owner=self._owners() if self.cfg.shard.count > 1 and
+                        self.model.layout is not None else [])
 
     def _maybe_start(self) -> None:
         if self.started or self.model.theta is None or \
@@ -186,10 +198,10 @@ class Run:
             return
         self.started = True
         self.members.start_training()
-        self.rounds.start([self.model.numel(f) for f in range(self.cfg.fragments)],
+        self.rounds.start({f: self.model.numel(f) for f in self.owned()},
                           len(self.members.live()))
         self.committer.start()
-        for f in range(self.cfg.fragments):
+        for f in self.owned():
             self.announce(self.downlink.next(self.model.the_theta, f, *self.model.span(f),
                                              final=False,
                                              version=self.committer.fragment_version(f)))
@@ -226,6 +238,7 @@ class Run:
                 return intake.payload_size(h, self.model.numel())
             size = intake.payload_size(
                 h, self.model.numel(intake.fragment(h, self.cfg.fragments)))
+            intake.owner(h, self._owners(), self.cfg.shard.index)
             intake.round_open(h, self.started, self.finished, self.version)
             intake.claims(self.cfg.bounds, member, h, self.committer.commits_of(h.fragment))
             return size
@@ -358,6 +371,7 @@ class Run:
             return
         self.store.save(self.model.the_theta, self.model.m, self.downlink.island_theta, dict(
             run_id=self.run_id, version=version, round=version,
+            shard=[self.cfg.shard.index, self.cfg.shard.count],
             fragment_versions=self.committer.fragment_versions(fragment, version),
             norm_history=self.rounds.norm_record(), bytes_in=self.bytes_in,
             bytes_out=self.bytes_out, islands=self.members.ledger(), **self.model.record()))
@@ -414,8 +428,8 @@ class Run:
             self._finish()
 
     def _final_broadcasts(self) -> None:
-        """Every fragment's final weights, exact, in f32."""
-        for f in range(self.cfg.fragments):
+        """Every fragment's final weights (this shard's), exact, in f32."""
+        for f in self.owned():
             self.announce(self.downlink.next(self.model.the_theta, f, *self.model.span(f),
                                              final=True,
                                              version=self.committer.fragment_version(f)))

@@ -170,6 +170,14 @@ class Transport(Protocol):
     def start(self, initial: np.ndarray) -> None:
         """Join in the background; `initial` seeds Θ if the syncer asks for it."""
 
+    def generation_for(self, fragment: int) -> int:
+        """The connection generation pushes of `fragment` go out on (`generation`, but
+        for a sharded run: its owner's)."""
+
+    def acked_seq_for(self, fragment: int) -> int:
+        """The newest push seq the syncer owning `fragment` holds (`acked_seq`, but for
+        a sharded run: its owner's)."""
+
     def take(self) -> list[Received]:
         """The newest broadcast of each fragment not yet taken (maybe none)."""
 

@@ -62,6 +62,12 @@ class FakeSyncer:
         self.payloads: list[bytes] = []
         self.version = {}
 
+
+    def generation_for(self, fragment: int) -> int:
+        return self.generation
+
+    def acked_seq_for(self, fragment: int) -> int:
+        return self.acked_seq
     def start(self, initial):
         self.theta = np.array(initial, dtype=np.float32)
         for f in range(self.num_fragments):

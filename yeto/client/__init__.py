@@ -7,6 +7,8 @@
 - `sender`: pushes, the seed and Finish out, on one background thread.
 - `syncer_client`: `SyncerClient`, the `yeto.transport.Transport` over the three, and
   `connect`.
+- `sharded`: `ShardedClient`, the transport to a run served by several shards (one
+  `SyncerClient` each).
 """
 
 from yeto.client.connection import TLSConfig, status

@@ -163,8 +163,12 @@ class Connection:
                 delay = min(delay * 2, self.backoff[1])
 
     def _refused(self, e: grpc.RpcError) -> None:
-        self.fatal = f"syncer at {self.address} refused {self.learner_id}: {e.details()}"
-        log.error("%s", self.fatal)
+        self.give_up(f"syncer at {self.address} refused {self.learner_id}: {e.details()}")
+
+    def give_up(self, why: str) -> None:
+        """A failure that retrying cannot fix: the island's part in the run ends."""
+        self.fatal = why
+        log.error("%s", why)
         with self.cond:
             self.cond.notify_all()
 

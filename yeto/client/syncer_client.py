@@ -10,6 +10,7 @@ and return futures. The caller applies received weights at a step boundary (see
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import grpc
@@ -25,10 +26,15 @@ from yeto.transport import Received
 
 
 def connect(syncer: str | None, learner_id: str, layout: Layout, **options) -> SyncerClient | None:
-    """The client of the syncer at `syncer` ('host:port'), or None for a single island
+    """The client of the syncer at `syncer` ('host:port'; a primary and its standbys:
+    'A,A2'; the shards of a sharded run, in order: 'A;B'), or None for a single island
     (`syncer` None, '' or 'none'). `options` go to `SyncerClient`."""
     if syncer in (None, "", "none"):
         return None
+    if ";" in syncer:
+        from yeto.client.sharded import ShardedClient
+
+        return ShardedClient(syncer, learner_id, layout, **options)
     return SyncerClient(syncer, learner_id, layout, **options)
 
 
@@ -42,7 +48,8 @@ class SyncerClient:
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None,
                  sender: Executor | None = None, tokens_per_step: int = 0,
-                 regime: str = "sft", sync_every: int = 0):
+                 regime: str = "sft", sync_every: int = 0, shard: int | None = None,
+                 check_join: Callable[[pb.JoinReply], str | None] | None = None):
         """`keepalive_s`: see `yeto.net.KEEPALIVE_S`. `channel`: a ready channel to use
         instead of opening one to `address` (`yeto.sim` passes an in-process one).
         `sender`: the executor pushes run on (default: one background thread, so a push
@@ -53,8 +60,12 @@ class SyncerClient:
         `regime`: what the island trains, "sft" or "rl" (declared at join: the syncer's
         default outer rule, `--outer auto`, is plain averaging once an "rl" island joins).
         `sync_every`: its steps between pushes of a fragment, declared at join (0: it
-        pushes by time): the syncer refuses pushes claiming more steps than that allows."""
+        pushes by time): the syncer refuses pushes claiming more steps than that allows.
+        `shard`: the shard of a sharded run this client talks to (None: an unsharded
+        run); `check_join(reply)`: what is wrong with a join reply (None: nothing), to
+        end the island's part in the run with that message."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
+        self.shard, self.check_join = shard, check_join
         request = join_request(learner_id, layout, backend, weights_file, export_files,
                                tokens_per_step, regime, sync_every)
         self.connection = Connection(address, learner_id, request, token=token, tls=tls,
@@ -111,6 +122,12 @@ class SyncerClient:
     def wait_s(self) -> float:
         return self.receiver.wait_s
 
+    def generation_for(self, fragment: int) -> int:
+        return self.connection.generation
+
+    def acked_seq_for(self, fragment: int) -> int:
+        return self.connection.acked_seq
+
     # ---- calls ------------------------------------------------------------
     def stream_broadcasts(self) -> None:
         """Hand large f32 broadcasts over as `ThetaStream`s (`BroadcastReceiver`)."""
@@ -123,12 +140,27 @@ class SyncerClient:
 
     def _session(self, reply: pb.JoinReply) -> None:
         """After each join: the seed if asked for, then broadcasts until the stream ends."""
+        wrong = self._wrong_shard(reply) or (self.check_join and self.check_join(reply))
+        if wrong:
+            self.connection.give_up(wrong)
+            return
         self.receiver.joined(reply.downlink)
         if reply.send_seed:
             self.sender.seed(self._initial)
         self.receiver.listen(self.connection.subscribe())
         if not self.receiver.finished and not self.connection.closed:
             raise StreamEnded()
+
+    def _wrong_shard(self, reply: pb.JoinReply) -> str | None:
+        shards = max(1, reply.shards)
+        if self.shard is None and shards > 1:
+            return (f"the syncer at {self.address} is shard {reply.shard} of {shards}: list "
+                    "every shard's address in order, separated by ';' (--syncer 'A;B')")
+        if self.shard is not None and reply.shard != self.shard:
+            return (f"wrong shard map: the address at position {self.shard} of --syncer, "
+                    f"{self.address}, is shard {reply.shard} of {shards}; list the shards in "
+                    "order (--shard 0/S first)")
+        return None
 
     def take(self) -> list[Received]:
         """The newest broadcast of each fragment not yet taken (maybe none)."""

@@ -70,7 +70,7 @@ class PushLedger:
         push at once. The push's future resolves to the syncer's reply."""
         self.seq = max(self.seq, self.client.acked_seq + 1)
         tokens, steps = self.tokens.get(f, 0), self.steps.get(f, 0)
-        p = Push(f, self.seq, self.client.generation, None, tokens, steps, Future())
+        p = Push(f, self.seq, self.client.generation_for(f), None, tokens, steps, Future())
         self.pushed.append(p)
         self.seq += 1
         self.pushes += 1
@@ -89,7 +89,7 @@ class PushLedger:
             p.encoded = encode()
             p.encode_s = time.perf_counter() - t0
             self.encode_s.append(p.encode_s)
-            p.generation = self.client.generation
+            p.generation = self.client.generation_for(p.fragment)
             sent = self.client.push(p.encoded.payload, **header)
         except BaseException as e:  # noqa: BLE001 - the push's future carries it
             p.future.set_exception(e)
@@ -120,9 +120,9 @@ class PushLedger:
             waits = wait and (only is None or p.fragment in only)
             if p.accepted is None and (waits or p.future.done()):
                 p.accepted = self._outcome(p)
-        gen, acked = self.client.generation, self.client.acked_seq
         for p in self.pushed:  # the syncer restarted from a round saved before this push
-            if p.accepted and p.generation != gen and p.seq > acked:
+            if p.accepted and p.generation != self.client.generation_for(p.fragment) and \
+                    p.seq > self.client.acked_seq_for(p.fragment):
                 p.accepted = False
         for f in {p.fragment for p in self.pushed if p.accepted is False}:
             mine = [p for p in self.pushed if p.fragment == f]
@@ -147,8 +147,8 @@ class PushLedger:
             log.warning("push %d refused: %s", p.seq, e)
             return False
         except Lost as e:
-            if self.client.generation != p.generation:
-                return self.client.acked_seq >= p.seq
+            if self.client.generation_for(p.fragment) != p.generation:
+                return self.client.acked_seq_for(p.fragment) >= p.seq
             log.warning("push %d: no reply (%s); the rejoin will tell", p.seq, e)
             return None
         except (TransportError, TimeoutError) as e:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15yeto/proto/yeto.proto\x12\x07yeto.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xc2\x02\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x03(\x0b\x32\x13.yeto.v1.TensorSpec\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cweights_file\x18\x05 \x01(\t\x12;\n\x0c\x65xport_files\x18\x06 \x03(\x0b\x32%.yeto.v1.JoinRequest.ExportFilesEntry\x12\x10\n\x08observer\x18\x07 \x01(\x08\x12\x17\n\x0ftokens_per_step\x18\x08 \x01(\x04\x12\x0e\n\x06regime\x18\t \x01(\t\x12\x12\n\nsync_every\x18\n \x01(\r\x1a\x32\n\x10\x45xportFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc0\x01\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rnum_fragments\x18\x03 \x01(\r\x12\x11\n\tsend_seed\x18\x04 \x01(\x08\x12\x0e\n\x06quorum\x18\x05 \x01(\r\x12\x0e\n\x06joined\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x10\n\x08last_seq\x18\t \x01(\x03\x12\x10\n\x08\x64ownlink\x18\n \x01(\t\"\x9c\x02\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\x12\r\n\x05numel\x18\t \x01(\x04\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x12\x1f\n\x04kind\x18\x0b \x01(\x0e\x32\x11.yeto.v1.PushKind\x12\x0b\n\x03seq\x18\x0c \x01(\x04\x12\x12\n\ntrain_loss\x18\r \x01(\x02\x12\x11\n\teval_loss\x18\x0e \x01(\x02\">\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.yeto.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"O\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\r\"c\n\x10SubscribeRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rafter_version\x18\x03 \x01(\x04\x12\x10\n\x08have_any\x18\x04 \x01(\x08\"\xaf\x01\n\x0f\x42roadcastHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12\r\n\x05\x64\x65lta\x18\x08 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\t \x01(\x04\"H\n\x0e\x42roadcastChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.yeto.v1.BroadcastHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"H\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"B\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"\x0f\n\rStatusRequest\"\x93\x01\n\x0cIslandStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x16\n\x0elast_contact_s\x18\x03 \x01(\x01\x12\x0e\n\x06pushes\x18\x04 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\"\xd3\x01\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12&\n\x07islands\x18\x05 \x03(\x0b\x32\x15.yeto.v1.IslandStatus\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x14\n\x0clast_merge_s\x18\t \x01(\x01\x12\x0f\n\x07problem\x18\n \x01(\t\"7\n\rFinishRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"#\n\x0b\x46inishReply\x12\x14\n\x0crun_finished\x18\x01 \x01(\x08\":\n\x16RegisterStandbyRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"7\n\x14RegisterStandbyReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"=\n\x0eReplicateChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"!\n\x0eReplicateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*\x1f\n\x08PushKind\x12\t\n\x05\x44\x45LTA\x10\x00\x12\x08\n\x04SEED\x10\x01\x32\xf4\x03\n\x06Syncer\x12\x30\n\x04Join\x12\x14.yeto.v1.JoinRequest\x1a\x12.yeto.v1.JoinReply\x12\x30\n\x04Push\x12\x12.yeto.v1.PushChunk\x1a\x12.yeto.v1.PushReply(\x01\x12\x41\n\tSubscribe\x12\x19.yeto.v1.SubscribeRequest\x1a\x17.yeto.v1.BroadcastChunk0\x01\x12?\n\tHeartbeat\x12\x19.yeto.v1.HeartbeatRequest\x1a\x17.yeto.v1.HeartbeatReply\x12\x36\n\x06Status\x12\x16.yeto.v1.StatusRequest\x1a\x14.yeto.v1.StatusReply\x12\x36\n\x06\x46inish\x12\x16.yeto.v1.FinishRequest\x1a\x14.yeto.v1.FinishReply\x12Q\n\x0fRegisterStandby\x12\x1f.yeto.v1.RegisterStandbyRequest\x1a\x1d.yeto.v1.RegisterStandbyReply\x12?\n\tReplicate\x12\x17.yeto.v1.ReplicateChunk\x1a\x17.yeto.v1.ReplicateReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15yeto/proto/yeto.proto\x12\x07yeto.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xc2\x02\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x03(\x0b\x32\x13.yeto.v1.TensorSpec\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cweights_file\x18\x05 \x01(\t\x12;\n\x0c\x65xport_files\x18\x06 \x03(\x0b\x32%.yeto.v1.JoinRequest.ExportFilesEntry\x12\x10\n\x08observer\x18\x07 \x01(\x08\x12\x17\n\x0ftokens_per_step\x18\x08 \x01(\x04\x12\x0e\n\x06regime\x18\t \x01(\t\x12\x12\n\nsync_every\x18\n \x01(\r\x1a\x32\n\x10\x45xportFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf7\x01\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rnum_fragments\x18\x03 \x01(\r\x12\x11\n\tsend_seed\x18\x04 \x01(\x08\x12\x0e\n\x06quorum\x18\x05 \x01(\r\x12\x0e\n\x06joined\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x10\n\x08last_seq\x18\t \x01(\x03\x12\x10\n\x08\x64ownlink\x18\n \x01(\t\x12\r\n\x05shard\x18\x0b \x01(\r\x12\x0e\n\x06shards\x18\x0c \x01(\r\x12\x16\n\x0e\x66ragment_owner\x18\r \x03(\r\"\x9c\x02\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\x12\r\n\x05numel\x18\t \x01(\x04\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x12\x1f\n\x04kind\x18\x0b \x01(\x0e\x32\x11.yeto.v1.PushKind\x12\x0b\n\x03seq\x18\x0c \x01(\x04\x12\x12\n\ntrain_loss\x18\r \x01(\x02\x12\x11\n\teval_loss\x18\x0e \x01(\x02\">\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.yeto.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"O\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\r\"c\n\x10SubscribeRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rafter_version\x18\x03 \x01(\x04\x12\x10\n\x08have_any\x18\x04 \x01(\x08\"\xaf\x01\n\x0f\x42roadcastHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12\r\n\x05\x64\x65lta\x18\x08 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\t \x01(\x04\"H\n\x0e\x42roadcastChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.yeto.v1.BroadcastHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"H\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"B\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"\x0f\n\rStatusRequest\"\x93\x01\n\x0cIslandStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x16\n\x0elast_contact_s\x18\x03 \x01(\x01\x12\x0e\n\x06pushes\x18\x04 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\"\xd3\x01\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12&\n\x07islands\x18\x05 \x03(\x0b\x32\x15.yeto.v1.IslandStatus\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x14\n\x0clast_merge_s\x18\t \x01(\x01\x12\x0f\n\x07problem\x18\n \x01(\t\"7\n\rFinishRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"#\n\x0b\x46inishReply\x12\x14\n\x0crun_finished\x18\x01 \x01(\x08\":\n\x16RegisterStandbyRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"7\n\x14RegisterStandbyReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"=\n\x0eReplicateChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"!\n\x0eReplicateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*\x1f\n\x08PushKind\x12\t\n\x05\x44\x45LTA\x10\x00\x12\x08\n\x04SEED\x10\x01\x32\xf4\x03\n\x06Syncer\x12\x30\n\x04Join\x12\x14.yeto.v1.JoinRequest\x1a\x12.yeto.v1.JoinReply\x12\x30\n\x04Push\x12\x12.yeto.v1.PushChunk\x1a\x12.yeto.v1.PushReply(\x01\x12\x41\n\tSubscribe\x12\x19.yeto.v1.SubscribeRequest\x1a\x17.yeto.v1.BroadcastChunk0\x01\x12?\n\tHeartbeat\x12\x19.yeto.v1.HeartbeatRequest\x1a\x17.yeto.v1.HeartbeatReply\x12\x36\n\x06Status\x12\x16.yeto.v1.StatusRequest\x1a\x14.yeto.v1.StatusReply\x12\x36\n\x06\x46inish\x12\x16.yeto.v1.FinishRequest\x1a\x14.yeto.v1.FinishReply\x12Q\n\x0fRegisterStandby\x12\x1f.yeto.v1.RegisterStandbyRequest\x1a\x1d.yeto.v1.RegisterStandbyReply\x12?\n\tReplicate\x12\x17.yeto.v1.ReplicateChunk\x1a\x17.yeto.v1.ReplicateReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._loaded_options = None
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._serialized_options = b'8\001'
-  _globals['_PUSHKIND']._serialized_start=2229
-  _globals['_PUSHKIND']._serialized_end=2260
+  _globals['_PUSHKIND']._serialized_start=2284
+  _globals['_PUSHKIND']._serialized_end=2315
   _globals['_TENSORSPEC']._serialized_start=34
   _globals['_TENSORSPEC']._serialized_end=90
   _globals['_JOINREQUEST']._serialized_start=93
@@ -42,41 +42,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._serialized_start=365
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._serialized_end=415
   _globals['_JOINREPLY']._serialized_start=418
-  _globals['_JOINREPLY']._serialized_end=610
-  _globals['_PUSHHEADER']._serialized_start=613
-  _globals['_PUSHHEADER']._serialized_end=897
-  _globals['_PUSHCHUNK']._serialized_start=899
-  _globals['_PUSHCHUNK']._serialized_end=961
-  _globals['_PUSHREPLY']._serialized_start=963
-  _globals['_PUSHREPLY']._serialized_end=1042
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1044
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1143
-  _globals['_BROADCASTHEADER']._serialized_start=1146
-  _globals['_BROADCASTHEADER']._serialized_end=1321
-  _globals['_BROADCASTCHUNK']._serialized_start=1323
-  _globals['_BROADCASTCHUNK']._serialized_end=1395
-  _globals['_HEARTBEATREQUEST']._serialized_start=1397
-  _globals['_HEARTBEATREQUEST']._serialized_end=1469
-  _globals['_HEARTBEATREPLY']._serialized_start=1471
-  _globals['_HEARTBEATREPLY']._serialized_end=1537
-  _globals['_STATUSREQUEST']._serialized_start=1539
-  _globals['_STATUSREQUEST']._serialized_end=1554
-  _globals['_ISLANDSTATUS']._serialized_start=1557
-  _globals['_ISLANDSTATUS']._serialized_end=1704
-  _globals['_STATUSREPLY']._serialized_start=1707
-  _globals['_STATUSREPLY']._serialized_end=1918
-  _globals['_FINISHREQUEST']._serialized_start=1920
-  _globals['_FINISHREQUEST']._serialized_end=1975
-  _globals['_FINISHREPLY']._serialized_start=1977
-  _globals['_FINISHREPLY']._serialized_end=2012
-  _globals['_REGISTERSTANDBYREQUEST']._serialized_start=2014
-  _globals['_REGISTERSTANDBYREQUEST']._serialized_end=2072
-  _globals['_REGISTERSTANDBYREPLY']._serialized_start=2074
-  _globals['_REGISTERSTANDBYREPLY']._serialized_end=2129
-  _globals['_REPLICATECHUNK']._serialized_start=2131
-  _globals['_REPLICATECHUNK']._serialized_end=2192
-  _globals['_REPLICATEREPLY']._serialized_start=2194
-  _globals['_REPLICATEREPLY']._serialized_end=2227
-  _globals['_SYNCER']._serialized_start=2263
-  _globals['_SYNCER']._serialized_end=2763
+  _globals['_JOINREPLY']._serialized_end=665
+  _globals['_PUSHHEADER']._serialized_start=668
+  _globals['_PUSHHEADER']._serialized_end=952
+  _globals['_PUSHCHUNK']._serialized_start=954
+  _globals['_PUSHCHUNK']._serialized_end=1016
+  _globals['_PUSHREPLY']._serialized_start=1018
+  _globals['_PUSHREPLY']._serialized_end=1097
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1099
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1198
+  _globals['_BROADCASTHEADER']._serialized_start=1201
+  _globals['_BROADCASTHEADER']._serialized_end=1376
+  _globals['_BROADCASTCHUNK']._serialized_start=1378
+  _globals['_BROADCASTCHUNK']._serialized_end=1450
+  _globals['_HEARTBEATREQUEST']._serialized_start=1452
+  _globals['_HEARTBEATREQUEST']._serialized_end=1524
+  _globals['_HEARTBEATREPLY']._serialized_start=1526
+  _globals['_HEARTBEATREPLY']._serialized_end=1592
+  _globals['_STATUSREQUEST']._serialized_start=1594
+  _globals['_STATUSREQUEST']._serialized_end=1609
+  _globals['_ISLANDSTATUS']._serialized_start=1612
+  _globals['_ISLANDSTATUS']._serialized_end=1759
+  _globals['_STATUSREPLY']._serialized_start=1762
+  _globals['_STATUSREPLY']._serialized_end=1973
+  _globals['_FINISHREQUEST']._serialized_start=1975
+  _globals['_FINISHREQUEST']._serialized_end=2030
+  _globals['_FINISHREPLY']._serialized_start=2032
+  _globals['_FINISHREPLY']._serialized_end=2067
+  _globals['_REGISTERSTANDBYREQUEST']._serialized_start=2069
+  _globals['_REGISTERSTANDBYREQUEST']._serialized_end=2127
+  _globals['_REGISTERSTANDBYREPLY']._serialized_start=2129
+  _globals['_REGISTERSTANDBYREPLY']._serialized_end=2184
+  _globals['_REPLICATECHUNK']._serialized_start=2186
+  _globals['_REPLICATECHUNK']._serialized_end=2247
+  _globals['_REPLICATEREPLY']._serialized_start=2249
+  _globals['_REPLICATEREPLY']._serialized_end=2282
+  _globals['_SYNCER']._serialized_start=2318
+  _globals['_SYNCER']._serialized_end=2818
 # @@protoc_insertion_point(module_scope)

@@ -56,7 +56,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ..., sync_every: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink")
+    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink", "shard", "shards", "fragment_owner")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,9 @@ class JoinReply(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     DOWNLINK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_OWNER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     generation: int
     num_fragments: int
@@ -77,7 +80,10 @@ class JoinReply(_message.Message):
     finished: bool
     last_seq: int
     downlink: str
-    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ..., downlink: _Optional[str] = ...) -> None: ...
+    shard: int
+    shards: int
+    fragment_owner: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ..., downlink: _Optional[str] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., fragment_owner: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "generation", "round", "fragment", "base_version", "loss_tokens", "steps", "encoding", "numel", "payload_bytes", "kind", "seq", "train_loss", "eval_loss")

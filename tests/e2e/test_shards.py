@@ -1,0 +1,83 @@
+"""A run served by shards (`python -m syncer --shard I/S`): islands push each fragment to
+its owner and take broadcasts from every shard, and the run's weights do not depend on
+the number of shards, bit for bit. Real processes: syncers and synthetic numpy islands
+(blocking sync, so every round holds both islands' pushes whatever the timing)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from syncer import spawn
+from syncer.spawn import SyncerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM = [sys.executable, str(ROOT / "scripts" / "synthetic_island.py")]
+COMMON = ["--quorum", "2", "--fragments", "2", "--seed-from", "island-0"]
+
+
+def _syncer(out: Path, name: str, *args) -> SyncerProcess:
+    with open(out / f"{name}.log", "a") as log:
+        return spawn.start_syncer(["--state-dir", str(out / name), *COMMON, *args], cwd=ROOT,
+                                  log=log)
+
+
+def _islands(out: Path, address: str, wire: str) -> list[dict]:
+    """Two islands to the end of the run; each one's last record."""
+    procs = [subprocess.Popen([*SIM, "--syncer", address, "--learner-id", f"island-{i}",
+                               "--record", str(out / f"island-{i}.jsonl"), "--steps", "30",
+                               "--sync-every", "5", "--dim", "4096", "--seed", str(i),
+                               "--wire", wire, "--blocking-sync"], cwd=ROOT,
+                              stdout=open(out / f"island-{i}.log", "w"),
+                              stderr=subprocess.STDOUT) for i in range(2)]
+    for i, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (out / f"island-{i}.log").read_text()[-3000:]
+    return [json.loads((out / f"island-{i}.jsonl").read_text().splitlines()[-1])
+            for i in range(2)]
+
+
+def _run(out: Path, shards: int, wire: str) -> list[dict]:
+    out.mkdir()
+    syncers = [_syncer(out, f"shard{i}", "--shard", f"{i}/{shards}") for i in range(shards)]
+    try:
+        done = _islands(out, ";".join(s.address for s in syncers), wire)
+        for s in syncers:
+            assert s.wait(timeout=60) == 0
+    finally:
+        for s in syncers:
+            if s.poll() is None:
+                s.kill()
+    return done
+
+
+@pytest.mark.parametrize("wire", ["f32", "q4"])
+def test_two_shards_end_with_the_weights_of_one_bit_for_bit(tmp_path, wire):
+    one = _run(tmp_path / "one", 1, wire)
+    two = _run(tmp_path / "two", 2, wire)
+    for done in (one, two):
+        assert all(d["event"] == "done" and d["final"] for d in done), done
+        assert done[0]["weights_sha256"] == done[1]["weights_sha256"]
+    assert one[0]["weights_sha256"] == two[0]["weights_sha256"]
+    # each shard ran the rounds of its own fragment only
+    for i in range(2):
+        tape = [json.loads(x) for x in (tmp_path / "two" / f"shard{i}" / "tape.jsonl")
+                .read_text().splitlines()]
+        assert {r["fragment"] for r in tape if r["event"] == "merge"} == {i}
+
+
+def test_a_wrong_shard_map_is_refused_with_one_clear_line(tmp_path):
+    """Shards listed out of order: the island stops at its first join, naming it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    syncers = [_syncer(out, f"shard{i}", "--shard", f"{i}/2") for i in range(2)]
+    try:
+        p = subprocess.run([*SIM, "--syncer", f"{syncers[1].address};{syncers[0].address}",
+                            "--learner-id", "island-0", "--steps", "5", "--dim", "64"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        for s in syncers:
+            s.kill()
+    assert p.returncode != 0
+    assert "wrong shard map" in p.stdout + p.stderr
