@@ -438,7 +438,11 @@ class Run:
         """The run is over: final/ is written (a failure to write it fails the run)."""
         self.finished = True
         self.cond.notify_all()
-        if self.store is not None:
+        if self.store is not None and self.cfg.shard.count > 1:
+            log.info("shard %d/%d finished at version %d: its state holds its fragments; "
+                     "`yeto export` with every shard's --state-dir assembles the run's "
+                     "weights", self.cfg.shard.index, self.cfg.shard.count, self.version)
+        elif self.store is not None:
             try:
                 self.store.write_final(self.model.the_layout, self.model.the_theta,
                                        self.model.weights_file, self.model.export_files,

@@ -225,11 +225,22 @@ def base_model_of(adapter_dir: Path) -> str | None:
 
 
 # ---- export -----------------------------------------------------------------------------
-def export(state_dir: Path, out: Path, fmt: str, base_model: str | None = None,
+def export(state_dir: Path | list[Path], out: Path, fmt: str, base_model: str | None = None,
            allow_unfinished: bool = True, force: bool = False) -> tuple[Path, str]:
     """Write the run's adapter in ``fmt``; returns (out, a line saying what was exported).
     The adapter is checked first (`check_adapter`); ``out`` must be new or empty unless
-    ``force``."""
+    ``force``. A sharded run (`syncer.shards`) gives every shard's state dir: the
+    adapter is assembled from their states, each fragment from its owner."""
+    if isinstance(state_dir, list) and len(state_dir) > 1:
+        dirs, out = [Path(d) for d in state_dir], Path(out)
+        check_out_dir(out, force, "--out", inputs=tuple(dirs))
+        with tempfile.TemporaryDirectory() as tmp:
+            version = _adapter_from_shards(dirs, Path(tmp))
+            what = (f"the merged weights of {len(dirs)} shards (versions {version}), "
+                    "assembled fragment by fragment")
+            return _write(Path(tmp), out, fmt, base_model), what
+    if isinstance(state_dir, list):
+        state_dir = state_dir[0]
     state_dir, out = Path(state_dir), Path(out)
     final = state_dir / "final"
     check_out_dir(out, force, "--out", inputs=(state_dir, final))
@@ -275,23 +286,60 @@ def _drop_other_format(out: Path, fmt: str) -> None:
     (out / (PEFT_WEIGHTS if fmt == "mlx" else MLX_WEIGHTS)).unlink(missing_ok=True)
 
 
-def _adapter_from_state(state_dir: Path, out: Path) -> int:
-    import numpy as np
-
+def _adapter_from_shards(dirs: list[Path], out: Path) -> str:
+    """The adapter of a sharded run from all its shards' states; returns their versions."""
+    from syncer.shards import owners
     from syncer.state import StateError, load
     from yeto.layout import Layout, TensorSpec
+
+    try:
+        states = [load(d) for d in dirs]
+    except StateError as e:
+        raise ExportError(str(e)) from None
+    metas = [s[3] for s in states]
+    count = len(dirs)
+    where = {tuple(m.get("shard", [0, 1])): (d, s) for d, s, m in zip(dirs, states, metas)}
+    missing = [i for i in range(count) if (i, count) not in where]
+    if missing or len({m["fingerprint"] for m in metas}) != 1:
+        got = ", ".join(f"{d}: shard {'/'.join(map(str, m.get('shard', [0, 1])))}, layout "
+                        f"{m['fingerprint'][:12]}" for d, m in zip(dirs, metas))
+        raise ExportError(f"--state-dir: {count} dirs must be shards 0/{count} .. "
+                          f"{count - 1}/{count} of one run (one layout); got {got}")
+    meta = metas[0]
+    layout = Layout([TensorSpec(n, tuple(s), d) for n, s, d in meta["layout"]],
+                    len(meta["fragment_versions"]))
+    theta = where[(0, count)][1][0].copy()
+    for f, owner in enumerate(owners([frag.numel for frag in layout.fragments], count)):
+        frag = layout.fragments[f]
+        theta[frag.start:frag.stop] = where[(owner, count)][1][0][frag.start:frag.stop]
+    _adapter_from(theta, meta, f"the shards' states ({', '.join(map(str, dirs))})", out)
+    return "/".join(str(m["version"]) for m in metas)
+
+
+def _adapter_from_state(state_dir: Path, out: Path) -> int:
+    from syncer.state import StateError, load
 
     try:
         theta, _, _, meta = load(state_dir)
     except StateError as e:
         raise ExportError(str(e)) from None
+    _adapter_from(theta, meta, f"{state_dir}/state.safetensors", out)
+    return int(meta.get("version", 0))
+
+
+def _adapter_from(theta, meta: dict, source: str, out: Path) -> None:
+    """A peft adapter from a run's Θ and its state's metadata."""
+    import numpy as np
+
+    from yeto.layout import Layout, TensorSpec
+
     if meta.get("weights_file") != PEFT_WEIGHTS or PEFT_CONFIG not in meta.get("export_files",
                                                                                 {}):
-        raise ExportError(f"{state_dir}: the run's weights are {meta.get('weights_file')!r} "
+        raise ExportError(f"{source}: the run's weights are {meta.get('weights_file')!r} "
                           "without a peft adapter config: only LoRA runs export as adapters")
     bad = int(theta.size - np.count_nonzero(np.isfinite(theta)))
     if bad:
-        raise ExportError(f"{state_dir}/state.safetensors: the run's merged weights hold {bad} "
+        raise ExportError(f"{source}: the run's merged weights hold {bad} "
                           "NaN or infinite values: the run diverged or the file is damaged")
     layout = Layout([TensorSpec(n, tuple(s), d) for n, s, d in meta["layout"]])
     # the same tensors the syncer's final/ gets (frozen-A runs: lora_A rebuilt from the seed)
@@ -303,10 +351,9 @@ def _adapter_from_state(state_dir: Path, out: Path) -> int:
     except (json.JSONDecodeError, AttributeError, TypeError):
         problem = "the adapter config the islands sent is not a JSON object"
     if problem:
-        raise ExportError(f"{state_dir}/state.safetensors: {problem}: the run diverged or the "
+        raise ExportError(f"{source}: {problem}: the run diverged or the "
                           "file is damaged")
     save_peft_adapter(out, tensors, config)
-    return int(meta.get("version", 0))
 
 
 def _write(src: Path, out: Path, fmt: str, base_model: str | None) -> Path:
@@ -453,7 +500,9 @@ def build_export_parser() -> argparse.ArgumentParser:
         epilog="Examples:\n  yeto export --state-dir runs/demo/syncer --out runs/demo/mlx "
                "--format mlx\n  python -m mlx_lm generate --model runs/demo/model "
                "--adapter-path runs/demo/mlx --prompt ...")
-    p.add_argument("--state-dir", type=Path, required=True, help="the syncer's --state-dir")
+    p.add_argument("--state-dir", type=Path, required=True, action="append",
+                   help="the syncer's --state-dir; a sharded run: every shard's, each with "
+                        "its own --state-dir (the adapter is assembled from them)")
     p.add_argument("--out", type=Path, required=True, help="the adapter dir to write")
     p.add_argument("--format", choices=FORMATS, default="peft",
                    help="peft (PeftModel.from_pretrained) or mlx (mlx_lm.load adapter_path)")
@@ -528,8 +577,8 @@ def main_export(argv=None) -> int:
             print("error: --verify compares a peft and an mlx-lm adapter: use --format mlx",
                   file=sys.stderr)
             return 2
-        final = args.state_dir / "final"
-        if not final.is_dir():
+        final = args.state_dir[0] / "final"
+        if len(args.state_dir) > 1 or not final.is_dir():
             print("error: --verify needs the run's final/ adapter", file=sys.stderr)
             return 2
         return _run_verify(final, out, args.base_model or base_model_of(final), args.verify_tol)

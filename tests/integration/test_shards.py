@@ -1,0 +1,74 @@
+"""Sharded runs without processes: shards in-process, fed the same pushes as one
+unsharded run; `yeto export` assembles the run's adapter from every shard's state dir,
+bit for bit the unsharded run's (the process tests: tests/e2e/test_shards.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from syncer.run import Config, PushHeader, Reject, Run
+from syncer.shards import Shard
+from yeto import codec
+from yeto.interop.export import ExportError, export
+from yeto.layout import Layout
+
+LAYOUT = Layout.from_shapes({"base_model.model.m.q_proj.lora_A.weight": (2, 8),
+                             "base_model.model.m.q_proj.lora_B.weight": (8, 2),
+                             "base_model.model.m.v_proj.lora_A.weight": (2, 8),
+                             "base_model.model.m.v_proj.lora_B.weight": (8, 2)})
+CONFIG = json.dumps(dict(peft_type="LORA", r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                         base_model_name_or_path="m", task_type="CAUSAL_LM"))
+
+
+def _run(state_dir, shard: Shard) -> tuple[Run, int]:
+    run = Run(Config(quorum=1, fragments=2, state_dir=state_dir, shard=shard))
+    gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy", "adapter_model.safetensors",
+                   {"adapter_config.json": CONFIG})["generation"]
+    n = LAYOUT.numel
+    seed = np.random.default_rng(0).standard_normal(n).astype(np.float32) * 0.1
+    run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
+             codec.encode(seed, "f32"))
+    return run, gen
+
+
+def _push(run: Run, gen: int, f: int, seq: int, base: int) -> None:
+    numel = run.model.numel(f)
+    delta = np.random.default_rng(100 + seq).standard_normal(numel).astype(np.float32) * 0.01
+    reply = run.push(PushHeader("a", gen, base + 1, f, base, 10, 1, "q4", numel,
+                                codec.encoded_size("q4", numel), False, seq),
+                     codec.encode(delta, "q4"))
+    assert reply["accepted"], reply
+
+
+def test_shards_exported_together_are_the_unsharded_run_bit_for_bit(tmp_path):
+    one, gen1 = _run(tmp_path / "one", Shard())
+    shards = [_run(tmp_path / f"s{i}", Shard(i, 2)) for i in range(2)]
+    seq = 0
+    for r in range(3):  # three rounds of each fragment, in the same order everywhere
+        for f in range(2):
+            seq += 1
+            _push(one, gen1, f, seq, one.committer.fragment_version(f))
+            run, gen = shards[f]  # fragment f is shard f's (equal sizes: dealt in order)
+            _push(run, gen, f, seq, run.committer.fragment_version(f))
+    for run, _ in [(one, 0), *shards]:
+        run.tape.close()
+    # a shard refuses a push to another's fragment, naming its owner
+    run, gen = shards[0]
+    with pytest.raises(Reject, match="belongs to shard 1"):
+        run.check_push_header(PushHeader("a", gen, run.version + 1, 1, run.version, 10, 1,
+                                         "q4", run.model.numel(1),
+                                         codec.encoded_size("q4", run.model.numel(1)),
+                                         False, 99))
+    export([tmp_path / "one"], tmp_path / "out1", "peft")
+    export([tmp_path / "s0", tmp_path / "s1"], tmp_path / "out2", "peft")
+    a = load_file(tmp_path / "out1" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "out2" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    # the shards' own states differ from it where they do not own the fragment
+    assert not np.array_equal(shards[0][0].theta, one.theta)
+    with pytest.raises(ExportError, match="shards 0/2"):
+        export([tmp_path / "s0", tmp_path / "s0"], tmp_path / "out3", "peft")
