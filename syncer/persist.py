@@ -15,7 +15,7 @@ from syncer import state
 from syncer.config import Config
 from syncer.model import Restored
 from yeto import frozen
-from yeto.interop.adapters import run_adapter_tensors
+from yeto.frozen import run_adapter_tensors
 from yeto.layout import Layout, TensorSpec
 
 log = logging.getLogger("syncer")

@@ -34,3 +34,15 @@ def rebuild(text: str) -> dict[str, np.ndarray]:
     spec = json.loads(text)
     return {name: frozen_lora_a(name, tuple(shape), int(spec["seed"]))
             for name, shape in spec["tensors"].items()}
+
+
+def run_adapter_tensors(tensors: dict[str, np.ndarray],
+                        export_files: dict[str, str]) -> dict[str, np.ndarray]:
+    """A run's adapter tensors from its merged weights: the synced tensors plus, for a
+    frozen-A run (`EXPORT_FILE` among the files the islands sent), every lora_A
+    rebuilt from the shared seed, the same bits the islands trained with. What the
+    syncer writes into ``final/`` and `yeto export` writes for a run in progress."""
+    out = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if EXPORT_FILE in export_files:  # frozen-A mode: A never travelled
+        out.update(rebuild(export_files[EXPORT_FILE]))
+    return out

@@ -125,7 +125,7 @@ def test_run_adapter_tensors_rebuild_frozen_a():
     """A frozen-A run's merged weights hold only lora_B; its adapter gets lora_A back
     from the shared seed, bit for bit (yeto.frozen), and a plain run's is unchanged."""
     from yeto import frozen
-    from yeto.interop.adapters import run_adapter_tensors
+    from yeto.frozen import run_adapter_tensors
 
     a_name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     b = {a_name.replace("lora_A", "lora_B"): np.ones((16, 4), np.float32)}

@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from yeto import frozen
 from yeto.io import atomic_save, atomic_write
 from yeto.targets import expert_lora_module
 
@@ -174,18 +173,6 @@ def peft_adapter_config(base_model: str, r: int, alpha: float, target_modules,
                target_modules=modules or (None if target_parameters else []),
                target_parameters=sorted(target_parameters) if target_parameters else None)
     return json.dumps(out, indent=2, sort_keys=True)
-
-
-def run_adapter_tensors(tensors: dict[str, np.ndarray],
-                        export_files: dict[str, str]) -> dict[str, np.ndarray]:
-    """A run's adapter tensors from its merged weights: the synced tensors plus, for a
-    frozen-A run (`yeto.frozen.EXPORT_FILE` among the files the islands sent), every
-    lora_A rebuilt from the shared seed, the same bits the islands trained with. What
-    the syncer writes into ``final/`` and `yeto export` writes for a run in progress."""
-    out = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    if frozen.EXPORT_FILE in export_files:  # frozen-A mode: A never travelled
-        out.update(frozen.rebuild(export_files[frozen.EXPORT_FILE]))
-    return out
 
 
 def save_peft_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray],

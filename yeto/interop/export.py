@@ -28,6 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from yeto.frozen import run_adapter_tensors
 from yeto.interop.adapters import (
     _MLX_KEY,
     _PEFT_KEY,
@@ -37,7 +38,6 @@ from yeto.interop.adapters import (
     PEFT_WEIGHTS,
     mlx_to_peft,
     peft_to_mlx,
-    run_adapter_tensors,
     save_peft_adapter,
     scale_problem,
     values_problem,
