@@ -170,7 +170,8 @@ def torch_lora(model_dir: str | Path, r: int, alpha: float, targets: str, *, met
 def mlx_lora(model_dir: str | Path, r: int, alpha: float, targets: str, *, lazy: bool,
              seed: int = 0):
     """(mlx model, LoRAWeights) as the MLX island builds them."""
-    from yeto.mlx.learner import build_lora_model, hf_weight_names
+    from yeto.mlx.hf_paths import hf_weight_names
+    from yeto.mlx.learner import build_lora_model
     from yeto.mlx.lora import LoRAWeights, attach_lora
     from yeto.mlx.shims import load_model, read_config, resolve_model_dir
 

@@ -227,8 +227,7 @@ class ExpertLoRA(nn.Module):
 def model_experts(model_dir) -> tuple[dict[str, Fused], dict[str, str]]:
     """`fused_experts` of the mlx-lm model in ``model_dir`` (loaded lazily: shapes
     and the marker trace only)."""
-    from yeto.mlx.hf_paths import HFPaths
-    from yeto.mlx.learner import hf_weight_names
+    from yeto.mlx.hf_paths import HFPaths, hf_weight_names
     from yeto.mlx.shims import load_model, read_config
 
     model, _ = load_model(model_dir, lazy=True)

@@ -27,10 +27,12 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from safetensors import safe_open
 
 from yeto.mlx.hf_renames import renamer
 from yeto.targets import FLAG, TargetError, block_relative, choose, is_expert, select_targets
@@ -39,6 +41,16 @@ log = logging.getLogger("yeto.mlx.hf_paths")
 
 #: layers that hold 2-D weights but are not linears (never LoRA targets)
 _NOT_LINEAR = ("Embedding", "Norm")
+
+
+def hf_weight_names(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of the Hugging Face checkpoint (headers only): what
+    `yeto.mlx.lora.attach_lora` maps mlx-lm's module paths to Hugging Face's with."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_dir).glob("model*.safetensors")):
+        with safe_open(str(f), framework="numpy") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
 
 
 def get_module(model: nn.Module, path: str) -> nn.Module:
@@ -206,11 +218,11 @@ class HFPaths:
     """An mlx-lm model's linears under Hugging Face module paths.
 
     ``hf_weights`` maps the checkpoint's tensor names to their shapes
-    (`yeto.mlx.learner.hf_weight_names`): the model's ``sanitize`` is replayed on
-    markers. With names only, or when ``sanitize`` cannot run on markers, an MLX
-    linear is the Hugging Face module of the same path (and shape); with None,
-    MLX paths are taken as Hugging Face paths unchecked. ``config`` (the Hugging
-    Face config dict) brings transformers' load-time renames of checkpoint names
+    (`hf_weight_names`): the model's ``sanitize`` is replayed on markers. With
+    names only, or when ``sanitize`` cannot run on markers, an MLX linear is the
+    Hugging Face module of the same path (and shape); with None, MLX paths are
+    taken as Hugging Face paths unchecked. ``config`` (the Hugging Face config
+    dict) brings transformers' load-time renames of checkpoint names
     (`yeto.mlx.hf_renames`), so module paths are the ones peft names."""
 
     def __init__(self, model: nn.Module,

@@ -45,22 +45,11 @@ log = logging.getLogger("yeto.mlx.learner")
 
 
 # ---- model ------------------------------------------------------------------
-def hf_weight_names(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} of the Hugging Face checkpoint (headers only): what
-    `yeto.mlx.lora.attach_lora` maps mlx-lm's module paths to Hugging Face's with."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in sorted(Path(model_dir).glob("model*.safetensors")):
-        with safe_open(str(f), framework="numpy") as st:
-            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return shapes
-
-
 def build_lora_model(model_dir: Path, r: int, alpha: float, targets: str, seed: int,
                      lazy: bool = False):
     """mlx-lm model (float32, frozen) with peft-shaped LoRA attached.
     Returns (model, hf_config, {module path: LoRALinear})."""
+    from yeto.mlx.hf_paths import hf_weight_names
     from yeto.mlx.lora import attach_lora
     from yeto.mlx.shims import load_model, read_config
 

@@ -197,7 +197,7 @@ def attach_lora(model: nn.Module, config: dict, r: int, alpha: float, targets: s
 
     ``config`` is the Hugging Face config dict (config.json); ``targets`` is the
     ``--lora-targets`` value. ``hf_weight_names`` are the checkpoint's tensor
-    names, best with their shapes (`yeto.mlx.learner.hf_weight_names`): the MLX
+    names, best with their shapes (`yeto.mlx.hf_paths.hf_weight_names`): the MLX
     linears are then mapped to the Hugging Face module paths they were loaded
     from (`yeto.mlx.hf_paths.HFPaths`), the selection
     (`yeto.targets.select_targets`) is made on those paths, and a chosen HF linear

@@ -56,7 +56,7 @@ class MLXEngine(LoRAEngine):
     def _attach(self, spec: LoraSpec):
         from mlx.utils import tree_unflatten
 
-        from yeto.mlx.learner import hf_weight_names
+        from yeto.mlx.hf_paths import hf_weight_names
         from yeto.mlx.lora import LoRAWeights, attach_lora
 
         if self.layers:  # a LoRA already: put the base linears back first
