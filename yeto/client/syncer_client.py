@@ -25,19 +25,6 @@ from yeto.proto import yeto_pb2 as pb
 from yeto.transport import Received
 
 
-def connect(syncer: str | None, learner_id: str, layout: Layout, **options) -> SyncerClient | None:
-    """The client of the syncer at `syncer` ('host:port'; a primary and its standbys:
-    'A,A2'; the shards of a sharded run, in order: 'A;B'), or None for a single island
-    (`syncer` None, '' or 'none'). `options` go to `SyncerClient`."""
-    if syncer in (None, "", "none"):
-        return None
-    if ";" in syncer:
-        from yeto.client.sharded import ShardedClient
-
-        return ShardedClient(syncer, learner_id, layout, **options)
-    return SyncerClient(syncer, learner_id, layout, **options)
-
-
 class SyncerClient:
     """The gRPC implementation of `yeto.transport.Transport`: `connection` (what the
     last join said), `receiver` (broadcasts in), `sender` (pushes out)."""
