@@ -25,6 +25,7 @@ from syncer.shards import Shard
 from syncer.state import StateError
 from yeto import memory, net, runfile
 from yeto.codec import kernels
+from yeto.config import island_parser
 from yeto.io import atomic_write, host_port
 from yeto.signals import GracefulStop, die_with_threads, ignore_signals
 
@@ -171,8 +172,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
                                              (args.expect_islands or "").split(",") if x.strip()))
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The syncer's flags, with the run file's values (``--config``) under them."""
+    return runfile.parse(build_parser(), argv, "syncer", programs={"island": island_parser})
+
+
 def main(argv=None) -> int:
-    args = runfile.parse(build_parser(), argv, "syncer")
+    args = parse_args(argv)
     _check_state_dir(args.state_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s syncer %(message)s",
                         datefmt="%H:%M:%S")

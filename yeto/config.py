@@ -141,6 +141,14 @@ def add_island_args(p: argparse.ArgumentParser) -> None:
     runfile.add_config_arg(p)
 
 
+def island_parser() -> argparse.ArgumentParser:
+    """A parser of the flags both islands take: what the other programs reading a run
+    file know the islands' settings by (`yeto.runfile`'s `programs`)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_island_args(p)
+    return p
+
+
 def _add_model_and_data(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face model dir or hub id (required)")
     p.add_argument("--model-revision", default=D.model_revision,
@@ -248,6 +256,7 @@ def parse_island_args(p: argparse.ArgumentParser, argv=None, role: str = "island
     """Parse (with `--config`'s run file under the flags) and check, turning a
     `ConfigError` into the parser's usage error (exit 2)."""
     try:
-        return IslandConfig.from_args(runfile.parse(p, argv, role)).check()
+        args = runfile.parse(p, argv, role, programs={"island": island_parser})
+        return IslandConfig.from_args(args).check()
     except ConfigError as e:
         p.error(str(e))

@@ -23,6 +23,10 @@ A key is a flag's name without the dashes (``sync_every`` for ``--sync-every``).
 key a program's section does not know is an error naming the file, the section and
 the key (with the nearest known key); a ``[run]`` key is taken by the programs that
 have it and must be known to one of them.
+
+This module knows no program's flags: each program passes its own parser and
+`programs`, the parser factories of the programs it shares sections with, by role
+(`yeto.config.island_parser` for the islands, the syncer's `build_parser`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -59,6 +64,10 @@ RUN_KEYS = ("model", "data", "eval_data", "syncer", "quorum", "num_learners", "f
 TORCH_ONLY = ("device", "threads", "fsdp", "tuning")
 
 
+# {role: a factory of that program's parser}: the other programs reading a run file
+Programs = Mapping[str, Callable[[], argparse.ArgumentParser]]
+
+
 class RunFileError(ValueError):
     """The run file cannot be used (the message names the file, section and key)."""
 
@@ -70,15 +79,17 @@ def add_config_arg(p: argparse.ArgumentParser) -> None:
                         "given here win over it (docs/reference/run-file.md)")
 
 
-def parse(p: argparse.ArgumentParser, argv, role: str, known: bool = False):
+def parse(p: argparse.ArgumentParser, argv, role: str, known: bool = False, *,
+          programs: Programs):
     """`p.parse_args(argv)` (`parse_known_args` with `known`) with the run file's values
-    (``--config``) as the defaults; a bad file is the parser's usage error (exit 2)."""
+    (``--config``) as the defaults; a bad file is the parser's usage error (exit 2).
+    `programs`: as for `values_for`."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=None)
     config = pre.parse_known_args(argv)[0].config
     if config is not None:
         try:
-            p.set_defaults(**values_for(p, load(config), role, config))
+            p.set_defaults(**values_for(p, load(config), role, config, programs=programs))
         except RunFileError as e:
             p.error(str(e))
     return p.parse_known_args(argv) if known else p.parse_args(argv)
@@ -104,16 +115,17 @@ def load(path: Path) -> dict[str, dict]:
 
 
 def values_for(p: argparse.ArgumentParser, data: dict[str, dict], role: str,
-               path: Path | str = "run.toml") -> dict:
+               path: Path | str = "run.toml", *, programs: Programs) -> dict:
     """The defaults `role`'s parser takes from the file: {dest: value}, each value
-    checked against its flag (type, choices, on/off flags given true or false)."""
+    checked against its flag (type, choices, on/off flags given true or false). A key
+    `p` lacks is skipped when one of `programs` reads that section and takes it."""
     actions = {a.dest: a for a in p._actions if a.option_strings}
     out = {}
     for section in ROLES[role]:
         for key, value in data.get(section, {}).items():
             dest = PREFIX.get(section, "") + key.replace("-", "_")
             if dest not in actions:
-                if dest in _known_elsewhere(section):
+                if dest in _known_elsewhere(section, programs):
                     continue  # a shared setting another program takes
                 known = RUN_KEYS if section == "run" else \
                     [d.removeprefix(PREFIX.get(section, "")) for d in actions]
@@ -131,19 +143,19 @@ def values_for(p: argparse.ArgumentParser, data: dict[str, dict], role: str,
     return out
 
 
-def _known_elsewhere(section: str) -> set[str]:
-    """The flag dests another program reading `section` takes."""
-    if section == "syncer":
-        from syncer.__main__ import build_parser
-
-        return _dests(build_parser())
-    if section not in ("run", "island", "lora", "data"):
-        return set()
-    from yeto.config import add_island_args
-
-    p = argparse.ArgumentParser(add_help=False)
-    add_island_args(p)
-    return _dests(p) | set(TORCH_ONLY) | (set(RUN_KEYS) if section == "run" else set())
+def _known_elsewhere(section: str, programs: Programs) -> set[str]:
+    """The flag dests another program reading `section` takes: those of `programs`
+    that read it, the torch island's own flags in the islands' sections, and the
+    shared settings of [run]."""
+    out = set()
+    for role, parser in programs.items():
+        if section in ROLES[role]:
+            out |= _dests(parser())
+    if section in ROLES["island"]:
+        out |= set(TORCH_ONLY)
+    if section == "run":
+        out |= set(RUN_KEYS)
+    return out
 
 
 def _dests(p: argparse.ArgumentParser) -> set[str]:

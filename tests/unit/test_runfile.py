@@ -8,9 +8,10 @@ import pytest
 
 from syncer.__main__ import build_parser as syncer_parser
 from syncer.__main__ import config_from_args
+from syncer.__main__ import parse_args as syncer_args
 from syncer.model import differing_setting
 from yeto import runfile
-from yeto.config import IslandConfig, parse_island_args
+from yeto.config import IslandConfig, island_parser, parse_island_args
 from yeto.layout import TensorSpec
 from yeto.torch.learner import build_parser as torch_parser
 
@@ -29,10 +30,9 @@ def test_each_program_takes_its_sections_and_flags_win(tmp_path):
                         '[syncer]\nouter_lr = 0.5\nclip_factor = 4\n'
                         '[island]\nbatch_size = 2\nblocking_sync = true\nno_progress = true\n'
                         '[lora]\nr = 4\ntargets = "attention"\n[data]\nseq_len = 64\n')
-    cfg = config_from_args(runfile.parse(syncer_parser(), ["--config", str(f)], "syncer"))
+    cfg = config_from_args(syncer_args(["--config", str(f)]))
     assert (cfg.quorum, cfg.outer_lr, cfg.clip_factor) == (3, 0.5, 4.0)
-    again = config_from_args(runfile.parse(syncer_parser(), ["--config", str(f), "--quorum",
-                                                             "5"], "syncer"))
+    again = config_from_args(syncer_args(["--config", str(f), "--quorum", "5"]))
     assert again.quorum == 5  # the flag wins
     isl = parse_island_args(torch_parser(), ["--config", str(f), "--seq-len", "32"])
     assert (isl.model, isl.sync_every, isl.batch_size, isl.lora_r, isl.lora_targets) == \
@@ -66,15 +66,28 @@ def test_a_bad_run_file_is_refused_naming_file_section_and_key(tmp_path, capsys,
 
 def test_a_missing_run_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        runfile.parse(syncer_parser(), ["--config", str(tmp_path / "none.toml")], "syncer")
+        syncer_args(["--config", str(tmp_path / "none.toml")])
     assert "cannot read it" in capsys.readouterr().err
 
 
 def test_island_settings_in_shared_sections_do_not_trouble_the_syncer(tmp_path):
     """[run] model or [lora] r mean nothing to the syncer: it takes what it has."""
     f = _file(tmp_path, '[run]\nmodel = "m"\nquorum = 2\n[lora]\nr = 4\n[island]\nthreads = 1\n')
-    values = runfile.values_for(syncer_parser(), runfile.load(f), "syncer")
+    values = runfile.values_for(syncer_parser(), runfile.load(f), "syncer",
+                                programs={"island": island_parser})
     assert values == {"quorum": 2}
+
+
+def test_a_key_another_program_takes_is_left_to_it():
+    """The sim reads [syncer] but runs no server: `port` is the syncer's, so the sim
+    skips it when told the syncer's parser, and refuses it when not."""
+    from yeto.sim.__main__ import build_parser as sim_parser
+
+    data = {"syncer": {"port": 29400, "quorum": 2}}
+    both = {"island": island_parser, "syncer": syncer_parser}
+    assert runfile.values_for(sim_parser(), data, "sim", programs=both) == {"quorum": 2}
+    with pytest.raises(runfile.RunFileError, match=r"\[syncer\] port is not a setting"):
+        runfile.values_for(sim_parser(), data, "sim", programs={"island": island_parser})
 
 
 @pytest.mark.parametrize("name, roles", [
@@ -90,9 +103,11 @@ def test_the_example_run_files_are_read_by_every_program_they_name(name, roles):
 
     parsers = {"syncer": syncer_parser, "island": torch_parser, "launch": launch_parser,
                "sim": sim_parser, "rl": rl_parser, "rollout": rollout_parser}
+    shared = {"island": island_parser}  # what each program passes; the sim runs a syncer too
+    programs = {role: shared for role in parsers} | {"sim": shared | {"syncer": syncer_parser}}
     data = runfile.load(EXAMPLES / name)
     for role in roles:
-        values = runfile.values_for(parsers[role](), data, role, name)
+        values = runfile.values_for(parsers[role](), data, role, name, programs=programs[role])
         assert values, role
     island = parse_island_args(torch_parser(), ["--config", str(EXAMPLES / name)],
                                role="rl" if name == "rl.toml" else "island") \
@@ -127,5 +142,5 @@ def test_a_run_file_that_is_not_utf8_is_one_clear_error(tmp_path, capsys):
     f = tmp_path / "run.toml"
     f.write_bytes(b"[syncer]\nquorum = 2\n# \xff\xfe\n")
     with pytest.raises(SystemExit) as e:
-        runfile.parse(syncer_parser(), ["--config", str(f)], "syncer")
+        syncer_args(["--config", str(f)])
     assert e.value.code == 2 and "not UTF-8 text" in capsys.readouterr().err

@@ -48,7 +48,7 @@ from yeto.cli import join
 from yeto.cli.launch_view import Display
 from yeto.cli.local_run import LaunchConfig, LaunchError, LocalRun
 from yeto.cli.progress import ISLAND_MODULES, IslandProc
-from yeto.config import IslandConfig
+from yeto.config import IslandConfig, island_parser
 from yeto.metrics import MetricsError, check_report_to
 from yeto.signals import GracefulStop
 
@@ -402,7 +402,8 @@ def print_outputs(run: LocalRun, summary: dict | None, code: int, stream=None) -
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
-    args, rest = runfile.parse(p, argv, "launch", known=True)
+    args, rest = runfile.parse(p, argv, "launch", known=True,
+                               programs={"island": island_parser})
     cfg = config_from_args(p, args, rest)
     logging.basicConfig(level="WARNING", format="%(message)s")
     try:

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from yeto import net, runfile
-from yeto.config import HelpFormatter
+from yeto.config import HelpFormatter, island_parser
 from yeto.io import atomic_write
 from yeto.net import is_loopback
 from yeto.rollout.adapters import AdapterError, LoraSpec, read_adapter
@@ -136,7 +136,7 @@ def observe(node, args, port: int) -> None:
 
 
 def main(argv=None) -> int:
-    args = runfile.parse(build_parser(), argv, "rollout")
+    args = runfile.parse(build_parser(), argv, "rollout", programs={"island": island_parser})
     logging.basicConfig(level=args.log_level.upper(), datefmt="%H:%M:%S",
                         format="%(asctime)s rollout %(message)s")
     from yeto.rollout.engine import stop_token_ids

@@ -20,10 +20,11 @@ import logging
 import sys
 from pathlib import Path
 
+from syncer.__main__ import build_parser as syncer_parser
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config
 from yeto import runfile
-from yeto.config import ConfigError, IslandConfig, add_island_args
+from yeto.config import ConfigError, IslandConfig, add_island_args, island_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +95,8 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = runfile.parse(p, argv, "sim")
+    args = runfile.parse(p, argv, "sim",
+                         programs={"island": island_parser, "syncer": syncer_parser})
     try:
         base, syncer, speeds = configs(args)
     except ConfigError as e:
