@@ -4,7 +4,7 @@ The core (layout, codec, client, island) is backend-neutral and works on numpy
 arrays; torch lives in `yeto.learner`, MLX in `yeto.mlx`.
 """
 
-__version__ = "0.1.0"
+from yeto.version import __version__ as __version__
 
 
 def __getattr__(name):  # the Python API for custom training scripts, imported on first use

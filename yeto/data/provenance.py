@@ -35,6 +35,7 @@ from typing import Any
 
 from yeto import gguf
 from yeto.io import atomic_write
+from yeto.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +90,7 @@ def dir_digest(root: Path) -> str:
 
 def code_digest() -> str:
     """Digest of yeto's own source (every .py and .proto file of the package)."""
-    import yeto
-
-    root = Path(yeto.__file__).resolve().parent  # the whole package, not this folder
+    root = Path(__file__).resolve().parents[1]  # the whole package, not this folder
     files = [p for p in dir_files(root) if p.suffix in (".py", ".proto")]
     return files_digest(files, root)
 
@@ -102,9 +101,7 @@ def yeto_version() -> str:
 
         return version("yeto")
     except Exception:  # noqa: BLE001 - not installed: the source tree's own number
-        import yeto
-
-        return yeto.__version__
+        return __version__
 
 
 # ---------------------------------------------------------------- the hub
