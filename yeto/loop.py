@@ -193,7 +193,8 @@ def prepare(cfg: IslandConfig, backend: Backend) -> Inputs:
     """Pin the model, load it, read this island's shard of the data (and its rank's
     slice in a torchrun group), and write the provenance before training starts."""
     from yeto.data import load_blocks
-    from yeto.data.provenance import build_record, resolve_model, write_provenance
+    from yeto.data.models import resolve_model
+    from yeto.data.provenance import build_record, write_provenance
 
     source = resolve_model(cfg.model, cfg.model_revision, cfg.trust_remote_code)
     tok = backend.load(cfg, source)

@@ -20,7 +20,7 @@ def grpo_policies(model_dir, kl_coef=0.0, clip_eps=0.2, lr=1e-3):
     its LoRA weights as one vector in `.layout`'s order."""
     import numpy as np
 
-    from yeto.data.provenance import resolve_model
+    from yeto.data.models import resolve_model
     from yeto.rl.run import island_backend, policy_of
 
     cfg = IslandConfig(model=str(model_dir), data="-", lora_r=4, lora_alpha=8.0,

@@ -11,12 +11,8 @@ from pathlib import Path
 import pytest
 from helpers.provenance import recipe_digest
 
-from yeto.data.provenance import (
-    ProvenanceError,
-    build_record,
-    resolve_model,
-    write_provenance,
-)
+from yeto.data.models import resolve_model
+from yeto.data.provenance import ProvenanceError, build_record, write_provenance
 
 YETO = Path(__file__).resolve().parents[2] / "yeto"  # the package's source
 

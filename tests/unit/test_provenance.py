@@ -9,11 +9,8 @@ import shutil
 import pytest
 from helpers.provenance import recipe_digest
 
-from yeto.data.provenance import (
-    ProvenanceError,
-    dir_digest,
-    resolve_model,
-)
+from yeto.data.models import resolve_model
+from yeto.data.provenance import ProvenanceError, dir_digest
 
 
 def test_content_digest_follows_the_recipe(tmp_path):

@@ -20,7 +20,8 @@ from typing import Any
 
 from yeto.data import PACKING, DataError, load_blocks, read_source
 from yeto.data.formats import FORMATS, encode_example
-from yeto.data.provenance import ProvenanceError, resolve_model
+from yeto.data.models import resolve_model
+from yeto.data.provenance import ProvenanceError
 
 MASK_OPEN, MASK_CLOSE = "[[", "]]"
 

@@ -1,6 +1,7 @@
 """Training data: sources (files, folders, saved datasets, hub ids: `sources`), row
 formats (`formats`), packing into token blocks with loss weights and the seeded
-batches (`packing`), and provenance records (`provenance`).
+batches (`packing`), provenance records (`provenance`) and models pinned and checked
+before they load (`models`).
 
 Backend-free (numpy): the torch and MLX islands consume the same `Blocks` and the
 same `BatchSampler` batches.

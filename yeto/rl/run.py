@@ -49,7 +49,8 @@ class Parts:
 
 def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
     """Model (+ --adapter), LoRA, optimizer, prompts, rewards and the node pool."""
-    from yeto.data.provenance import build_record, resolve_model, write_provenance
+    from yeto.data.models import resolve_model
+    from yeto.data.provenance import build_record, write_provenance
     from yeto.rl.pool import RolloutPool
     from yeto.rl.prompts import load_prompts
     from yeto.rl.rewards import combine, load_reward

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from yeto import frozen
-from yeto.data.provenance import ModelSource, resolve_model
+from yeto.data.models import resolve_model
+from yeto.data.provenance import ModelSource
 from yeto.interop.adapters import PEFT_CONFIG, PEFT_WEIGHTS, peft_adapter_config
 from yeto.targets import (
     TargetError,
@@ -23,7 +24,7 @@ from yeto.targets import (
 def load_base(model: str | ModelSource, dtype=torch.float32, *, revision: str | None = None,
               trust_remote_code: bool = False):
     """Load model + tokenizer from a local dir or a hub id, pinned and checked first
-    (`yeto.data.provenance.resolve_model`: safetensors only, no repo code unless trusted)."""
+    (`yeto.data.models.resolve_model`: safetensors only, no repo code unless trusted)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = model if isinstance(model, ModelSource) else resolve_model(
