@@ -35,8 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from yeto.io import finite_or_none, host_port
-from yeto.metrics import JsonlFollower
+from yeto.io import JsonlFollower, finite_or_none, host_port
 from yeto.net import is_loopback
 from yeto.signals import GracefulStop
 

@@ -3,13 +3,15 @@
 One place for each: a file that must never be seen half-written goes through
 `atomic_write` (temp file in the same folder, fsync, rename, fsync of the folder),
 a number that may be NaN goes through `finite_or_none` before it reaches JSON, and
-a host and port become one address string through `host_port`, and what yeto caches
-lives under `cache_home`.
+a host and port become one address string through `host_port`, what yeto caches
+lives under `cache_home`, and a JSONL file another process appends to is read as it
+grows by `JsonlFollower`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import uuid
@@ -99,3 +101,43 @@ def cache_home() -> Path:
 def host_port(host: str, port: int) -> str:
     """'host:port', with IPv6 hosts in brackets ('[::1]:29400')."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class JsonlFollower:
+    """Reads the records appended to a JSONL file since the last call: only the new
+    bytes; a partly written last line is left for the next read."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.offset = 0
+        self._partial = b""
+        self.bad_lines = 0
+
+    def read_new(self) -> list[dict]:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return []
+        if size < self.offset:  # truncated or replaced: start over
+            self.offset, self._partial = 0, b""
+        if size == self.offset:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        self.offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # b"" when the data ended with a newline
+        out = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                self.bad_lines += 1
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out

@@ -1,10 +1,9 @@
-"""Metrics: JSONL files, followed incrementally, and an optional TensorBoard writer.
+"""Metrics: JSONL files and an optional TensorBoard writer.
 
 Every island writes ``<output>/metrics.jsonl`` (one JSON object per line: step,
 train_loss, eval_loss, version, ...); the syncer's tape (``<state-dir>/tape.jsonl``)
-holds one line per merge. `JsonlFollower` reads such a file as it grows (only
-the new bytes, a partly written last line is left for the next read), which is
-how `yeto launch`'s display and the dashboard keep up with a run.
+holds one line per merge. `yeto.io.JsonlFollower` reads such a file as it grows,
+which is how `yeto launch`'s display and the dashboard keep up with a run.
 
 `MetricsWriter` appends records to a JSONL file and, with
 ``report_to="tensorboard"``, also writes every numeric field as a TensorBoard
@@ -16,7 +15,6 @@ optional dependency: asking for it without the package installed raises
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -27,46 +25,6 @@ REPORT_TO = ("jsonl", "tensorboard")
 
 class MetricsError(RuntimeError):
     """A metrics sink that cannot be used (e.g. TensorBoard not installed)."""
-
-
-# ---- reading --------------------------------------------------------------------------
-class JsonlFollower:
-    """Reads the records appended to a JSONL file since the last call."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.offset = 0
-        self._partial = b""
-        self.bad_lines = 0
-
-    def read_new(self) -> list[dict]:
-        try:
-            size = os.path.getsize(self.path)
-        except OSError:
-            return []
-        if size < self.offset:  # truncated or replaced: start over
-            self.offset, self._partial = 0, b""
-        if size == self.offset:
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        self.offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()  # b"" when the data ended with a newline
-        out = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                self.bad_lines += 1
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
 
 
 # ---- writing --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from yeto import metrics
 from yeto.interop.integrations import count_loss_tokens
+from yeto.io import JsonlFollower
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,7 @@ def test_count_loss_tokens():
 def test_metrics_jsonl_follower_and_tensorboard_writer(tmp_path, monkeypatch):
     w = metrics.MetricsWriter(tmp_path)
     w.write(dict(step=1, train_loss=2.5, eval_loss=float("nan")))
-    f = metrics.JsonlFollower(tmp_path / "metrics.jsonl")
+    f = JsonlFollower(tmp_path / "metrics.jsonl")
     assert [r["train_loss"] for r in f.read_new()] == [2.5]
     with open(tmp_path / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 2, "train_lo')  # a line still being written

@@ -19,7 +19,7 @@ from yeto.cli import launch, local_run
 from yeto.cli.launch_view import Display, render_table
 from yeto.cli.local_run import LaunchConfig, LocalRun
 from yeto.cli.progress import IslandProc
-from yeto.metrics import JsonlFollower
+from yeto.io import JsonlFollower
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -23,8 +23,7 @@ from syncer.spawn import SyncerProcess, SyncerStartError, start_syncer
 from yeto import net
 from yeto.cli import join
 from yeto.cli.progress import ISLAND_MODULES, IslandProc, Progress, summarize
-from yeto.io import atomic_write, write_private
-from yeto.metrics import JsonlFollower
+from yeto.io import JsonlFollower, atomic_write, write_private
 
 log = logging.getLogger("yeto.cli.launch")
 

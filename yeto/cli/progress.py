@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yeto.cli.join import MODULES as ISLAND_MODULES
-from yeto.io import finite_or_none
+from yeto.io import JsonlFollower, finite_or_none
 from yeto.loop import PROGRESS_FILE
-from yeto.metrics import JsonlFollower, tape_scalars
+from yeto.metrics import tape_scalars
 
 ISLAND_SCALARS = ("train_loss", "eval_loss", "tokens_per_s", "loss_tokens")  # to TensorBoard
 
