@@ -23,10 +23,6 @@ A key is a flag's name without the dashes (``sync_every`` for ``--sync-every``).
 key a program's section does not know is an error naming the file, the section and
 the key (with the nearest known key); a ``[run]`` key is taken by the programs that
 have it and must be known to one of them.
-
-This module knows no program's flags: each program passes its own parser and
-`programs`, the parser factories of the programs it shares sections with, by role
-(`yeto.config.island_parser` for the islands, the syncer's `build_parser`).
 """
 
 from __future__ import annotations
@@ -64,7 +60,9 @@ RUN_KEYS = ("model", "data", "eval_data", "syncer", "quorum", "num_learners", "f
 TORCH_ONLY = ("device", "threads", "fsdp", "tuning")
 
 
-# {role: a factory of that program's parser}: the other programs reading a run file
+# {role: a factory of that program's parser}: the programs a caller shares the file with
+# (`yeto.config.island_parser` for the islands, the syncer's `build_parser`); this module
+# knows no program's flags
 Programs = Mapping[str, Callable[[], argparse.ArgumentParser]]
 
 
