@@ -4,7 +4,8 @@ reaches a training backend.
 The graph is read from the source with `ast`. Every `import` and `from ... import`
 anywhere in a module is an edge, those inside functions included (they run the first
 time the function does, and a circle through them is still a circle), and so is one
-under `if TYPE_CHECKING:` (none exists): a module names no type from a module above it.
+under `if TYPE_CHECKING:`: a type ties two modules too, so a module names no type from a
+module above it.
 An edge goes to the module an import names: `import a.b.c` and `from a.b import c` (c a
 module) lead to `a.b.c`; `from a.b import name` (name not a module) leads to `a.b`, the
 package's `__init__` when `a.b` is a package. The packages Python runs on the way down
@@ -31,8 +32,7 @@ PACKAGES = ("yeto", "syncer")
 PENDING_SYNCER_CYCLES: list[frozenset[str]] = []
 
 # What the syncer may never reach through any chain of imports: the training backends
-# and the project's modules built on them (it needs numpy, grpcio, protobuf and
-# safetensors).
+# and the project's modules built on them.
 SYNCER_FORBIDDEN = ("torch", "transformers", "peft", "mlx", "mlx_lm",
                     "yeto.mlx", "yeto.torch", "yeto.interop")
 
