@@ -90,19 +90,19 @@ def main(argv=None) -> int:
         return rl_demo([a for a in argv if a != "--rl"])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(message)s")
+    from yeto.backends import BACKENDS
     from yeto.cli.launch import run_local
     from yeto.cli.launch_view import Display
     from yeto.cli.local_run import LaunchError
-    from yeto.cli.progress import ISLAND_MODULES
     from yeto.io import atomic_write
 
     t0 = time.monotonic()
     out = args.out.resolve()
     backends = [b.strip() for b in args.islands.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ISLAND_MODULES]
+    bad = [b for b in backends if b not in BACKENDS]
     if not backends or bad:
         sys.exit(f"error: --islands {args.islands!r}: use a comma list of "
-                 f"{', '.join(ISLAND_MODULES)}, e.g. --islands torch,mlx")
+                 f"{', '.join(BACKENDS)}, e.g. --islands torch,mlx")
     cfg = _config(args, out, backends)
     display = Display(cfg.display)
     try:

@@ -5,18 +5,10 @@ or MLX by its own `--backend` (``python -m yeto.rl``; torch is its default)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 
+from yeto.backends import BACKENDS, default_backend
 from yeto.signals import island_process
-
-BACKENDS = {"torch": "yeto.torch.learner", "mlx": "yeto.mlx.learner"}
-
-
-def default_backend() -> str:
-    """torch when torch, transformers and peft are installed, else mlx."""
-    have = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft"))
-    return "torch" if have else "mlx"
 
 
 def main(argv=None) -> int:
@@ -24,13 +16,12 @@ def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--backend", choices=tuple(BACKENDS), default=None)
     known, rest = pre.parse_known_args(argv)
-    backend = known.backend or default_backend()
+    entry = BACKENDS[known.backend or default_backend()]
     if "-h" in rest or "--help" in rest:
         print(f"yeto island [--backend {'|'.join(BACKENDS)}] (default: torch when torch, "
               "transformers and peft are installed, else mlx), then the flags of the "
-              f"{backend} island, python -m {BACKENDS[backend].replace('.torch', '')}:\n")
-    learner = importlib.import_module(BACKENDS[backend])
-    return island_process(learner.main, rest)
+              f"{entry.name} island, python -m {entry.module}:\n")
+    return island_process(entry.program().main, rest)
 
 
 def main_rl(argv=None) -> int:

@@ -42,13 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from yeto import net
+from yeto.backends import BACKENDS
 from yeto.io import host_port, write_private
 
-BACKENDS = ("torch", "mlx")
-MODULES = {"torch": "yeto.learner", "mlx": "yeto.mlx.learner"}
-INSTALL = {"torch": 'pip install "yeto[torch]"', "mlx": 'pip install "yeto[mlx]"'}
-WHERE = {"torch": "a torch island (Linux/Windows, CUDA or CPU)",
-         "mlx": "an MLX island (Apple silicon; Linux CPU works too)"}
 WILDCARDS = ("", "0.0.0.0", "::")
 ROUTE_PROBE = "1.1.1.1"  # connect() on a UDP socket picks a route; no packet is sent
 
@@ -171,7 +167,7 @@ def credential_hint(out: Path) -> str:
 
 def island_argv(spec: JoinSpec, backend: str, learner_id: str, index: int) -> list[str]:
     """The island program and flags for one slot (no secret among them)."""
-    argv = ["python", "-m", MODULES[backend], "--syncer", spec.address,
+    argv = ["python", "-m", BACKENDS[backend].module, "--syncer", spec.address,
             "--learner-id", learner_id, "--learner-index", str(index),
             "--num-learners", str(spec.num_learners), "--model", spec.model, "--data", spec.data]
     if spec.eval_data:
@@ -206,12 +202,12 @@ def join_block(spec: JoinSpec, kind: str, learner_id: str, index: int) -> list[s
         lines.append(f"  # {', '.join(local)}: paths on this machine; the other machine needs "
                      "the same files there (or use hub ids)")
     if kind == "any":
-        lines.append(f"  # {WHERE['torch']}:")
-    lines += [f"  {INSTALL[backend]}",
+        lines.append(f"  # {BACKENDS['torch'].where}:")
+    lines += [f"  {BACKENDS[backend].install}",
               "  " + shlex.join(island_argv(spec, backend, learner_id, index))]
     if kind == "any":
-        lines += [f"  # or {WHERE['mlx']}:",
-                  f"  #   {INSTALL['mlx']}",
+        lines += [f"  # or {BACKENDS['mlx'].where}:",
+                  f"  #   {BACKENDS['mlx'].install}",
                   "  #   " + shlex.join(island_argv(spec, "mlx", learner_id, index))]
     return lines
 

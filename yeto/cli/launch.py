@@ -44,10 +44,11 @@ from pathlib import Path
 
 from syncer.run import Config
 from yeto import net, runfile
+from yeto.backends import BACKENDS
 from yeto.cli import join
 from yeto.cli.launch_view import Display
 from yeto.cli.local_run import LaunchConfig, LaunchError, LocalRun
-from yeto.cli.progress import ISLAND_MODULES, IslandProc
+from yeto.cli.progress import IslandProc
 from yeto.config import IslandConfig, island_parser
 from yeto.metrics import MetricsError, check_report_to
 from yeto.signals import GracefulStop
@@ -291,9 +292,9 @@ def _backends(p: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
         p.error(str(e))
     spec = "" if args.islands.strip() == "none" else args.islands
     backends = [b.strip() for b in spec.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ISLAND_MODULES]
+    bad = [b for b in backends if b not in BACKENDS]
     if bad or not (backends or external):
-        p.error(f"--islands {args.islands!r}: use a comma list of {', '.join(ISLAND_MODULES)}, "
+        p.error(f"--islands {args.islands!r}: use a comma list of {', '.join(BACKENDS)}, "
                 "e.g. --islands torch,torch,mlx ('none' only with --external-islands)")
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together, e.g. --tls-cert server.pem "

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from syncer.spawn import SyncerProcess, SyncerStartError, start_syncer
 from yeto import net
+from yeto.backends import BACKENDS
 from yeto.cli import join
-from yeto.cli.progress import ISLAND_MODULES, IslandProc, Progress, summarize
+from yeto.cli.progress import IslandProc, Progress, summarize
 from yeto.io import JsonlFollower, atomic_write, write_private
 
 log = logging.getLogger("yeto.cli.launch")
@@ -179,7 +180,7 @@ class LocalRun:
             extra += ["--threads", str(max(1, (os.cpu_count() or 1) // len(self.cfg.backends)))]
         if self.cfg.island_ca is not None:
             extra += ["--tls-ca", str(self.cfg.island_ca)]
-        return [sys.executable, "-m", ISLAND_MODULES[backend],
+        return [sys.executable, "-m", BACKENDS[backend].module,
                 "--model", str(self.cfg.model), "--data", str(self.cfg.data),
                 *(["--eval-data", str(self.cfg.eval_data)] if self.cfg.eval_data else []),
                 "--syncer", self.address, "--learner-id", f"island-{index}",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from yeto.cli.join import MODULES as ISLAND_MODULES
+from yeto.backends import BACKENDS
 from yeto.io import JsonlFollower, finite_or_none
 from yeto.loop import PROGRESS_FILE
 from yeto.metrics import tape_scalars
@@ -179,7 +179,7 @@ class Progress:
 
     def _joined(self, isl: IslandProc, backend: str | None) -> None:
         """An external island seen for the first time (in the Status or the tape)."""
-        if backend and backend in ISLAND_MODULES:
+        if backend and backend in BACKENDS:
             isl.backend = backend
         if isl.syncer_state:
             return

@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from yeto.backends import BACKENDS
 from yeto.config import HelpFormatter, add_island_args, parse_island_args
 from yeto.rl.rewards import BUILTIN
 from yeto.rl.trainer import RLConfig
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_island_args(p)
     p.set_defaults(sync_every=2, max_steps=60, inner_lr=1e-3)
     g = p.add_argument_group("GRPO")
-    g.add_argument("--backend", choices=("torch", "mlx"), default="torch",
+    g.add_argument("--backend", choices=tuple(BACKENDS), default="torch",
                    help="the trainer's tensor engine: torch (peft; --device, --threads), or "
                         "mlx (Apple silicon or Linux CPU; imports no torch); the same GRPO "
                         "step, and the island joins the same runs")

@@ -90,13 +90,9 @@ def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
 
 def island_backend(cfg: IslandConfig, rl: RLConfig):
     """The SFT island's backend of `rl.backend`: model, LoRA, AdamW, saving."""
-    if rl.backend == "mlx":
-        from yeto.mlx.learner import MLXBackend
+    from yeto.backends import BACKENDS
 
-        return MLXBackend(cfg)
-    from yeto.torch.learner import TorchBackend
-
-    return TorchBackend(cfg)
+    return BACKENDS[rl.backend].backend_class()(cfg)
 
 
 def policy_of(rl: RLConfig, backend, tokenizer, model_dir):
