@@ -1,6 +1,6 @@
 """torch island vs MLX island on architectures other than the llama-style fixtures:
 the config translation mlx-lm needs (yeto.mlx.shims), names and logits with the same
-adapter (yeto.interop.parity), scripts/check_name_parity.py's last line, and (slow)
+adapter (yeto.interop.parity), `yeto check-parity`'s last line, and (slow)
 the whole architecture sweep.
 
 Here: the checks that need real processes (the others: tests/unit/test_arch_parity.py,
@@ -29,20 +29,31 @@ pytestmark = pytest.mark.mlx
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "check_name_parity.py"),
-                           *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+YETO = Path(sys.executable).parent / "yeto"  # the console command `pip install yeto` writes
 
 
-def test_check_name_parity_script(tmp_path):
+def _check_parity(*args, command=(sys.executable, "-m", "yeto")):
+    return subprocess.run([*command, "check-parity", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_check_parity_help_through_the_installed_command():
+    r = _check_parity("--help", command=(str(YETO),))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: yeto check-parity") and "--lora-targets" in r.stdout
+    r = subprocess.run([str(YETO), "--help"], capture_output=True, text=True)
+    assert "check-parity" in r.stdout
+
+
+def test_check_parity(tmp_path):
     d = archs.tiny_model("qwen3_moe", tmp_path / "m")
-    ok = _script("--model", d, "--lora-r", "4")
+    ok = _check_parity("--model", d, "--lora-r", "4")
     last = ok.stdout.strip().splitlines()[-1]
     assert ok.returncode == 0, ok.stdout + ok.stderr
     m = re.fullmatch(r"parity: OK, (\d+) tensors, max \|dlogit\| (\S+)", last)
     assert m and int(m[1]) == 2 * 4 * archs.TINY_LAYERS  # q, k, v, o (MoE: attention)
     assert float(m[2]) < 1e-4
-    bad = _script("--model", tmp_path / "missing", "--quiet")
+    bad = _check_parity("--model", tmp_path / "missing", "--quiet")
     assert bad.returncode == 2 and "not found" in bad.stdout
 
 

@@ -42,7 +42,7 @@ def smollm2_dir(smollm2) -> Path:
 @pytest.mark.parametrize("targets", ["auto", "all-linear"])
 def test_torch_and_mlx_compute_the_same_model_on_a_real_checkpoint(smollm2, targets):
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
-    r = subprocess.run([sys.executable, "scripts/check_name_parity.py", "--model", str(smollm2),
+    r = subprocess.run([sys.executable, "-m", "yeto", "check-parity", "--model", str(smollm2),
                         "--lora-targets", targets], cwd=ROOT, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -4,9 +4,7 @@ Here: the checks through in-process servers, training or the sim (the others:
 tests/unit/test_parity.py)."""
 
 
-import importlib.util
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ import mlx.nn as mnn  # noqa: E402
 import torch  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
+from yeto.cli.parity import main as check_parity  # noqa: E402
 from yeto.data import BatchSampler  # noqa: E402
 from yeto.mlx.learner import (  # noqa: E402
     build_lora_model,
@@ -39,21 +38,9 @@ from yeto.torch.weights import TorchWeights  # noqa: E402
 pytestmark = pytest.mark.mlx
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 @pytest.fixture(scope="session")
 def llama_dir(tiny_llama):
     return tiny_llama
-
-
-@pytest.fixture(scope="session")
-def parity_script():
-    spec = importlib.util.spec_from_file_location("check_name_parity",
-                                                  ROOT / "scripts" / "check_name_parity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -117,26 +104,26 @@ def test_lora_linear_matches_peft_forward(bias):
 
 # ---- names ------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_name_parity_script_ok(arch, tmp_path_factory, parity_script, capsys):
+def test_check_parity_ok(arch, tmp_path_factory, capsys):
     d = make_tiny_model(tmp_path_factory.mktemp(f"names-{arch}"), arch, pretrain=False)
-    rc = parity_script.main(["--model", str(d), "--lora-r", "8"])
+    rc = check_parity(["--model", str(d), "--lora-r", "8"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0, "\n".join(out)
     assert re.fullmatch(r"parity: OK, 28 tensors, max \|dlogit\| \S+", out[-1]), out[-1]
-    rc = parity_script.main(["--model", str(d), "--lora-targets", "attention", "--quiet"])
+    rc = check_parity(["--model", str(d), "--lora-targets", "attention", "--quiet"])
     assert rc == 0
     assert capsys.readouterr().out.strip().startswith("parity: OK, 16 tensors, max |dlogit| ")
 
 
-def test_name_parity_script_names_first_mismatch(llama_dir, parity_script, capsys):
-    rc = parity_script.main(["--model", str(llama_dir), "--lora-r", "8", "--mlx-lora-r", "4"])
+def test_check_parity_names_first_mismatch(llama_dir, capsys):
+    rc = check_parity(["--model", str(llama_dir), "--lora-r", "8", "--mlx-lora-r", "4"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert rc == 1
     assert last == ("parity: MISMATCH at tensor #0: torch has base_model.model.model.layers.0."
                     "mlp.down_proj.lora_A.weight [8, 256], mlx has base_model.model.model."
                     "layers.0.mlp.down_proj.lora_A.weight [4, 256]")
-    rc = parity_script.main(["--model", str(llama_dir), "--mlx-lora-targets", "q_proj,v_proj",
-                             "--quiet"])
+    rc = check_parity(["--model", str(llama_dir), "--mlx-lora-targets", "q_proj,v_proj",
+                       "--quiet"])
     last = capsys.readouterr().out.strip()
     assert rc == 1 and "layers.0.self_attn.q_proj.lora_A.weight" in last
 

@@ -1,6 +1,6 @@
 """torch island vs MLX island on architectures other than the llama-style fixtures:
 the config translation mlx-lm needs (yeto.mlx.shims), names and logits with the same
-adapter (yeto.interop.parity), scripts/check_name_parity.py's last line, and (slow)
+adapter (yeto.interop.parity), `yeto check-parity`'s last line, and (slow)
 the whole architecture sweep.
 
 Here: the checks that need no process, server or training (the others:

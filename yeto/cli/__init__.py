@@ -42,6 +42,8 @@ GROUPS = {
                             "write a tiny Llama/Qwen2-style model dir with a local tokenizer"),
         "make-task": ("yeto.cli.make", "main_make_task",
                       "write the synthetic chat task (train.jsonl, eval.jsonl)"),
+        "check-parity": ("yeto.cli.parity", "main",
+                         "torch and MLX islands on a model: same LoRA tensors, same logits"),
     },
 }
 COMMANDS = {name: spec for group in GROUPS.values() for name, spec in group.items()}

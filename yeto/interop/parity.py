@@ -1,6 +1,6 @@
 """Do the torch island and the MLX island compute the same model?
 
-Two checks, used by ``scripts/check_name_parity.py`` and ``scripts/arch_sweep.py``:
+Two checks, used by ``yeto check-parity`` (yeto.cli.parity) and ``scripts/arch_sweep.py``:
 
 - **names**: the trainable LoRA tensors of the torch island (peft, `yeto.torch.model.
   attach_lora` + `TorchWeights`) and of the MLX island (`yeto.mlx.learner.
