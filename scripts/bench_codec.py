@@ -35,7 +35,7 @@ from yeto.cli.display import print_table
 from yeto.codec import chunked, kernels
 from yeto.island.encoder import DeltaEncoder, default_threads
 from yeto.island.island import CHUNK
-from yeto.island.weights import WeightPasses
+from yeto.island.weights import WeightPasses, Weights
 from yeto.layout import Layout
 
 
@@ -112,8 +112,10 @@ def syncer_sum(payload, n: int, acc: np.ndarray, backend: str) -> None:
         chunked.decode_add_norm(payload, "q4", n, acc, 0.5)
 
 
-class _Local:
+class _Local(Weights):
     """`local` as an island's weights with range access (writes go nowhere)."""
+
+    ranged = True
 
     def __init__(self, local: np.ndarray):
         self.layout = Layout.from_shapes({"w": (local.size,)})

@@ -41,11 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from yeto.config import IslandConfig
 from yeto.io import atomic_write, finite_or_none
-from yeto.island import Island
+from yeto.island import Island, Weights
 from yeto.layout import Layout
 from yeto.signals import GracefulStop
 from yeto.transport import Refused, Transport
@@ -54,16 +52,6 @@ log = logging.getLogger("yeto.island")
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOT_FEDERATED = 0, 2, 3
 PROGRESS_FILE = "progress.json"  # `LiveProgress`
-
-
-class Weights(Protocol):
-    layout: Layout
-
-    def get(self) -> np.ndarray: ...
-
-    def set(self, flat: np.ndarray) -> None: ...
-
-    # optional: read_range(lo, hi) -> np.ndarray, write_range(lo, hi, values), flush()
 
 
 class Solo:

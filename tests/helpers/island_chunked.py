@@ -7,12 +7,13 @@ import numpy as np
 from support import make_client
 
 from yeto import codec
+from yeto.island import Weights
 from yeto.transport import PushReply, Received, Refused, ThetaStream
 
 OUTER_LR = 0.7
 
 
-class FlatWeights:
+class FlatWeights(Weights):
     """get/set only (like the MLX LoRA view): the island falls back to whole arrays."""
 
     def __init__(self, layout, init):
@@ -28,6 +29,7 @@ class FlatWeights:
 class RangedWeights(FlatWeights):
     """A numpy model with range access, counting flushes."""
 
+    ranged = True
     flushes = 0
 
     def read_range(self, lo, hi):

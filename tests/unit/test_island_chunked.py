@@ -24,6 +24,8 @@ class ViewWeights(FlatWeights):
     """Range access whose reads are views of the weights (as scripts/synthetic_island.py
     gives): the island computes in them, and a write of that same view copies nothing."""
 
+    ranged = True
+
     def read_range(self, lo, hi):
         return self.v[lo:hi]
 

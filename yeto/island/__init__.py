@@ -1,8 +1,8 @@
 """The island, backend-neutral.
 
 An island sees its trainable weights as one flat float32 vector in canonical order,
-through the backend's `yeto.loop.Weights` (`weights`: whole-vector get/set, range
-access when the backend has it). The flat vector is cut into the syncer's P fragments
+through the backend's `Weights` (`weights`: whole-vector get/set, range access when
+the backend has it). The flat vector is cut into the syncer's P fragments
 (P = 1 unless the syncer runs `--fragments P`); each fragment follows the same rules
 on its own slice, kept by one part each:
 
@@ -74,6 +74,6 @@ So a q4 island holds about 8.6 B per parameter, an f32-wire island 8 B.
 
 from yeto.island.encoder import default_threads
 from yeto.island.island import Island
-from yeto.island.weights import FlatWeights
+from yeto.island.weights import FlatWeights, Weights
 
-__all__ = ["FlatWeights", "Island", "default_threads"]
+__all__ = ["FlatWeights", "Island", "Weights", "default_threads"]

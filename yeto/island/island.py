@@ -27,7 +27,7 @@ CHUNK = 1 << 20  # values per piece of a pass over the weights (4 MiB of f32)
 
 
 class Island:
-    """An island over `weights` (a `yeto.loop.Weights`) and `client` (None: a single
+    """An island over `weights` (a `yeto.island.Weights`) and `client` (None: a single
     island, which pushes nothing). `on_sync()` evaluates before each push and returns
     the eval loss; `on_apply(got)` follows each applied broadcast. `overlap`: a push's
     encode and send run on a background thread while training goes on (the training

@@ -56,8 +56,7 @@ class Stager:
         """What encodes fragment `frag`'s push on the push's thread. Staged here, in the
         training thread, unless the backend has a snapshot or the loop has the guard:
         then staged on the push's thread first."""
-        snapshot = getattr(self.passes.weights, "snapshot", None)
-        copy = snapshot(frag.start, frag.stop) if snapshot and self.background else None
+        copy = self.passes.weights.snapshot(frag.start, frag.stop) if self.background else None
         if copy is not None:
             return lambda: self.encoder.encode_staged(
                 self.encoder.stage(frag, reading(copy), tidy=False))

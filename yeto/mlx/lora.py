@@ -45,6 +45,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from yeto.island.weights import Weights
 from yeto.layout import Layout
 from yeto.mlx.experts import ExpertLoRA, fused_experts, refusal
 from yeto.mlx.hf_paths import HFPaths, Origin, get_module, linear_paths
@@ -346,9 +347,10 @@ class _Slot:
         self.owner[self.key] = arr if self.dtype == mx.float32 else arr.astype(self.dtype)
 
 
-class LoRAWeights:
+class LoRAWeights(Weights):
     """An MLX model's trainable weights under canonical peft names, as one flat
-    float32 vector in `yeto.layout` canonical order (the island's view of the model).
+    float32 vector in `yeto.layout` canonical order (the island's view of the model,
+    `yeto.island.Weights`; no range access).
 
     ``source`` is either ``{module path: LoRALinear}`` (what `attach_lora` returns;
     the MLX island) or a model whose trainable parameters are the weights: yeto's

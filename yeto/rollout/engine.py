@@ -2,7 +2,7 @@
 `weights`), adapters loaded in either format, and the stop tokens of the model.
 
 A backend subclasses `LoRAEngine` and provides `_attach(spec)` (replace the LoRA
-on the base model and return its `yeto.loop.Weights` view) and the four calls of
+on the base model and return its `yeto.island.Weights` view) and the four calls of
 `yeto.rollout.generate.Engine`."""
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from yeto.island.weights import Weights
 from yeto.layout import Layout
 from yeto.torch.group import TorchGroup
 from yeto.torch.model import canonical_name
@@ -117,11 +118,13 @@ def shard_model(model: torch.nn.Module, group: FSDPGroup) -> torch.nn.Module:
     return model
 
 
-class ShardedWeights:
+class ShardedWeights(Weights):
     """The trainable tensors of an FSDP2 model as the island's flat float32 view
-    (`yeto.loop.Weights` with range access). Range reads and writes are for rank 0's
+    (`yeto.island.Weights` with range access). Range reads and writes are for rank 0's
     island while the other ranks serve (`FSDPGroup.serve`); `gather`, `scatter` and
     `digest` are collective (every rank calls them)."""
+
+    ranged = True
 
     def __init__(self, model: torch.nn.Module, tuning: str, group: FSDPGroup):
         self.group = group

@@ -15,7 +15,6 @@ With `--fsdp` the ranks shard the model instead (`yeto.torch.fsdp`).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -23,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from yeto.island.weights import Weights
+from yeto.torch.weights import TorchWeights
 
 log = logging.getLogger("yeto.torch.group")
 
@@ -60,7 +61,8 @@ class TorchGroup:
     def collective(self, fn):
         return fn
 
-    def share(self, applied: bool, weights, done: bool = False) -> tuple[bool, bool]:
+    def share(self, applied: bool, weights: TorchWeights, done: bool = False
+              ) -> tuple[bool, bool]:
         """Rank 0's (applied, done) go to every rank; when rank 0 applied merged
         weights, its trainable weights follow and every other rank sets them.
         Returns (done, applied)."""
@@ -68,7 +70,7 @@ class TorchGroup:
             return done, applied
         applied, done = self._flags(applied, done)
         if applied:
-            broadcast_weights(weights, self.leader)
+            broadcast_weights(weights)
         return done, applied
 
     def _flags(self, applied: bool, done: bool) -> tuple[bool, bool]:
@@ -76,10 +78,10 @@ class TorchGroup:
         dist.broadcast(flags, src=0)
         return bool(flags[0]), bool(flags[1])
 
-    def record_weights(self, out: Path, step: int, weights) -> None:
+    def record_weights(self, out: Path, step: int | str, weights: Weights) -> None:
         """Each rank notes a digest of its weights after a merge (rank-N.jsonl), so a
         test can see that every rank holds the same weights."""
-        digest = weights_digest(weights)
+        digest = weights.digest()
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"rank-{self.rank}.jsonl", "a") as f:
             f.write(json.dumps(dict(step=step, weights_sha256=digest)) + "\n")
@@ -94,37 +96,11 @@ class TorchGroup:
             dist.destroy_process_group()
 
 
-def broadcast_weights(weights, leader: bool, chunk: int = 1 << 20) -> None:
-    """Rank 0's trainable weights onto every rank: tensor by tensor in place when the
-    weights expose their tensors (no copy), else chunk by chunk through range access."""
-    tensors = getattr(weights, "tensors", None)
-    if tensors is not None:
-        with torch.no_grad():
-            for t in tensors():
-                dist.broadcast(t.detach(), src=0)
-        return
-    n = weights.layout.numel
-    for lo in range(0, n, chunk):
-        hi = min(lo + chunk, n)
-        buf = torch.from_numpy(np.ascontiguousarray(weights.read_range(lo, hi))) if leader \
-            else torch.empty(hi - lo, dtype=torch.float32)
-        dist.broadcast(buf, src=0)
-        if not leader:
-            weights.write_range(lo, hi, buf.numpy())
-
-
-def weights_digest(weights, chunk: int = 1 << 20) -> str:
-    """SHA-256 of the flat float32 weights in canonical order, read chunk by chunk
-    (a sharded view computes it collectively: `digest()`)."""
-    if hasattr(weights, "digest"):
-        return weights.digest()
-    read = getattr(weights, "read_range", None)
-    if read is None:
-        return hashlib.sha256(weights.get().tobytes()).hexdigest()
-    h = hashlib.sha256()
-    for lo in range(0, weights.layout.numel, chunk):
-        h.update(read(lo, min(lo + chunk, weights.layout.numel)).tobytes())
-    return h.hexdigest()
+def broadcast_weights(weights: TorchWeights) -> None:
+    """Rank 0's trainable weights onto every rank, tensor by tensor in place (no copy)."""
+    with torch.no_grad():
+        for t in weights.tensors():
+            dist.broadcast(t.detach(), src=0)
 
 
 def init_group(device: torch.device, timeout_s: float = 1800,

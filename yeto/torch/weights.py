@@ -1,5 +1,5 @@
 """The trainable tensors of a torch model under canonical names, as one flat float32
-vector: the island's view of the model (`yeto.loop.Weights`).
+vector: the island's view of the model (`yeto.island.Weights`).
 
 Range access (`read_range` / `write_range`) goes tensor by tensor, straight between
 the parameters and the island's host arrays: no flat copy of the model is made. On
@@ -16,16 +16,19 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from yeto.island.weights import Weights
 from yeto.layout import Layout
 from yeto.torch.model import canonical_name
 
 STAGING = 1 << 20  # values in the pinned staging buffer (CUDA)
 
 
-class TorchWeights:
+class TorchWeights(Weights):
     """`get()` / `set(flat)` and `read_range(lo, hi)` / `write_range(lo, hi, values)` in
     the layout's canonical order (peft names for LoRA, the Hugging Face names in full
     mode)."""
+
+    ranged = True
 
     def __init__(self, model: torch.nn.Module, tuning: str):
         self.params: dict[str, torch.nn.Parameter] = {}
