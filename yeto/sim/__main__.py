@@ -11,6 +11,11 @@ The flags are the islands' (`python -m yeto.learner --help`) and the syncer's
         --out runs/sim
 
 Last line: `RESULT eval_loss=… bytes_up=… bytes_down=… rounds=…`.
+
+With `--shards` or `--failures` it runs the fleet-scale model instead (`yeto.sim.scale`:
+1,000 synthetic islands against S modelled syncer shards under crashes and slow links,
+DiLoCo's goodput beside synchronous data-parallel's; its flags:
+`python -m yeto.sim --shards 1 --help`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Example:\n  python -m yeto.sim --model runs/demo/model --data "
                "runs/demo/data/train.jsonl --eval-data runs/demo/data/eval.jsonl "
-               "--islands 4 --sync-every 50 --rounds 100 --out runs/sim")
+               "--islands 4 --sync-every 50 --rounds 100 --out runs/sim -- and the "
+               "fleet-scale model (no weights; its own flags: python -m yeto.sim --shards 1 "
+               "--help): python -m yeto.sim --islands 1000 --shards 1,4,16 "
+               "--failures 0,0.01,0.05")
     add_island_args(p)
     p.add_argument("--tuning", choices=("lora", "full"), default="lora")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per island")
@@ -93,7 +101,17 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
     return base, syncer, speeds
 
 
+def wants_scale_model(argv: list[str]) -> bool:
+    """Whether the command line asks for the fleet-scale model (`--shards`, `--failures`)."""
+    return any(a.split("=", 1)[0] in ("--shards", "--failures") for a in argv)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_scale_model(argv):
+        from yeto.sim import scale
+
+        return scale.main(argv)
     p = build_parser()
     args = runfile.parse(p, argv, "sim",
                          programs={"island": island_parser, "syncer": syncer_parser})
