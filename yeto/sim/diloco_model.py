@@ -229,9 +229,10 @@ class DiLoCoModel:
         self.pacing = Pacing(cfg.quorum, cfg.grace, cfg.grace_ms, cfg.round_timeout_s)
         # islands
         self.step_s = fleet.step_s.tolist()
-        self.bw = fleet.bandwidth.astype(float)
+        self.bw = fleet.bandwidth.astype(float)   # arrays for broadcasts, lists for one island
         self.lat = fleet.latency.astype(float)
         self.slow = np.ones(n)
+        self.bw_l, self.lat_l, self.slow_l = self.bw.tolist(), self.lat.tolist(), [1.0] * n
         self.state = [TRAINING] * n
         self.gen = [0] * n              # a new process at each restart
         self.tick = [0] * n             # the due point an island's DUE/RETRY events are for
@@ -326,11 +327,14 @@ class DiLoCoModel:
         """None when island i may push fragment f at t, else when it may (inf: unknown
         until a broadcast comes)."""
         fl = self.inflight[i]
+        mine = fl.get(f)
+        if mine is not None and mine[1] > t:
+            return mine[1]
+        if len(fl) < self.cfg.pipeline:
+            return None  # room, whatever has cleared meanwhile
         for g in [g for g, (_, clear) in fl.items() if clear <= t]:
             del fl[g]
             self.by_frag[g].discard(i)
-        if f in fl:
-            return fl[f][1]
         if len(fl) >= self.cfg.pipeline:
             return sorted(c for _, c in fl.values())[len(fl) - self.cfg.pipeline]
         return None
@@ -339,7 +343,7 @@ class DiLoCoModel:
         steps = self.step[i] - self.last_push[i][f] + self.carried[i][f]
         self.last_push[i][f], self.carried[i][f] = self.step[i], 0
         nbytes = self.up_bytes[f]
-        link = t + nbytes * self.slow[i] / self.bw[i]
+        link = t + nbytes * self.slow_l[i] / self.bw_l[i]
         shard = self.shards[self.owner[f]].receive(t, nbytes)
         pid = len(self.pushes)
         self.pushes.append(_Push(i, f, steps, self._version_at(t, i, f)))
@@ -347,7 +351,7 @@ class DiLoCoModel:
         self.inflight[i][f] = [t, self._next_delivery(t, i, f)]
         self.by_frag[f].add(i)
         self.out.pushes += 1
-        self._at(max(link, shard) + self.lat[i], ARRIVE, pid, 0)
+        self._at(max(link, shard) + self.lat_l[i], ARRIVE, pid, 0)
 
     def _version_at(self, t: float, i: int, f: int) -> int:
         """The version of fragment f island i holds at t (its push's base version)."""
@@ -412,9 +416,9 @@ class DiLoCoModel:
         self.live.add(i)
         self.state[i], self.join_from[i] = JOINING, t
         self.known[i] = list(self.version)
-        link = t + 4 * self.cfg.params * self.slow[i] / self.bw[i]
+        link = t + 4 * self.cfg.params * self.slow_l[i] / self.bw_l[i]
         done = max([link] + [s.send(t, b) for s, b in zip(self.shards, self.join_bytes)])
-        self._at(done + self.lat[i], READY, i, self.gen[i])
+        self._at(done + self.lat_l[i], READY, i, self.gen[i])
 
     def _ready(self, t: float, i: int, gen: int) -> None:
         if gen != self.gen[i]:
@@ -429,10 +433,10 @@ class DiLoCoModel:
         self._at(t + self.cycle[0][0] * self.step_s[i], DUE, i, self.tick[i])
 
     def _slow_on(self, t: float, i: int, _) -> None:
-        self.slow[i] = self.trace.slow_factor
+        self.slow[i] = self.slow_l[i] = self.trace.slow_factor
 
     def _slow_off(self, t: float, i: int, _) -> None:
-        self.slow[i] = 1.0
+        self.slow[i] = self.slow_l[i] = 1.0
 
     # ---- the shards' rounds ------------------------------------------------------------
     def _round(self, f: int) -> OpenRound:
