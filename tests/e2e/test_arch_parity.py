@@ -151,7 +151,7 @@ def test_layer_plans_decode_through_their_caches(arch, tmp_path):
 
 @pytest.mark.slow
 def test_llama4_plan_with_packed_documents(tmp_path):
-    """A document-packed block (yeto.mlx.shims.MaskCache through every layer, chunked
+    """A document-packed block (yeto.mlx.packing.MaskCache through every layer, chunked
     ones included): the first document's logits are those of it alone, and the second
     document does not see the first."""
     import mlx.core as mx

@@ -67,10 +67,10 @@ class _ThenQKNorm(nn.Module):
 def _chunk_mask(h, cache, size: int):
     """mlx-lm's llama4.py chunk mask for one layer's cache: a key is seen from the
     same chunk of ``size`` tokens, up to the query. A cache that is no ChunkedKVCache
-    but makes its own mask (yeto's document `shims.MaskCache`) has it applied too, and
-    its chunks counted from each query's document start (its first visible key), as
-    transformers counts them from each document's positions: a packed document is
-    chunked as the document alone."""
+    but makes its own mask (yeto's document `yeto.mlx.packing.MaskCache`) has it
+    applied too, and its chunks counted from each query's document start (its first
+    visible key), as transformers counts them from each document's positions: a packed
+    document is chunked as the document alone."""
     from mlx_lm.models.base import create_attention_mask
 
     if hasattr(cache, "maybe_trim_front"):

@@ -72,7 +72,7 @@ def document_mask(positions):
 
 
 def logits_of(model, inputs, mask=None):
-    from yeto.mlx.shims import document_cache
+    from yeto.mlx.packing import document_cache
 
     if mask is None:
         return model(inputs)
