@@ -283,7 +283,10 @@ def report(args: argparse.Namespace, points: list[Point], wall_s: float) -> bool
     met = bool(tested) and all(pt.diloco.goodput >= GOAL_DILOCO for pt in tested)
     short = [f"S={pt.shards}@{pt.failures:g}:{pt.diloco.goodput:.3f}" for pt in tested
              if pt.diloco.goodput < GOAL_DILOCO]
+    met_at = [s for s in args.shards if tested and all(
+        pt.diloco.goodput >= GOAL_DILOCO for pt in tested if pt.shards == s)]
     print(f"RESULT goal={'met' if met else 'not_met' if tested else 'untested'} "
+          f"met_at_shards={','.join(map(str, met_at)) or 'none'} "
           f"(goodput_diloco >= {GOAL_DILOCO} where goodput_sync < {GOAL_SYNC_BELOW}: "
           f"{len(tested)} points{', short: ' + ' '.join(short) if short else ''}) "
           f"model_wall_s={wall_s:.1f}")
