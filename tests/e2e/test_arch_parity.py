@@ -1,5 +1,5 @@
 """torch island vs MLX island on architectures other than the llama-style fixtures:
-the config translation mlx-lm needs (yeto.mlx.shims), names and logits with the same
+the config translation mlx-lm needs (yeto.mlx.config), names and logits with the same
 adapter (yeto.interop.parity), `yeto check-parity`'s last line, and (slow)
 the whole architecture sweep.
 

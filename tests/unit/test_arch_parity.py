@@ -1,5 +1,5 @@
 """torch island vs MLX island on architectures other than the llama-style fixtures:
-the config translation mlx-lm needs (yeto.mlx.shims), names and logits with the same
+the config translation mlx-lm needs (yeto.mlx.config), names and logits with the same
 adapter (yeto.interop.parity), `yeto check-parity`'s last line, and (slow)
 the whole architecture sweep.
 
@@ -15,7 +15,7 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
 
 
-from yeto.mlx.shims import config_overrides  # noqa: E402
+from yeto.mlx.config import config_overrides  # noqa: E402
 from yeto.testing import archs  # noqa: E402
 
 pytestmark = pytest.mark.mlx

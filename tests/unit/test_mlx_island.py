@@ -10,12 +10,12 @@ import pytest
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
 
 
-from yeto.mlx.shims import flat_rope_overrides  # noqa: E402
+from yeto.mlx.config import flat_rope_overrides  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
 
-# ---- shim -------------------------------------------------------------------
+# ---- config translation -----------------------------------------------------
 def test_flat_rope_overrides():
     nested = {"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
     assert flat_rope_overrides(nested) == {"rope_theta": 5e5}

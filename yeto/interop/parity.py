@@ -194,7 +194,7 @@ def mlx_lora(model_dir: str | Path, r: int, alpha: float, targets: str, *, lazy:
 def _import_mlx_module(config: dict) -> None:
     """mlx-lm's module for this model type, imported on its own so that a module
     that cannot import (some call sys.exit) is told apart from a config problem."""
-    from yeto.mlx.shims import mlx_model_module
+    from yeto.mlx.config import mlx_model_module
 
     try:
         mlx_model_module(config)

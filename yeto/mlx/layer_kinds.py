@@ -6,7 +6,7 @@ included. Several mlx-lm model files derive the kinds from a period instead
 (`PERIODS`: qwen3_next.py's ``full_attention_interval``, gemma3_text.py's and
 cohere2.py's ``sliding_window_pattern``, the deepseek family's
 ``first_k_dense_replace`` + ``moe_layer_freq``). When no period in range gives the
-list (yeto.mlx.shims fits one first), `rebuild_layers` builds each decoder layer
+list (yeto.mlx.config fits one first), `rebuild_layers` builds each decoder layer
 again with arguments whose period makes *that* layer the listed kind (layer i is
 global when the period is i + 1, sliding when it is i + 2), and repairs what the
 model derived from the period:
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-#: the config key yeto.mlx.shims writes the wanted kinds under ({field: [kind per layer]})
+#: the config key yeto.mlx.config writes the wanted kinds under ({field: [kind per layer]})
 KEY = "yeto_layer_kinds"
 
 #: mlx-lm period field -> the arguments that make layer i the kind (True: the kind the
