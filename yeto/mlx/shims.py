@@ -4,7 +4,7 @@ The config is translated first (`yeto.mlx.config.config_overrides`).
 
 **The built model** (`_classes`, given to mlx-lm's loader): weights in a layout
 transformers writes but mlx-lm's ``sanitize`` does not read are translated first
-(`_WEIGHTS`: gpt2's ``transformer.`` prefix, gpt-oss experts, renamed norms, ...);
+(`yeto.mlx.checkpoint`: gpt2's ``transformer.`` prefix, gpt-oss experts, renamed norms, ...);
 settings mlx-lm hard-codes where the config says otherwise are set from the config
 (`_MODEL_FIXES`: glm's partial RoPE, recurrent_gemma's norm eps; `_LATENT_EPS_TYPES`: the
 MLA latent norms' eps); layer kinds a file
@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 from yeto.mlx import heads, layer_kinds, layer_plan, minicpm3, rope_files
 from yeto.mlx.activations import patch_activations
+from yeto.mlx.checkpoint import read_weights_as_written
 from yeto.mlx.config import (
     FULL,
     SLIDING,
-    TEXT_ONLY,
     config_overrides,
     layer_types_of,
     mlx_lm_classes,
@@ -39,15 +38,12 @@ from yeto.mlx.config import (
 from yeto.mlx.errors import UnsupportedConfig
 from yeto.mlx.rebind import Namespace, rebind
 from yeto.mlx.rope import fix_rope
-from yeto.mlx.structure import reconcile
 
 log = logging.getLogger("yeto.mlx.shims")
 
 
 def _where(args_cls) -> str:
     return f"mlx-lm's {getattr(args_cls, '__module__', 'mlx_lm').rsplit('.', 1)[-1]}.py"
-
-
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -101,158 +97,6 @@ def load_model(model_dir: str | Path, *, lazy: bool = False, dtype: str | None =
         if not lazy:
             mx.eval(model.parameters())
     return model, config
-
-
-# ---- checkpoint layouts ---------------------------------------------------------------
-def _gpt2_weights(weights: dict, args=None) -> dict:
-    """mlx_lm/models/gpt2.py reads the original GPT-2 layout (``h.0.attn...``);
-    transformers writes ``transformer.h.0.attn...``."""
-    out = {}
-    for k, v in weights.items():  # an untied lm_head: yeto.mlx.structure
-        out[k[len("transformer."):] if k.startswith("transformer.") else k] = v
-    return out
-
-
-def _gpt_oss_weights(weights: dict, args=None) -> dict:
-    """mlx_lm/models/gpt_oss.py reads OpenAI's release layout (MXFP4 ``*_blocks``, or
-    (experts, out, in) ``.weight`` arrays); transformers writes unquantized experts
-    as (experts, in, out) arrays without a ``.weight`` suffix."""
-    import mlx.core as mx
-
-    out = {}
-    for k, v in weights.items():
-        if k.endswith((".experts.gate_up_proj", ".experts.down_proj")) and v.ndim == 3:
-            out[f"{k}.weight"] = mx.swapaxes(v, 1, 2)
-        else:
-            out[k] = v
-    return out
-
-
-def _kimi_linear_weights(weights: dict, args=None) -> dict:
-    """mlx_lm/models/kimi_linear.py reads a dense layer's MLP under ``mlp.``;
-    transformers writes it under ``block_sparse_moe.`` as the MoE layers."""
-    dense = re.compile(r"\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
-    return {dense.sub(r".mlp.\1", k): v for k, v in weights.items()}
-
-
-def _text_only_weights(model):
-    """For a text-only checkpoint loaded into a composite mlx-lm model
-    (`text_only_remap`): its text model's weights (``model.*``, ``lm_head.*``) moved
-    to where the composite keeps them (llama4 ``language_model.model.*``, gemma3n
-    ``model.language_model.*``), as in the composite checkpoints. A checkpoint that
-    already has that layout is left as it is."""
-    paths = {p for p, _ in model.named_modules()}
-    embed = min((p for p in paths if p.endswith(".embed_tokens")), key=len, default=None)
-    if embed is None:
-        return None
-    inner = embed[:-len(".embed_tokens")]
-    outer = inner.rsplit(".", 1)[0] if "." in inner else ""
-    head = f"{outer}.lm_head" if outer else "lm_head"
-
-    def translate(weights: dict, args=None) -> dict:
-        if inner == "model" or any(k.startswith((f"{inner}.", "language_model.",
-                                                 "model.language_model.")) for k in weights):
-            return weights
-        out = {}
-        for k, v in weights.items():
-            if k.startswith("model."):
-                out[f"{inner}.{k[len('model.'):]}"] = v
-            elif k.startswith("lm_head.") and head in paths:
-                out[f"{head}.{k[len('lm_head.'):]}"] = v
-            elif not k.startswith("lm_head."):  # a tied head has no module
-                out[k] = v
-        return out
-
-    return translate
-
-
-def _renamed(pairs: list[tuple[str, str]]):
-    """Weights renamed by regular expressions (the first that matches)."""
-    compiled = [(re.compile(a), b) for a, b in pairs]
-
-    def rename(weights: dict, args=None) -> dict:
-        out = {}
-        for k, v in weights.items():
-            for pattern, repl in compiled:
-                k, n = pattern.subn(repl, k)
-                if n:
-                    break
-            out[k] = v
-        return out
-
-    return rename
-
-
-# mlx_lm/models/olmo_hybrid.py reads the layer norms of its linear-attention layers
-# under transformers' module names; transformers writes OLMo-Hybrid's original ones
-_olmo_hybrid_weights = _renamed([(r"\.attention_layer_norm\.", ".input_layernorm."),
-                                 (r"\.feedforward_layer_norm\.", ".post_attention_layernorm.")])
-
-# mlx_lm/models/nanochat.py reads nanochat's own export (transformer.h.N.attn.c_q,
-# transformer.wte); transformers writes model.layers.N.self_attn.q_proj, model.embed_tokens
-_nanochat_weights = _renamed([
-    (r"^model\.embed_tokens\.", "transformer.wte."),
-    (r"^model\.layers\.(\d+)\.self_attn\.q_proj\.", r"transformer.h.\1.attn.c_q."),
-    (r"^model\.layers\.(\d+)\.self_attn\.k_proj\.", r"transformer.h.\1.attn.c_k."),
-    (r"^model\.layers\.(\d+)\.self_attn\.v_proj\.", r"transformer.h.\1.attn.c_v."),
-    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"transformer.h.\1.attn.c_proj."),
-    (r"^model\.layers\.(\d+)\.mlp\.fc1\.", r"transformer.h.\1.mlp.c_fc."),
-    (r"^model\.layers\.(\d+)\.mlp\.fc2\.", r"transformer.h.\1.mlp.c_proj."),
-])
-
-
-def _stacked_experts(weights: dict, args=None) -> dict:
-    """mlx_lm/models/qwen3_5_moe.py reads the experts fused (``experts.gate_up_proj``);
-    transformers writes one linear per expert (``experts.<e>.gate_proj.weight``):
-    stacked here into the ``switch_mlp`` arrays mlx-lm builds."""
-    import mlx.core as mx
-
-    per_expert = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-    groups: dict[tuple[str, str], dict[int, Any]] = {}
-    out = {}
-    for k, v in weights.items():
-        m = per_expert.match(k)
-        if m is None:
-            out[k] = v
-        else:
-            groups.setdefault((m[1], m[3]), {})[int(m[2])] = v
-    for (prefix, name), experts in groups.items():
-        out[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(
-            [experts[i] for i in sorted(experts)])
-    return out
-
-
-def _longcat_weights(weights: dict, args) -> dict:
-    """transformers' LongcatFlash holds weights for its zero-compute (identity)
-    experts too, unused; mlx_lm/models/longcat_flash.py has only the routed ones."""
-    expert = re.compile(r"\.mlp\.experts\.(\d+)\.")
-    return {k: v for k, v in weights.items()
-            if not ((m := expert.search(k)) and int(m[1]) >= args.n_routed_experts)}
-
-
-_OFFSET_NORM = re.compile(r"(\.input_layernorm|\.post_attention_layernorm|\.q_norm|\.k_norm"
-                          r"|(^|\.)(model|language_model)\.norm)\.weight$")
-
-
-def _offset_norms(weights: dict, args=None) -> dict:
-    """mlx_lm/models/qwen3_5.py adds 1 to the (1 + w) RMSNorm
-    weights transformers writes only when it sees a transformers-layout conv1d weight;
-    a checkpoint without linear-attention layers has none, so the weights (always
-    transformers-written here) are shifted before."""
-    if any("conv1d.weight" in k for k in weights):
-        return weights
-    return {k: v + 1.0 if _OFFSET_NORM.search(k) and v.ndim == 1 else v
-            for k, v in weights.items()}
-
-
-# model type -> translation of the transformers-written weights, before mlx-lm's sanitize
-_WEIGHTS = {"gpt2": _gpt2_weights, "gpt_oss": _gpt_oss_weights,
-            "kimi_linear": _kimi_linear_weights, "qwen3_5": _offset_norms,
-            "qwen3_5_moe": lambda w, a=None: _offset_norms(_stacked_experts(w, a), a),
-            "olmo_hybrid": _olmo_hybrid_weights, "nanochat": _nanochat_weights,
-            "longcat_flash": _longcat_weights,
-            # mlx_lm/models/mimo_v2_flash.py names the attention sinks attention_sink_bias
-            "mimo_v2_flash": _renamed([(r"\.self_attn\.sinks$", ".self_attn.attention_sink_bias")])}
 
 
 # ---- built models -------------------------------------------------------------------
@@ -410,11 +254,9 @@ def _classes(config: dict):
     ``__init__`` skips ``nn.Module.__init__`` (mlx_lm/models/recurrent_gemma.py) is
     completed, so that freezing and LoRA work on it; settings mlx-lm hard-codes are
     set from the config (`_MODEL_FIXES`); and weights in a layout transformers writes
-    but mlx-lm's ``sanitize`` does not read are translated first (`_WEIGHTS`,
+    but mlx-lm's ``sanitize`` does not read are translated first (`yeto.mlx.checkpoint`,
     text-only checkpoints of composite models)."""
     model_cls, args_cls = mlx_lm_classes(config)
-    translate = _WEIGHTS.get(config.get("model_type"))
-    text_only = bool(config.get(TEXT_ONLY))
 
     def build(args):
         with rope_files.layouts_recorded():  # rotaries built here, in layers built again too
@@ -431,10 +273,7 @@ def _classes(config: dict):
         patched += fix_rope(model, args, config)
         if patched:
             log.debug("built model: %s", "; ".join(patched))
-        fix = translate or (_text_only_weights(model) if text_only else None)
-        sanitize = getattr(model, "sanitize", lambda w: w)
-        object.__setattr__(model, "sanitize", lambda w: reconcile(
-            model, sanitize(fix(w, args) if fix is not None else w)))
+        read_weights_as_written(model, args, config)
         return model
 
     return build, _CheckedArgs(args_cls, model_cls, config)
