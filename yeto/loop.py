@@ -1,27 +1,22 @@
-"""The island loop, written once for every backend.
+"""The island driver, and the island program written once for every backend.
 
-`run_island(cfg, backend)` is all of an island but the tensor engine: pin the model,
-read and shard the data, join the syncer, train with syncs every H steps (or T
+`IslandDriver` is one island around a training loop that its caller owns: the
+transport to the syncer, the `yeto.island.Island` over the trainable weights, the
+rank group, and the metrics the island writes (``OUT/metrics.jsonl``, TensorBoard
+scalars with ``report_to``, ``OUT/progress.json``). The caller makes each optimizer
+step and hands the driver its loss tokens and loss; the driver applies merged weights
+that arrived, pushes when due, and keeps the ranks of a torchrun group in step. The
+island program below (`run_island`), the GRPO island (`yeto.rl.run`) and the helpers
+for other training loops (`yeto.interop.integrations`: `DiLoCo`, `DiLoCoCallback`,
+`MLXDiLoCo`) all drive their islands through it.
+
+`run_island(cfg, backend)` is all of an island program but the tensor engine: pin the
+model, read and shard the data, join the syncer, train with syncs every H steps (or T
 seconds), stop cleanly on the first SIGINT/SIGTERM, finish, evaluate, write the
 metrics, summary and provenance, save. A backend (`yeto.torch.learner.TorchBackend`,
-`yeto.mlx.learner.MLXBackend`) supplies only what differs:
-
-    load(cfg, source) -> tokenizer        the base model and its tokenizer
-    attach(cfg) -> Weights                LoRA (or full weights) + the inner optimizer
-    export_files(cfg) -> (name, files)    what the syncer writes beside its final weights
-    train_step(micro_batches) -> (loss, loss tokens)
-    evaluate(blocks, batch_size) -> mean held-out loss
-    save(cfg, out) -> folder              the final adapter or model
-    describe() -> str                     e.g. "torch cpu", for the log
-    group                                 ranks of one island (`Solo` for one process)
-
-`Weights` is the backend's flat float32 view of the trainable tensors under their
-canonical names: `.layout`, `.get() -> np.ndarray`, `.set(np.ndarray)`, and
-optionally range access, which lets the island work chunk by chunk without a flat
-copy of the model: `.read_range(lo, hi) -> np.ndarray`, `.write_range(lo, hi,
-values)` and `.flush()` (called after each pass of range accesses). The island may
-change the array `read_range` returns and pass it back to `write_range`: a read may
-be a view of the weights (then a write of that same view has nothing to copy).
+`yeto.mlx.learner.MLXBackend`; by name: `yeto.backends`) supplies only what differs
+(`Backend`). Its trainable weights are a `yeto.island.Weights`: a flat float32 view
+under canonical names, with range access where the backend has it.
 
 A group whose ranks each hold a shard of the model (FSDP, `sharded`) runs the
 island on rank 0 through `group.island_weights(weights)` (range accesses that the
@@ -45,6 +40,7 @@ from yeto.config import IslandConfig
 from yeto.io import atomic_write, finite_or_none
 from yeto.island import Island, Weights
 from yeto.layout import Layout
+from yeto.metrics import MetricsWriter
 from yeto.signals import GracefulStop
 from yeto.transport import Refused, Transport
 
@@ -54,8 +50,38 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_NOT_FEDERATED = 0, 2, 3
 PROGRESS_FILE = "progress.json"  # `LiveProgress`
 
 
+class Group(Protocol):
+    """The ranks of one island: `Solo` for one process, `yeto.torch.group.TorchGroup`
+    for a torchrun group (`yeto.torch.fsdp.FSDPGroup` when the ranks shard the model).
+    Only the leader (rank 0) talks to the syncer."""
+
+    rank: int
+    world: int
+    leader: bool
+    active: bool    # more than one rank
+    sharded: bool   # each rank holds a shard of the model
+
+    def sum(self, value: int) -> int:
+        """`value` summed over the ranks."""
+
+    def island_weights(self, weights: Weights) -> Weights:
+        """The weights the island on this rank works on."""
+
+    def collective(self, fn: Callable[[], float]) -> Callable[[], float]:
+        """`fn` as rank 0's island calls it (a sharded group runs it on every rank)."""
+
+    def share(self, applied: bool, weights: Weights, done: bool = False) -> tuple[bool, bool]:
+        """Rank 0's (done, applied) and, when applied, its weights reach every rank."""
+
+    def record_weights(self, out: Path, step: int | str, weights: Weights) -> None:
+        """Note this rank's weights digest after step `step` (OUT/rank-N.jsonl)."""
+
+    def close(self) -> None:
+        """Tear the group down (after the model is released)."""
+
+
 class Solo:
-    """The rank group of a one-process island (a torchrun group implements the same)."""
+    """The `Group` of a one-process island."""
 
     rank, world, leader, active, sharded = 0, 1, True, False, False
 
@@ -63,42 +89,239 @@ class Solo:
         return value
 
     def island_weights(self, weights: Weights) -> Weights:
-        """The weights the island on this rank works on."""
         return weights
 
-    def collective(self, fn):
-        """`fn` as rank 0's island calls it (a sharded group runs it on every rank)."""
+    def collective(self, fn: Callable[[], float]) -> Callable[[], float]:
         return fn
 
     def share(self, applied: bool, weights: Weights, done: bool = False) -> tuple[bool, bool]:
-        """Rank 0's (done, applied) and, when applied, its weights reach every rank."""
         return done, applied
+
+    def record_weights(self, out: Path, step: int | str, weights: Weights) -> None:
+        pass
 
     def close(self) -> None:
         pass
 
 
 class Backend(Protocol):
+    """The tensor engine of an island program (`run_island`): everything but the loop."""
+
     name: str
-    group: Any
+    group: Group  # the ranks of one island (`Solo` for one process)
 
-    def load(self, cfg: IslandConfig, source) -> Any: ...
+    def load(self, cfg: IslandConfig, source) -> Any:
+        """Load the base model; returns its tokenizer."""
 
-    def attach(self, cfg: IslandConfig) -> Weights: ...
+    def attach(self, cfg: IslandConfig) -> Weights:
+        """LoRA (or full weights) and the inner optimizer; returns the trainable weights."""
 
-    def export_files(self, cfg: IslandConfig) -> tuple[str, dict[str, str]]: ...
+    def export_files(self, cfg: IslandConfig) -> tuple[str, dict[str, str]]:
+        """(weights file name, {name: text}): what the syncer writes beside its final
+        weights (e.g. a peft adapter_config.json)."""
 
-    def train_step(self, micro_batches: list) -> tuple[float, int]: ...
+    def train_step(self, micro_batches: list) -> tuple[float, int]:
+        """One optimizer step over the micro-batches; returns (loss, loss tokens)."""
 
-    def evaluate(self, blocks, batch_size: int) -> float: ...
+    def guard_updates(self, before_update: Callable[[], None]) -> bool:
+        """Call `before_update` (the island's guard) right before each change the step
+        makes to the weights, and return True; False where the backend cannot (then
+        pushes are staged in the training thread)."""
 
-    def save(self, cfg: IslandConfig, out: Path) -> Path: ...
+    def evaluate(self, blocks, batch_size: int) -> float:
+        """The mean held-out loss over `blocks`."""
 
-    def describe(self) -> str: ...
+    def save(self, cfg: IslandConfig, out: Path) -> Path:
+        """Write the final adapter or model under `out`; returns its folder."""
+
+    def describe(self) -> str:
+        """The engine and device, for the log (e.g. "torch cpu")."""
 
     def release(self) -> None:
         """Drop the model and optimizer: the run is over and saved (called before the
         group goes, which a sharded model holds)."""
+
+
+# ---- the driver -------------------------------------------------------------------
+class IslandDriver:
+    """One island around a training loop its caller owns.
+
+    It owns the transport (`client`; None: a single island, which pushes nothing), the
+    `Island` over `weights` (`island_options` go to it: `sync_every`, `wire`,
+    `merge_alpha`, ...), the rank `group` (only rank 0's island talks to the syncer),
+    and, on rank 0, the metrics: ``OUT/metrics.jsonl`` (with TensorBoard scalars when
+    `report_to` names "tensorboard") and, with `live_progress`, ``OUT/progress.json``.
+    `on_sync()` returns the held-out loss, evaluated before each push; `guard` installs
+    the island's guard in the training loop (`Island.guard_updates`).
+
+    A run: `start()` joins; `begin(**fields)` writes the step-0 line (the training
+    rate counts from there); `step(loss_tokens, loss)` once per optimizer step, which
+    writes a line per push (a single island: one every `sync_every` steps) unless the
+    caller writes its own (`sync_lines=False`, `write`); `finish()`; `summary(...)`;
+    `close()`."""
+
+    def __init__(self, weights: Weights, client: Transport | None, *,
+                 group: Group | None = None, out: str | Path | None = None,
+                 report_to: str | tuple[str, ...] = (), sync_lines: bool = True,
+                 live_progress: bool = False, on_sync: Callable[[], float] | None = None,
+                 guard: Callable[[Callable[[], None]], bool] | None = None,
+                 **island_options):
+        self.weights, self.client = weights, client
+        self.group = group if group is not None else Solo()
+        self.out = Path(out) if out is not None else None
+        leader = self.group.leader
+        self.metrics = MetricsWriter(self.out, report_to) \
+            if leader and (self.out is not None or report_to) else None
+        self.live = LiveProgress(self.out) if live_progress and leader else None
+        self.sync_lines = sync_lines
+        if on_sync is not None:
+            on_sync = self.group.collective(on_sync)
+        self.island = Island(self.group.island_weights(weights), client=client,
+                             on_sync=on_sync, **island_options)
+        if guard is not None and leader:
+            self.island.guard_updates(guard)
+        self.steps = 0
+        self._t0 = time.perf_counter()
+
+    @classmethod
+    def for_config(cls, cfg: IslandConfig, weights: Weights, client: Transport | None, *,
+                   clock: Callable[[], float] = time.monotonic, **options) -> IslandDriver:
+        """The driver of an island program run with `cfg` (its output folder and sync
+        settings); `options` as the constructor's."""
+        return cls(weights, client, out=cfg.output, sync_every=cfg.sync_every,
+                   sync_every_seconds=cfg.sync_every_seconds, merge_alpha=cfg.merge_alpha,
+                   pipeline=cfg.pipeline, wire=cfg.wire, blocking=cfg.blocking_sync,
+                   clock=clock, **options)
+
+    @property
+    def version(self) -> int:
+        """Version of the merged weights the island builds on (-1 before joining)."""
+        return self.island.version
+
+    def start(self) -> None:
+        """Join the run and adopt its Θ (waits for the quorum; raises
+        `yeto.transport.Refused` when the syncer refuses the island); every rank of the
+        group then holds rank 0's weights."""
+        self.island.start()
+        self.group.share(True, self.weights)
+
+    def begin(self, **fields) -> None:
+        """The run's first metrics line: step 0 with `fields` (e.g. the held-out loss
+        before training) and the version joined. The training rate counts from here."""
+        self.write(dict(step=0, **fields, version=self.island.version, time=time.time()))
+        self._t0 = time.perf_counter()
+
+    def step(self, loss_tokens: int, loss: float | None = None, stopping: bool = False
+             ) -> bool:
+        """After one optimizer step of this rank's `loss_tokens` and training `loss`:
+        the island applies what arrived and pushes when due, the other ranks follow
+        (merged weights, the end of the run), and a metrics line is written at a push.
+        Returns True when the run is over (the final weights are loaded), or rank 0 is
+        `stopping`: rank 0 decides, so every rank leaves at the same step."""
+        group, island = self.group, self.island
+        self.steps += 1
+        loss_tokens = group.sum(int(loss_tokens))
+        pushes, versions = island.pushes, dict(island.versions)
+        done = island.after_step(loss_tokens, train_loss=loss) if group.leader else False
+        done = done or (stopping and group.leader)
+        if group.active:
+            done, applied = group.share(island.versions != versions, self.weights, done)
+            if applied and self.out is not None:
+                group.record_weights(self.out, self.steps, self.weights)
+        if self.sync_lines and (island.pushes != pushes or (
+                island.client is None and island.step % island.schedule.sync_every == 0)):
+            self.write(dict(step=island.step, train_loss=island.train_loss,
+                            eval_loss=island.eval_loss, version=island.version,
+                            loss_tokens=island.total_tokens,
+                            tokens_per_s=island.total_tokens / self.seconds(),
+                            time=time.time()))
+        if self.live is not None and loss is not None:
+            self.live.step(island.step, loss)
+        return done
+
+    def seconds(self) -> float:
+        """Seconds since `begin` (before it: since the driver was made)."""
+        return max(time.perf_counter() - self._t0, 1e-9)
+
+    def write(self, record: dict) -> None:
+        """Append `record` to the metrics (rank 0; nothing without an output)."""
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+    def finish(self) -> bool:
+        """Last push, then the final Θ (rank 0), which every rank then holds. Returns
+        True when the final weights arrived (the island is then bit-identical to the
+        syncer)."""
+        if self.group.leader:
+            self.island.finish()
+        self.group.share(True, self.weights)
+        if self.out is not None and self.group.active:  # every rank's final weights
+            self.group.record_weights(self.out, "final", self.weights)
+        return self.island.finished
+
+    def summary(self, eval_before: float, eval_after: float,
+                tokens_per_s: float | None = None) -> dict:
+        """The run's record: steps, the held-out loss before and after training, rounds,
+        pushes, traffic. `tokens_per_s`: the training rate (default: loss tokens per
+        second since `begin`)."""
+        island, client = self.island, self.client
+        if tokens_per_s is None:
+            tokens_per_s = island.total_tokens / self.seconds()
+        return dict(step=island.step, eval_loss=eval_after, eval_loss_before=eval_before,
+                    version=island.version, final=island.finished,
+                    loss_tokens=island.total_tokens, pushes=island.pushes,
+                    bytes_up=client.bytes_up if client else 0,
+                    bytes_down=client.bytes_down if client else 0,
+                    wait_s=client.wait_s if client else 0.0, ranks=self.group.world,
+                    tokens_per_s=tokens_per_s)
+
+    def exit_code(self, syncer: str | None, allow_solo: bool = False) -> int:
+        """Non-zero for a federated island that never joined a round: a run that never
+        federated must not look like success (unless `allow_solo`)."""
+        client = self.client
+        if client is None or self.island.versions:  # single island, a non-leader, or joined
+            return EXIT_OK
+        why = client.fatal or client.last_error or "no answer"
+        message = (f"this island never joined a round: the syncer at {syncer} was not "
+                   f"reached (last error: {why}). Check the address and that `python -m "
+                   "syncer` runs there")
+        if allow_solo:
+            log.warning("%s; it trained alone (--allow-solo)", message)
+            return EXIT_OK
+        log.error("%s; to train alone on purpose, pass --allow-solo", message)
+        return EXIT_NOT_FEDERATED
+
+    def leave(self) -> None:
+        """Leave the run without finishing (an error, Ctrl-C): the transport closes, and
+        the syncer sees the island go."""
+        if self.client is not None:
+            self.client.close()
+
+    def close(self) -> None:
+        """Close the metrics writer (TensorBoard's files)."""
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+class LiveProgress:
+    """OUT/progress.json: the island's step and training loss between its pushes, for
+    `yeto launch`'s view (metrics.jsonl has a line per sync). Rewritten at most every
+    `EVERY_S` seconds (the first step always), never fsynced: a reader may miss a step,
+    never see half a file."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, out: Path | None):
+        self.path = None if out is None else out / PROGRESS_FILE
+        self.last = -math.inf
+
+    def step(self, step: int, train_loss: float) -> None:
+        now = time.monotonic()
+        if self.path is None or now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        atomic_write(self.path, json.dumps(dict(step=step, train_loss=finite_or_none(
+            train_loss), time=time.time())), durable=False)
 
 
 @dataclass
@@ -111,7 +334,7 @@ class Inputs:
     provenance: dict
 
 
-# ---- the run ---------------------------------------------------------------------
+# ---- the island program ------------------------------------------------------------
 def run_island(cfg: IslandConfig, backend: Backend, connect=None,
                clock: Callable[[], float] = time.monotonic) -> int:
     """Run one island to the end; returns the process exit code. `connect(cfg, layout,
@@ -128,38 +351,32 @@ def run_island(cfg: IslandConfig, backend: Backend, connect=None,
     client = (connect or make_client)(cfg, weights.layout, backend,
                                       tokens_per_step=step_tokens(cfg, group)) \
         if group.leader else None
-    on_sync = _group(group).collective(lambda: evaluate(backend, cfg, inputs))
-    island = make_island(cfg, _group(group).island_weights(weights), client, on_sync, clock)
-    if group.leader:  # the guard before each optimizer step, where the backend has one
-        island.guard_updates(getattr(backend, "guard_updates", None))
+    driver = IslandDriver.for_config(cfg, weights, client, clock=clock, group=group,
+                                     live_progress=True, guard=backend.guard_updates,
+                                     on_sync=lambda: evaluate(backend, cfg, inputs))
     log.info("%d trainable tensors, %d parameters (%s, %s); %d training blocks, "
              "%d loss tokens%s", len(weights.layout.specs), weights.layout.numel, cfg.tuning,
              backend.describe(), len(inputs.train), inputs.train.loss_tokens,
              f"; {group.world} ranks" if group.active else "")
     with GracefulStop(on_first=_stopping) as stop:
         try:
-            island.start()
+            driver.start()
         except Refused as e:
             log.error("%s", e)
             return EXIT_NOT_FEDERATED
-        group.share(True, weights)
         before = leader_eval(backend, cfg, inputs)
-        write_metrics(cfg.output, dict(step=0, eval_loss=before, version=island.version,
-                                       time=time.time()), group)
-        tokens_per_s = train(cfg, backend, island, weights, inputs.train, stop)
-        if group.leader:
-            island.finish()
-        group.share(True, weights)
-        if cfg.output and group.active:  # every rank's final weights, for the record
-            group.record_weights(cfg.output, "final", weights)
+        driver.begin(eval_loss=before)
+        tokens_per_s = train(cfg, backend, driver, inputs.train, stop)
+        driver.finish()
     after = leader_eval(backend, cfg, inputs, before)
-    summary = summarize(island, client, group, before, after, tokens_per_s)
-    if cfg.output and (group.leader or _group(group).sharded):
-        save_outputs(cfg, backend, inputs, summary, group)
-    code = exit_code(cfg, island, client)
+    summary = driver.summary(before, after, tokens_per_s)
+    if cfg.output and (group.leader or group.sharded):
+        save_outputs(cfg, backend, inputs, summary, driver)
+    code = driver.exit_code(cfg.syncer, cfg.allow_solo)
+    driver.close()
     # the model goes before the process group it holds (FSDP): a group destroyed while
     # sharded tensors still use it made gloo abort the process at exit under load
-    del island, weights, on_sync
+    del driver, weights
     backend.release()
     gc.collect()
     group.close()
@@ -171,7 +388,7 @@ def _stopping(name: str) -> None:
                 name)
 
 
-def setup_logging(cfg: IslandConfig, group) -> None:
+def setup_logging(cfg: IslandConfig, group: Group) -> None:
     who = cfg.learner_id + (f"/{group.rank}" if group.active else "")
     logging.basicConfig(level=cfg.log_level.upper() if group.leader else "WARNING",
                         format=f"%(asctime)s {who} %(message)s", datefmt="%H:%M:%S")
@@ -268,98 +485,37 @@ def make_client(cfg: IslandConfig, layout: Layout, backend: Backend,
                    sync_every=0 if cfg.sync_every_seconds > 0 else cfg.sync_every)
 
 
-def make_island(cfg: IslandConfig, weights: Weights, client: Transport | None,
-                on_sync, clock: Callable[[], float] = time.monotonic) -> Island:
-    return Island(weights, client=client, sync_every=cfg.sync_every,
-                  sync_every_seconds=cfg.sync_every_seconds, merge_alpha=cfg.merge_alpha,
-                  pipeline=cfg.pipeline, wire=cfg.wire, blocking=cfg.blocking_sync,
-                  on_sync=on_sync, clock=clock)
-
-
-def _group(group):
-    """`group`, or Solo's sharding hooks for a group that predates them."""
-    return group if hasattr(group, "island_weights") else _Unsharded()
-
-
-class _Unsharded(Solo):
-    """The sharding hooks of a group without them (only these are used from it)."""
-
-
 # ---- training ----------------------------------------------------------------------
-def train(cfg: IslandConfig, backend: Backend, island: Island, weights: Weights, blocks,
+def train(cfg: IslandConfig, backend: Backend, driver: IslandDriver, blocks,
           stop: GracefulStop) -> float:
-    """The inner loop: one optimizer step per iteration, then the island's turn (apply
-    arrived weights, push when due). In a torchrun group only rank 0's island talks to
-    the syncer; merged weights reach the other ranks at the same step boundary.
-    Returns the island's training tokens per second (all ranks together)."""
+    """The inner loop: one optimizer step per iteration, then the island's turn
+    (`IslandDriver.step`: apply arrived weights, push when due). In a torchrun group
+    only rank 0's island talks to the syncer; merged weights reach the other ranks at
+    the same step boundary. Returns the island's training tokens per second (all ranks
+    together)."""
     from yeto.data import BatchSampler
 
     group = backend.group
     sampler = BatchSampler(blocks, cfg.batch_size, seed=cfg.seed + cfg.resolved_index())
     t0, seen = time.perf_counter(), 0
-    live = LiveProgress(cfg.output)
     with progress(cfg, f"{cfg.learner_id} ({backend.name})", group.leader) as bar:
-        for step in range(1, cfg.max_steps + 1):
+        for _ in range(cfg.max_steps):
             t_step = time.perf_counter()
             micro = [next(sampler) for _ in range(cfg.grad_accum)]
             loss, loss_tokens = backend.train_step(micro)
             seen += sum(mb[0].shape[0] * (mb[0].shape[1] - 1) for mb in micro)
             if cfg.slowdown > 1:  # a slower machine, simulated: stretch the step
                 time.sleep((cfg.slowdown - 1) * (time.perf_counter() - t_step))
-            # rank 0 decides when to stop (a signal, a non-finite loss), so every rank of
-            # a torchrun group leaves at the same step: their collectives stay matched
-            done = island_turn(cfg, island, group, weights, step, loss, loss_tokens, t0,
+            # rank 0 decides when to stop (a signal, a non-finite loss)
+            done = driver.step(loss_tokens, loss,
                                stopping=stop.is_set() or not math.isfinite(loss))
-            bar(loss, seen / (time.perf_counter() - t0), island.version)
-            if group.leader:
-                live.step(island.step, loss)
+            bar(loss, seen / (time.perf_counter() - t0), driver.version)
             if not math.isfinite(loss) and group.leader:
-                log.error("training loss is %s at step %d: lower --inner-lr", loss, island.step)
+                log.error("training loss is %s at step %d: lower --inner-lr", loss,
+                          driver.island.step)
             if done:
                 break
     return group.sum(seen) / (time.perf_counter() - t0)
-
-
-def island_turn(cfg: IslandConfig, island: Island, group, weights: Weights, step: int,
-                loss: float, loss_tokens: int, t0: float, stopping: bool = False) -> bool:
-    """After one step: the island applies and pushes; ranks follow; metrics at syncs.
-    Returns True when the run is over, or rank 0 is `stopping`."""
-    loss_tokens = group.sum(loss_tokens)
-    pushes, versions = island.pushes, dict(island.versions)
-    done = island.after_step(loss_tokens, train_loss=loss) if group.leader else False
-    done = done or (stopping and group.leader)
-    if group.active:
-        done, applied = group.share(island.versions != versions, weights, done)
-        if applied and cfg.output:
-            group.record_weights(cfg.output, step, weights)
-    if island.pushes != pushes or (island.client is None and island.step % cfg.sync_every == 0):
-        write_metrics(cfg.output, dict(
-            step=island.step, train_loss=loss, eval_loss=island.eval_loss,
-            version=island.version, loss_tokens=island.total_tokens,
-            tokens_per_s=island.total_tokens / (time.perf_counter() - t0),
-            time=time.time()), group)
-    return done
-
-
-class LiveProgress:
-    """OUT/progress.json: the island's step and training loss between its pushes, for
-    `yeto launch`'s view (metrics.jsonl has a line per sync). Rewritten at most every
-    `EVERY_S` seconds (the first step always), never fsynced: a reader may miss a step,
-    never see half a file."""
-
-    EVERY_S = 1.0
-
-    def __init__(self, out: Path | None):
-        self.path = None if out is None else out / PROGRESS_FILE
-        self.last = -math.inf
-
-    def step(self, step: int, train_loss: float) -> None:
-        now = time.monotonic()
-        if self.path is None or now - self.last < self.EVERY_S:
-            return
-        self.last = now
-        atomic_write(self.path, json.dumps(dict(step=step, train_loss=finite_or_none(
-            train_loss), time=time.time())), durable=False)
 
 
 class progress:
@@ -404,7 +560,7 @@ def leader_eval(backend: Backend, cfg: IslandConfig, inputs: Inputs,
     """The held-out loss on rank 0, logged (before training, or after with `before`).
     A sharded group evaluates on every rank (each forward needs them all)."""
     if not backend.group.leader:
-        if _group(backend.group).sharded and inputs.held_out is not None:
+        if backend.group.sharded and inputs.held_out is not None:
             evaluate(backend, cfg, inputs)
         return float("nan")
     if inputs.held_out is None:
@@ -419,52 +575,17 @@ def leader_eval(backend: Backend, cfg: IslandConfig, inputs: Inputs,
     return loss
 
 
-def summarize(island: Island, client: Transport | None, group, before: float, after: float,
-              tokens_per_s: float) -> dict:
-    return dict(step=island.step, eval_loss=after, eval_loss_before=before,
-                version=island.version, final=island.finished,
-                loss_tokens=island.total_tokens, pushes=island.pushes,
-                bytes_up=client.bytes_up if client else 0,
-                bytes_down=client.bytes_down if client else 0,
-                wait_s=client.wait_s if client else 0.0, ranks=group.world,
-                tokens_per_s=tokens_per_s)
-
-
 def save_outputs(cfg: IslandConfig, backend: Backend, inputs: Inputs, summary: dict,
-                 group=Solo()) -> None:
-    """Rank 0 saves the model and the run's records (every rank of a sharded group takes
-    part in gathering the model)."""
+                 driver: IslandDriver) -> None:
+    """Rank 0 saves the model and the run's records: the summary as the last metrics
+    line and as summary.json (every rank of a sharded group takes part in gathering
+    the model)."""
     from yeto.data.provenance import write_provenance
 
     saved = backend.save(cfg, cfg.output)
-    if not group.leader:
+    if not backend.group.leader:
         return
     write_provenance(saved, inputs.provenance)
-    write_metrics(cfg.output, summary)
+    driver.write(summary)
     atomic_write(cfg.output / "summary.json", json.dumps(summary, indent=2))
     log.info("saved to %s", cfg.output)
-
-
-def write_metrics(out: Path | None, record: dict, group=Solo()) -> None:
-    """Append one JSON line to OUT/metrics.jsonl (rank 0 only)."""
-    if out is None or not group.leader:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def exit_code(cfg: IslandConfig, island: Island, client: Transport | None) -> int:
-    """Non-zero for a federated island that never joined a round: a run that never
-    federated must not look like success (unless --allow-solo)."""
-    if client is None or island.versions:  # single island, a non-leader rank, or joined
-        return EXIT_OK
-    why = client.fatal or client.last_error or "no answer"
-    message = (f"this island never joined a round: the syncer at {cfg.syncer} was not "
-               f"reached (last error: {why}). Check the address and that `python -m syncer` "
-               "runs there")
-    if cfg.allow_solo:
-        log.warning("%s; it trained alone (--allow-solo)", message)
-        return EXIT_OK
-    log.error("%s; to train alone on purpose, pass --allow-solo", message)
-    return EXIT_NOT_FEDERATED

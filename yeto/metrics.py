@@ -1,9 +1,10 @@
 """Metrics: JSONL files and an optional TensorBoard writer.
 
-Every island writes ``<output>/metrics.jsonl`` (one JSON object per line: step,
-train_loss, eval_loss, version, ...); the syncer's tape (``<state-dir>/tape.jsonl``)
-holds one line per merge. `yeto.io.JsonlFollower` reads such a file as it grows,
-which is how `yeto launch`'s display and the dashboard keep up with a run.
+Every island writes ``<output>/metrics.jsonl`` through its `yeto.loop.IslandDriver`
+(one JSON object per line: step, train_loss, eval_loss, version, ...); the syncer's
+tape (``<state-dir>/tape.jsonl``) holds one line per merge. `yeto.io.JsonlFollower`
+reads such a file as it grows, which is how `yeto launch`'s display and the dashboard
+keep up with a run.
 
 `MetricsWriter` appends records to a JSONL file and, with
 ``report_to="tensorboard"``, also writes every numeric field as a TensorBoard
@@ -15,7 +16,6 @@ optional dependency: asking for it without the package installed raises
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from yeto.io import finite_or_none
@@ -81,8 +81,8 @@ class MetricsWriter:
             self._tb = tensorboard_writer_class()(log_dir=str(base))
 
     def write(self, record: dict, step: int | None = None) -> None:
-        record = dict(record)
-        record.setdefault("time", time.time())
+        """Append `record` as one JSON line; its numeric fields become TensorBoard
+        scalars at `step` (default: the record's own "step")."""
         if self.jsonl:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.mlx
 
 SUMMARY_KEYS = {"step", "eval_loss", "eval_loss_before", "version", "final", "loss_tokens",
                 "pushes", "bytes_up", "bytes_down", "wait_s", "ranks",
-                "tokens_per_s"}  # yeto.loop.summarize, the same for both backends
+                "tokens_per_s"}  # IslandDriver.summary, the same for both backends
 
 
 IDS = np.arange(5, 69, dtype=np.int32).reshape(2, 32)

@@ -55,14 +55,14 @@ Importing this module imports neither torch, transformers nor mlx.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from yeto.io import finite_or_none
-from yeto.island import Island
+from yeto.island import Island, Weights
+from yeto.loop import IslandDriver
+from yeto.transport import Transport
 
 log = logging.getLogger("yeto.interop.integrations")
 
@@ -82,52 +82,54 @@ def count_loss_tokens(labels, ignore_index: int = IGNORE_INDEX, shifted: bool = 
 
 
 class _Base:
-    """What the torch and MLX helpers share: the Island, counters, metrics."""
+    """What the torch and MLX helpers share: the island's `yeto.loop.IslandDriver` over
+    the model's weights, driven one optimizer step at a time by the caller's loop."""
 
     backend = "numpy"
 
-    def _setup(self, weights, weights_file: str, files: dict[str, str], syncer: str | None, *,
-               learner_id: str = "island-0", sync_every: int = 50,
+    def _setup(self, weights: Weights, weights_file: str, files: dict[str, str],
+               syncer: str | None, *, learner_id: str = "island-0", sync_every: int = 50,
                sync_every_seconds: float = 0.0, wire: str = "q4", token: str | None = None,
                tls=None, eval_fn=None, blocking: bool = False,
-               output_dir: str | Path | None = None, report_to=None,
-               connect_grace_s: float = 5.0, start: bool = True, **island_options):
+               output_dir: str | Path | None = None, report_to=None, start: bool = True,
+               guard=None, **island_options):
         """The options both helpers take (documented on `DiLoCo`), in one place."""
-        self.learner_id = learner_id
-        layout = self.layout = weights.layout
         from yeto.client import connect
 
-        self.client = connect(syncer, learner_id, layout, token=token, backend=self.backend,
-                              weights_file=weights_file, export_files=files, tls=tls,
-                              sync_every=0 if sync_every_seconds > 0 else sync_every)
+        self.learner_id = learner_id
+        self.layout = weights.layout
+        client = connect(syncer, learner_id, weights.layout, token=token, backend=self.backend,
+                         weights_file=weights_file, export_files=files, tls=tls,
+                         sync_every=0 if sync_every_seconds > 0 else sync_every)
         self.eval_fn = eval_fn
-        # range access when the weights have it: the island works chunk by chunk
-        self.island = Island(weights, client=self.client, sync_every=sync_every,
-                             sync_every_seconds=sync_every_seconds, wire=wire,
-                             blocking=blocking, on_sync=eval_fn,
-                             connect_grace_s=connect_grace_s, **island_options)
-        self.output_dir = Path(output_dir) if output_dir is not None else None
-        self.metrics = None
-        if self.output_dir is not None or report_to:
-            from yeto.metrics import MetricsWriter
-
-            self.metrics = MetricsWriter(self.output_dir, report_to or ())
+        self.driver = IslandDriver(weights, client, out=output_dir, report_to=report_to or (),
+                                   on_sync=eval_fn, guard=guard, sync_every=sync_every,
+                                   sync_every_seconds=sync_every_seconds, wire=wire,
+                                   blocking=blocking, **island_options)
+        self.output_dir = self.driver.out
         self.started = self.finished = False
-        self._t0: float | None = None
-        self._last_version = -1
+        self.eval_before = float("nan")
         if start:
             self.start()
+
+    @property
+    def island(self) -> Island:
+        """The island (`yeto.island.Island`) over the model's trainable weights."""
+        return self.driver.island
+
+    @property
+    def client(self) -> Transport | None:
+        """The connection to the syncer (None: training alone)."""
+        return self.driver.client
 
     def start(self) -> None:
         """Join the run and load its Θ into the model (waits for the quorum)."""
         if self.started:
             return
-        self.island.start()
+        self.driver.start()
         self.started = True
-        self._last_version = self.island.version
-        self._t0 = time.perf_counter()
-        before = float(self.eval_fn()) if self.eval_fn is not None else None
-        self._write(dict(step=0, eval_loss=before, version=self.island.version))
+        self.eval_before = float(self.eval_fn()) if self.eval_fn is not None else float("nan")
+        self.driver.begin(eval_loss=self.eval_before)
 
     def step(self, loss_tokens, loss: float | None = None) -> bool:
         """Once per optimizer step. ``loss_tokens``: an int, or the batch's labels.
@@ -138,16 +140,7 @@ class _Base:
             loss_tokens = count_loss_tokens(loss_tokens)
         if loss is not None and hasattr(loss, "item"):
             loss = loss.item()
-        done = self.island.after_step(int(loss_tokens), train_loss=loss)
-        isl = self.island
-        if isl.version != self._last_version or done:
-            self._last_version = isl.version
-            elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
-            self._write(dict(step=isl.step, train_loss=finite_or_none(isl.train_loss),
-                             eval_loss=finite_or_none(isl.eval_loss), version=isl.version,
-                             loss_tokens=isl.total_tokens,
-                             tokens_per_s=isl.total_tokens / elapsed if elapsed > 0 else None))
-        return done
+        return self.driver.step(int(loss_tokens), loss)
 
     def finish(self) -> bool:
         """Last push, then the final Θ (the model then holds the syncer's final
@@ -155,25 +148,15 @@ class _Base:
         if self.finished:
             return self.island.finished
         self.finished = True
-        got = self.island.finish() if self.started else False
-        isl = self.island
-        c = self.client
-        self._write(dict(step=isl.step, version=isl.version, final=got,
-                         loss_tokens=isl.total_tokens, pushes=isl.pushes,
-                         bytes_up=c.bytes_up if c else 0, bytes_down=c.bytes_down if c else 0))
-        if self.metrics is not None:
-            self.metrics.close()
+        got = self.driver.finish() if self.started else False
+        self.driver.write(self.driver.summary(self.eval_before, self.island.eval_loss))
+        self.driver.close()
         return got
 
     @property
     def version(self) -> int:
         """Version of the merged weights the model builds on (-1 before joining)."""
-        return self.island.version
-
-    def _write(self, record: dict) -> None:
-        if self.metrics is not None:
-            self.metrics.write({k: v for k, v in record.items() if v is not None},
-                               step=record.get("step"))
+        return self.driver.version
 
     def __enter__(self):
         if not self.started:
@@ -183,8 +166,8 @@ class _Base:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.finish()
-        elif self.client is not None:  # an error or Ctrl-C: leave the run without waiting
-            self.client.close()        # for it to end (the syncer sees the island go)
+        else:  # an error or Ctrl-C: leave the run without waiting for it to end
+            self.driver.leave()
         return False
 
 
@@ -221,9 +204,9 @@ class DiLoCo(_Base):
             raise ValueError("the model has no trainable parameters (requires_grad=True): "
                              "attach LoRA first (e.g. peft.get_peft_model) or unfreeze weights")
         weights_file, files = _torch_export_files(model, self.tuning)
-        self._setup(self.weights, weights_file, files, syncer, **options)
-        if optimizer is not None:
-            self.island.guard_updates(lambda guard: guard_optimizer(optimizer, guard))
+        guard = (lambda before_update: guard_optimizer(optimizer, before_update)) \
+            if optimizer is not None else None
+        self._setup(self.weights, weights_file, files, syncer, guard=guard, **options)
 
 
 def _is_peft(model) -> bool:

@@ -1,12 +1,13 @@
 """`run_grpo(cfg, rl)`: a GRPO island from start to end, on the island machinery.
 
 The pieces are the SFT island's (`yeto.loop`): logging, the gRPC client
-(`make_client`), `yeto.island.Island` (`make_island`: join, pushes every H steps,
-merged Θ applied at step boundaries, finish, final weights), the clean stop on
-SIGINT/SIGTERM, metrics lines, and the exit codes; the model, LoRA, optimizer and
-saving are the island backend's (`--backend`: `yeto.torch.learner.TorchBackend`, or
-`yeto.mlx.learner.MLXBackend`, which imports no torch). The step is
-`GRPOTrainer.step`, its backend part a `yeto.rl.trainer.Policy`.
+(`make_client`), the island driver (`IslandDriver`: join, pushes every H steps,
+merged Θ applied at step boundaries, finish, final weights, the metrics file), the
+clean stop on SIGINT/SIGTERM, and the exit codes; the model, LoRA, optimizer and
+saving are the island backend's (`--backend`, `yeto.backends`:
+`yeto.torch.learner.TorchBackend`, or `yeto.mlx.learner.MLXBackend`, which imports
+no torch). The step is `GRPOTrainer.step`, its backend part a
+`yeto.rl.trainer.Policy`; its metrics line is written every step.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from yeto.config import IslandConfig
 from yeto.loop import (
     EXIT_BAD_INPUT,
     EXIT_NOT_FEDERATED,
+    IslandDriver,
     Solo,
-    exit_code,
     make_client,
-    make_island,
     setup_logging,
-    write_metrics,
 )
 from yeto.rl.overlap import StaleRollouts
 from yeto.rl.pool import NoNodes
@@ -129,13 +128,14 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
         return EXIT_BAD_INPUT
     trainer, weights = parts.trainer, parts.weights
     client = make_client(cfg, weights.layout, parts.backend, regime="rl")
-    island = make_island(cfg, weights, client, trainer.on_sync)
+    driver = IslandDriver.for_config(cfg, weights, client, on_sync=trainer.on_sync,
+                                     sync_lines=False)
     log.info("GRPO island: %d prompts, G=%d x %d prompts per step, %d nodes, %d LoRA "
              "parameters", len(trainer.prompts), rl.group_size, rl.prompts_per_step,
              len(trainer.pool.nodes), weights.layout.numel)
     with GracefulStop(on_first=lambda n: log.warning("%s: stopping after this step", n)) as stop:
         try:
-            island.start()
+            driver.start()
         except Refused as e:
             log.error("%s", e)
             return EXIT_NOT_FEDERATED
@@ -143,24 +143,23 @@ def run_grpo(cfg: IslandConfig, rl: RLConfig) -> int:
             parts.updater.update(0)  # the nodes start from the trainer's weights
         before = trainer.evaluate()
         log.info("held-out reward before training: %.4f", before)
-        write_metrics(cfg.output, dict(step=0, eval_reward=finite(before),
-                                       version=island.version, time=time.time()))
-        history, failure = train(cfg, trainer, island, stop, parts.updater)
-        if client is not None:
-            island.finish()
+        driver.begin(eval_reward=finite(before))
+        history, failure = train(cfg, trainer, driver, stop, parts.updater)
+        driver.finish()
     after = trainer.evaluate()
     log.info("held-out reward after training: %.4f (before %.4f)", after, before)
-    summary = summarize(cfg, rl, island, client, trainer, history, before, after, t_start)
+    summary = summarize(cfg, rl, driver, trainer, history, before, after, t_start)
     if cfg.output:
         save(cfg, parts, summary)
     trainer.sampler.close()
     trainer.pool.close()
+    driver.close()
     if failure:
         return EXIT_NO_ROLLOUTS
-    return exit_code(cfg, island, client)
+    return driver.exit_code(cfg.syncer, cfg.allow_solo)
 
 
-def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop, updater=None
+def train(cfg: IslandConfig, trainer: GRPOTrainer, driver: IslandDriver, stop, updater=None
           ) -> tuple[list[dict], str]:
     """The inner loop: a GRPO step, then the island's turn (apply merged Θ, push when
     due, which evaluates), then with --update-nodes the nodes' weights; one metrics line
@@ -172,29 +171,31 @@ def train(cfg: IslandConfig, trainer: GRPOTrainer, island, stop, updater=None
         try:
             # staleness counts versions of the sampling weights: Θ's commits for nodes
             # that observe the syncer, the trainer's updates for nodes it keeps current
-            m = trainer.step(step, island.version if updater is None else updater.updates)
-            done = island.after_step(m["tokens"], train_loss=m["loss"])
+            m = trainer.step(step, driver.version if updater is None else updater.updates)
+            done = driver.step(m["tokens"], m["loss"], stopping=stop.is_set())
             if updater is not None and step % cfg.sync_every == 0 and step < cfg.max_steps \
-                    and not (done or stop.is_set()):
+                    and not done:
                 updater.update(step)  # the weights as of now: merged Θ included
         except (NoNodes, StaleRollouts) as e:
             log.error("%s; stopping: what was trained is saved", e)
             return history, str(e)
-        m.update(version=island.version, eval_reward=finite(trainer.eval_reward),
-                 pushes=island.pushes, time=time.time())
+        m.update(version=driver.version, eval_reward=finite(trainer.eval_reward),
+                 pushes=driver.island.pushes, time=time.time())
         if updater is not None:  # how many trainer updates each node is behind
             m["node_lag"] = {n.url: n.wanted - n.served for n in trainer.pool.nodes}
-        write_metrics(cfg.output, m)
+        driver.write(m)
         history.append(m)
         log.info("step %d: reward %.3f, staleness %s, logprob gap %.2e, loss %.4f, version %d",
                  step, m["reward"], m["staleness"], m.get("logprob_gap", 0.0), m["loss"],
-                 island.version)
-        if done or stop.is_set():
+                 driver.version)
+        if done:
             break
     return history, ""
 
 
-def summarize(cfg, rl, island, client, trainer, history, before, after, t_start) -> dict:
+def summarize(cfg: IslandConfig, rl: RLConfig, driver: IslandDriver, trainer: GRPOTrainer,
+              history: list[dict], before: float, after: float, t_start: float) -> dict:
+    island, client = driver.island, driver.client
     stale = [m["staleness"] for m in history if m["staleness"] is not None]
     gaps = [m["logprob_gap"] for m in history if "logprob_gap" in m]
     return dict(

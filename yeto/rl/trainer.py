@@ -1,10 +1,10 @@
 """The GRPO island: an island whose inner step samples from rollout nodes and trains
 on rewards (`python -m yeto.rl`).
 
-It is an ordinary island: the island machinery (`yeto.island.Island` through
-`yeto.loop.make_client` / `make_island`: join, push every H steps, apply merged Θ,
-finish) and the backend (model, LoRA, AdamW, saving: `yeto.torch.learner.TorchBackend`
-or `yeto.mlx.learner.MLXBackend`, `--backend`) are the SFT island's. Only the step
+It is an ordinary island: the island machinery (`yeto.loop.IslandDriver` over
+`yeto.island.Island`: join, push every H steps, apply merged Θ, finish) and the
+backend (model, LoRA, AdamW, saving: `yeto.torch.learner.TorchBackend` or
+`yeto.mlx.learner.MLXBackend`, `--backend`) are the SFT island's. Only the step
 differs:
 
 1. the next P prompts go to the rollout nodes, G completions each, groups whole
