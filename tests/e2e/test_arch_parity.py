@@ -132,7 +132,7 @@ _PLANS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(_PLANS))
 def test_layer_plans_decode_through_their_caches(arch, tmp_path):
-    """A layer plan yeto builds (yeto.mlx.layer_plan, layer_kinds) decodes token by token
+    """A layer plan yeto builds (yeto.mlx.models.llama4, layer_kinds) decodes token by token
     through the model's own caches (make_cache: a cache of each layer's kind) to the
     logits of one forward pass over the whole sequence, past a chunk boundary."""
     import mlx.core as mx

@@ -100,7 +100,7 @@ OTHER_CONFIGS = {
         "short_factor": [1.0 + 0.05 * i for i in range(8)],
         "long_factor": [1.5 + 0.1 * i for i in range(8)]}},
     # values v_head_dim (16) wide, not hidden / heads (8), and a tied head, which mlx-lm's
-    # minicpm3.py builds otherwise (yeto.mlx.minicpm3)
+    # minicpm3.py builds otherwise (yeto.mlx.models.minicpm3)
     "minicpm3": {"hidden_size": 64, "num_attention_heads": 8, "tie_word_embeddings": True},
     # a head tied to the embedding with a bias of its own (transformers' lm_head.bias),
     # where mlx-lm's ernie4_5_moe.py computes the tied head without one (yeto.mlx.structure)

@@ -376,7 +376,7 @@ def test_exact_rope_is_transformers_rotary(kind, length):
 def test_minicpm3_values_and_tied_head_as_transformers_builds_them():
     """mlx-lm's minicpm3.py makes values hidden / heads wide (here 8, the config says 16)
     and skips the division by hidden_size / dim_model_base before a tied head
-    (yeto.mlx.minicpm3)."""
+    (yeto.mlx.models.minicpm3)."""
     model = _mlx_model("minicpm3", hidden_size=64, num_attention_heads=8,
                        tie_word_embeddings=True)
     attn = model.model.layers[0].self_attn

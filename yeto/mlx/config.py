@@ -352,8 +352,8 @@ def _periodic(have: dict, fields: dict, out: dict, args_cls) -> None:
 
 def _llama4_layers(have: dict, args_cls) -> None:
     """mlx_lm/models/llama4.py hard-codes Llama 4's layer plan, which
-    `layer_plan.follow_config` replaces by the config's ``no_rope_layers`` (1 = rotate)
-    and ``layer_types``: each list must give one known kind per layer."""
+    `yeto.mlx.models.llama4.follow_config` replaces by the config's ``no_rope_layers``
+    (1 = rotate) and ``layer_types``: each list must give one known kind per layer."""
     n = have.get("num_hidden_layers")
     for key, kinds in (("no_rope_layers", (0, 1)),
                        ("layer_types", ("chunked_attention", "full_attention"))):

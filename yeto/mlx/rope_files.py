@@ -84,8 +84,8 @@ def layouts_recorded():
     drops ``traditional``, so an MLA file's interleaved pairs (deepseek_v3.py,
     longcat_flash.py: ``traditional=True``) would be rotated as halves. The model
     files' own references to the function are swapped for the recording one and put
-    back after. Layers yeto builds again (`yeto.mlx.layer_kinds`, `yeto.mlx.layer_plan`)
-    are built inside it too."""
+    back after. Layers yeto builds again (`yeto.mlx.layer_kinds`,
+    `yeto.mlx.models.llama4`) are built inside it too."""
     from mlx_lm.models import rope_utils
 
     original = rope_utils.initialize_rope
