@@ -149,11 +149,12 @@ class Transport(Protocol):
     rejoin), `acked_seq` (newest push seq the syncer holds, from the last join),
     `fatal` (a refusal that ends the island's part in the run, else None),
     `last_error` (the most recent connection error, for messages), and the counters
-    `bytes_up`, `bytes_down`, `wait_s`.
+    `bytes_up`, `bytes_down`, `wait_s`. `background_pushes`: True when pushes go out
+    on a thread of the transport's own (the island then encodes them in the background
+    too; default False).
 
-    Optional: `stream_broadcasts()`. A transport that has it, once the island has
-    called it, may hand large broadcasts over as `ThetaStream`s (applied as they
-    arrive) instead of whole arrays.
+    Implementations subclass `Transport`, which gives them the defaults of
+    `background_pushes` and `stream_broadcasts`.
     """
 
     address: str
@@ -166,6 +167,11 @@ class Transport(Protocol):
     bytes_up: int
     bytes_down: int
     wait_s: float
+    background_pushes: bool = False
+
+    def stream_broadcasts(self) -> None:
+        """From now on large broadcasts may be handed over as `ThetaStream`s (applied as
+        they arrive) instead of whole arrays. Default: whole arrays only."""
 
     def start(self, initial: np.ndarray) -> None:
         """Join in the background; `initial` seeds Θ if the syncer asks for it."""

@@ -8,7 +8,7 @@ from support import make_client
 
 from yeto import codec
 from yeto.island import Weights
-from yeto.transport import PushReply, Received, Refused, ThetaStream
+from yeto.transport import PushReply, Received, Refused, ThetaStream, Transport
 
 OUTER_LR = 0.7
 
@@ -43,7 +43,7 @@ class RangedWeights(FlatWeights):
 
 
 # ---- an in-memory syncer -------------------------------------------------------------
-class FakeSyncer:
+class FakeSyncer(Transport):
     """The Transport interface over a scripted syncer: Θ ← Θ − lr·decoded per push, the
     broadcast arriving `delay` steps later (at once to a waiting island); pushes whose seq
     is in `refuse` are refused. Records every payload."""

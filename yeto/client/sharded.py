@@ -17,7 +17,7 @@ import numpy as np
 from yeto.client.syncer_client import SyncerClient
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
-from yeto.transport import Received
+from yeto.transport import Received, Transport
 
 POLL_S = 0.05  # a wait on several shards looks at each this often
 
@@ -40,7 +40,7 @@ class AllSet:
         return True
 
 
-class ShardedClient:
+class ShardedClient(Transport):
     """`yeto.transport.Transport` over one `SyncerClient` per shard."""
 
     def __init__(self, syncer: str, learner_id: str, layout: Layout, **options):

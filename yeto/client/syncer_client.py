@@ -22,10 +22,10 @@ from yeto.client.receiver import BroadcastReceiver
 from yeto.client.sender import PushSender
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
-from yeto.transport import Received
+from yeto.transport import Received, Transport
 
 
-class SyncerClient:
+class SyncerClient(Transport):
     """The gRPC implementation of `yeto.transport.Transport`: `connection` (what the
     last join said), `receiver` (broadcasts in), `sender` (pushes out)."""
 

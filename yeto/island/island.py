@@ -60,7 +60,7 @@ class Island:
         self.schedule = Schedule(sync_every, sync_every_seconds, clock)
         self.blocking, self.pipeline = blocking, max(1, pipeline)
         if overlap is None:
-            overlap = bool(getattr(client, "background_pushes", False))
+            overlap = client is not None and client.background_pushes
         self.overlapped = bool(overlap and client is not None)
         self.executor = (ThreadPoolExecutor(1, thread_name_prefix="yeto-push-encode")
                          if self.overlapped else Inline())
@@ -100,8 +100,7 @@ class Island:
         if self.client is None:
             return
         self.encoder.anchor = self.passes.read_all(self.layout.numel, self.encoder.chunk)
-        if hasattr(self.client, "stream_broadcasts"):
-            self.client.stream_broadcasts()
+        self.client.stream_broadcasts()
         self.client.start(self.encoder.anchor)
         self._wait_for_theta()
         self.schedule.restart()
