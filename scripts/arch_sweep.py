@@ -19,10 +19,10 @@ builds and runs.
 One row per architecture (per variant): ``ok`` with max |dlogit| and max |logit|, or
 why not, with whose problem it is:
 
-  ours/config    the config or weight translation of yeto.mlx.shims (mlx-lm cannot
-                 build or load the model)
-  mlx-lm         (also) a config mlx-lm cannot represent, refused by yeto.mlx.shims
-                 with the field and value (UnsupportedConfig)
+  ours/config    the config or weight translation of yeto.mlx (config, checkpoint,
+                 load, models: mlx-lm cannot build or load the model)
+  mlx-lm         (also) a config mlx-lm cannot represent, refused by yeto.mlx.config
+                 or yeto.mlx.load with the field and value (UnsupportedConfig)
   ours/targets   LoRA target selection or canonical names (yeto.targets, yeto.mlx)
   ours/logits    names agree, the base models' logits do not (not yet explained)
   ours/?         the check timed out or crashed its worker
@@ -294,7 +294,7 @@ def classify(row: dict) -> dict:
     reason = f"{stage}: {row.get('error', '')}"
     known = KNOWN.get(arch)
     if "UnsupportedConfig" in row.get("error", ""):
-        owner = "mlx-lm"  # refused by yeto.mlx.shims: the message names field and value
+        owner = "mlx-lm"  # refused by yeto.mlx: the message names field and value
     elif known is not None and (known[1] == stage or {known[1], stage} <= {"logits", "adapter"}):
         owner, _, why = known
         reason = f"{why} [{reason}]"

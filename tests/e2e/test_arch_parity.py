@@ -138,7 +138,7 @@ def test_layer_plans_decode_through_their_caches(arch, tmp_path):
     import mlx.core as mx
     import numpy as np
 
-    from yeto.mlx.shims import load_model
+    from yeto.mlx.load import load_model
 
     model, _ = load_model(archs.tiny_model(arch, tmp_path / arch, overrides=_PLANS[arch]))
     ids = mx.array([[3, 5, 7, 9, 11, 13, 15, 17, 19, 21]])
@@ -158,7 +158,7 @@ def test_llama4_plan_with_packed_documents(tmp_path):
     import numpy as np
 
     from yeto.mlx.learner import document_mask, logits_of
-    from yeto.mlx.shims import load_model
+    from yeto.mlx.load import load_model
 
     model, _ = load_model(archs.tiny_model("llama4", tmp_path / "m", overrides=_PLANS["llama4"]))
     ids = mx.array([[3, 5, 7, 9, 11, 13, 15, 17, 19, 21]])

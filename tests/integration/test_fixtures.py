@@ -149,7 +149,7 @@ def test_smollm2_weights_load_in_transformers(smollm2):
 def test_smollm2_loads_in_mlx_with_matching_logits(smollm2):
     mx = pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
-    from yeto.mlx.shims import load_model
+    from yeto.mlx.load import load_model
 
     mlx_model, _ = load_model(smollm2)
     ids = AutoTokenizer.from_pretrained(smollm2)("def f(x): return x")["input_ids"]

@@ -19,7 +19,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto
 import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from yeto.mlx.shims import load_model as shim_load_model  # noqa: E402
+from yeto.mlx.load import load_model as shim_load_model  # noqa: E402
 from yeto.testing.tiny import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.mlx

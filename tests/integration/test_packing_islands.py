@@ -19,7 +19,7 @@ def test_islands_agree_on_a_packed_block_with_chunks(tmp_path):
 
     from yeto.data import attention_mask
     from yeto.mlx.learner import logits_of
-    from yeto.mlx.shims import load_model
+    from yeto.mlx.load import load_model
 
     path = archs.tiny_model("llama4", tmp_path / "m", overrides=LLAMA4)
     torch_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -288,7 +288,7 @@ def test_lora_weights_view_of_an_mlx_lm_model(llama_dir):
     names and shapes, its lora_a/lora_b transposed bit for bit, the dtype kept."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from yeto.mlx.shims import load_model
+    from yeto.mlx.load import load_model
 
     model, _ = load_model(llama_dir)
     model.freeze()

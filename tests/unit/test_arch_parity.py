@@ -103,11 +103,11 @@ def test_activation_sites_name_one_hard_coded_call():
 
 
 def _mlx_model(arch: str, **overrides):
-    from yeto.mlx.shims import _classes
+    from yeto.mlx.load import model_classes
 
     cfg = _tiny_config(arch, **overrides)
     cfg = {**cfg, **config_overrides(cfg)}
-    build, args_cls = _classes(cfg)
+    build, args_cls = model_classes(cfg)
     return build(args_cls.from_dict(cfg))
 
 
@@ -172,7 +172,7 @@ def test_llama4_layers_follow_the_config(tmp_path):
     from mlx_lm.utils import load_config
 
     from yeto.mlx.errors import UnsupportedConfig
-    from yeto.mlx.shims import _classes
+    from yeto.mlx.load import model_classes
 
     text = {"num_hidden_layers": 3, "no_rope_layers": [0, 1, 1], "moe_layers": [1],
             "layer_types": ["full_attention", "chunked_attention", "full_attention"]}
@@ -180,7 +180,7 @@ def test_llama4_layers_follow_the_config(tmp_path):
     archs.tiny_config("llama4", {"text_config": text}).text_config.save_pretrained(tmp_path)
     cfg = load_config(tmp_path)
     cfg = {**cfg, **config_overrides(cfg)}
-    build, args_cls = _classes(cfg)
+    build, args_cls = model_classes(cfg)
     model = build(args_cls.from_dict(cfg))
     assert [x.self_attn.use_rope for x in model.layers] == [0, 1, 1]
     assert [type(c).__name__ for c in model.make_cache()] == ["KVCache", "ChunkedKVCache",

@@ -405,7 +405,7 @@ VERIFY_TOL = 1e-4  # relative: float32 noise over a few dozen layers stays far b
 def load_with_mlx_lm_adapter(base_model: str | Path, mlx_dir: str | Path, plain: bool = True):
     """The base model with the mlx-lm adapter in float32. `plain`: exactly what a user's
     ``mlx_lm.load(base_model, adapter_path=mlx_dir)`` computes; else through yeto's
-    config translation (`yeto.mlx.shims.load_model`, what the MLX island loads)."""
+    config translation (`yeto.mlx.load.load_model`, what the MLX island loads)."""
     import mlx.core as mx
 
     if plain:
@@ -416,7 +416,7 @@ def load_with_mlx_lm_adapter(base_model: str | Path, mlx_dir: str | Path, plain:
     else:
         from mlx_lm.tuner.utils import load_adapters
 
-        from yeto.mlx.shims import load_model
+        from yeto.mlx.load import load_model
 
         model = load_adapters(load_model(base_model)[0], str(mlx_dir))
     model.eval()

@@ -172,8 +172,8 @@ def mlx_lora(model_dir: str | Path, r: int, alpha: float, targets: str, *, lazy:
     """(mlx model, LoRAWeights) as the MLX island builds them."""
     from yeto.mlx.hf_paths import hf_weight_names
     from yeto.mlx.learner import build_lora_model
+    from yeto.mlx.load import load_model, read_config, resolve_model_dir
     from yeto.mlx.lora import LoRAWeights, attach_lora
-    from yeto.mlx.shims import load_model, read_config, resolve_model_dir
 
     model_dir = resolve_model_dir(model_dir)
     config = read_config(model_dir)
@@ -208,7 +208,7 @@ def names(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = 
           mlx_r: int | None = None, mlx_targets: str | None = None) -> Report:
     """Canonical names, shapes and order of both islands' trainable tensors, from
     shapes only (meta-device torch model, lazily loaded MLX model)."""
-    from yeto.mlx.shims import resolve_model_dir
+    from yeto.mlx.load import resolve_model_dir
 
     model_dir = resolve_model_dir(model_dir)
     _, tw = torch_lora(model_dir, r, alpha, targets, meta=True)
@@ -430,7 +430,7 @@ def check(model_dir: str | Path, r: int = 16, alpha: float = 32, targets: str = 
             report.notes.append("logits not compared: the two islands are configured "
                                 "differently")
         return report
-    from yeto.mlx.shims import resolve_model_dir
+    from yeto.mlx.load import resolve_model_dir
 
     model_dir = resolve_model_dir(model_dir)
     if numeric_layers is None and checkpoint_bytes(model_dir) > max_full_bytes:

@@ -228,7 +228,7 @@ def model_experts(model_dir) -> tuple[dict[str, Fused], dict[str, str]]:
     """`fused_experts` of the mlx-lm model in ``model_dir`` (loaded lazily: shapes
     and the marker trace only)."""
     from yeto.mlx.hf_paths import HFPaths, hf_weight_names
-    from yeto.mlx.shims import load_model, read_config
+    from yeto.mlx.load import load_model, read_config
 
     model, _ = load_model(model_dir, lazy=True)
     return fused_experts(model, HFPaths(model, hf_weight_names(model_dir), read_config(model_dir)))

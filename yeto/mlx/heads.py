@@ -37,7 +37,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from yeto.mlx.errors import UnsupportedConfig
+from yeto.mlx.errors import UnsupportedConfig, mlx_file
 
 # mlx-lm files that raise unless num_attention_heads x head_dim = hidden_size
 _NARROW_FIRST = {"cohere2"}
@@ -77,11 +77,6 @@ def transformers_head_dim(config: dict[str, Any], hf) -> int | None:
     return None
 
 
-def _where(model_or_cls) -> str:
-    module = getattr(model_or_cls, "__module__", "mlx_lm")
-    return f"mlx-lm's {module.rsplit('.', 1)[-1]}.py"
-
-
 def build(model_cls, args, config: dict[str, Any]):
     """``model_cls(args)``; a file in `_NARROW_FIRST` is built with head_dim =
     hidden_size // heads (so are layers rebuilt from the model's arguments before
@@ -92,7 +87,7 @@ def build(model_cls, args, config: dict[str, Any]):
     hd, hidden, heads, _ = s
     if hidden % heads:
         raise UnsupportedConfig(
-            f"head_dim={hd}: {_where(model_cls)} builds its attention only where "
+            f"head_dim={hd}: {mlx_file(model_cls)} builds its attention only where "
             f"num_attention_heads x head_dim = hidden_size, and hidden_size={hidden} is not "
             f"a multiple of num_attention_heads={heads} to build it narrower first")
     args.head_dim = hidden // heads  # the config's again once `fit_heads` has widened
@@ -130,7 +125,7 @@ def fit_heads(model, args, config: dict[str, Any]) -> list[str]:
         _restore(model, args, hd, hidden // heads)
     if not reads and not fitted and hd * heads != hidden:
         raise UnsupportedConfig(
-            f"head_dim={hd}: {_where(model)} builds its attention {hidden // heads} wide per "
+            f"head_dim={hd}: {mlx_file(model)} builds its attention {hidden // heads} wide per "
             f"head (hidden_size // num_attention_heads = {hidden} // {heads}) in a form yeto "
             "cannot widen (it widens q_proj, k_proj, v_proj and o_proj linears)")
     return done
@@ -165,7 +160,7 @@ def _project(attn, hd: int, heads: int, kv: int) -> None:
     """``attn``'s q/k/v/o projections for ``heads`` queries and ``kv`` key/value heads
     ``hd`` wide (same input and output widths, same biases); those already that wide
     are kept."""
-    where = _where(type(attn))
+    where = mlx_file(type(attn))
     out_name = next((n for n in _OUT_NAMES if n in attn), _OUT_NAMES[0])
     q, k, v, o = (_linear(attn, n, where) for n in ("q_proj", "k_proj", "v_proj", out_name))
     hidden = q.weight.shape[1]
@@ -181,7 +176,7 @@ def _widen(attn, hd: int, heads: int, kv: int, config: dict[str, Any], args,
     """``attn``'s projections, head_dim, scale and RoPE at head width ``hd``; its
     key/value heads stay as built unless ``free_kv`` (its call reshapes them as the
     config says)."""
-    old, where, name = attn.head_dim, _where(type(attn)), type(attn).__name__
+    old, where, name = attn.head_dim, mlx_file(type(attn)), type(attn).__name__
     out_name = next((n for n in _OUT_NAMES if n in attn), _OUT_NAMES[0])
     built_q = _linear(attn, "q_proj", where).weight.shape[0]
     built_kv = _linear(attn, "k_proj", where).weight.shape[0] // old

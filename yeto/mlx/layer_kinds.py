@@ -100,7 +100,7 @@ def repair_indices(model) -> list[str]:
 def rebuild_layers(model, config: dict[str, Any]) -> list[str]:
     """Rebuild the decoder layers whose kinds `KEY` lists (module docstring); returns
     ``"field: kinds"`` per field rebuilt. Raises ValueError when the model's layers
-    cannot be rebuilt that way (yeto.mlx.shims reports it as unsupported)."""
+    cannot be rebuilt that way (yeto.mlx.load reports it as unsupported)."""
     wanted = next((c[KEY] for c in (config, config.get("text_config"))
                    if isinstance(c, dict) and isinstance(c.get(KEY), dict)), None)
     done = []

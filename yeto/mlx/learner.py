@@ -50,8 +50,8 @@ def build_lora_model(model_dir: Path, r: int, alpha: float, targets: str, seed: 
     """mlx-lm model (float32, frozen) with peft-shaped LoRA attached.
     Returns (model, hf_config, {module path: LoRALinear})."""
     from yeto.mlx.hf_paths import hf_weight_names
+    from yeto.mlx.load import load_model, read_config
     from yeto.mlx.lora import attach_lora
-    from yeto.mlx.shims import load_model, read_config
 
     model, _ = load_model(model_dir, lazy=lazy)
     hf_config = read_config(model_dir)

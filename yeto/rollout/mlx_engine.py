@@ -27,7 +27,7 @@ class MLXEngine(LoRAEngine):
         super().__init__(model_dir, spec, seed)
         import mlx.core as mx
 
-        from yeto.mlx.shims import load_model, read_config
+        from yeto.mlx.load import load_model, read_config
 
         mx.random.seed(seed)
         self.model, _ = load_model(self.model_dir)
@@ -45,7 +45,7 @@ class MLXEngine(LoRAEngine):
     def wrap(cls, model, tokenizer, model_dir: str | Path) -> MLXEngine:
         """An engine over a model it does not own (no LoRA of its own, no weights view):
         for sampling from e.g. a training model in the same process."""
-        from yeto.mlx.shims import read_config
+        from yeto.mlx.load import read_config
 
         self = cls.__new__(cls)
         LoRAEngine.__init__(self, model_dir, LoraSpec())

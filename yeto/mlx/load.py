@@ -1,20 +1,26 @@
-"""Loading a Hugging Face model dir with mlx-lm, whatever transformers wrote it.
+"""A Hugging Face model dir loaded into an mlx-lm model that computes what transformers'
+model computes, whatever transformers version wrote it.
 
-The config is translated first (`yeto.mlx.config.config_overrides`).
+`load_model` hands mlx-lm's loader (``mlx_lm.utils.load_model``) the model dir with
+the config translated (`yeto.mlx.config.config_overrides`) and `model_classes` as its
+``get_model_classes``, which builds the model as mlx-lm's file does and then:
 
-**The built model** (`_classes`, given to mlx-lm's loader): weights in a layout
-transformers writes but mlx-lm's ``sanitize`` does not read are translated first
-(`yeto.mlx.checkpoint`: gpt2's ``transformer.`` prefix, gpt-oss experts, renamed norms, ...);
-settings mlx-lm hard-codes where the config says otherwise are set from the config
-(`yeto.mlx.models`: glm's partial RoPE, recurrent_gemma's norm eps, the
-MLA latent norms' eps); layer kinds a file
-places by a period or a hard-coded plan are built per layer as the config lists them
-(`yeto.mlx.layer_kinds`; `yeto.mlx.models.llama4`: Llama 4's RoPE and chunking); a RoPE scaling
-the file's constructor refuses is hidden from it and applied afterwards
-(`yeto.mlx.rope_files`, `yeto.mlx.rope`); and a model whose
-``__init__`` skips ``nn.Module.__init__`` is completed. What cannot be translated
-(a different architecture under the same model type, a computation mlx-lm
-hard-codes) is listed with its reason by ``scripts/arch_sweep.py``.
+- refusals said as what the config asks (`UnsupportedConfig`: a layer kind, a RoPE
+  type, mlx-lm's own check), and a RoPE scaling the file's constructor refuses hidden
+  from it and applied afterwards (`yeto.mlx.rope_files`);
+- a model whose ``__init__`` skips ``nn.Module.__init__`` (recurrent_gemma.py)
+  completed, so that freezing and LoRA work on it;
+- settings the file hard-codes where the config says otherwise set from the config
+  (`yeto.mlx.models`);
+- layer kinds a file places by a period or a hard-coded plan built per layer as the
+  config lists them (`yeto.mlx.layer_kinds`; `yeto.mlx.models.llama4`: Llama 4's RoPE
+  and chunking);
+- the config's activation, head width and RoPE (`yeto.mlx.activations`,
+  `yeto.mlx.heads`, `yeto.mlx.rope`);
+- the checkpoint read as transformers wrote it (`yeto.mlx.checkpoint`).
+
+What cannot be translated (a different architecture under the same model type, a
+computation mlx-lm hard-codes) is listed with its reason by ``scripts/arch_sweep.py``.
 """
 
 from __future__ import annotations
@@ -27,19 +33,12 @@ from typing import Any
 from yeto.mlx import heads, layer_kinds, models, rope_files
 from yeto.mlx.activations import patch_activations
 from yeto.mlx.checkpoint import read_weights_as_written
-from yeto.mlx.config import (
-    config_overrides,
-    mlx_lm_classes,
-)
-from yeto.mlx.errors import UnsupportedConfig
+from yeto.mlx.config import config_overrides, mlx_lm_classes
+from yeto.mlx.errors import UnsupportedConfig, mlx_file
 from yeto.mlx.models import llama4, mla
 from yeto.mlx.rope import fix_rope
 
-log = logging.getLogger("yeto.mlx.shims")
-
-
-def _where(args_cls) -> str:
-    return f"mlx-lm's {getattr(args_cls, '__module__', 'mlx_lm').rsplit('.', 1)[-1]}.py"
+log = logging.getLogger("yeto.mlx.load")
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -72,11 +71,12 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def load_model(model_dir: str | Path, *, lazy: bool = False, dtype: str | None = "float32"):
-    """Build the mlx-lm model for a Hugging Face model dir, with the shims applied.
+    """Build the mlx-lm model for a Hugging Face model dir (a .gguf file, a hub id in
+    the local cache: `resolve_model_dir`) and load its weights (module docstring).
 
-    Returns ``(model, config)``. The weights are cast to ``dtype`` (float32 by
-    default, as the torch island loads them), so both islands compute the same
-    function.
+    Returns ``(model, config)``, the config as mlx-lm read it (translated). The
+    weights are cast to ``dtype`` (float32 by default, as the torch island loads them),
+    so both islands compute the same function.
     """
     import mlx.core as mx
     from mlx_lm.utils import load_config
@@ -85,9 +85,9 @@ def load_model(model_dir: str | Path, *, lazy: bool = False, dtype: str | None =
     model_dir = resolve_model_dir(model_dir)
     overrides = config_overrides(load_config(model_dir))
     if overrides:
-        log.debug("config shim: %s", overrides)
+        log.debug("config translated: %s", overrides)
     model, config = _load_model(model_dir, lazy=lazy, model_config=overrides or None,
-                                get_model_classes=_classes)
+                                get_model_classes=model_classes)
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
         if not lazy:
@@ -95,13 +95,11 @@ def load_model(model_dir: str | Path, *, lazy: bool = False, dtype: str | None =
     return model, config
 
 
-def _classes(config: dict):
-    """mlx-lm's (Model, ModelArgs) with adapters on the built model: a Model whose
-    ``__init__`` skips ``nn.Module.__init__`` (mlx_lm/models/recurrent_gemma.py) is
-    completed, so that freezing and LoRA work on it; settings mlx-lm hard-codes are
-    set from the config (`yeto.mlx.models`); and weights in a layout transformers writes
-    but mlx-lm's ``sanitize`` does not read are translated first (`yeto.mlx.checkpoint`,
-    text-only checkpoints of composite models)."""
+def model_classes(config: dict):
+    """mlx-lm's ``get_model_classes`` for a translated config: (build, arguments class).
+    ``build(args)`` builds mlx-lm's model and makes it what the config means (module
+    docstring); the arguments class is mlx-lm's ``ModelArgs``, its refusals said as
+    `UnsupportedConfig` (`_CheckedArgs`)."""
     model_cls, args_cls = mlx_lm_classes(config)
 
     def build(args):
@@ -145,7 +143,7 @@ def _layers_as_listed(model, model_cls, config: dict) -> list[str]:
         patched = layer_kinds.rebuild_layers(model, config)
     except (ValueError, TypeError) as e:
         raise UnsupportedConfig(
-            f"layer kinds {config.get(layer_kinds.KEY)}: {_where(model_cls)} places "
+            f"layer kinds {config.get(layer_kinds.KEY)}: {mlx_file(model_cls)} places "
             f"them periodically and its layers cannot be rebuilt one by one ({e})") from e
     return patched + layer_kinds.repair_indices(model) + llama4.follow_config(model, config)
 
@@ -159,7 +157,7 @@ def _unbuildable(config: dict, model_cls, e: Exception) -> Exception:
 
     frames = traceback.extract_tb(e.__traceback__)
     in_mlx_lm = bool(frames) and "mlx_lm" in Path(frames[-1].filename).parts
-    where, cause = _where(model_cls), f"({type(e).__name__}: {e})"
+    where, cause = mlx_file(model_cls), f"({type(e).__name__}: {e})"
     kinds = _one_kind(config)
     text = str(e)
     if kinds is not None and (isinstance(e, IndexError) or "not in list" in text
