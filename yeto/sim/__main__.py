@@ -38,10 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Example:\n  python -m yeto.sim --model runs/demo/model --data "
                "runs/demo/data/train.jsonl --eval-data runs/demo/data/eval.jsonl "
-               "--islands 4 --sync-every 50 --rounds 100 --out runs/sim -- and the "
-               "fleet-scale model (no weights; its own flags: python -m yeto.sim --shards 1 "
-               "--help): python -m yeto.sim --islands 1000 --shards 1,4,16 "
-               "--failures 0,0.01,0.05")
+               "--islands 4 --sync-every 50 --rounds 100 --out runs/sim")
     add_island_args(p)
     p.add_argument("--tuning", choices=("lora", "full"), default="lora")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per island")

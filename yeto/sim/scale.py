@@ -21,6 +21,13 @@ member of each completed step (waste is waiting for the slowest, a step cut by a
 crash, detection and re-forms). The last RESULT line says whether DiLoCo's goodput is
 at least 0.9 wherever synchronous data-parallel's is below 0.3.
 
+What it leaves out: real shards (`python -m syncer --shard I/S`) are not run by this;
+no loss is computed (the useful steps are assumed equally useful: stale pushes merged
+late, a smaller group's batch, an island starting again from Θ all count alike); links
+are bandwidth and latency without loss, congestion between islands or TCP dynamics;
+the syncer's own failures and standbys; the outer step's and the save's time (they
+are in the CPU per byte); a step's time varies by island, not by step.
+
 The shards' cost per byte is measured, not assumed: `python scripts/bench_memory.py
 --half-billion` at c5b0fd9 (docs/benchmarks-history.md, "Issue 34: the outer step
 behind the broadcast", 5e8 parameters, two islands, q4 up, f32 down): the syncer spent
@@ -30,13 +37,6 @@ syncer was 1.47–1.62× what raw gRPC and the arithmetic alone spend
 (`syncer_over_stack`), so a leaner transport would move the shard's limit up. A shard's
 NIC moves its bandwidth each way; its CPU moves cores ÷ CPU per byte, in and out
 together.
-
-What it leaves out: real shards (`python -m syncer --shard I/S`) are not run by this;
-no loss is computed (the useful steps are assumed equally useful: stale pushes merged
-late, a smaller group's batch, an island starting again from Θ all count alike); links
-are bandwidth and latency without loss, congestion between islands or TCP dynamics;
-the syncer's own failures and standbys; the outer step's and the save's time (they
-are in the CPU per byte); a step's time varies by island, not by step.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from yeto.cli.display import markdown_table, print_table
 from yeto.sim.diloco_model import DiLoCoConfig, DiLoCoModel, DiLoCoOutcome
 from yeto.sim.sync_model import SyncConfig, SyncModel, SyncOutcome
 from yeto.sim.trace import HOUR, FailureTrace, Fleet
@@ -78,11 +77,17 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The model's flags. The help holds no measured figure (those are in BENCHMARKS.md
+    and this module's docstring)."""
+    doc = __doc__.split("\n\n")
     p = argparse.ArgumentParser(
-        prog="python -m yeto.sim", description=__doc__.split("\n\n")[1],
-        formatter_class=_Formatter,
+        prog="python -m yeto.sim", description=doc[1], formatter_class=_Formatter,
         epilog="Example:\n  python -m yeto.sim --islands 1000 --shards 1,4,16 "
-               "--failures 0,0.01,0.05\n\n" + __doc__.split("\n\n", 2)[2])
+               "--failures 0,0.01,0.05\n\n" + "\n\n".join(doc[2:4]) + "\n\n"
+               "--cpu-ns-per-byte's default is the syncer's CPU per byte in or out, measured\n"
+               "by `python scripts/bench_memory.py --half-billion` (BENCHMARKS.md). A shard's\n"
+               "NIC moves its bandwidth each way; its CPU moves cores ÷ CPU per byte, in and\n"
+               "out together.")
     g = p.add_argument_group("the sweep")
     g.add_argument("--islands", type=int, default=1000, help="islands in the fleet")
     g.add_argument("--shards", type=_ints, default="1,4,16", metavar="S,...",
@@ -265,9 +270,9 @@ def report(args: argparse.Namespace, points: list[Point], wall_s: float) -> bool
           f"{'' if args.shard_cores == 1 else 's'} at "
           f"{args.cpu_ns_per_byte:.3f} ns/byte (measured); crashes down {args.restart_s:g} s, "
           f"slow links ÷{args.slow_factor:g} for {args.slow_s:g} s")
-    print_table(headers, rows, right=range(len(headers)))
+    print(table_text(headers, rows))
     if args.markdown:
-        print(markdown_table(headers, rows))
+        print(table_text(headers, rows, markdown=True))
     for pt in points:
         d, s = pt.diloco, pt.sync
         print(f"RESULT failures={pt.failures:g} shards={pt.shards} round_s={d.round_s:.1f} "
@@ -291,6 +296,26 @@ def report(args: argparse.Namespace, points: list[Point], wall_s: float) -> bool
           f"{len(tested)} points{', short: ' + ' '.join(short) if short else ''}) "
           f"model_wall_s={wall_s:.1f}")
     return met
+
+
+def table_text(headers: list[str], rows: list[list], markdown: bool = False) -> str:
+    """`rows` as a plain table (columns two spaces apart, right-aligned, a rule under the
+    header: the plain style of the `yeto` command's tables, which a library module does
+    not import) or as a markdown table. Floats from 100 up get one decimal and thousands
+    grouped, smaller ones three significant digits."""
+    cells = [[str(h) for h in headers]] + [[_cell(c) for c in r] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(r) + " |" for r in cells]
+        return "\n".join([lines[0], "|" + "---|" * len(headers), *lines[1:]])
+    widths = [max(len(r[j]) for r in cells) for j in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def _cell(x) -> str:
+    if isinstance(x, float):
+        return f"{x:,.1f}" if abs(x) >= 100 else f"{x:.3g}"
+    return str(x)
 
 
 def _join(values) -> str:

@@ -78,6 +78,9 @@ class SyncModel:
         self.events = sorted(ev)
         self.member = np.ones(fleet.islands, dtype=bool)
         self.slow = np.ones(fleet.islands)
+        self.t, self.k, self.stall_end = 0.0, 0, 0.0  # now, the next event, stalled until
+        self.joiners: set[int] = set()                 # back, waiting to be let in
+        self.d = self.step_seconds()                    # the next step's duration
 
     def step_seconds(self) -> float:
         """The duration of a step that starts now, for the group as it is."""
@@ -94,70 +97,68 @@ class SyncModel:
         return max(compute, comm)
 
     def run(self) -> SyncOutcome:
-        out, cfg, end = self.out, self.cfg, self.seconds
-        ev, k = self.events, 0
-        t, joiners, stall_end = 0.0, set(), 0.0
-        d = self.step_seconds()
-        while t < end:
-            if stall_end > t:  # detection and re-form: events meanwhile extend it
-                while k < len(ev) and ev[k][0] < stall_end:
-                    at, _, kind, i = ev[k]
-                    k += 1
-                    if kind == "crash" and self.member[i]:
-                        self.member[i] = False
-                        stall_end = max(stall_end, at + cfg.detect_s + cfg.reform_s)
-                    elif kind == "crash":
-                        joiners.discard(i)  # crashed again before it joined
-                    else:
-                        self._other(kind, i, joiners)
-                out.stalled_s += min(stall_end, end) - t
-                t = stall_end
-                self.member[list(joiners)] = True  # joined in the re-form
-                joiners.clear()
-                d = self.step_seconds()
-                continue
-            if joiners:  # at a step boundary: re-form to let them in
-                out.reforms += 1
-                stall_end = t + cfg.reform_s
-                continue
-            if math.isinf(d):  # nobody in the group: wait for the next event
-                if k == len(ev):
+        while self.t < self.seconds:
+            if self.stall_end > self.t:
+                self._stall()
+            elif self.joiners:  # at a step boundary: re-form to let them in
+                self.out.reforms += 1
+                self.stall_end = self.t + self.cfg.reform_s
+            elif math.isinf(self.d):  # nobody in the group: wait for the next event
+                if self.k == len(self.events):
                     break
-                at, _, kind, i = ev[k]
-                k += 1
-                t = max(t, at)
-                if kind == "crash":
-                    joiners.discard(i)
-                else:
-                    self._other(kind, i, joiners)
-                continue
-            # one step [t, t + d): cut short by a member's crash, else done
-            done = t + d
-            while k < len(ev) and ev[k][0] < done:
-                at, _, kind, i = ev[k]
-                k += 1
-                if kind == "crash" and self.member[i]:
-                    out.lost_steps += float(self.member.sum())
-                    self.member[i] = False
-                    out.reforms += 1
-                    stall_end = at + cfg.detect_s + cfg.reform_s
-                    t = at
-                    break
-                if kind == "crash":
-                    joiners.discard(i)  # crashed again before it joined
-                else:
-                    self._other(kind, i, joiners)
+                at, _, kind, i = self.events[self.k]
+                self.k += 1
+                self.t = max(self.t, at)
+                self._note(kind, i)
             else:
-                if done <= end:
-                    out.useful_steps += float(self.member.sum())
-                    out.steps += 1
-                t = done
-                d = self.step_seconds()
-        return out
+                self._step()
+        return self.out
 
-    def _other(self, kind: str, i: int, joiners: set) -> None:
-        if kind == "up":
-            joiners.add(i)
+    def _stall(self) -> None:
+        """Detection and re-form until `stall_end`; a member's crash meanwhile extends it,
+        and islands back meanwhile join in it."""
+        ev, cfg = self.events, self.cfg
+        while self.k < len(ev) and ev[self.k][0] < self.stall_end:
+            at, _, kind, i = ev[self.k]
+            self.k += 1
+            if kind == "crash" and self.member[i]:
+                self.member[i] = False
+                self.stall_end = max(self.stall_end, at + cfg.detect_s + cfg.reform_s)
+            else:
+                self._note(kind, i)
+        self.out.stalled_s += min(self.stall_end, self.seconds) - self.t
+        self.t = self.stall_end
+        self.member[list(self.joiners)] = True
+        self.joiners.clear()
+        self.d = self.step_seconds()
+
+    def _step(self) -> None:
+        """One step [t, t + d): cut short by a member's crash, else done."""
+        ev, done = self.events, self.t + self.d
+        while self.k < len(ev) and ev[self.k][0] < done:
+            at, _, kind, i = ev[self.k]
+            self.k += 1
+            if kind == "crash" and self.member[i]:
+                self.out.lost_steps += float(self.member.sum())
+                self.member[i] = False
+                self.out.reforms += 1
+                self.stall_end = at + self.cfg.detect_s + self.cfg.reform_s
+                self.t = at
+                return
+            self._note(kind, i)
+        if done <= self.seconds:
+            self.out.useful_steps += float(self.member.sum())
+            self.out.steps += 1
+        self.t = done
+        self.d = self.step_seconds()
+
+    def _note(self, kind: str, i: int) -> None:
+        """An event that does not stop the group: a non-member's crash (an island back
+        but not yet let in), an island back, a link slowing or recovering."""
+        if kind == "crash":
+            self.joiners.discard(i)
+        elif kind == "up":
+            self.joiners.add(i)
         elif kind == "slow":
             self.slow[i] = self.trace.slow_factor
         elif kind == "fast":
