@@ -65,7 +65,7 @@ def test_sync_without_failures_waits_for_the_slowest_island_or_the_all_reduce():
 
 def crash_trace() -> FailureTrace:
     """Island 0 crashes at 105.5 s and is back at 400 s; nothing else happens."""
-    return FailureTrace([[(105.5, 400.0)], [], [], []], [[], [], [], []], seconds=END)
+    return FailureTrace([[(105.5, 400.0)], [], [], []], [[], [], [], []])
 
 
 END = 1000.25  # a quarter step past 1000 s: steps ending at 1000 s count, none after

@@ -9,7 +9,7 @@ at the same simulated seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,8 +66,6 @@ class FailureTrace:
     crashes: list[list[tuple[float, float]]]
     slow: list[list[tuple[float, float]]]
     slow_factor: float = 1.0
-    seconds: float = 0.0
-    events: int = field(init=False, default=0)
 
     def __post_init__(self):
         if len(self.crashes) != len(self.slow):
@@ -78,7 +76,6 @@ class FailureTrace:
             for (a, b), nxt in zip(spans, [*spans[1:], None]):
                 if not 0 <= a < b or (nxt is not None and nxt[0] < b):
                     raise ValueError(f"spans must be sorted, non-empty and apart: {spans}")
-        self.events = sum(map(len, self.crashes)) + sum(map(len, self.slow))
 
     @classmethod
     def none(cls, islands: int) -> FailureTrace:
@@ -98,12 +95,7 @@ class FailureTrace:
         crashes = [_spans(rng, seconds, crash_rate, restart_s) for _ in range(islands)]
         slow = [_spans(rng, seconds, slow_rate, slow_s) if slow_s > 0 else []
                 for _ in range(islands)]
-        return cls(crashes, slow, slow_factor, seconds)
-
-    def down_seconds(self, seconds: float) -> float:
-        """Island-seconds down within [0, seconds)."""
-        return sum(min(b, seconds) - a for spans in self.crashes for a, b in spans
-                   if a < seconds)
+        return cls(crashes, slow, slow_factor)
 
 
 def _spans(rng: np.random.Generator, seconds: float, rate_per_hour: float,
