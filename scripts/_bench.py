@@ -2,9 +2,11 @@
 
 Every benchmark measures its baseline in the same run as the thing it measures,
 prints a short table (`yeto.cli.display.print_table`), and ends with one
-machine-readable line:
+machine-readable line (`result_line`):
 
     RESULT ratio=<value> key=value ...
+
+(a benchmark whose headline is not one ratio leaves ``ratio`` out: `RESULT key=value ...`).
 
 Nothing here asserts a speed: the numbers are for people (and CI logs) to read.
 """
@@ -25,12 +27,16 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench_x.py` from anywher
 MIB = 1 << 20
 
 
-def parser(description: str, epilog: str = "") -> argparse.ArgumentParser:
+QUICK = ("fewer repeats (and smaller sizes where noted); finishes in well under 30 s, for "
+         "tests and smoke checks")
+
+
+def parser(description: str, epilog: str = "", quick: str = QUICK) -> argparse.ArgumentParser:
+    """A benchmark's arguments: its docstring as the help, and --quick (`quick`: what
+    it makes smaller)."""
     p = argparse.ArgumentParser(description=description, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="fewer repeats (and smaller sizes where noted); finishes in well "
-                        "under 30 s, for tests and smoke checks")
+    p.add_argument("--quick", action="store_true", help=quick)
     return p
 
 
@@ -65,9 +71,11 @@ def rate(nbytes: float, seconds: float) -> float:
     return nbytes / MIB / seconds if seconds > 0 else math.inf
 
 
-def result_line(ratio: float, **kv) -> str:
-    parts = [f"ratio={_num(ratio)}"] + [f"{k}={_num(v)}" for k, v in kv.items()]
-    return "RESULT " + " ".join(parts)
+def result_line(ratio: float | None = None, **kv) -> str:
+    """`RESULT ratio=<ratio> key=value ...` (without a ratio: `RESULT key=value ...`), in
+    the order given; floats to 4 significant digits, spaces in values as underscores."""
+    items = ({"ratio": ratio} if ratio is not None else {}) | kv
+    return "RESULT " + " ".join(f"{k}={_num(v)}" for k, v in items.items())
 
 
 def _num(v) -> str:

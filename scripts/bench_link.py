@@ -1,6 +1,6 @@
 """Network wait of an island behind a slow link: a home uplink of 20 Mbit/s.
 
-In the network lab (scripts/netlab.py; needs root) the syncer runs on host a and one
+In the network lab (yeto.testing.netlab; needs root) the syncer runs on host a and one
 torch island (`python -m yeto.learner`, quorum 1) on host b, whose cable is limited
 to --rate-mbit each way (tbf), with --delay-ms of one-way latency added by a relay
 on b. Four arms: LoRA and full weights of the bench model (the tiny llama by
@@ -40,13 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+# _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
+from _bench import parser, result_line
 
-import netlab  # noqa: E402
-
-from yeto.cli.display import print_table  # noqa: E402
+from yeto.cli.display import print_table
+from yeto.testing import netlab
 
 TOKEN = "bench-link-token"
 PORT = 29400
@@ -54,10 +52,7 @@ ARMS = [("lora", 1), ("lora", 4), ("full", 1), ("full", 4)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="fewer, shorter steps (seq 64, batch 4, H 25, 100 steps)")
+    p = parser(__doc__, quick="fewer, shorter steps (seq 64, batch 4, H 25, 100 steps)")
     p.add_argument("--rate-mbit", type=float, default=20.0, help="link rate each way")
     p.add_argument("--delay-ms", type=float, default=20.0,
                    help="one-way latency added by a relay on the island's host (0: none)")
@@ -222,13 +217,13 @@ def report(results: dict, args) -> str:
           f"<= 1 % ({'met' if lora['wait_share'] <= 0.01 else 'missed'}); full weights with "
           f"P=4 < 5 % ({'met' if full4['wait_share'] < 0.05 else 'missed'}; P=1: "
           f"{full['wait_share']:.2%})")
-    return (f"RESULT wait_share={lora['wait_share']:.4g} wait_share_P4={full4['wait_share']:.4g} "
-            f"wait_share_full={full['wait_share']:.4g} "
-            f"wait_share_lora_P4={lora4['wait_share']:.4g} "
-            f"wait_share_run={lora['wait_share_run']:.4g} "
-            f"wait_share_P4_run={full4['wait_share_run']:.4g} "
-            f"wait_share_full_run={full['wait_share_run']:.4g} rate_mbit={args.rate_mbit:g} "
-            f"delay_ms={args.delay_ms:g} goal_wait_share=<=0.01 goal_wait_share_P4=<0.05")
+    return result_line(wait_share=lora["wait_share"], wait_share_P4=full4["wait_share"],
+                       wait_share_full=full["wait_share"], wait_share_lora_P4=lora4["wait_share"],
+                       wait_share_run=lora["wait_share_run"],
+                       wait_share_P4_run=full4["wait_share_run"],
+                       wait_share_full_run=full["wait_share_run"], rate_mbit=args.rate_mbit,
+                       delay_ms=args.delay_ms, goal_wait_share="<=0.01",
+                       goal_wait_share_P4="<0.05")
 
 
 def main(argv=None) -> int:

@@ -3,10 +3,11 @@
 What is measured, in one run:
 
   syncer   `python -m syncer` (a subprocess, through syncer.spawn) and 1, 2, 4 and 8
-           lean in-process islands over gRPC (threads, raw stubs: they join, one
-           seeds Θ, each pushes a q4 pseudo-gradient of every parameter per round
-           and drains the f32 broadcast without keeping it), quorum = islands, a
-           state dir (state.safetensors after every round, final/ at the end).
+           synthetic islands (yeto.testing.synthetic, subprocesses: the real Island
+           and gRPC client on numpy weights laid out as four full-weight tensors; one
+           seeds Θ, each pushes a q4 pseudo-gradient of every parameter per round and
+           waits for the f32 broadcast), quorum = islands, a state dir
+           (state.safetensors after every round, final/ at the end).
            Without momentum (lr 1, μ 0: the default) and with it (lr 0.7, μ 0.9).
            Reported: the syncer's peak RSS (VmHWM of /proc/PID/status, read until it
            exits) minus its RSS once it listens (imports, gRPC server: the baseline),
@@ -17,7 +18,7 @@ What is measured, in one run:
            with quorum 1). Reported: (peak RSS with DiLoCo - peak RSS of the bare loop)
            per parameter, each peak minus the subprocess's RSS after its imports.
   5e8      (--half-billion) the syncer and two synthetic islands
-           (scripts/synthetic_island.py, subprocesses) at 5e8 f32 parameters: the sum of
+           (yeto.testing.synthetic, subprocesses) at 5e8 f32 parameters: the sum of
            the three processes' peak RSS and CPU seconds, seconds per round (the
            median of the rounds after the first, which touches every buffer), and the
            time raw gRPC needs to move the same bytes (measured in the same run, before
@@ -38,7 +39,6 @@ import argparse
 import json
 import logging
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -51,15 +51,12 @@ import grpc
 import numpy as np
 
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
-from _bench import ROOT, parser
+from _bench import ROOT, parser, result_line
 
 from syncer.spawn import start_syncer
 from yeto import codec, net
 from yeto.cli.display import print_table
 from yeto.codec import kernels
-from yeto.layout import Layout
-from yeto.proto import yeto_pb2 as pb
-from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 log = logging.getLogger("bench_memory")
 ISLANDS = (1, 2, 4, 8)
@@ -128,7 +125,7 @@ class PeakWatch:
         return self.read()
 
 
-# ---- lean islands -----------------------------------------------------------------
+# ---- payloads and islands -----------------------------------------------------------
 def q4_payload(numel: int, seed: int) -> bytes:
     """A valid q4 pseudo-gradient of `numel` values, cheap to make at any size."""
     nb = -(-numel // codec.Q4_BLOCK)
@@ -137,154 +134,54 @@ def q4_payload(numel: int, seed: int) -> bytes:
     return scales.tobytes() + rng.integers(0, 256, nb * codec.Q4_BLOCK // 2, np.uint8).tobytes()
 
 
-def seed_chunks(numel: int):
-    """f32 initial weights, generated chunk by chunk (never whole in this process)."""
-    step = net.CHUNK_BYTES // 4
-    rng = np.random.default_rng(0)
-    for lo in range(0, numel, step):
-        yield rng.standard_normal(min(step, numel - lo), dtype=np.float32).tobytes()
+EVERY_STEP = ("--sync-every", "1", "--blocking-sync", "--stage-in-loop")  # a round per step
 
 
-class LeanIsland:
-    """Joins, seeds, pushes prepared payloads (one per fragment), counts broadcast
-    bytes: a syncer load that keeps nothing per parameter but the payloads it is given."""
+def synthetic_island(address: str, learner_id: str, numel: int, *flags: str) -> list[str]:
+    """The command of a synthetic island (`yeto.testing.synthetic`: a real Island and
+    client on numpy weights) at `numel` parameters."""
+    return [sys.executable, "-m", "yeto.testing.synthetic", "--syncer", address,
+            "--learner-id", learner_id, "--dim", str(numel), *flags]
 
-    def __init__(self, address: str, learner_id: str, layout: Layout):
-        opts = net.GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
-        self.channel = grpc.insecure_channel(address, options=opts)
-        self.stub = pb_grpc.SyncerStub(self.channel)
-        self.learner_id, self.layout = learner_id, layout
-        self.got: queue.Queue = queue.Queue()  # (fragment, version, final) per broadcast
-        self.versions: dict[int, int] = {}     # fragment -> newest version received
-        self.generation = self.seq = 0
-        self.final = False
 
-    def join(self) -> None:
-        req = pb.JoinRequest(learner_id=self.learner_id, fingerprint=self.layout.fingerprint,
-                             backend="numpy", layout=[
-                                 pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)
-                                 for s in self.layout.specs])
-        reply = self.stub.Join(req, timeout=60)
-        self.generation = reply.generation
-        self.layout = self.layout.with_fragments(max(1, reply.num_fragments))
-        if reply.send_seed:
-            h = pb.PushHeader(learner_id=self.learner_id, generation=self.generation,
-                              kind=pb.SEED, encoding="f32", numel=self.layout.numel,
-                              payload_bytes=4 * self.layout.numel)
-            self._push(h, seed_chunks(self.layout.numel))
-        threading.Thread(target=self._listen, daemon=True).start()
-
-    def _listen(self) -> None:
-        stream = self.stub.Subscribe(pb.SubscribeRequest(learner_id=self.learner_id,
-                                                         generation=self.generation))
-        header, n = None, 0
-        try:
-            for chunk in stream:
-                if chunk.HasField("header"):
-                    header, n = chunk.header, 0
-                n += len(chunk.data)
-                if header is not None and n == header.payload_bytes:
-                    self.got.put((header.fragment, header.version, header.final))
-        except grpc.RpcError:
-            pass
-        self.got.put((-1, -1, True))
-
-    def _push(self, header, pieces) -> pb.PushReply:
-        def chunks():
-            for i, piece in enumerate(pieces):
-                yield pb.PushChunk(header=header if i == 0 else None, data=piece)
-        return self.stub.Push(chunks(), timeout=600)
-
-    def push(self, payload: bytes, fragment: int) -> pb.PushReply:
-        """Push `payload` (q4, the size of `fragment`) against the fragment's newest Θ."""
-        base = self.versions[fragment]
-        h = pb.PushHeader(learner_id=self.learner_id, generation=self.generation,
-                          round=base + 1, fragment=fragment, base_version=base,
-                          loss_tokens=100 + self.seq, steps=1, encoding="q4",
-                          numel=self.layout.fragments[fragment].numel,
-                          payload_bytes=len(payload), kind=pb.DELTA, seq=self.seq)
-        self.seq += 1
-        return self._push(h, (bytes(p) for p in net.chunks(payload, net.CHUNK_BYTES)))
-
-    def wait_newer(self, fragment: int, than: int, timeout: float = 600) -> bool:
-        """Wait until fragment's newest version is above `than` (True), or the final
-        weights arrived (False)."""
-        while self.versions.get(fragment, -1) <= than and not self.final:
-            f, v, final = self.got.get(timeout=timeout)
-            self.final = self.final or final
-            if f >= 0:
-                self.versions[f] = max(v, self.versions.get(f, -1))
-        return not self.final
-
-    def finish(self) -> None:
-        self.stub.Finish(pb.FinishRequest(learner_id=self.learner_id,
-                                          generation=self.generation), timeout=60)
-
-    def close(self) -> None:
-        self.channel.close()
+def run_islands(cmds: list[list[str]], logs: list[Path], pin: bool = False) -> None:
+    """Run the island commands as subprocesses (stderr to `logs`) until all exit; raise
+    with the end of its log for one that failed. `pin`: island i on core i only."""
+    procs = []
+    for i, (cmd, log_path) in enumerate(zip(cmds, logs)):
+        with open(log_path, "w") as err:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_on_core(i if pin else None),
+                                          stdout=subprocess.DEVNULL, stderr=err))
+    for proc, log_path in zip(procs, logs):
+        if proc.wait(timeout=3600) != 0:
+            raise RuntimeError(f"island {log_path.stem} failed:\n"
+                               f"{log_path.read_text()[-3000:]}")
 
 
 # ---- the syncer ---------------------------------------------------------------------
-def flat_layout(numel: int) -> Layout:
-    """Full-weight-like: a few big tensors, as a model's state dict has."""
-    parts = 4
-    sizes = [numel // parts] * (parts - 1) + [numel - (parts - 1) * (numel // parts)]
-    return Layout.from_shapes({f"model.layers.{i}.mlp.weight": (n,) for i, n in enumerate(sizes)})
-
-
-def _island_rounds(isl: LeanIsland, payloads: list[bytes], rounds: int, errors: list) -> None:
-    """`rounds` pushes of every fragment, each against the fragment's newest Θ."""
-    try:
-        seen = {f: -1 for f in range(len(payloads))}
-        for r in range(rounds):
-            for f, payload in enumerate(payloads):
-                if not isl.wait_newer(f, seen[f]):
-                    raise RuntimeError(f"{isl.learner_id}: run ended before round {r + 1}")
-                seen[f] = isl.versions[f]
-                if not isl.push(payload, f).accepted:
-                    raise RuntimeError(f"{isl.learner_id}: push {r} not accepted")
-        for f in seen:
-            isl.wait_newer(f, seen[f])
-    except Exception as e:  # reported by the caller
-        errors.append(e)
-
-
 def measure_syncer(numel: int, islands: int, momentum: str, rounds: int,
                    extra: tuple = ()) -> dict:
-    """One syncer run: `islands` lean islands, `rounds` rounds, then finish."""
-    frags = int(extra[extra.index("--fragments") + 1]) if "--fragments" in extra else 1
-    layout = flat_layout(numel).with_fragments(frags)
-    payloads = [q4_payload(f.numel, seed=islands) for f in layout.fragments]
+    """One syncer run: `islands` synthetic islands (subprocesses) each pushing q4 of
+    every parameter (every fragment) per round, for `rounds` rounds, then finishing."""
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
-        args = ["--quorum", str(islands), "--rounds", "0", "--grace-ms", "0",
-                "--state-dir", f"{tmp}/state", *MOMENTUM[momentum], *extra]
+        args = ["--quorum", str(islands), "--grace-ms", "0", "--state-dir", f"{tmp}/state",
+                *MOMENTUM[momentum], *extra]
         with start_syncer(args, cwd=ROOT, log=Path(tmp) / "syncer.log") as syncer:
             watch = PeakWatch(syncer.pid)
-            fleet = [LeanIsland(syncer.address, f"island-{i}", layout) for i in range(islands)]
             t0 = time.perf_counter()
-            for isl in fleet:
-                isl.join()
-            errors: list = []
-            threads = [threading.Thread(target=_island_rounds,
-                                        args=(isl, payloads, rounds, errors)) for isl in fleet]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise RuntimeError(f"syncer run failed: {errors[0]}\n{syncer.tail()}")
+            try:
+                run_islands([synthetic_island(syncer.address, f"island-{i}", numel,
+                                              "--layout", "full", "--steps", str(rounds),
+                                              *EVERY_STEP, "--seed", str(i))
+                             for i in range(islands)],
+                            [Path(tmp) / f"island-{i}.log" for i in range(islands)])
+            except RuntimeError as e:
+                raise RuntimeError(f"syncer run failed: {e}\n{syncer.tail()}") from None
             rounds_s = time.perf_counter() - t0
-            in_rounds = watch.read()
-            for isl in fleet:
-                isl.finish()
-            for isl in fleet:
-                isl.wait_newer(0, 1 << 62)
-                isl.close()
             syncer.wait(timeout=120)
             peak = watch.stop()
     return dict(islands=islands, momentum=momentum, baseline_kib=watch.baseline,
-                peak_kib=peak, rounds_peak_kib=in_rounds, seconds=rounds_s,
-                bpp=(peak - watch.baseline) * 1024 / numel)
+                peak_kib=peak, seconds=rounds_s, bpp=(peak - watch.baseline) * 1024 / numel)
 
 
 def syncer_table(rows: list[dict], numel: int) -> None:
@@ -421,9 +318,8 @@ def main(argv=None) -> int:
                            default=float("nan"))
     if not args.skip_island:
         island_bpp = island_table(measure_island(numel, args.steps, args.sync_every))
-    print(f"RESULT syncer_bytes_per_param={syncer_bpp:.2f} "
-          f"island_overhead_bytes_per_param={island_bpp:.2f} "
-          f"syncer_momentum_bytes_per_param={momentum_bpp:.2f} params={numel}")
+    print(result_line(syncer_bytes_per_param=syncer_bpp, island_overhead_bytes_per_param=island_bpp,
+                      syncer_momentum_bytes_per_param=momentum_bpp, params=numel))
     return 0
 
 
@@ -540,24 +436,15 @@ def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> d
     each push staged in the training loop (with blocking sync the loop waits for the
     round anyway: `island_overlap_run` measures the guard); `pin`: each island on a
     core of its own (the syncer anywhere)."""
-    island = ROOT / "scripts" / "synthetic_island.py"
     records = [tmp / f"half-{i}.jsonl" for i in range(2)]
     children_cpu, t0 = _children_cpu_s(), time.perf_counter()
     with start_syncer(["--quorum", "2", "--grace-ms", "0"], cwd=ROOT,
                       log=tmp / "syncer.log") as syncer:
         watch = PeakWatch(syncer.pid)
-        procs = [subprocess.Popen(
-            [sys.executable, str(island), "--syncer", syncer.address, "--learner-id",
-             f"half-{i}", "--dim", str(numel), "--steps", str(rounds), "--sync-every", "1",
-             "--blocking-sync", "--stage-in-loop", "--seed", str(i), "--record", str(rec)],
-            cwd=ROOT,
-            preexec_fn=_on_core(i if pin else None),
-            stdout=subprocess.DEVNULL, stderr=open(tmp / f"half-{i}.log", "w"))
-            for i, rec in enumerate(records)]
-        for i, proc in enumerate(procs):
-            if proc.wait(timeout=3600) != 0:
-                log_text = (tmp / f"half-{i}.log").read_text()
-                raise RuntimeError(f"island {i} failed:\n{log_text[-3000:]}")
+        run_islands([synthetic_island(syncer.address, f"half-{i}", numel, "--steps", str(rounds),
+                                      *EVERY_STEP, "--seed", str(i), "--record", str(rec))
+                     for i, rec in enumerate(records)],
+                    [tmp / f"half-{i}.log" for i in range(2)], pin=pin)
         syncer.wait(timeout=300)
         syncer_peak = watch.stop()
     children_cpu = _children_cpu_s() - children_cpu  # the syncer and both islands
@@ -591,19 +478,13 @@ def island_overlap_run(numel: int, tmp: Path) -> tuple[dict, dict]:
     `encode_s` (the encode proper, on the background thread: less the staging there),
     `stage_s` (that staging); and `bpp`, the island's peak RSS per parameter (its
     weights included)."""
-    island = ROOT / "scripts" / "synthetic_island.py"
     rec = tmp / "overlap.jsonl"
     with start_syncer(["--quorum", "1", "--grace-ms", "0"], cwd=ROOT,
                       log=tmp / "overlap-syncer.log") as syncer:
-        with open(tmp / "overlap-island.log", "w") as err:
-            proc = subprocess.run(
-                [sys.executable, str(island), "--syncer", syncer.address, "--learner-id",
-                 "overlap", "--dim", str(numel), "--steps", str(2 * OVERLAP_PUSHES + 1),
-                 "--sync-every", "2", "--alternate-guard", "--record", str(rec)],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, timeout=3600)
-        if proc.returncode != 0:
-            raise RuntimeError("overlap island failed:\n"
-                               + (tmp / "overlap-island.log").read_text()[-3000:])
+        run_islands([synthetic_island(syncer.address, "overlap", numel,
+                                      "--steps", str(2 * OVERLAP_PUSHES + 1), "--sync-every", "2",
+                                      "--alternate-guard", "--record", str(rec))],
+                    [tmp / "overlap-island.log"])
         syncer.wait(timeout=300)
     done = [json.loads(line) for line in rec.read_text().splitlines()][-1]
     if len(done["guarded"]) != OVERLAP_PUSHES or len(done["encode_s"]) < OVERLAP_PUSHES:
@@ -762,13 +643,12 @@ def half_billion_main(args) -> int:
     cpu, _, _ = _floor_table(run, numel, copy_rate)
     arith, transport = _stack_table(numel, copy_rate, arithmetic_cpu_s(numel), raw_cpu)
     blocked, encode = overlap_table(guard, loop)
-    print(f"RESULT cpu_over_floor={cpu:.2f} arith_over_floor={arith:.2f} "
-          f"syncer_over_stack={cpu / (arith + transport):.2f} "
-          f"raw_cpu_over_floor={transport:.2f} island_blocked_s={blocked:.3f} "
-          f"encode_s={encode:.3f} "
-          f"island_blocked_in_loop_s={statistics.median(loop['blocked_s']):.3f} "
-          f"half_billion_peak_gib={total_gib:.2f} round_s={round_s:.2f} "
-          f"raw_s={raw:.2f} round_over_raw={round_s / raw:.2f} params={numel}")
+    print(result_line(cpu_over_floor=cpu, arith_over_floor=arith,
+                      syncer_over_stack=cpu / (arith + transport), raw_cpu_over_floor=transport,
+                      island_blocked_s=blocked, encode_s=encode,
+                      island_blocked_in_loop_s=statistics.median(loop["blocked_s"]),
+                      half_billion_peak_gib=total_gib, round_s=round_s, raw_s=raw,
+                      round_over_raw=round_s / raw, params=numel))
     return 0
 
 

@@ -5,7 +5,7 @@ judge.
 Three runs of one case (k replicas, H AdamW steps per round, outer SGD: plain averaging,
 or Nesterov at lr 0.7, momentum 0.9), each replica on the batches yeto's island i draws:
 
-  reference   scripts/reference_diloco.py: Algorithm 1 in plain torch, one process
+  reference   yeto.testing.reference_diloco: Algorithm 1 in plain torch, one process
   yeto        `yeto.sim` (k islands and the syncer in one process), `--blocking-sync`,
               f32 both ways, `--merge uniform`
   torchft     `torchft.local_sgd.DiLoCo` as torchft's own integration tests run it: k
@@ -56,9 +56,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's yeto, syncer
 
-import reference_diloco as rd  # noqa: E402  (puts the checkout on sys.path)
+from yeto.testing import reference_diloco as rd  # noqa: E402
 
 TIMEOUT = timedelta(seconds=120)  # every torchft wait (quorum, collectives, connects)
 

@@ -1,5 +1,5 @@
 """The chaos harness end to end: a real syncer, three numpy islands and a rogue client
-through seeded faults (scripts/chaos.py; its docstring lists the kinds and checks)."""
+through seeded faults (yeto.testing.chaos; its docstring lists the kinds and checks)."""
 
 import re
 import subprocess
@@ -16,9 +16,9 @@ ROGUE_KINDS = ("rogue-claims", "seed-race", "observer-first", "rogue-bound")
 
 
 def chaos(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, re.Match, str]:
-    """Run scripts/chaos.py with `flags`: (the process, its RESULT line, the end of its
+    """Run the chaos harness with `flags`: (the process, its RESULT line, the end of its
     output for messages)."""
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), *flags,
+    r = subprocess.run([sys.executable, "-m", "yeto.testing.chaos", *flags,
                         "--workdir", str(tmp_path / "chaos")],
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     out = r.stdout.strip().splitlines()

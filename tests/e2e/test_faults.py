@@ -1,7 +1,7 @@
 """Faults and bad input: auth, TLS, state and --resume, rejoin, validation, clipping.
 
 Process tests run the real syncer (`python -m syncer`) and synthetic numpy islands
-(`scripts/synthetic_island.py`) as subprocesses and kill them with SIGKILL.
+(`yeto.testing.synthetic`) as subprocesses and kill them with SIGKILL.
 
 Here: the checks that need real processes (the others: tests/integration/test_faults.py)."""
 
@@ -31,7 +31,7 @@ from yeto.proto import yeto_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parents[2]
 
 
-SIM = [sys.executable, str(ROOT / "scripts" / "synthetic_island.py")]
+SIM = [sys.executable, "-m", "yeto.testing.synthetic"]
 
 
 # ---- helpers ------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 A fresh virtual environment gets `pip install .` and nothing else; then
 `python -m syncer --help` works, torch / transformers / peft / mlx are absent, and a
-syncer with two numpy islands (scripts/synthetic_island.py, through the real Island
-and gRPC client) runs to the end over the core alone.
+syncer with two numpy islands (`python -m yeto.testing.synthetic`, through the real
+Island and gRPC client) runs to the end over the core alone.
 """
 
 from __future__ import annotations
@@ -56,16 +56,13 @@ def test_core_install_has_no_backend(core_venv):
 
 
 def test_core_install_runs_a_two_island_run(core_venv, tmp_path):
-    island = tmp_path / "bin" / "synthetic_island.py"  # outside the checkout: imports
-    island.parent.mkdir()                              # the installed yeto, not ROOT's
-    shutil.copy(ROOT / "scripts" / "synthetic_island.py", island)
-    state = tmp_path / "state"
+    state = tmp_path / "state"  # cwd tmp_path: the islands import the installed yeto
     with start_syncer(["--quorum", "2", "--state-dir", str(state), "--grace-ms", "0"],
                       cwd=tmp_path, python=str(core_venv)) as syncer:
         islands = [subprocess.Popen(
-            [str(core_venv), str(island), "--syncer", syncer.address, "--learner-id", f"sim-{i}",
-             "--steps", "40", "--sync-every", "10", "--dim", "256", "--seed", str(i),
-             "--record", str(tmp_path / f"sim-{i}.jsonl")],
+            [str(core_venv), "-m", "yeto.testing.synthetic", "--syncer", syncer.address,
+             "--learner-id", f"sim-{i}", "--steps", "40", "--sync-every", "10", "--dim", "256",
+             "--seed", str(i), "--record", str(tmp_path / f"sim-{i}.jsonl")],
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i in range(2)]
         for p in islands:

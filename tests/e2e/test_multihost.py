@@ -1,4 +1,4 @@
-"""Multi-host runs in the network lab (scripts/netlab.py): every host is a network
+"""Multi-host runs in the network lab (yeto.testing.netlab): every host is a network
 namespace on one switch, with documentation addresses (192.0.2.0/24) that exist only
 inside the lab, so nothing leaves the machine and nothing in the root namespace
 takes part. The syncer listens on host a's own address (192.0.2.1), islands run on
@@ -26,16 +26,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from syncer.tape import read_tape
+from yeto.cli.join import shell_lines
+from yeto.testing import netlab
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-
-import netlab  # noqa: E402
-
-from syncer.tape import read_tape  # noqa: E402
-from yeto.cli.join import shell_lines  # noqa: E402
 
 WHY = netlab.unavailable()
 

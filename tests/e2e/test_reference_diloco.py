@@ -1,6 +1,6 @@
 """yeto's outer loop is DiLoCo's Algorithm 1, round for round.
 
-scripts/reference_diloco.py is DiLoCo written from the paper in plain torch (k
+yeto.testing.reference_diloco is DiLoCo written from the paper in plain torch (k
 replicas, H AdamW steps each, δᵢ = Θ − θᵢ, the mean of the δᵢ, an outer SGD step:
 plain averaging, or Nesterov at lr 0.7, momentum 0.9); it shares only the data
 loading with yeto. It runs each case, then the same case through `yeto.sim`
@@ -13,8 +13,8 @@ default; islands that train on while a round commits, its default), yeto agrees
 with the reference that makes that departure, and is far from Algorithm 1 itself:
 the difference is that departure and nothing else.
 
-Both sides run in a process of their own (the script): an in-process sim inside
-pytest was once seen to change what later tests computed."""
+Both sides run in a process of their own (`python -m yeto.testing.reference_diloco`):
+an in-process sim inside pytest was once seen to change what later tests computed."""
 
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from yeto.testing import reference_diloco as rd
 
-import reference_diloco as rd  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TOL = 1e-5  # relative: of a round's loss; of a tensor, to the largest value in it
 NESTEROV = "outer_lr=0.7,outer_momentum=0.9"
@@ -52,9 +51,9 @@ BIT_FOR_BIT = {"lora-nesterov-k2-8-rounds": f"rounds=8,{NESTEROV},yeto_rounding=
 
 
 def _run(model: Path, task, out: Path, cases: dict[str, str]) -> Path:
-    """scripts/reference_diloco.py --yeto over `cases` (name: changes), into `out`."""
+    """The reference with --yeto over `cases` (name: changes), into `out`."""
     argv = [a for name, changes in cases.items() for a in ("--case", f"{name}:{changes}")]
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "reference_diloco.py"),
+    r = subprocess.run([sys.executable, "-m", "yeto.testing.reference_diloco",
                         "--model", str(model), "--data", str(task[0]), "--yeto",
                         "--out", str(out), *argv],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -158,3 +157,16 @@ def test_with_the_syncers_rounding_yeto_is_the_reference_bit_for_bit(slow_run, n
         for tensor, values in theta.items():
             np.testing.assert_array_equal(yeto.thetas[when][tensor], values,
                                           err_msg=f"{when} {tensor}")
+
+
+def test_compare_torchft_defaults_are_the_issues_run():
+    """scripts/compare_torchft.py: two replicas, H = 20, full weights, both outer
+    optimizers; the script loads without torchft (no dependency of yeto's: only its
+    runs import it)."""
+    code = ("import runpy, sys\nsys.modules['torchft'] = None\n"
+            "a = runpy.run_path('scripts/compare_torchft.py')['build_parser']().parse_args([])\n"
+            "print(a.islands, a.sync_every, a.tuning, a.outer)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["2", "20", "full", "both"]

@@ -14,7 +14,7 @@ from syncer import spawn
 from syncer.spawn import SyncerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-SIM = [sys.executable, str(ROOT / "scripts" / "synthetic_island.py")]
+SIM = [sys.executable, "-m", "yeto.testing.synthetic"]
 COMMON = ["--quorum", "2", "--fragments", "2", "--seed-from", "island-0"]
 
 

@@ -15,7 +15,7 @@ from syncer.spawn import SyncerProcess
 from syncer.tape import read_tape
 
 ROOT = Path(__file__).resolve().parents[2]
-SIM = [sys.executable, str(ROOT / "scripts" / "synthetic_island.py")]
+SIM = [sys.executable, "-m", "yeto.testing.synthetic"]
 ARGS = ["--quorum", "2", "--grace-ms", "100", "--outer", "nesterov", "--outer-lr", "0.7",
         "--outer-momentum", "0.9", "--token", "s3cret-run"]
 

@@ -1,7 +1,7 @@
 """Faults and bad input: auth, TLS, state and --resume, rejoin, validation, clipping.
 
 Process tests run the real syncer (`python -m syncer`) and synthetic numpy islands
-(`scripts/synthetic_island.py`) as subprocesses and kill them with SIGKILL.
+(`yeto.testing.synthetic`) as subprocesses and kill them with SIGKILL.
 
 Here: the checks through in-process servers, training or the sim (the others:
 tests/e2e/test_faults.py)."""

@@ -21,7 +21,7 @@ from yeto.transport import Received, ThetaStream
 
 
 class ViewWeights(FlatWeights):
-    """Range access whose reads are views of the weights (as scripts/synthetic_island.py
+    """Range access whose reads are views of the weights (as yeto.testing.synthetic
     gives): the island computes in them, and a write of that same view copies nothing."""
 
     ranged = True

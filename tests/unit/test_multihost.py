@@ -1,4 +1,4 @@
-"""Multi-host runs in the network lab (scripts/netlab.py): every host is a network
+"""Multi-host runs in the network lab (yeto.testing.netlab): every host is a network
 namespace on one switch, with documentation addresses (192.0.2.0/24) that exist only
 inside the lab, so nothing leaves the machine and nothing in the root namespace
 takes part. The syncer listens on host a's own address (192.0.2.1), islands run on
@@ -14,17 +14,11 @@ tests/e2e/test_multihost.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-
 PORT = 29400
 
 

@@ -1,19 +1,14 @@
-"""scripts/reference_diloco.py and scripts/compare_torchft.py: the parts that need no
-training (the runs themselves: tests/e2e/test_reference_diloco.py)."""
+"""yeto.testing.reference_diloco (DiLoCo's Algorithm 1 in plain torch): the parts that
+need no training (the runs themselves, and scripts/compare_torchft.py's defaults:
+tests/e2e/test_reference_diloco.py)."""
 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import reference_diloco as rd  # noqa: E402
+from yeto.testing import reference_diloco as rd
 
 
 def _cases(*argv: str) -> dict[str, rd.Case]:
@@ -47,11 +42,3 @@ def test_round_losses_are_the_losses_at_each_push():
     assert rd.round_losses(trace, rd.Case(rounds=3, sync_every=2)) == \
         {"island-0": [2.0, 4.0, 6.0]}
 
-
-def test_compare_torchft_defaults_are_the_issues_run():
-    """Two replicas, H = 20, full weights, both outer optimizers; the script imports
-    without torchft (no dependency of yeto's: only its runs import it)."""
-    import compare_torchft
-
-    args = compare_torchft.build_parser().parse_args([])
-    assert (args.islands, args.sync_every, args.tuning, args.outer) == (2, 20, "full", "both")

@@ -30,8 +30,8 @@ takes part (processes run *inside* a host with `Lab.popen` / `Lab.run`, i.e.
     # namespaces (and so its cables), even when the body raised
 
 Needs root and iproute2 (`ip`; `tc` for limits); `unavailable()` says why not.
-As a program: ``python scripts/netlab.py check`` says whether the lab runs here;
-``python scripts/netlab.py relay --listen 127.0.0.1:9000 --to 192.0.2.1:29400
+As a program: ``python -m yeto.testing.netlab check`` says whether the lab runs here;
+``python -m yeto.testing.netlab relay --listen 127.0.0.1:9000 --to 192.0.2.1:29400
 --delay-ms 20`` is the relay (started by `Lab.relay` inside a host).
 """
 
@@ -54,7 +54,7 @@ from pathlib import Path
 PREFIX = "ylab"               # every namespace of a lab: ylab-<pid>-<hex>-<host>
 SUBNET = "192.0.2.0/24"       # TEST-NET-1 (RFC 5737): documentation only, never routed
 IFACE = "eth0"                # a host's one interface
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # holds yeto and syncer: the processes' cwd
 
 
 class LabError(RuntimeError):
@@ -203,7 +203,7 @@ class Lab:
     # ---- processes -----------------------------------------------------------------
     def popen(self, host: Host, cmd: list[str], **kw) -> subprocess.Popen:
         """Start `cmd` inside `host` (own session; killed by `close`). Keyword
-        arguments go to `subprocess.Popen` (cwd defaults to the repository root)."""
+        arguments go to `subprocess.Popen` (cwd defaults to the folder holding yeto)."""
         kw.setdefault("cwd", ROOT)
         proc = subprocess.Popen([*host.exec_prefix(), *map(str, cmd)],
                                 start_new_session=True, **kw)
@@ -230,7 +230,7 @@ class Lab:
         (HOST:PORT) holding every chunk `delay_ms` each way. Returns (process,
         the loopback address to dial instead of `target`)."""
         port_file = Path(f"/tmp/{host.ns}-relay-{secrets.token_hex(3)}")
-        proc = self.popen(host, [sys.executable, str(Path(__file__).resolve()), "relay",
+        proc = self.popen(host, [sys.executable, "-m", "yeto.testing.netlab", "relay",
                                  "--listen", f"127.0.0.1:{listen_port}", "--to", target,
                                  "--delay-ms", str(delay_ms), "--port-file", str(port_file)])
         deadline = time.monotonic() + ready_timeout
@@ -399,7 +399,7 @@ async def _relay_main(listen: str, target: str, delay_s: float, port_file: Path 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/netlab.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m yeto.testing.netlab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="say whether the lab can run here")
