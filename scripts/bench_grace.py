@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _bench import ROOT, parser
+from _bench import ROOT, parser, result_line
 from compare_diloco import arm_env, plan, prepare
 
 from syncer.tape import read_tape
@@ -136,8 +136,7 @@ def report(rows: list[dict], steps: int, seeds: list[int], jitter: float) -> Non
                       f"H = {H} steps or T = {T:g} s; {steps} steps at full speed; seeds "
                       f"{','.join(map(str, seeds))}")
     best = min(rows, key=lambda r: r["eval"][0])
-    print(f"RESULT best={best['arm'].replace(' ', '_')} eval_loss={best['eval'][0]:.4f} "
-          f"goodput={best['goodput'][0]:.3f}")
+    print(result_line(best=best["arm"], eval_loss=best["eval"][0], goodput=best["goodput"][0]))
 
 
 if __name__ == "__main__":

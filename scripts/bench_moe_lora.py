@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _bench import MIB, ROOT, parser
+from _bench import MIB, ROOT, parser, result_line
 
 from yeto.cli.display import print_table
 
@@ -158,6 +158,11 @@ def process_rows(experts: int) -> list[dict]:
     return rows, adapter
 
 
+def expert_mib(rows: list[dict]) -> dict[str, float]:
+    """{<model>_expert_mib: MiB of its expert adapter} for the RESULT line."""
+    return {f"{r['model'].lower()}_expert_mib": r["experts"] / MIB for r in rows}
+
+
 def main(argv=None) -> int:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=32,
@@ -176,8 +181,7 @@ def main(argv=None) -> int:
                   f"{r['formula'] / MIB:.1f}"] for r in rows])
     if args.quick:
         print("--quick: the adapter table only (the islands' process memory takes minutes)")
-        print("RESULT ratio=" + f"{rows[0]['all-linear'] / rows[0]['auto']:.2f} " + " ".join(
-            f"{r['model'].lower()}_expert_mib={r['experts'] / MIB:.1f}" for r in rows))
+        print(result_line(rows[0]["all-linear"] / rows[0]["auto"], **expert_mib(rows)))
         return 0
     experts = args.experts
     proc, adapter = process_rows(experts)
@@ -192,10 +196,9 @@ def main(argv=None) -> int:
     extra = {(r["backend"], r["targets"]): r.get("alloc_mib", r["extra_mib"]) for r in proc}
     torch_experts = extra[("torch", "all-linear")] - extra[("torch", "auto")]
     mlx_experts = extra[("mlx", "all-linear")] - extra[("mlx", "auto")]
-    print(f"RESULT ratio={extra[('torch', 'all-linear')] / extra[('torch', 'auto')]:.2f} "
-          f"torch_expert_mib={torch_experts:.1f} mlx_expert_mib={mlx_experts:.1f} "
-          f"expert_adapter_mib={adapter:.1f} experts={experts} "
-          + " ".join(f"{r['model'].lower()}_expert_mib={r['experts'] / MIB:.1f}" for r in rows))
+    print(result_line(extra[("torch", "all-linear")] / extra[("torch", "auto")],
+                      torch_expert_mib=torch_experts, mlx_expert_mib=mlx_experts,
+                      expert_adapter_mib=adapter, experts=experts, **expert_mib(rows)))
     return 0
 
 

@@ -11,7 +11,6 @@ Last line: RESULT errors=<n> mem_growth=<rss_last / rss_round10> rounds_per_s=<x
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
@@ -21,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
+from _bench import ROOT, parser, result_line
 
-from syncer.spawn import start_syncer  # noqa: E402
-from yeto import codec  # noqa: E402
-from yeto.client import SyncerClient  # noqa: E402
-from yeto.layout import Layout  # noqa: E402
+from syncer.spawn import start_syncer
+from yeto import codec
+from yeto.client import SyncerClient
+from yeto.layout import Layout
 
 
 def rss_kb(pid: int) -> int:
@@ -37,12 +37,10 @@ def rss_kb(pid: int) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, quick="16 islands x 25 rounds (under a minute)")
     p.add_argument("--islands", type=int, default=32)
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--params", type=int, default=1 << 18, help="parameters per island")
-    p.add_argument("--quick", action="store_true", help="16 islands x 25 rounds (< 1 min)")
     args = p.parse_args(argv)
     if args.quick:
         args.islands, args.rounds = min(args.islands, 16), min(args.rounds, 25)
@@ -52,7 +50,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         syncer = start_syncer(["--quorum", str(args.islands), "--grace-ms", "0", "--state-dir",
                                f"{tmp}/s", "--log-level", "WARNING"],
-                              cwd=Path(__file__).resolve().parents[1], log=Path(tmp) / "log")
+                              cwd=ROOT, log=Path(tmp) / "log")
         addr = syncer.address
         rss: dict[int, int] = {}
         barrier = threading.Barrier(args.islands)
@@ -96,8 +94,8 @@ def main(argv=None) -> int:
           f"rounds/s: {args.rounds / elapsed:.2f}")
     for e in errors[:5]:
         print("  ", e)
-    print(f"RESULT errors={len(errors)} mem_growth={growth:.3f} "
-          f"rounds_per_s={args.rounds / elapsed:.2f} islands={args.islands} rounds={args.rounds}")
+    print(result_line(errors=len(errors), mem_growth=growth, rounds_per_s=args.rounds / elapsed,
+                      islands=args.islands, rounds=args.rounds))
     return 0
 
 
