@@ -7,13 +7,17 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from yeto.codec.format import CodecError
+from yeto.codec.format import CodecError, Payload, as_view
+
+T = TypeVar("T")
 
 
-class Pool:
+class Pool(Generic[T]):
     """What one push in flight needs, kept for the next push instead of made anew: a
     fresh receive buffer costs a page fault per 4 KiB on first touch, a fresh spill
     file more than rewriting an old one, its page cache allocated anew (BENCHMARKS.md,
@@ -24,12 +28,13 @@ class Pool:
     bytes, or returns None when it cannot serve that size; `drop(thing)` releases one
     the pool has no room for (default: nothing to release)."""
 
-    def __init__(self, limit: int, make, reuse, drop=lambda thing: None):
+    def __init__(self, limit: int, make: Callable[[int], T], reuse: Callable[[T, int], T | None],
+                 drop: Callable[[T], None] = lambda thing: None):
         self.limit, self.make, self.reuse, self.drop = max(0, limit), make, reuse, drop
-        self._free: list = []
+        self._free: list[T] = []
         self._lock = threading.Lock()
 
-    def get(self, size: int):
+    def get(self, size: int) -> T:
         with self._lock:
             for i, thing in enumerate(self._free):
                 ready = self.reuse(thing, size)
@@ -38,7 +43,7 @@ class Pool:
                     return ready
         return self.make(size)
 
-    def put(self, thing) -> None:
+    def put(self, thing: T) -> None:
         with self._lock:
             self._free.append(thing)
             keep = max(0, len(self._free) - self.limit)
@@ -47,13 +52,14 @@ class Pool:
             self.drop(extra)
 
 
-def buffer_pool(limit: int) -> Pool:
+def buffer_pool(limit: int) -> Pool[np.ndarray]:
     """Receive buffers (uint8 arrays), each reused for a push of its own size."""
     return Pool(limit, lambda size: np.empty(size, np.uint8),
                 lambda buf, size: buf if buf.size == size else None)
 
 
-def spill_pool(limit: int, directory: str | os.PathLike | None = None) -> Pool:
+def spill_pool(limit: int, directory: str | os.PathLike[str] | None = None
+               ) -> Pool[SpilledPayload]:
     """Spill files (`SpilledPayload`), each rewritten from its start by the next push."""
     return Pool(limit, lambda size: SpilledPayload(size, directory),
                 lambda spilled, size: spilled.reset(size), SpilledPayload.close)
@@ -64,7 +70,7 @@ class SpilledPayload:
     temporary folder by default): written in order as they arrive, read back by
     position from any thread. The file vanishes on `close()` (or when collected)."""
 
-    def __init__(self, size: int, directory: str | os.PathLike | None = None):
+    def __init__(self, size: int, directory: str | os.PathLike[str] | None = None):
         self.file = tempfile.TemporaryFile(dir=directory, buffering=0)  # pread sees writes
         self.fd = self.file.fileno()
         self.reset(size)
@@ -79,8 +85,8 @@ class SpilledPayload:
     def __len__(self) -> int:
         return self.size
 
-    def write(self, piece) -> None:
-        view = memoryview(piece).cast("B")
+    def write(self, piece: Payload) -> None:
+        view = as_view(piece).cast("B")
         while view:  # an unbuffered write may take part of it
             view = view[self.file.write(view):]
 
@@ -100,7 +106,7 @@ class SpilledPayload:
         n = part.stop - part.start
         out, got = into[:n], 0
         while got < n:  # a short read is legal; finish it
-            k = os.preadv(self.fd, [out[got:]], part.start + got)
+            k = os.preadv(self.fd, [out[got:].data], part.start + got)
             if k <= 0:
                 raise CodecError(f"spilled payload ends at byte {part.start + got}")
             got += k

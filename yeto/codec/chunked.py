@@ -31,15 +31,20 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeAlias, TypeVar
 
 import numpy as np
 
 from yeto.codec import format as fmt
 from yeto.codec import kernels
 from yeto.codec.buffers import SpilledPayload
-from yeto.codec.format import CHUNK, Q4_BLOCK, CodecError
+from yeto.codec.format import CHUNK, Q4_BLOCK, CodecError, Payload, as_view
+
+R = TypeVar("R")
+# a whole payload: its bytes in memory, or spilled to a file
+AnyPayload: TypeAlias = Payload | SpilledPayload
 
 THREADS = max(1, min(8, os.cpu_count() or 1))
 ITEM = {"f32": 4, "bf16": 2}  # bytes per value of the unblocked encodings
@@ -53,7 +58,7 @@ def ranges(start: int, stop: int, step: int = CHUNK) -> Iterator[tuple[int, int]
         yield lo, min(lo + step, stop)
 
 
-def each_chunk(numel: int, fn, size: int = CHUNK) -> list:
+def each_chunk(numel: int, fn: Callable[[int, int], R], size: int = CHUNK) -> list[R]:
     """[fn(lo, hi) for each chunk of `size` values], in chunk order, spread over
     `THREADS` threads when there are several chunks. fn must touch only its own chunk's
     elements."""
@@ -66,16 +71,18 @@ def each_chunk(numel: int, fn, size: int = CHUNK) -> list:
             _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="codec-chunks")
     per = -(-len(pieces) // THREADS)  # contiguous runs of chunks: one task per thread
 
-    def run(i: int) -> list:
+    def run(i: int) -> list[R]:
         return [fn(lo, hi) for lo, hi in pieces[i * per:(i + 1) * per]]
 
     return [r for part in _pool.map(run, range(THREADS)) for r in part]
 
 
-def chunk_payload(buf, encoding: str, numel: int, lo: int, hi: int):
+def chunk_payload(buf: AnyPayload, encoding: str, numel: int, lo: int, hi: int
+                  ) -> bytes | memoryview:
     """The encoded bytes of elements [lo, hi) (lo a multiple of Q4_BLOCK) of a
     buffer or a `SpilledPayload`."""
-    read = buf.read if isinstance(buf, SpilledPayload) else memoryview(buf).cast("B").__getitem__
+    read: Callable[[slice], bytes | memoryview] = (
+        buf.read if isinstance(buf, SpilledPayload) else as_view(buf).cast("B").__getitem__)
     if encoding in ITEM:
         k = ITEM[encoding]
         return read(slice(k * lo, k * hi))
@@ -88,8 +95,8 @@ def chunk_payload(buf, encoding: str, numel: int, lo: int, hi: int):
                      read(slice(4 * nb + half * b0, 4 * nb + half * b1))))
 
 
-def _checked(payload, encoding: str, numel: int):
-    mv = payload if isinstance(payload, SpilledPayload) else memoryview(payload).cast("B")
+def _checked(payload: AnyPayload, encoding: str, numel: int) -> memoryview | SpilledPayload:
+    mv = payload if isinstance(payload, SpilledPayload) else as_view(payload).cast("B")
     want = fmt.encoded_size(encoding, numel)
     if len(mv) != want:
         raise CodecError(f"{encoding} payload for {numel} elements must be {want} "
@@ -97,7 +104,7 @@ def _checked(payload, encoding: str, numel: int):
     return mv
 
 
-def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: float,
+def decode_add(payload: AnyPayload, encoding: str, numel: int, acc: np.ndarray, weight: float,
                assign: bool = False) -> None:
     """acc += weight * decode(payload) (`assign`: acc = ...), chunk by chunk: the bits
     of `yeto.codec.decode_add`. Validate first (`yeto.codec.validate`): a bad chunk
@@ -111,7 +118,7 @@ def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: floa
     each_chunk(numel, one)
 
 
-def decode_add_norm(payload, encoding: str, numel: int, acc: np.ndarray | None,
+def decode_add_norm(payload: AnyPayload, encoding: str, numel: int, acc: np.ndarray | None,
                     weight: float, assign: bool = False) -> float:
     """`decode_add` (when acc is not None) and the L2 norm of decode(payload), in one
     pass. Validate first."""
@@ -130,13 +137,13 @@ def decode_add_norm(payload, encoding: str, numel: int, acc: np.ndarray | None,
     return float(np.sqrt(sum(each_chunk(numel, one))))
 
 
-def decode_add_square(piece, encoding: str, n: int, acc: np.ndarray | None,
+def decode_add_square(piece: Payload, encoding: str, n: int, acc: np.ndarray | None,
                       weight: np.float32, assign: bool = False) -> float:
     """One chunk of `decode_add_norm`: acc += weight * decode(piece) (`assign`: =), and
     Σ decode(piece)² as a float (the chunk's term of the norm)."""
     if encoding == "q4" and n <= CHUNK:
         head = 4 * -(-n // Q4_BLOCK)
-        buf = memoryview(piece).cast("B")
+        buf = as_view(piece).cast("B")
         if len(buf) != fmt.encoded_size("q4", n):
             raise CodecError(f"q4 payload for {n} elements must be "
                              f"{fmt.encoded_size('q4', n)} bytes, got {len(buf)}")
@@ -149,15 +156,16 @@ def decode_add_square(piece, encoding: str, n: int, acc: np.ndarray | None,
     return square
 
 
-def q4_add_square(scales, codes, n: int, acc: np.ndarray | None, weight: np.float32,
-                  assign: bool) -> float:
+def q4_add_square(scales: Payload, codes: Payload, n: int, acc: np.ndarray | None,
+                  weight: np.float32, assign: bool) -> float:
     """`decode_add_square` of one q4 chunk given as its block scales and its codes
     (buffers, at most one chunk): one compiled pass where numba is installed
     (`yeto.codec.kernels`), the same bits either way."""
     return kernels.q4_add_square(fmt.checked_q4_scales(scales), codes, n, acc, weight, assign)
 
 
-def q4_chunk_parts(payload, numel: int, lo: int, hi: int, into: np.ndarray):
+def q4_chunk_parts(payload: memoryview | SpilledPayload, numel: int, lo: int, hi: int,
+                   into: np.ndarray) -> tuple[Payload, Payload]:
     """(block scales, codes) of elements [lo, hi) (lo a multiple of Q4_BLOCK) of a q4
     payload: views of a buffer, or read from a `SpilledPayload` (the codes straight
     into `into`, a uint8 array of at least their size)."""
@@ -170,7 +178,7 @@ def q4_chunk_parts(payload, numel: int, lo: int, hi: int, into: np.ndarray):
     return payload[scales], payload[codes]
 
 
-def norm(payload, encoding: str, numel: int) -> float:
+def norm(payload: AnyPayload, encoding: str, numel: int) -> float:
     """L2 norm of decode(payload), one chunk at a time."""
     return decode_add_norm(payload, encoding, numel, None, 0.0)
 

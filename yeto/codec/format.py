@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypeAlias
 
 import numpy as np
 
@@ -39,6 +40,16 @@ _Q4_MAGIC = np.float32(1.5 * 2**23 + 8)
 
 class CodecError(ValueError):
     """A payload or input that cannot be encoded or decoded."""
+
+
+# what a payload may arrive as: any contiguous bytes (an array's are its `.data`)
+Payload: TypeAlias = bytes | bytearray | memoryview | np.ndarray
+
+
+def as_view(payload: Payload) -> memoryview:
+    """`memoryview(payload)`; an array's is its `.data` (the same view: numpy's stubs
+    give arrays the buffer protocol only from Python 3.12)."""
+    return payload.data if isinstance(payload, np.ndarray) else memoryview(payload)
 
 
 def encoded_size(encoding: str, numel: int) -> int:
@@ -68,14 +79,14 @@ def encode(x: np.ndarray, encoding: str) -> bytes:
     raise CodecError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
 
 
-def decode(payload, encoding: str, numel: int) -> np.ndarray:
+def decode(payload: Payload, encoding: str, numel: int) -> np.ndarray:
     """Decode to a new float32 vector of `numel` elements."""
     out = np.empty(numel, dtype=np.float32)
     _decode_into(payload, encoding, numel, out, weight=None)
     return out
 
 
-def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: float,
+def decode_add(payload: Payload, encoding: str, numel: int, acc: np.ndarray, weight: float,
                assign: bool = False) -> None:
     """acc += weight * decode(payload), chunk by chunk: no full-size temporary.
     `assign`: acc = weight * decode(payload), the bits of adding into zeros, without
@@ -83,7 +94,7 @@ def decode_add(payload, encoding: str, numel: int, acc: np.ndarray, weight: floa
     _decode_into(payload, encoding, numel, acc, weight=float(weight), assign=assign)
 
 
-def validate(payload, encoding: str, numel: int, max_abs: float | None = None) -> None:
+def validate(payload: Payload, encoding: str, numel: int, max_abs: float | None = None) -> None:
     """Check size and finiteness without decoding into anything; with `max_abs`, also
     that every value decodes to at most `max_abs` in magnitude."""
     buf = _sized(payload, encoding, numel)
@@ -106,8 +117,8 @@ def _check_values(x: np.ndarray, encoding: str, max_abs: float | None) -> None:
                          f"(non-finite, or beyond the bound {max_abs:g})")
 
 
-def _sized(payload, encoding, numel) -> memoryview:
-    buf = memoryview(payload).cast("B")
+def _sized(payload: Payload, encoding: str, numel: int) -> memoryview:
+    buf = as_view(payload).cast("B")
     want = encoded_size(encoding, numel)
     if len(buf) != want:
         raise CodecError(f"{encoding} payload for {numel} elements must be {want} bytes, "
@@ -115,19 +126,20 @@ def _sized(payload, encoding, numel) -> memoryview:
     return buf
 
 
-def _plain_chunk(buf, encoding, lo, hi) -> np.ndarray:
+def _plain_chunk(buf: memoryview, encoding: str, lo: int, hi: int) -> np.ndarray:
     if encoding == "f32":
         return np.frombuffer(buf, dtype=np.float32, count=hi - lo, offset=4 * lo)
     raw = np.frombuffer(buf, dtype=np.uint16, count=hi - lo, offset=2 * lo)
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
-def _decode_into(payload, encoding, numel, out, weight, assign=False):
+def _decode_into(payload: Payload, encoding: str, numel: int, out: np.ndarray,
+                 weight: float | None, assign: bool = False) -> None:
     buf = _sized(payload, encoding, numel)
     if encoding == "q4":
         _q4_decode(buf, numel, out, weight, assign)
         return
-    w32 = None if weight is None else np.float32(weight)
+    w32 = np.float32(0.0 if weight is None else weight)  # read only with a weight
     with _scratch_for(None) as k:
         for lo in range(0, numel, k.chunk):
             hi = min(lo + k.chunk, numel)
@@ -192,7 +204,7 @@ def _scratch_for(scratch: Scratch | None) -> Iterator[Scratch]:
             _SPARE.append(k)
 
 
-def spare_scratch():
+def spare_scratch() -> contextlib.AbstractContextManager[Scratch]:
     """A chunk's buffers for the caller's own arithmetic, taken from the spares (and
     given back) for the length of a `with`."""
     return _scratch_for(None)
@@ -257,14 +269,16 @@ def _q4_encode_chunk(src: np.ndarray, s: np.ndarray, codes: np.ndarray, k: Scrat
     return times_scales(w, s, k, w)
 
 
-def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight, assign=False) -> None:
+def _q4_decode(buf: memoryview, numel: int, out: np.ndarray, weight: float | None,
+               assign: bool = False) -> None:
     nb = -(-numel // Q4_BLOCK)
     _q4_decode_parts(_q4_scales(buf, numel), np.frombuffer(buf, dtype=np.uint8, offset=4 * nb),
                      numel, out, weight, assign=assign)
 
 
 def _q4_decode_parts(scales: np.ndarray, codes: np.ndarray, numel: int, out: np.ndarray,
-                     weight, scratch: Scratch | None = None, assign: bool = False) -> None:
+                     weight: float | None, scratch: Scratch | None = None,
+                     assign: bool = False) -> None:
     """Decode `numel` values from their blocks' scales and codes into `out` (or add
     weight * them: `add_to`)."""
     nb = -(-numel // Q4_BLOCK)
@@ -327,23 +341,24 @@ def times_scales(v: np.ndarray, scales: np.ndarray, k: Scratch, out: np.ndarray)
     """Each block's code − 8 values in `v` times its scale, into `out`: q4's decoded values."""
     m = v.size
     k.wide[:m].reshape(-1, Q4_BLOCK)[...] = scales[:, None]
-    return np.multiply(v, k.wide[:m], out=out)
+    np.multiply(v, k.wide[:m], out=out)
+    return out
 
 
-def checked_q4_scales(buf) -> np.ndarray:
+def checked_q4_scales(buf: Payload) -> np.ndarray:
     """q4 block scales (any buffer) as float32, refused unless finite and non-negative."""
     scales = np.frombuffer(buf, dtype=np.float32)
     validate_q4_scales(scales)
     return scales
 
 
-def _q4_scales(buf, numel) -> np.ndarray:
+def _q4_scales(buf: memoryview, numel: int) -> np.ndarray:
     scales = np.frombuffer(buf, dtype=np.float32, count=-(-numel // Q4_BLOCK))
     validate_q4_scales(scales)
     return scales
 
 
-def validate_q4_scales(scales, max_abs: float | None = None) -> None:
+def validate_q4_scales(scales: Payload, max_abs: float | None = None) -> None:
     """q4 block scales (float32, any buffer) must be finite and non-negative; with
     `max_abs`, small enough that no value decodes beyond it (|x| ≤ 7 × scale)."""
     scales = np.frombuffer(scales, dtype=np.float32)
@@ -380,7 +395,7 @@ class Encoder:
 
     @property
     def payload(self) -> memoryview:
-        return memoryview(self.buffer)
+        return self.buffer.data
 
     def put(self, lo: int, x: np.ndarray, scratch: Scratch | None = None,
             decoded: bool = False) -> np.ndarray | None:

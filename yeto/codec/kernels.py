@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -36,12 +37,17 @@ from yeto.codec.format import Q4_BLOCK
 HALF = Q4_BLOCK // 2  # code bytes per block
 _ASSIGN, _ADD, _NONE = 0, 1, 2  # what the kernel does with acc
 ZERO, EIGHT = np.float32(0.0), np.float32(8.0)  # float32 constants: no float64 creeps in
-_compiled = None  # the numba kernel once built; False when numba is missing or refused
 
 
 class Kernels(NamedTuple):
-    q4_sum: object  # (scales, codes, n, acc, w, mode) -> Σ values²
-    step: object    # (theta, m, g, divisor, lr, mu, lr·w, divide?, scale?, momentum?) -> finite?
+    q4_sum: Callable[..., float]  # (scales, codes, n, acc, w, mode) -> Σ values²
+    # (theta, m, g, divisor, lr, mu, lr·w, divide?, scale?, momentum?) -> finite?
+    step: Callable[..., bool]
+
+
+# the numba kernel once built; False when numba is missing or refused
+_compiled: Kernels | Literal[False] | None = None
+_Jit = Callable[[Callable[..., Any]], Callable[..., Any]]  # numba.njit(...)
 
 
 def backend() -> str:
@@ -51,7 +57,7 @@ def backend() -> str:
 
 
 @contextlib.contextmanager
-def using(name: str):
+def using(name: str) -> Iterator[None]:
     """Inside the block, sum and step with `name`: "numpy" (the twin) or "auto" (the
     compiled pass when numba is installed, as outside). Tests and benchmarks compare
     the two this way; the syncer never calls it (`YETO_KERNELS=numpy` forces the twin)."""
@@ -75,7 +81,7 @@ def describe() -> str:
             "about half the time)")
 
 
-def q4_add_square(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray | None,
+def q4_add_square(scales: np.ndarray, codes: fmt.Payload, n: int, acc: np.ndarray | None,
                   weight: np.float32, assign: bool) -> float:
     """For the first `n` values of whole q4 blocks (`scales`: float32, validated;
     `codes`: uint8, HALF per block): acc += weight * values (`assign`: acc = 0 + ...;
@@ -113,7 +119,8 @@ def outer_step(theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, lr: float
                             np.float32(lr * w), divisor != 1.0, lr != 1.0, m is not None))
 
 
-def _outer_twin(theta, m, g, lr, mu, w, divisor) -> bool:
+def _outer_twin(theta: np.ndarray, m: np.ndarray | None, g: np.ndarray, lr: float, mu: float,
+                w: float, divisor: float) -> bool:
     """One cache-sized chunk of `outer_step` in numpy."""
     if divisor != 1.0:
         np.divide(g, np.float32(divisor), out=g)
@@ -132,7 +139,8 @@ def _outer_twin(theta, m, g, lr, mu, w, divisor) -> bool:
 _ONES = np.ones(Q4_BLOCK, np.float32)
 
 
-def _numpy_twin(scales, codes, n, acc, weight, mode) -> float:
+def _numpy_twin(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray,
+                weight: np.float32, mode: int) -> float:
     """`q4_add_square` in numpy: the kernel's bits (the sum is the codec's own decode)."""
     nb = -(-n // Q4_BLOCK)
     with fmt.spare_scratch() as k:
@@ -149,14 +157,14 @@ def _numpy_twin(scales, codes, n, acc, weight, mode) -> float:
     return sq
 
 
-def _kernel():
+def _kernel() -> Kernels | Literal[False]:
     global _compiled
     if _compiled is None:
         _compiled = False if os.environ.get("YETO_KERNELS") == "numpy" else _build()
     return _compiled
 
 
-def _build():
+def _build() -> Kernels | Literal[False]:
     """The numba kernel, or False without numba. Compiled on first use (about half a
     second, cached on disk by numba after that)."""
     try:
@@ -164,7 +172,7 @@ def _build():
     except ImportError:
         return False
     # no fastmath: every operation rounds as numpy's does, none is fused or reordered
-    opts = dict(nogil=True, boundscheck=False, error_model="numpy")
+    opts: dict[str, Any] = dict(nogil=True, boundscheck=False, error_model="numpy")
     try:
         jit = numba.njit(cache=True, **opts)
         jit(_cacheable)  # raises where numba finds nowhere to write its cache
@@ -174,12 +182,14 @@ def _build():
     return Kernels(_q4_sum(jit), _step(jit))
 
 
-def _q4_sum(jit):
+def _q4_sum(jit: _Jit) -> Callable[..., float]:
     """The q4 sum's kernel, compiled by `jit`."""
 
     @jit
-    def q4_sum(scales, codes, n, acc, w, mode):
+    def q4_sum(scales: np.ndarray, codes: np.ndarray, n: int, acc: np.ndarray, w: np.float32,
+               mode: int) -> float:
         sq = 0.0
+        isum: int | np.signedinteger[Any]  # (a declaration: no bytecode for numba)
         for b in range(n // 64):  # whole blocks
             s, o, c0, isum = scales[b], b * 64, b * 32, 0
             for j in range(32):  # Σ (code - 8)², an exact integer
@@ -214,11 +224,12 @@ def _q4_sum(jit):
     return q4_sum
 
 
-def _step(jit):
+def _step(jit: _Jit) -> Callable[..., bool]:
     """The outer step's kernel, compiled by `jit`."""
 
     @jit
-    def step(theta, m, g, d, lr, mu, lrw, divide, scale, momentum):
+    def step(theta: np.ndarray, m: np.ndarray, g: np.ndarray, d: np.float32, lr: np.float32,
+             mu: np.float32, lrw: np.float32, divide: bool, scale: bool, momentum: bool) -> bool:
         ok = True
         for i in range(theta.size):
             gi = g[i] / d if divide else g[i]
@@ -236,5 +247,5 @@ def _step(jit):
     return step
 
 
-def _cacheable():
+def _cacheable() -> None:
     """A function numba is asked to cache, to learn whether it can."""

@@ -4,11 +4,25 @@ come, so a bad payload is refused before it is held whole."""
 
 from __future__ import annotations
 
+from typing import Generic, Protocol, TypeVar, cast, overload
+
 import numpy as np
 
 from yeto.codec import format as fmt
 from yeto.codec.chunked import ITEM
-from yeto.codec.format import Q4_BLOCK
+from yeto.codec.format import Q4_BLOCK, Payload
+
+
+class Holder(Protocol):
+    """Where a receiver may write a payload other than an array: it has a length and
+    takes the pieces in order (`KeepNothing`, `yeto.codec.buffers.SpilledPayload`)."""
+
+    def __len__(self) -> int: ...
+
+    def write(self, piece: Payload) -> None: ...
+
+
+B = TypeVar("B", bound="np.ndarray | Holder")
 
 
 class KeepNothing:
@@ -21,11 +35,11 @@ class KeepNothing:
     def __len__(self) -> int:
         return self.size
 
-    def write(self, piece) -> None:
+    def write(self, piece: Payload) -> None:
         pass
 
 
-class PayloadReceiver:
+class PayloadReceiver(Generic[B]):
     """Assembles one payload of `encoding`/`numel` from byte pieces into `into`: a
     uint8 array of the wire size (a new one by default), or a holder with a length
     and `write(piece)` (a `yeto.codec.buffers.SpilledPayload`, `KeepNothing`).
@@ -36,10 +50,20 @@ class PayloadReceiver:
     longer than announced; `finish` raises `ValueError` on a short one and returns
     `into`. An unknown encoding is a `CodecError` at construction."""
 
-    def __init__(self, encoding: str, numel: int, into=None, max_abs: float | None = None):
+    @overload
+    def __init__(self: PayloadReceiver[np.ndarray], encoding: str, numel: int,
+                 into: None = None, max_abs: float | None = None) -> None: ...
+
+    @overload
+    def __init__(self, encoding: str, numel: int, into: B, max_abs: float | None = None
+                 ) -> None: ...
+
+    def __init__(self, encoding: str, numel: int, into: B | None = None,
+                 max_abs: float | None = None) -> None:
         self.encoding, self.numel, self.max_abs = encoding, numel, max_abs
         self.size = fmt.encoded_size(encoding, numel)
-        self.buf = np.empty(self.size, np.uint8) if into is None else into
+        # into None: a PayloadReceiver[np.ndarray] (the first overload)
+        self.buf: B = cast(B, np.empty(self.size, np.uint8)) if into is None else into
         if len(self.buf) != self.size:
             raise ValueError(f"buffer of {len(self.buf)} bytes for a {self.size}-byte payload")
         self.n = 0           # bytes received
@@ -52,7 +76,7 @@ class PayloadReceiver:
         """Every byte announced has arrived."""
         return self.n == self.size
 
-    def add(self, piece) -> memoryview | bytes:
+    def add(self, piece: bytes | memoryview) -> memoryview | bytes:
         """Take the next piece; returns the bytes of the values it made whole and that
         passed the checks (in order; a value split between pieces comes with the
         piece that ends it; empty for q4 codes, which are checked through their
@@ -60,7 +84,7 @@ class PayloadReceiver:
         k = len(piece)
         if self.n + k > self.size:
             raise ValueError(f"payload exceeds the {self.size} bytes its header announced")
-        checked = b""
+        checked: memoryview | bytes = b""
         if self.n < self._check_end:
             checked = self._validate(memoryview(piece)[:self._check_end - self.n])
         if isinstance(self.buf, np.ndarray):
@@ -72,7 +96,7 @@ class PayloadReceiver:
 
     def _validate(self, part: memoryview) -> memoryview | bytes:
         item = 4 if self.encoding == "q4" else ITEM[self.encoding]
-        data = self._tail + bytes(part) if self._tail else part
+        data: memoryview | bytes = self._tail + bytes(part) if self._tail else part
         whole = len(data) - len(data) % item
         if whole and self.encoding == "q4":
             fmt.validate_q4_scales(data[:whole], self.max_abs)
@@ -81,7 +105,7 @@ class PayloadReceiver:
         self._tail = bytes(data[whole:])
         return data[:whole] if self.encoding != "q4" else b""
 
-    def finish(self):
+    def finish(self) -> B:
         if self.n != self.size:
             raise ValueError(f"payload ended after {self.n} of {self.size} bytes")
         return self.buf
