@@ -115,8 +115,8 @@ def worker(backend: str, model_dir: str, targets: str) -> dict:
         import mlx.core as mx
 
         from yeto.mlx.learner import hf_weight_names, make_loss_and_grad, make_optimizer, train_step
+        from yeto.mlx.load import load_model, read_config
         from yeto.mlx.lora import attach_lora
-        from yeto.mlx.shims import load_model, read_config
 
         model, _ = load_model(model_dir)
         base = _kib("VmRSS")
