@@ -6,7 +6,7 @@ from yeto.config import IslandConfig
 from yeto.rl.trainer import RLConfig
 
 
-def _configs(model_dir, task, urls, **rl):
+def rl_configs(model_dir, task, urls, **rl):
     train, held_out = task
     cfg = IslandConfig(model=str(model_dir), data=str(train), eval_data=str(held_out),
                        inner_lr=1e-3, threads=1, device="cpu", seed=0).check()
@@ -31,13 +31,13 @@ def grpo_policies(model_dir, kl_coef=0.0, clip_eps=0.2, lr=1e-3):
         rl = RLConfig(rollout_url=[], reward=[], backend=backend, clip_eps=clip_eps,
                       kl_coef=kl_coef)
         island = island_backend(cfg, rl)
-        tok = island.load(cfg, source)
+        island.load(cfg, source)
         weights = island.attach(cfg)
         if flat is None:
             flat = (np.random.default_rng(0).standard_normal(weights.layout.numel) * 0.05
                     ).astype(np.float32)
         weights.set(flat)
-        policy = policy_of(rl, island, tok, source.path)
+        policy = policy_of(rl, island, source.path)
         policy.flat, policy.layout = weights.get, weights.layout
         out.append(policy)
     return out

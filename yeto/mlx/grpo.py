@@ -73,10 +73,10 @@ class MLXGRPO:
 
     name = "mlx"
 
-    def __init__(self, backend, tokenizer, clip_eps: float, kl_coef: float, model_dir):
-        self.backend, self.tokenizer = backend, tokenizer
+    def __init__(self, backend, clip_eps: float, kl_coef: float, model_dir):
+        self.backend, self.tokenizer = backend, backend.tokenizer
         self.clip_eps, self.kl_coef, self.model_dir = clip_eps, kl_coef, model_dir
-        self.pad_id = tokenizer.pad_token_id or 0
+        self.pad_id = self.tokenizer.pad_token_id or 0
         self.base_lr = float(backend.opt.learning_rate)
         self._grads = None
         self._value_and_grad = nn.value_and_grad(backend.model, self._loss)

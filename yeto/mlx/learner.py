@@ -192,6 +192,7 @@ class MLXBackend:
         mx.random.seed(cfg.seed)
         self.group = Solo()
         self.model_dir: Path | None = None
+        self.tokenizer = None
         self.layers: dict = {}
         self.model = self.opt = self.loss_and_grad = None
         self.before_update = None  # the island's guard, once installed
@@ -200,8 +201,9 @@ class MLXBackend:
         from transformers import AutoTokenizer
 
         self.model_dir = Path(source.path)
-        return AutoTokenizer.from_pretrained(str(source.path),
-                                             trust_remote_code=source.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            str(source.path), trust_remote_code=source.trust_remote_code)
+        return self.tokenizer
 
     def attach(self, cfg: IslandConfig):
         from yeto.mlx.lora import LoRAWeights

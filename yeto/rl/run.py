@@ -76,7 +76,7 @@ def prepare(cfg: IslandConfig, rl: RLConfig) -> Parts:
         held_out = held_out[:rl.eval_prompts] if rl.eval_prompts else held_out
     pool = RolloutPool(rl.rollout_url, timeout_s=rl.rollout_timeout, wait_s=rl.rollout_wait,
                        api_key=rl.rollout_api_key, model=rl.rollout_model)
-    trainer = GRPOTrainer(rl, policy_of(rl, backend, tok, source.path), prompts, held_out,
+    trainer = GRPOTrainer(rl, policy_of(rl, backend, source.path), prompts, held_out,
                           reward, pool, stop_token_ids(source.path, tok), cfg.seed)
     if rl.eval_reward:
         trainer.eval_fn = combine([load_reward(s) for s in rl.eval_reward])
@@ -94,15 +94,11 @@ def island_backend(cfg: IslandConfig, rl: RLConfig):
     return BACKENDS[rl.backend].backend_class()(cfg)
 
 
-def policy_of(rl: RLConfig, backend, tokenizer, model_dir):
+def policy_of(rl: RLConfig, backend, model_dir):
     """The backend's part of the GRPO step (`yeto.rl.trainer.Policy`)."""
-    if rl.backend == "mlx":
-        from yeto.mlx.grpo import MLXGRPO
+    from yeto.backends import BACKENDS
 
-        return MLXGRPO(backend, tokenizer, rl.clip_eps, rl.kl_coef, model_dir)
-    from yeto.rl.grpo import TorchGRPO
-
-    return TorchGRPO(backend, rl.clip_eps, rl.kl_coef, model_dir)
+    return BACKENDS[rl.backend].grpo_class()(backend, rl.clip_eps, rl.kl_coef, model_dir)
 
 
 def _updater(cfg: IslandConfig, rl: RLConfig, backend, pool):
