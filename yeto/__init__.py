@@ -4,10 +4,13 @@ The core (layout, codec, client, island) is backend-neutral and works on numpy
 arrays; torch lives in `yeto.learner`, MLX in `yeto.mlx`.
 """
 
+from typing import Any
+
 from yeto.version import __version__ as __version__
 
 
-def __getattr__(name):  # the Python API for custom training scripts, imported on first use
+# the Python API for custom training scripts, imported on first use
+def __getattr__(name: str) -> Any:
     if name in ("DiLoCo", "DiLoCoCallback", "MLXDiLoCo"):
         from yeto.interop import integrations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,8 +252,8 @@ def _add_security_and_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=D.log_level)
 
 
-def parse_island_args(p: argparse.ArgumentParser, argv=None, role: str = "island"
-                      ) -> IslandConfig:
+def parse_island_args(p: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+                      role: str = "island") -> IslandConfig:
     """Parse (with `--config`'s run file under the flags) and check, turning a
     `ConfigError` into the parser's usage error (exit 2)."""
     try:

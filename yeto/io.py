@@ -21,7 +21,8 @@ from typing import IO, Any
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | Path, mode: str = "wb", *, durable: bool = True) -> Iterator[IO]:
+def atomic_file(path: str | Path, mode: str = "wb", *, durable: bool = True
+                ) -> Iterator[IO[Any]]:
     """Open a temp file beside `path`; on success it replaces `path` in one rename.
 
     With `durable` the data and the rename are fsynced, so a power cut leaves the old
@@ -32,7 +33,7 @@ def atomic_file(path: str | Path, mode: str = "wb", *, durable: bool = True) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             if durable:
@@ -113,7 +114,7 @@ class JsonlFollower:
         self._partial = b""
         self.bad_lines = 0
 
-    def read_new(self) -> list[dict]:
+    def read_new(self) -> list[dict[str, Any]]:
         try:
             size = os.path.getsize(self.path)
         except OSError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,11 +49,11 @@ class Fragment:
         return self.stop - self.start
 
 
-def natural_key(name: str) -> tuple:
+def natural_key(name: str) -> tuple[int | str, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def canonical_order(names) -> list[str]:
+def canonical_order(names: Iterable[str]) -> list[str]:
     return sorted(names, key=natural_key)
 
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Callable
+from typing import Literal
 
-_malloc_trim = None
+_malloc_trim: Callable[[int], object] | Literal[False] | None = None  # False: none here
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 

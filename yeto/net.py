@@ -9,6 +9,7 @@ import ipaddress
 import os
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from yeto.codec.chunked import ranges
@@ -73,7 +74,7 @@ def client_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:
                            ("grpc.http2.max_pings_without_data", 0)]
 
 
-def chunks(payload: bytes | memoryview, size: int = CHUNK_BYTES):
+def chunks(payload: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
     """Zero-copy slices of a payload; at least one (possibly empty) slice."""
     view = memoryview(payload)
     if len(view) == 0:
@@ -87,7 +88,7 @@ LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost
                             "ip6-loopback"})
 
 
-def ip_address(host: str):
+def ip_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """`host` as an IP address ('[::1]' too), or None when it is a name."""
     try:
         return ipaddress.ip_address(host.strip("[]"))
@@ -111,7 +112,7 @@ def is_loopback(host: str, resolve: bool = False) -> bool:
         return False
 
 
-def auth_metadata(token: str | None) -> tuple:
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((AUTH_KEY, f"Bearer {token}"),) if token else ()
 
 
@@ -229,7 +230,8 @@ def read_pem(path: str | Path, flag: str) -> bytes:
     return data
 
 
-def client_tls_files(ca=None, cert=None, key=None) -> tuple[bytes | None, ...] | None:
+def client_tls_files(ca: str | Path | None = None, cert: str | Path | None = None,
+                     key: str | Path | None = None) -> tuple[bytes | None, ...] | None:
     """(ca, cert, key) PEM bytes of an island's or observer's --tls-* flags, each
     checked (`read_pem`), or None when none is given; `TLSFileError` otherwise."""
     if bool(cert) != bool(key):

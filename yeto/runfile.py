@@ -30,8 +30,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Literal, overload
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,8 +78,18 @@ def add_config_arg(p: argparse.ArgumentParser) -> None:
                         "given here win over it (docs/reference/run-file.md)")
 
 
-def parse(p: argparse.ArgumentParser, argv, role: str, known: bool = False, *,
-          programs: Programs):
+@overload
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, role: str,
+          known: Literal[False] = False, *, programs: Programs) -> argparse.Namespace: ...
+
+
+@overload
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, role: str,
+          known: Literal[True], *, programs: Programs) -> tuple[argparse.Namespace, list[str]]: ...
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, role: str, known: bool = False,
+          *, programs: Programs) -> argparse.Namespace | tuple[argparse.Namespace, list[str]]:
     """`p.parse_args(argv)` (`parse_known_args` with `known`) with the run file's values
     (``--config``) as the defaults; a bad file is the parser's usage error (exit 2).
     `programs`: as for `values_for`."""
@@ -93,7 +104,7 @@ def parse(p: argparse.ArgumentParser, argv, role: str, known: bool = False, *,
     return p.parse_known_args(argv) if known else p.parse_args(argv)
 
 
-def load(path: Path) -> dict[str, dict]:
+def load(path: Path) -> dict[str, dict[str, Any]]:
     """The file's sections, checked to be known sections of plain values."""
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
@@ -112,8 +123,8 @@ def load(path: Path) -> dict[str, dict]:
     return data
 
 
-def values_for(p: argparse.ArgumentParser, data: dict[str, dict], role: str,
-               path: Path | str = "run.toml", *, programs: Programs) -> dict:
+def values_for(p: argparse.ArgumentParser, data: dict[str, dict[str, Any]], role: str,
+               path: Path | str = "run.toml", *, programs: Programs) -> dict[str, Any]:
     """The defaults `role`'s parser takes from the file: {dest: value}, each value
     checked against its flag (type, choices, on/off flags given true or false). A key
     `p` lacks is skipped when one of `programs` reads that section and takes it."""
@@ -160,7 +171,7 @@ def _dests(p: argparse.ArgumentParser) -> set[str]:
     return {a.dest for a in p._actions if a.option_strings}
 
 
-def _checked(action: argparse.Action, value, where: str):
+def _checked(action: argparse.Action, value: Any, where: str) -> Any:
     if isinstance(value, (dict, list)) and not (isinstance(value, list) and
                                                 all(isinstance(v, str) for v in value)):
         raise RunFileError(f"{where}: give a single value, not {type(value).__name__}")
@@ -175,7 +186,8 @@ def _checked(action: argparse.Action, value, where: str):
                            f"{action.option_strings[0]}, not true/false")
     if action.type is not None:
         try:
-            value = action.type(value if isinstance(value, str) else str(value))
+            # typeshed's Action.type may be a registry name (str); these parsers give callables
+            value = action.type(value if isinstance(value, str) else str(value))  # type: ignore[operator]
         except (TypeError, ValueError) as e:
             raise RunFileError(f"{where} = {value!r}: {e}") from None
     if action.choices is not None and value not in action.choices:

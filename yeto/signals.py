@@ -14,8 +14,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any, TypeAlias
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# what signal.signal takes and signal.getsignal gives
+_Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 def _interrupt(name: str) -> None:
@@ -32,7 +36,7 @@ class GracefulStop:
                  on_second: Callable[[str], None] | None = _interrupt):
         self.event = threading.Event()
         self._on_first, self._on_second = on_first, on_second
-        self._old: dict[int, object] = {}
+        self._old: dict[signal.Signals, _Handler] = {}
 
     def is_set(self) -> bool:
         return self.event.is_set()
@@ -40,7 +44,7 @@ class GracefulStop:
     def set(self) -> None:
         self.event.set()
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.event.is_set():
             if self._on_second is not None:
@@ -57,7 +61,7 @@ class GracefulStop:
                 signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
@@ -95,7 +99,8 @@ def die_with_threads(exit_code: int = 70) -> None:
         name = args.thread.name if args.thread else "?"
         logging.getLogger("yeto").critical(
             "background thread %s died: %s; stopping the process", name, args.exc_value,
-            exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+            # (logging formats an exception value of None too; typeshed wants one)
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback))  # type: ignore[arg-type]
         sys.stderr.flush()
         os._exit(exit_code)
 

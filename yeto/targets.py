@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 log = logging.getLogger("yeto.targets")
 
@@ -104,7 +105,7 @@ def is_expert(path: str) -> bool:
     return _EXPERT.search(path) is not None
 
 
-def _expert_counts(config: dict, depth: int = 0):
+def _expert_counts(config: dict[str, Any], depth: int = 0) -> Iterator[int]:
     for key, value in config.items():
         if isinstance(value, dict) and depth < 2:
             yield from _expert_counts(value, depth + 1)
@@ -113,7 +114,7 @@ def _expert_counts(config: dict, depth: int = 0):
             yield value
 
 
-def is_moe(config: dict, linear_paths: Iterable[str] = ()) -> bool:
+def is_moe(config: dict[str, Any], linear_paths: Iterable[str] = ()) -> bool:
     """A mixture-of-experts model: an expert count > 1 in the config (also in
     ``text_config`` or ``ffn_config``), or per-expert linears among the paths."""
     return any(n > 1 for n in _expert_counts(config)) or any(map(is_expert, linear_paths))
@@ -178,11 +179,11 @@ def _moe_refusal(mode: str, blocks: list[str]) -> TargetError:
         f"models), or list the modules to adapt, e.g. {FLAG} {example}")
 
 
-def _refused(config: dict) -> frozenset[str]:
+def _refused(config: dict[str, Any]) -> frozenset[str]:
     return NOT_ADAPTABLE.get(str(config.get("model_type")), frozenset())
 
 
-def choose(linear_paths: Iterable[str], mode: str, config: dict,
+def choose(linear_paths: Iterable[str], mode: str, config: dict[str, Any],
            experts: Iterable[str] = ()) -> list[str]:
     """`select_targets` without its log lines and without the no-match error
     (an empty list then). ``experts``: the fused expert weights' parameter paths
@@ -222,7 +223,7 @@ def _expert_match(param: str, entry: str) -> bool:
     return any(x == entry or x.endswith("." + entry) for x in (param, module))
 
 
-def select_experts(expert_params: Iterable[str], mode: str, config: dict,
+def select_experts(expert_params: Iterable[str], mode: str, config: dict[str, Any],
                    linear_paths: Iterable[str] = ()) -> list[str]:
     """Parameter paths of the fused expert weights to adapt (``--lora-targets``
     ``all-linear`` or entries naming ``experts``), sorted; [] for auto and
@@ -254,7 +255,7 @@ def select_experts(expert_params: Iterable[str], mode: str, config: dict,
 EXPERT_PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _param_rank(param: str) -> tuple:
+def _param_rank(param: str) -> tuple[int, str]:
     leaf = param.rsplit(".", 1)[-1]
     order = EXPERT_PARAM_ORDER
     return (order.index(leaf) if leaf in order else len(order), leaf)
@@ -288,7 +289,7 @@ def no_match_message(mode: str, linear_paths: Iterable[str]) -> str:
             f"{', '.join(examples)}). Pass some of them, e.g. {FLAG} {','.join(leaves[:2])}")
 
 
-def select_targets(linear_paths: Iterable[str], mode: str, config: dict,
+def select_targets(linear_paths: Iterable[str], mode: str, config: dict[str, Any],
                    experts: Iterable[str] = ()) -> list[str]:
     """Hugging Face module paths (inside decoder blocks) of the linears to adapt,
     sorted. ``mode`` is the ``--lora-targets`` value; ``config`` the Hugging Face

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError, Message
 
+from yeto.codec.format import Payload, as_view
 from yeto.proto import yeto_pb2 as pb
 
 _HEADER, _DATA = 1, 2
@@ -78,7 +79,8 @@ def parse_chunk(raw: bytes, header_type: type[Message]) -> Chunk:
             else:
                 if header is None:
                     header = header_type()
-                header.MergeFromString(value)
+                # protobuf parses any buffer (no copy of the header made); its stubs say bytes
+                header.MergeFromString(value)  # type: ignore[arg-type]
         else:
             pos = _skip(buf, pos, wire_type)
             if pos > len(buf):
@@ -118,14 +120,14 @@ def chunk_prefix(header: Message | None, data_len: int) -> bytes:
     return head + bytes([_DATA << 3 | _LEN]) + _encode_varint(data_len)
 
 
-def chunk_bytes(header: Message | None, data) -> bytes:
+def chunk_bytes(header: Message | None, data: Payload) -> bytes:
     """A chunk message's wire bytes: the header field (if any), then the data field,
     built with one copy of `data`."""
-    data = memoryview(data).cast("B")
-    return b"".join((chunk_prefix(header, len(data)), data))
+    view = as_view(data).cast("B")
+    return b"".join((chunk_prefix(header, len(view)), view))
 
 
-def passthrough(message) -> bytes:
+def passthrough(message: bytes | bytearray | Message) -> bytes:
     """A request serializer for prepared wire bytes (other messages as usual)."""
     if isinstance(message, (bytes, bytearray)):
         return bytes(message)

@@ -47,7 +47,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +102,8 @@ class Completion:
 class Chat:
     """A conversation; assistant turns at index >= ``train_from`` carry loss."""
 
-    messages: tuple[dict, ...]
-    tools: tuple[dict, ...] | None = None
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None = None
     train_from: int = 0
 
 
@@ -116,7 +116,8 @@ class Alpaca:
     history: tuple[tuple[str, str], ...] = ()
 
     def as_chat(self) -> Chat:
-        msgs: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        msgs: list[dict[str, Any]] = (
+            [{"role": "system", "content": self.system}] if self.system else [])
         for q, a in self.history:
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         user = self.instruction + (f"\n\n{self.input}" if self.input else "")
@@ -142,7 +143,7 @@ Example = Text | Completion | Chat | Alpaca
 # ---------------------------------------------------------------- detection
 
 
-def _seen(row: dict) -> str:
+def _seen(row: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in row.items()) + "}"
 
 
@@ -187,7 +188,7 @@ def detect_format(row: Any, where: str = "row") -> str:
 # ---------------------------------------------------------------- normalisation
 
 
-def _str(row: dict, key: str, where: str, optional: bool = False) -> str:
+def _str(row: dict[str, Any], key: str, where: str, optional: bool = False) -> str:
     v = row.get(key)
     if v is None and optional:
         return ""
@@ -216,7 +217,7 @@ def content_text(value: Any, where: str) -> str:
     return "".join(p["text"] for p in value)
 
 
-def _tool_calls(calls: Any, where: str) -> list[dict]:
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(calls, list):
         raise DataError(f"{where}: tool_calls must be a list, got {type(calls).__name__}")
     out = []
@@ -237,7 +238,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def _openai_message(m: Any, where: str) -> dict:
+def _openai_message(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise DataError(f'{where} must be {{"role": str, "content": str}}, got {m!r:.80}')
     if "role" not in m and "from" in m:  # ShareGPT-style turns inside "messages"
@@ -255,7 +256,7 @@ def _openai_message(m: Any, where: str) -> dict:
     return msg
 
 
-def _sharegpt_message(m: Any, where: str) -> dict:
+def _sharegpt_message(m: Any, where: str) -> dict[str, Any]:
     if isinstance(m, dict) and "role" in m and "from" not in m:
         return _openai_message(m, where)
     if not (isinstance(m, dict) and isinstance(m.get("from"), str)):
@@ -277,7 +278,7 @@ def _sharegpt_message(m: Any, where: str) -> dict:
     return {"role": role, "content": value}
 
 
-def _tools(value: Any, where: str) -> tuple[dict, ...] | None:
+def _tools(value: Any, where: str) -> tuple[dict[str, Any], ...] | None:
     if value is None or value == "" or value == []:
         return None
     if isinstance(value, str):  # LLaMA-Factory keeps tools as a JSON string
@@ -290,13 +291,14 @@ def _tools(value: Any, where: str) -> tuple[dict, ...] | None:
     return tuple(value)
 
 
-def _turns(value: Any, key: str, where: str, parse) -> tuple[dict, ...]:
+def _turns(value: Any, key: str, where: str, parse: Callable[[Any, str], dict[str, Any]]
+           ) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise DataError(f'{where}: "{key}" must be a non-empty list of {{role, content}}')
     return tuple(parse(m, f"{where}: {key}[{i}]") for i, m in enumerate(value))
 
 
-def to_example(row: dict, fmt: str, where: str = "row") -> Example:
+def to_example(row: dict[str, Any], fmt: str, where: str = "row") -> Example:
     """Validate a row of format ``fmt`` and turn it into an Example."""
     if fmt == "text":
         return Text(_str(row, "text", where))
@@ -381,7 +383,7 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 def chat_template(tokenizer: Any, tools: Any = None) -> str:
     """The template string a chat would be rendered with, or DataError."""
-    template = None
+    template: str | None = None
     if getattr(tokenizer, "chat_template", None):
         try:
             template = tokenizer.get_chat_template(None, list(tools) if tools else None)
@@ -408,10 +410,12 @@ def _warn_tools_ignored(template_hash: int) -> None:
     )
 
 
-def _render(tokenizer, messages, tools, gen: bool = False) -> str:
-    return tokenizer.apply_chat_template(
+def _render(tokenizer: Any, messages: Iterable[dict[str, Any]], tools: Any, gen: bool = False
+            ) -> str:
+    text: str = tokenizer.apply_chat_template(
         list(messages), tools=list(tools) if tools else None, tokenize=False,
         add_generation_prompt=gen)
+    return text
 
 
 def _prefix_len(ex: Chat, tokenizer: Any, full: str, upto: int) -> int:
@@ -564,7 +568,7 @@ def encode_example(ex: Example, tokenizer: Any) -> tuple[list[int], list[float],
     return ids, weights, "completion only"
 
 
-def encode_row(row: dict, tokenizer: Any) -> Encoded:
+def encode_row(row: dict[str, Any], tokenizer: Any) -> Encoded:
     """Token ids and per-token loss weights (1.0 = counts in the loss) of one row."""
     fmt, ex = parse_row(row)
     ids, weights, _ = encode_example(ex, tokenizer)

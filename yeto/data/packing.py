@@ -89,11 +89,18 @@ class Blocks:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def __getitem__(self, idx) -> Blocks:
+    def __getitem__(self, idx: int | np.integer[Any] | slice | np.ndarray) -> Blocks:
         """Blocks ``idx`` (a slice or index array), positions and info kept."""
         if isinstance(idx, (int, np.integer)):
             idx = slice(int(idx), int(idx) + 1)
-        return Blocks(self.tokens[idx], self.weights[idx], self.positions[idx], self.info)
+        return Blocks(self.tokens[idx], self.weights[idx], self.token_positions[idx], self.info)
+
+    @property
+    def token_positions(self) -> np.ndarray:
+        """``positions``, never None: construction fills them in when not given."""
+        if self.positions is None:
+            raise DataError("Blocks.positions was set to None after construction")
+        return self.positions
 
     @property
     def seq_len(self) -> int:
@@ -105,7 +112,7 @@ class Blocks:
 
     @property
     def segments(self) -> np.ndarray:
-        return segment_ids(self.positions)
+        return segment_ids(self.token_positions)
 
 
 def segment_ids(positions: np.ndarray) -> np.ndarray:
@@ -128,7 +135,8 @@ def attention_mask(positions: np.ndarray) -> np.ndarray:
     seg = segment_ids(positions)
     seq_len = seg.shape[-1]
     causal = np.tril(np.ones((seq_len, seq_len), dtype=bool))
-    return (seg[:, :, None] == seg[:, None, :]) & causal
+    mask: np.ndarray = (seg[:, :, None] == seg[:, None, :]) & causal
+    return mask
 
 
 def pack_blocks(encoded: Sequence[Encoded], seq_len: int, pad_id: int = 0,
@@ -174,9 +182,12 @@ def pack_blocks(encoded: Sequence[Encoded], seq_len: int, pad_id: int = 0,
                   positions=None if positions is None else np.ascontiguousarray(positions))
 
 
-def _encode_rows(rows: Rows, tokenizer: Any, packing: str, path) -> tuple[list, Counter, list]:
+def _encode_rows(rows: Rows, tokenizer: Any, packing: str, path: object
+                 ) -> tuple[list[Encoded], Counter[str], list[str]]:
     """Encode every row; rows without a loss token are dropped (warned, counted)."""
-    encoded, methods, dropped = [], Counter(), []
+    encoded: list[Encoded] = []
+    methods: Counter[str] = Counter()
+    dropped: list[str] = []
     for ex, where in zip(rows.examples, rows.where):
         ids, weights, method = encode_example(ex, tokenizer)
         trained = weights[1:] if packing == "document" else weights
@@ -243,13 +254,13 @@ def load_blocks(
 # ---------------------------------------------------------------- batching
 
 
-class Batch(tuple):
+class Batch(tuple[np.ndarray, np.ndarray]):
     """One batch: unpacks as ``(tokens, weights)``, the pair the islands always took;
     ``.positions`` (int32 (b, seq_len)) carries the document structure on top."""
 
     positions: np.ndarray
 
-    def __new__(cls, tokens: np.ndarray, weights: np.ndarray, positions: np.ndarray):
+    def __new__(cls, tokens: np.ndarray, weights: np.ndarray, positions: np.ndarray) -> Batch:
         self = super().__new__(cls, (tokens, weights))
         self.positions = positions
         return self
@@ -292,4 +303,4 @@ class BatchSampler:
             self.epoch += 1
         idx, self._queue = self._queue[: self.batch_size], self._queue[self.batch_size :]
         b = self.blocks
-        return Batch(b.tokens[idx], b.weights[idx], np.ascontiguousarray(b.positions[idx]))
+        return Batch(b.tokens[idx], b.weights[idx], np.ascontiguousarray(b.token_positions[idx]))

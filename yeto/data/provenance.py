@@ -124,7 +124,8 @@ def hub_cache() -> str:
         return os.environ["HF_HUB_CACHE"]
     if os.environ.get("HF_HOME"):
         return str(Path(os.environ["HF_HOME"]) / "hub")
-    return constants.HF_HUB_CACHE
+    cache: str = constants.HF_HUB_CACHE
+    return cache
 
 
 def hub_snapshot(repo_id: str, repo_type: str, revision: str | None,
@@ -240,8 +241,9 @@ def config_record(args: Any) -> dict[str, Any]:
             for k, v in sorted(items.items())}
 
 
-def build_record(model: ModelSource | dict | None, data: dict | None, args: Any = None,
-                 eval_data: dict | None = None, backend: str | None = None) -> dict[str, Any]:
+def build_record(model: ModelSource | dict[str, Any] | None, data: dict[str, Any] | None,
+                 args: Any = None, eval_data: dict[str, Any] | None = None,
+                 backend: str | None = None) -> dict[str, Any]:
     """The provenance.json content: what was trained, on what, by which code."""
     return {
         "format": 1,

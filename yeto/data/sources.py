@@ -35,7 +35,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from yeto.data.formats import ACCEPTED_SCHEMAS, DataError, Example, detect_format, to_example
 
@@ -53,7 +53,7 @@ HELD_OUT_SPLITS = ("validation", "test")  # tried in this order for held-out dat
 class Rows:
     """Validated rows of one source, with where each came from and its format."""
 
-    rows: list[dict]
+    rows: list[dict[str, Any]]
     examples: list[Example]
     where: list[str]  # "FILE line N" / "FILE row N" per row
     formats: dict[str, str]  # file -> format (one per file)
@@ -71,7 +71,8 @@ class Rows:
                     [self.where[i] for i in idx], self.formats, self.source)
 
 
-def _check_file(rows: list[dict], where: list[str], name: str) -> tuple[str, list[Example]]:
+def _check_file(rows: list[dict[str, Any]], where: list[str], name: str
+                ) -> tuple[str, list[Example]]:
     """Detect the file's format from its first row; validate every row against it."""
     if not rows:
         raise DataError(f"{name}: no rows found; the file is empty")
@@ -88,7 +89,7 @@ def _check_file(rows: list[dict], where: list[str], name: str) -> tuple[str, lis
     return fmt, examples
 
 
-def _drop_nulls(rows: list[dict]) -> list[dict]:
+def _drop_nulls(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     # Columnar sources give every row every column; a null there means "absent".
     return [{k: v for k, v in r.items() if v is not None} for r in rows]
 
@@ -152,7 +153,7 @@ def _read_parquet(path: Path, name: str) -> tuple[list[Any], list[str]]:
     return rows, [f"{name} row {i}" for i in range(1, len(rows) + 1)]
 
 
-def _read_file(path: Path, name: str) -> tuple[str, list[dict], list[Example], list[str]]:
+def _read_file(path: Path, name: str) -> tuple[str, list[dict[str, Any]], list[Example], list[str]]:
     if path.suffix not in DATA_SUFFIXES:
         raise DataError(
             f"{name}: unsupported file type {path.suffix!r}; use .jsonl (one JSON row per line), "
@@ -167,7 +168,7 @@ def _read_file(path: Path, name: str) -> tuple[str, list[dict], list[Example], l
 # ---------------------------------------------------------------- splits
 
 
-def _datasets(name: str, what: str):
+def _datasets(name: str, what: str) -> Any:
     """The `datasets` module (imported here only: it is optional and slow to import)."""
     try:
         import datasets
@@ -188,7 +189,7 @@ def _split_names() -> dict[str, str]:
 def _choose_split(available: Sequence[str], split: str | None, held_out: bool, name: str) -> str:
     if split:
         for want in (split, _split_names().get(split.lower())):
-            if want in available:
+            if want is not None and want in available:
                 return want
         raise DataError(f"{name}: no split {split!r}; it has {', '.join(sorted(available))}. "
                         "Pick one with --data-split / --eval-split")
@@ -244,7 +245,12 @@ def _is_saved_dataset(path: Path) -> bool:
         (path / "state.json").is_file() and (path / "dataset_info.json").is_file())
 
 
-def _read_saved_dataset(path: Path, name: str, split: str | None, held_out: bool):
+# (split chosen, {label: format}, rows, examples, where each row is, files read)
+_Read: TypeAlias = tuple[str | None, dict[str, str], list[dict[str, Any]], list[Example],
+                         list[str], list[Path]]
+
+
+def _read_saved_dataset(path: Path, name: str, split: str | None, held_out: bool) -> _Read:
     from yeto.data.provenance import dir_files
 
     datasets = _datasets(name, "a datasets save_to_disk folder")
@@ -263,7 +269,7 @@ def _read_saved_dataset(path: Path, name: str, split: str | None, held_out: bool
     return chosen, {label: fmt}, rows, examples, where, files
 
 
-def _read_folder(path: Path, name: str, split: str | None, held_out: bool):
+def _read_folder(path: Path, name: str, split: str | None, held_out: bool) -> _Read:
     if _is_saved_dataset(path):
         return _read_saved_dataset(path, name, split, held_out)
     splits = _folder_splits(path, name)
@@ -274,9 +280,12 @@ def _read_folder(path: Path, name: str, split: str | None, held_out: bool):
                             "the folder is named after a split; drop the flag")
         files = splits[None]
     else:
-        chosen = _choose_split(list(splits), split, held_out, name)
+        chosen = _choose_split([s for s in splits if s is not None], split, held_out, name)
         files = splits[chosen]
-    formats, rows, examples, where = {}, [], [], []
+    formats: dict[str, str] = {}
+    rows: list[dict[str, Any]] = []
+    examples: list[Example] = []
+    where: list[str] = []
     for f in files:
         fname = f"{name.rstrip('/')}/{f.relative_to(path).as_posix()}"
         fmt, r, e, w = _read_file(f, fname)
@@ -332,7 +341,7 @@ def read_source(source: str | Path, *, revision: str | None = None, split: str |
     return Rows(rows, examples, where, formats, record)
 
 
-def load_rows(path: str | Path) -> list[dict]:
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
     """The raw rows of a data source (validated; see `read_source`)."""
     return read_source(path).rows
 
