@@ -18,9 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-sys.path.insert(0, str(ROOT / "scripts"))
-
-
 ARM_LINE = re.compile(
     r"^RESULT arm=(?P<arm>\S+) seed=(?P<seed>\S+) eval_loss=(?P<loss>\S+) ratio=(?P<ratio>\S+) "
     r"bytes_up=(?P<up>\d+) bytes_down=(?P<down>\d+) bytes_per_token_ratio=(?P<bpt>\S+)$")

@@ -87,7 +87,6 @@ def test_weights_view_and_overlapped_push_on_the_device(device):
     """The weights view reads and writes a model on `device` through the pinned
     staging buffer bit for bit, and an island over it pushes the bytes of the same
     island over the CPU model (pushes overlapped with training, blocking sync)."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from helpers.island_chunked import HeldSyncer
 
     from yeto.island import Island

@@ -18,7 +18,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from support import make_client, wait_until
+from helpers.syncer import make_client
+from helpers.wait import wait_until
 
 from syncer import spawn, state
 from syncer.run import Config, Run

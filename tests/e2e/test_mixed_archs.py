@@ -8,7 +8,7 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
 
 from helpers.archs import model_with_tokenizer  # noqa: E402
-from mixed import mixed_run  # noqa: E402
+from helpers.mixed import mixed_run  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
 
 
-from mixed import mixed_run as _mixed_run  # noqa: E402
+from helpers.mixed import mixed_run as _mixed_run  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from syncer.spawn import start_syncer  # noqa: E402

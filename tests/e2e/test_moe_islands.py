@@ -2,7 +2,7 @@
 its fused expert weights (``--lora-targets all-linear``: peft's target_parameters on
 torch, `yeto.mlx.experts.ExpertLoRA` on MLX) through a real syncer: the expert
 adapters train, are merged like any tensor, and end bit-identical on both islands and
-the syncer (tests/mixed.py checks the last)."""
+the syncer (tests/helpers/mixed.py checks the last)."""
 
 import json
 
@@ -13,7 +13,7 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'yeto[
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
 
 from helpers.archs import model_with_tokenizer  # noqa: E402
-from mixed import mixed_run  # noqa: E402
+from helpers.mixed import mixed_run  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 

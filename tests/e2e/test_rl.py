@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.rl import _configs
-from support import wait_until
+from helpers.rl import rl_configs
+from helpers.wait import wait_until
 
 from yeto.rollout.engine import stop_token_ids
 from yeto.rollout.server import RolloutNode, serve_in_thread
@@ -54,7 +54,7 @@ def test_grpo_island_in_a_run_with_an_observer_node(tiny_llama, tiny_task, tmp_p
         node.scheduler.version = -1
         node.follower = Follower(client, node.engine.layout, node.scheduler)
         node.follower.start(node.engine.weights.get())
-        cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], rollout_wait=60)
+        cfg, rl = rl_configs(tiny_llama, tiny_task, [url + "/v1"], rollout_wait=60)
         cfg.syncer, cfg.sync_every, cfg.max_steps, cfg.wire = syncer.address, 2, 6, "f32"
         cfg.output, cfg.progress, cfg.blocking_sync = out, False, True
         assert run_grpo(cfg, rl) == 0
@@ -97,8 +97,8 @@ def test_a_torch_and_an_mlx_grpo_island_in_one_run(tiny_llama, tiny_task, tmp_pa
     as processes, one syncer (quorum 2), one rollout node: every round merges both
     islands' pushes, and both end holding the syncer's final adapter bit for bit."""
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
+    from helpers.wait import run_together
     from safetensors.numpy import load_file
-    from support import run_together
 
     from syncer.spawn import start_syncer
 

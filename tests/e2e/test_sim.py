@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from helpers.wait import run_together
 from safetensors.numpy import load_file
-from support import run_together
 
 from syncer.spawn import start_syncer
 from syncer.tape import read_tape

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import wait_until
+from helpers.wait import wait_until
 
 from syncer import spawn, state
 from syncer.spawn import SyncerProcess

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.status_dashboard import _get, _rejected_join, _run_islands
-from support import running_syncer, wait_until
+from helpers.status_dashboard import http_get, rejected_join, run_islands
+from helpers.syncer import running_syncer
+from helpers.wait import wait_until
 
 from syncer.dashboard import start_dashboard
 from syncer.spawn import start_syncer
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_syncer_cli_serves_the_dashboard(tmp_path):
     log = tmp_path / "syncer.log"
     with start_syncer(cwd=ROOT, dashboard_port=0, log=log) as syncer:
-        s = json.loads(_get(syncer.dashboard_url + "api/status")[2])
+        s = json.loads(http_get(syncer.dashboard_url + "api/status")[2])
         assert s["live"] and s["islands"] == [] and not s["started"]
         assert syncer.stop() == 0  # SIGTERM: a clean stop
     assert "dashboard on http://127.0.0.1:" in log.read_text()
@@ -61,8 +62,8 @@ def test_dashboard_in_headless_chromium(tmp_path):
     with running_syncer(quorum=2, grace_ms=20, state_dir=tmp_path / "state") as (run, address):
         dash = start_dashboard(run, "127.0.0.1", 0)
         try:
-            _rejected_join(address)
-            threads = _run_islands(address, steps=200)  # still training while we look
+            rejected_join(address)
+            threads = run_islands(address, steps=200)  # still training while we look
             assert wait_until(lambda: run.version >= 3, timeout=60)
             png = tmp_path / "dashboard.png"
             r = _chromium(tmp_path, f"--screenshot={png}", dash.url)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from helpers.syncer import _join_all, _push, _wait_version
+from helpers.syncer import join_all, push_delta, wait_version
 
 from syncer.spawn import start_syncer
 from syncer.tape import read_tape
@@ -42,13 +42,13 @@ def test_python_m_syncer_serves_a_run_without_torch_transformers_peft_mlx(toy_la
                        "--token", "s3cret", "--round-timeout-s", "600", *averaging], cwd=ROOT,
                       env=env,
                       log=tmp_path / "syncer.log") as syncer:
-        a, b = _join_all(syncer.address, toy_layout, ["a", "b"], init, token="s3cret")
+        a, b = join_all(syncer.address, toy_layout, ["a", "b"], init, token="s3cret")
         a.wait_one(timeout=60), b.wait_one(timeout=60)
         for r in range(2):
             for i, c in enumerate((a, b)):
                 d = np.full(toy_layout.numel, float(i + 1), np.float32)
-                assert _push(c, d, 10, base=r, seq=r).accepted
-        finals = [_wait_version(c, 2, timeout=60) for c in (a, b)]
+                assert push_delta(c, d, 10, base=r, seq=r).accepted
+        finals = [wait_version(c, 2, timeout=60) for c in (a, b)]
         assert all(f.final for f in finals)
         assert syncer.wait(timeout=60) == 0, syncer.tail()
         a.close(), b.close()

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.wait import run_together
 from safetensors.numpy import load_file
-from support import run_together
 
 from syncer.tape import read_tape
 

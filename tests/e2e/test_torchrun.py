@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.wait import wait_until
 from safetensors.numpy import load_file
-from support import wait_until
 
 from syncer.spawn import SyncerProcess, start_syncer
 from syncer.tape import read_tape

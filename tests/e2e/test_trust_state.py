@@ -12,8 +12,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-from helpers.syncer import _push, _wait_version
-from support import make_client
+from helpers.syncer import make_client, push_delta, wait_version
 
 from syncer import spawn, state
 from yeto import net
@@ -57,9 +56,9 @@ def test_a_state_forged_without_the_secret_is_refused_on_resume(tmp_path, toy_la
         c = make_client(syncer.address, "a", toy_layout,
                         token=net.island_credential(SECRET, "a"))
         c.start(np.zeros(toy_layout.numel, np.float32))
-        assert _wait_version(c, 0, timeout=60) is not None, c.last_error
-        _push(c, np.full(toy_layout.numel, 0.1, np.float32), 3, 0, 0)
-        assert _wait_version(c, 1, timeout=60) is not None, c.last_error
+        assert wait_version(c, 0, timeout=60) is not None, c.last_error
+        push_delta(c, np.full(toy_layout.numel, 0.1, np.float32), 3, 0, 0)
+        assert wait_version(c, 1, timeout=60) is not None, c.last_error
         c.close()
     path = state_dir / state.STATE_FILE
     honest = path.read_bytes()

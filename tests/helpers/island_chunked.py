@@ -4,8 +4,8 @@ import threading
 from concurrent.futures import Future
 
 import numpy as np
-from support import make_client
 
+from helpers.syncer import make_client
 from yeto import codec
 from yeto.island import Weights
 from yeto.transport import PushReply, Received, Refused, ThetaStream, Transport

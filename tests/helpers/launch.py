@@ -3,7 +3,7 @@
 from yeto.cli.local_run import LaunchConfig, LocalRun
 
 
-def _external_run(tmp_path, **kw) -> LocalRun:
+def external_run(tmp_path, **kw) -> LocalRun:
     cfg = LaunchConfig(out=tmp_path / "run", backends=["torch"], model="hub/model",
                        data="hub/data", island_args=["--max-steps", "7"], host="0.0.0.0",
                        advertise_host="198.51.100.7", external=["any", "mlx"],

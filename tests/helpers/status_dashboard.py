@@ -5,8 +5,9 @@ import urllib.error
 import urllib.request
 
 import numpy as np
-from support import make_client, wait_until
 
+from helpers.syncer import make_client
+from helpers.wait import wait_until
 from yeto.client import SyncerClient
 from yeto.island import FlatWeights, Island
 from yeto.layout import Layout
@@ -39,14 +40,14 @@ def _island(address, i, steps=30, token=None):
     island.finish()
 
 
-def _run_islands(address, n=2, steps=30, token=None):
+def run_islands(address, n=2, steps=30, token=None):
     threads = [threading.Thread(target=_island, args=(address, i, steps, token)) for i in range(n)]
     for t in threads:
         t.start()
     return threads
 
 
-def _rejected_join(address):
+def rejected_join(address):
     """A join the syncer refuses, with markup in the learner id (taped as sent)."""
     c = SyncerClient(address, EVIL, Layout.from_shapes({"x.lora_A.weight": (3,)}), backoff_s=0.05)
     c.start(np.zeros(3, np.float32))
@@ -54,7 +55,7 @@ def _rejected_join(address):
     c.close()
 
 
-def _get(url, headers=None):
+def http_get(url, headers=None):
     req = urllib.request.Request(url, headers=headers or {})
     with urllib.request.urlopen(req, timeout=10) as r:
         return r.status, r.headers.get("Content-Type"), r.read()

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 from helpers.island_chunked import RangedWeights
-from support import make_client, running_syncer
+from helpers.syncer import make_client, running_syncer
 
 from yeto.island import Island
 from yeto.layout import Layout

@@ -5,7 +5,7 @@ but this island holds None") and the island rejoined each round: every model ove
 8 MiB of trainable f32 (about 2.1M parameters) with --downlink q4."""
 
 from helpers.island_chunked import train_two_islands
-from support import running_syncer
+from helpers.syncer import running_syncer
 
 from yeto.island import Island
 

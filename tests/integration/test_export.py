@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.syncer import running_syncer
+from helpers.wait import wait_until
 from safetensors.numpy import load_file
-from support import running_syncer, wait_until
 
 from yeto.interop.adapters import MLX_CONFIG, MLX_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS
 from yeto.interop.export import main_convert, main_export

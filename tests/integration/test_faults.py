@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from support import make_client, running_syncer, wait_until
+from helpers.syncer import make_client, running_syncer
+from helpers.wait import wait_until
 
 from syncer import state
 from syncer.bounds import Bounds

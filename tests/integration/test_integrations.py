@@ -5,14 +5,14 @@ Here: the checks through in-process servers, training or the sim (the others:
 tests/unit/test_integrations.py)."""
 
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.syncer import running_syncer
 from safetensors.numpy import load_file
-from support import running_syncer
 
 from syncer.tape import read_tape
 from yeto.interop.integrations import batch_loss_tokens
@@ -20,7 +20,12 @@ from yeto.interop.integrations import batch_loss_tokens
 ROOT = Path(__file__).resolve().parents[2]
 
 
-sys.path.insert(0, str(ROOT / "examples"))
+def example(name: str):
+    """examples/<name>.py, loaded from its file (a user runs it as a script)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _merges(state: Path) -> list[dict]:
@@ -32,7 +37,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_torch_loop_example(tmp_path, tiny_llama, tiny_task):
-    import torch_loop
+    torch_loop = example("torch_loop")
 
     train, _ = tiny_task
     state, out = tmp_path / "state", tmp_path / "island-0"
@@ -61,7 +66,7 @@ def test_torch_loop_example(tmp_path, tiny_llama, tiny_task):
 def test_hf_trainer_callback_example(tmp_path, tiny_llama, tiny_task):
     """Gradient accumulation 2: one push per 2 optimizer steps, each carrying the
     loss tokens of 4 micro-batches, and the Trainer's model ends on the final Θ."""
-    import hf_trainer
+    hf_trainer = example("hf_trainer")
 
     train, _ = tiny_task
     state, out = tmp_path / "state", tmp_path / "island-0"
@@ -88,7 +93,7 @@ def test_hf_trainer_callback_example(tmp_path, tiny_llama, tiny_task):
 @pytest.mark.mlx
 def test_mlx_lm_trainer_example(tmp_path, tiny_llama, tiny_task):
     pytest.importorskip("mlx_lm")
-    import mlx_lm_trainer
+    mlx_lm_trainer = example("mlx_lm_trainer")
 
     train, _ = tiny_task
     state, out = tmp_path / "state", tmp_path / "island-1"
@@ -119,8 +124,8 @@ def test_mlx_and_torch_islands_share_a_run(tmp_path, tiny_llama, tiny_task):
     pytest.importorskip("mlx_lm")
     import threading
 
-    import mlx_lm_trainer
-    import torch_loop
+    mlx_lm_trainer = example("mlx_lm_trainer")
+    torch_loop = example("torch_loop")
 
     train, _ = tiny_task
     state = tmp_path / "state"

@@ -10,7 +10,7 @@ tests/unit/test_island_chunked.py)."""
 import numpy as np
 import pytest
 from helpers.island_chunked import train_two_islands
-from support import make_client, running_syncer
+from helpers.syncer import make_client, running_syncer
 
 from yeto import net
 from yeto.island import Island

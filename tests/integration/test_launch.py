@@ -10,7 +10,7 @@ tests/unit/test_launch.py, tests/e2e/test_launch.py)."""
 
 import sys
 
-from helpers.launch import _external_run
+from helpers.launch import external_run
 
 from yeto.cli.local_run import LaunchConfig, LocalRun
 
@@ -38,7 +38,7 @@ def test_join_commands_carry_everything_but_the_secret(tmp_path):
 
     ca = tmp_path / "ca.pem"
     ca.write_text("cert")
-    run = _external_run(tmp_path, token="s3cret-token-value", tls_cert=ca,
+    run = external_run(tmp_path, token="s3cret-token-value", tls_cert=ca,
                         tls_key=tmp_path / "key")
     lines = run.reserve_external()
     text = "\n".join(lines)

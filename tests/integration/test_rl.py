@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 import pytest
-from helpers.rl import _configs
-from support import wait_until
+from helpers.rl import rl_configs
+from helpers.wait import wait_until
 
 from yeto.rl.grpo import Seq
 from yeto.rollout.engine import stop_token_ids
@@ -47,7 +47,7 @@ def test_a_killed_node_is_skipped_and_used_again_when_back(tiny_llama, tiny_task
     nodes = [_node(tiny_llama), _node(tiny_llama)]
     servers = [serve_in_thread(n) for n in nodes]
     urls = [url + "/v1" for _, url in servers]
-    cfg, rl = _configs(tiny_llama, tiny_task, urls, kl_coef=0.05)
+    cfg, rl = rl_configs(tiny_llama, tiny_task, urls, kl_coef=0.05)
     parts = prepare(cfg, rl)
     trainer = parts.trainer
     trainer.pool.retry_s = 0.2
@@ -102,7 +102,7 @@ def test_the_trainer_keeps_nodes_current_and_skips_one_that_ignores_reloads(
     deaf = nodes[1]
     deaf.reload = _ignoring(deaf, keeps_name)
     servers = [serve_in_thread(n) for n in nodes]
-    cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1" for _, url in servers],
+    cfg, rl = rl_configs(tiny_llama, tiny_task, [url + "/v1" for _, url in servers],
                        update_nodes=True, node_adapter_dir=folder)
     parts = prepare(cfg, rl)
     trainer, updater = parts.trainer, parts.updater
@@ -138,8 +138,8 @@ def test_the_mlx_grpo_island_joins_pushes_and_takes_theta(tiny_llama, tiny_task,
     every sync, takes each merged Θ, and ends holding the syncer's final Θ exactly."""
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'yeto[mlx]')")
     import torch
+    from helpers.syncer import running_syncer
     from safetensors.numpy import load_file
-    from support import running_syncer
 
     from yeto.rl.run import run_grpo
 
@@ -149,7 +149,7 @@ def test_the_mlx_grpo_island_joins_pushes_and_takes_theta(tiny_llama, tiny_task,
     out = tmp_path / "rl"
     try:
         with running_syncer(quorum=1, state_dir=tmp_path / "s") as (run, address):
-            cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], backend="mlx",
+            cfg, rl = rl_configs(tiny_llama, tiny_task, [url + "/v1"], backend="mlx",
                                eval_prompts=2)
             cfg.syncer, cfg.sync_every, cfg.max_steps, cfg.wire = address, 1, 2, "f32"
             cfg.output, cfg.progress, cfg.blocking_sync = out, False, True

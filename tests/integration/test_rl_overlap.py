@@ -8,8 +8,8 @@ tests/unit/test_rl_overlap.py)."""
 
 
 import numpy as np
-from helpers.rl import _configs, serving
-from support import wait_until
+from helpers.rl import rl_configs, serving
+from helpers.wait import wait_until
 
 from yeto.rollout.engine import stop_token_ids
 from yeto.rollout.server import RolloutNode
@@ -23,7 +23,7 @@ def test_an_async_grpo_island_trains_and_drops_what_is_too_stale(tiny_llama, tin
     node = RolloutNode(engine, model_name="tiny",
                        eos_ids=stop_token_ids(tiny_llama, engine.tokenizer))
     with serving(node) as url:
-        cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
+        cfg, rl = rl_configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
                            max_staleness=0)
         parts = prepare(cfg, rl)
         _three_async_steps(node, parts.trainer, parts.weights)
@@ -64,7 +64,7 @@ def test_the_island_program_runs_async_to_its_last_step(tiny_llama, tiny_task, t
     node = RolloutNode(engine, model_name="tiny",
                        eos_ids=stop_token_ids(tiny_llama, engine.tokenizer))
     with serving(node) as url:
-        cfg, rl = _configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
+        cfg, rl = rl_configs(tiny_llama, tiny_task, [url + "/v1"], async_rollouts=True,
                            eval_prompts=2)
         cfg.max_steps, cfg.output, cfg.progress = 3, tmp_path / "rl", False
         assert run_grpo(cfg, rl) == 0

@@ -15,7 +15,8 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from support import make_client, running_syncer, wait_until
+from helpers.syncer import make_client, running_syncer
+from helpers.wait import wait_until
 
 from yeto import codec
 from yeto.interop.adapters import peft_adapter_config, peft_to_mlx, save_peft_adapter

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import wait_until
+from helpers.wait import wait_until
 
 from yeto.interop.adapters import (
     MAX_FACTOR_ABS,

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-from support import running_syncer
+from helpers.syncer import running_syncer
 
 from syncer import state
 from syncer.run import Config, PushHeader, Run

@@ -9,8 +9,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers.status_dashboard import EVIL, LAYOUT, _get, _rejected_join, _run_islands
-from support import running_syncer
+from helpers.status_dashboard import EVIL, LAYOUT, http_get, rejected_join, run_islands
+from helpers.syncer import running_syncer
 
 from syncer.dashboard import DashboardError, start_dashboard
 from yeto.cli import status as status_cli
@@ -19,7 +19,7 @@ from yeto.cli import status as status_cli
 # ---- yeto status ------------------------------------------------------------------------
 def test_status_shows_islands_rounds_and_bytes(capsys):
     with running_syncer(quorum=2, grace_ms=20, token="s3cret") as (run, address):
-        for t in _run_islands(address, token="s3cret"):
+        for t in run_islands(address, token="s3cret"):
             t.join(timeout=60)
         assert status_cli.main([address, "--json", "--token", "s3cret"]) == 0
         s = json.loads(capsys.readouterr().out)
@@ -43,32 +43,32 @@ def test_dashboard_api(tmp_path):
     with running_syncer(quorum=2, grace_ms=20, state_dir=tmp_path / "state") as (run, address):
         dash = start_dashboard(run, "127.0.0.1", 0)
         try:
-            _rejected_join(address)
-            for t in _run_islands(address):
+            rejected_join(address)
+            for t in run_islands(address):
                 t.join(timeout=60)
-            code, ctype, body = _get(dash.url)
+            code, ctype, body = http_get(dash.url)
             assert code == 200 and ctype.startswith("text/html")
             page = body.decode()
             assert "<script" in page and "http://" not in page.replace("http://HOST", "")
-            _, ctype, body = _get(dash.url + "api/status")
+            _, ctype, body = http_get(dash.url + "api/status")
             s = json.loads(body)
             assert ctype == "application/json" and s["version"] == run.version
             assert s["rejected"] == 1 and s["config"]["quorum"] == 2
             assert s["parameters"] == LAYOUT.numel
             assert sorted(i["learner_id"] for i in s["islands"]) == ["island-0", "island-1"]
-            tape = json.loads(_get(dash.url + "api/tape")[2])
+            tape = json.loads(http_get(dash.url + "api/tape")[2])
             merges = [r for r in tape["records"] if r["event"] == "merge"]
             assert len(merges) == run.version and tape["next"] == len(tape["records"])
             assert all(x["eval_loss"] is not None for r in merges for x in r["responders"])
             assert [r["learner"] for r in tape["records"] if r["event"] == "rejected"] == [EVIL]
-            later = json.loads(_get(dash.url + f"api/tape?since={tape['next'] - 1}")[2])
+            later = json.loads(http_get(dash.url + f"api/tape?since={tape['next'] - 1}")[2])
             assert len(later["records"]) == 1 and later["next"] == tape["next"]
-            assert _get(dash.url + "healthz")[2] == b"ok\n"
+            assert http_get(dash.url + "healthz")[2] == b"ok\n"
             with pytest.raises(urllib.error.HTTPError) as e:
-                _get(dash.url + "nope")
+                http_get(dash.url + "nope")
             assert e.value.code == 404
             with pytest.raises(urllib.error.HTTPError) as e:
-                _get(dash.url + "api/tape?since=x")
+                http_get(dash.url + "api/tape?since=x")
             assert e.value.code == 400
         finally:
             dash.stop()
@@ -83,13 +83,13 @@ def test_dashboard_beyond_loopback_needs_the_token():
             base = f"http://127.0.0.1:{dash.port}/"
             for path in ("", "api/status", "api/tape"):
                 with pytest.raises(urllib.error.HTTPError) as e:
-                    _get(base + path)
+                    http_get(base + path)
                 assert e.value.code == 401
                 with pytest.raises(urllib.error.HTTPError):
-                    _get(base + path, {"Authorization": "Bearer wrong"})
-            assert _get(base + "api/status", {"Authorization": "Bearer tok"})[0] == 200
-            assert _get(base + "?token=tok")[0] == 200  # what a browser opens
-            assert _get(base + "api/tape?since=0&token=tok")[0] == 200
+                    http_get(base + path, {"Authorization": "Bearer wrong"})
+            assert http_get(base + "api/status", {"Authorization": "Bearer tok"})[0] == 200
+            assert http_get(base + "?token=tok")[0] == 200  # what a browser opens
+            assert http_get(base + "api/tape?since=0&token=tok")[0] == 200
         finally:
             dash.stop()
 
@@ -103,15 +103,15 @@ def test_a_loopback_dashboard_checks_host_and_the_run_s_token():
         try:
             base = f"http://127.0.0.1:{dash.port}/"
             with pytest.raises(urllib.error.HTTPError) as e:
-                _get(base + "api/status")
+                http_get(base + "api/status")
             assert e.value.code == 401
-            assert _get(base + "api/status", {"Authorization": "Bearer tok"})[0] == 200
+            assert http_get(base + "api/status", {"Authorization": "Bearer tok"})[0] == 200
             for host in (f"evil.example:{dash.port}", "evil.example", "127.0.0.1.evil.example"):
                 with pytest.raises(urllib.error.HTTPError) as e:
-                    _get(base + "api/status", {"Authorization": "Bearer tok", "Host": host})
+                    http_get(base + "api/status", {"Authorization": "Bearer tok", "Host": host})
                 assert e.value.code == 421, host
             for host in (f"localhost:{dash.port}", f"[::1]:{dash.port}", "127.0.0.1"):
-                assert _get(base + "api/status",
+                assert http_get(base + "api/status",
                             {"Authorization": "Bearer tok", "Host": host})[0] == 200, host
         finally:
             dash.stop()

@@ -11,8 +11,15 @@ import time
 import grpc
 import numpy as np
 import pytest
-from helpers.syncer import _join_all, _push, _wait_version
-from support import AVERAGING, make_client, running_syncer, wait_until
+from helpers.syncer import (
+    AVERAGING,
+    join_all,
+    make_client,
+    push_delta,
+    running_syncer,
+    wait_version,
+)
+from helpers.wait import wait_until
 
 from syncer.tape import read_tape
 from yeto import codec
@@ -27,7 +34,7 @@ def test_token_weighted_nesterov_matches_hand_computation(toy_layout, rng, tmp_s
     tokens = [100, 300, 600]
     cfg = dict(quorum=3, outer="nesterov", outer_lr=lr, outer_momentum=mu, state_dir=tmp_state)
     with running_syncer(**cfg) as (run, addr):
-        clients = _join_all(addr, toy_layout, ["a", "b", "c"], init)
+        clients = join_all(addr, toy_layout, ["a", "b", "c"], init)
         theta0 = clients[0].wait_one(timeout=20).theta
         for c in clients[1:]:
             np.testing.assert_array_equal(c.wait_one(timeout=20).theta, theta0)
@@ -37,7 +44,7 @@ def test_token_weighted_nesterov_matches_hand_computation(toy_layout, rng, tmp_s
             deltas = [rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.1
                       for _ in clients]
             for c, d, t in zip(clients, deltas, tokens):
-                assert _push(c, d, t, base=r, seq=r).accepted
+                assert push_delta(c, d, t, base=r, seq=r).accepted
             g = sum(t * d.astype(np.float64) for d, t in zip(deltas, tokens)) / sum(tokens)
             m = mu * m + g
             theta = theta - lr * (g + mu * m)
@@ -65,7 +72,7 @@ def test_round_one_waits_for_quorum(toy_layout, rng):
         assert a.wait_one(timeout=1.0) is None and not run.started  # alone: no round 1
         # and pushes are refused until it starts
         with pytest.raises(Refused, match="FAILED_PRECONDITION.*waiting for quorum"):
-            _push(a, init, 10, base=0, seq=0)
+            push_delta(a, init, 10, base=0, seq=0)
         b = make_client(addr, "b", toy_layout)
         b.start(init)
         assert a.wait_one(timeout=20).version == 0 and b.wait_one(timeout=20).version == 0
@@ -77,11 +84,11 @@ def test_silent_island_does_not_stall_past_timeout(toy_layout, rng, tmp_state):
     init = np.zeros(toy_layout.numel, dtype=np.float32)
     with running_syncer(quorum=2, round_timeout_s=1.0, grace_ms=0, state_dir=tmp_state,
                         **AVERAGING) as (run, addr):
-        a, b = _join_all(addr, toy_layout, ["a", "b"], init)
+        a, b = join_all(addr, toy_layout, ["a", "b"], init)
         a.wait_one(timeout=20), b.wait_one(timeout=20)
         t0 = time.monotonic()
         delta = np.full(toy_layout.numel, 0.5, np.float32)
-        _push(a, delta, 10, base=0, seq=0)  # b never pushes
+        push_delta(a, delta, 10, base=0, seq=0)  # b never pushes
         got = a.wait_one(timeout=60)
         assert got is not None and got.version == 1
         assert time.monotonic() - t0 >= 1.0  # not before the timeout (never a bound above)
@@ -98,24 +105,24 @@ def test_late_and_duplicate_pushes_follow_the_stated_rule(toy_layout, tmp_state)
     one = np.ones(toy_layout.numel, np.float32)
     with running_syncer(quorum=2, round_timeout_s=600, grace_ms=0, state_dir=tmp_state,
                         outer_lr=1.0, outer_momentum=0.0, max_staleness=1) as (run, addr):
-        a, b, c = _join_all(addr, toy_layout, ["a", "b", "c"], init)
+        a, b, c = join_all(addr, toy_layout, ["a", "b", "c"], init)
         for x in (a, b, c):
             assert x.wait_one(timeout=20).version == 0
         # round 1: a and c make the quorum; it commits without b
-        assert _push(a, one, 10, base=0, seq=0).accepted
-        assert _push(c, one, 10, base=0, seq=0) == PushReply(True, "accepted", 2, 0)
+        assert push_delta(a, one, 10, base=0, seq=0).accepted
+        assert push_delta(c, one, 10, base=0, seq=0) == PushReply(True, "accepted", 2, 0)
         assert run.version == 1
         # b pushes against version 0: late by one commit, accepted into round 2
-        assert _push(b, 2 * one, 10, base=0, seq=0) == PushReply(True, "accepted", 2, 1)
+        assert push_delta(b, 2 * one, 10, base=0, seq=0) == PushReply(True, "accepted", 2, 1)
         # the same seq again is a duplicate, never merged twice
-        assert _push(b, 2 * one, 10, base=0, seq=0) == PushReply(False, "duplicate", 2, 0)
+        assert push_delta(b, 2 * one, 10, base=0, seq=0) == PushReply(False, "duplicate", 2, 0)
         assert run.version == 1 and run.rounds.open[0].learners == {"b"}
         # a's push makes round 2's quorum: b's late work and a's merge, equally weighted
-        assert _push(a, 4 * one, 10, base=1, seq=1).accepted and run.version == 2
+        assert push_delta(a, 4 * one, 10, base=1, seq=1).accepted and run.version == 2
         # c is now two commits behind (max_staleness 1): refused, never mixed in
         with pytest.raises(Refused, match="2 versions stale"):
-            _push(c, one, 10, base=0, seq=1)
-        np.testing.assert_array_equal(_wait_version(a, 2).theta, init - one - 3 * one)
+            push_delta(c, one, 10, base=0, seq=1)
+        np.testing.assert_array_equal(wait_version(a, 2).theta, init - one - 3 * one)
         for x in (a, b, c):
             x.close()
     tape = read_tape(tmp_state / "tape.jsonl")
@@ -135,11 +142,11 @@ def test_q4_wire_within_documented_bound(toy_layout, rng):
     results = {}
     for enc in ("f32", "q4"):
         with running_syncer(quorum=3, outer_lr=0.7, outer_momentum=0.9) as (run, addr):
-            clients = _join_all(addr, toy_layout, ["a", "b", "c"], init)
+            clients = join_all(addr, toy_layout, ["a", "b", "c"], init)
             for c in clients:
                 c.wait_one(timeout=20)
             for c, d, t in zip(clients, deltas, tokens):
-                _push(c, d, t, base=0, seq=0, encoding=enc)
+                push_delta(c, d, t, base=0, seq=0, encoding=enc)
             results[enc] = clients[0].wait_one(timeout=20).theta
             for c in clients:
                 c.close()
@@ -170,7 +177,7 @@ def test_bad_pushes_are_refused_and_leave_state_unchanged(toy_layout, rng, tmp_s
         np.testing.assert_array_equal(run.theta, before)
         assert run.version == 0 and run.rounds.open[0].acc.count == 0
         # the syncer still serves: a good push commits
-        assert _push(a, np.full(toy_layout.numel, 0.1, np.float32), 5, base=0, seq=0).accepted
+        assert push_delta(a, np.full(toy_layout.numel, 0.1, np.float32), 5, base=0, seq=0).accepted
         assert a.wait_one(timeout=20).version == 1
         a.close()
 
@@ -207,12 +214,12 @@ def test_wrong_token_is_unauthenticated(toy_layout):
 def test_q4_downlink_keeps_islands_bit_identical_and_finishes_exact(toy_layout, rng, tmp_state):
     init = rng.standard_normal(toy_layout.numel).astype(np.float32)
     with running_syncer(quorum=2, downlink="q4", state_dir=tmp_state) as (run, addr):
-        a, b = _join_all(addr, toy_layout, ["a", "b"], init)
+        a, b = join_all(addr, toy_layout, ["a", "b"], init)
         a.wait_one(timeout=20), b.wait_one(timeout=20)
         for r in range(5):
             for c in (a, b):
                 d = rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05
-                _push(c, d, 10, base=r, seq=r, encoding="q4")
+                push_delta(c, d, 10, base=r, seq=r, encoding="q4")
             ga, gb = a.wait_one(timeout=20), b.wait_one(timeout=20)
             assert ga.version == gb.version == r + 1
             assert ga.theta.tobytes() == gb.theta.tobytes() == run.downlink.island_theta.tobytes()
@@ -235,7 +242,7 @@ def test_final_broadcast_is_exact_f32_with_q4_downlink(toy_layout, rng):
         a.start(init)
         a.wait_one(timeout=20)
         for r in range(3):
-            _push(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
+            push_delta(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
                   base=r, seq=r, encoding="q4")
             got = a.wait_one(timeout=20)
         assert got.final and got.theta.tobytes() == run.theta.tobytes()
@@ -255,7 +262,7 @@ def test_the_join_reply_says_the_downlink_so_a_streaming_island_never_rejoins(
         a.wait_one(timeout=20)
         generation = a.generation
         for r in range(2):
-            _push(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
+            push_delta(a, rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.05, 10,
                   base=r, seq=r, encoding="q4")
             got = a.wait_one(timeout=20)
             # what islands hold
@@ -330,7 +337,7 @@ def test_frozen_a_is_rebuilt_into_the_final_adapter(tmp_state):
                                       "adapter_config.json": "{}"})
         c.start(np.zeros(b_layout.numel, np.float32))
         c.wait_one(timeout=20)
-        _push(c, np.ones(b_layout.numel, np.float32), 5, base=0, seq=0)
+        push_delta(c, np.ones(b_layout.numel, np.float32), 5, base=0, seq=0)
         assert c.wait_one(timeout=20).final
         c.close()
     final = load_file(tmp_state / "final" / "adapter_model.safetensors")
@@ -347,7 +354,7 @@ def test_heartbeat_mid_round_reports_the_open_round(toy_layout):
     one = np.ones(toy_layout.numel, np.float32)
     with running_syncer(quorum=2, grace_ms=600_000, round_timeout_s=600) as (run, addr), \
             grpc.insecure_channel(addr) as channel:
-        a, b = _join_all(addr, toy_layout, ["a", "b"], init)
+        a, b = join_all(addr, toy_layout, ["a", "b"], init)
         assert a.wait_one(timeout=20).version == 0 and b.wait_one(timeout=20).version == 0
         stub = pb_grpc.SyncerStub(channel)
 
@@ -356,12 +363,12 @@ def test_heartbeat_mid_round_reports_the_open_round(toy_layout):
                                                       generation=c.generation, step=3),
                                   timeout=20)
 
-        assert _push(a, one, 10, base=0, seq=0).accepted
+        assert push_delta(a, one, 10, base=0, seq=0).accepted
         assert run.rounds.open[0].learners == {"a"} and run.version == 0  # round 1 is open
         for c in (a, b):
             r = heartbeat(c)
             assert (r.version, r.round, r.finished) == (0, 1, False)
-        assert _push(b, one, 10, base=0, seq=0).accepted  # every island pushed: commits
+        assert push_delta(b, one, 10, base=0, seq=0).accepted  # every island pushed: commits
         r = heartbeat(a)
         assert (r.version, r.round, r.finished) == (1, 2, False)
         with pytest.raises(grpc.RpcError) as e:  # a stale connection is told to rejoin
@@ -378,14 +385,14 @@ def test_round_of_zero_token_pushes_merges_uniformly(toy_layout, tmp_state):
     init = np.zeros(toy_layout.numel, np.float32)
     one = np.ones(toy_layout.numel, np.float32)
     with running_syncer(quorum=2, state_dir=tmp_state, **AVERAGING) as (run, addr):
-        a, b = _join_all(addr, toy_layout, ["a", "b"], init)
+        a, b = join_all(addr, toy_layout, ["a", "b"], init)
         a.wait_one(timeout=20), b.wait_one(timeout=20)
-        assert _push(a, one, 0, base=0, seq=0).accepted
-        assert _push(b, 3 * one, 0, base=0, seq=0).accepted
-        np.testing.assert_array_equal(_wait_version(a, 1).theta, init - 2 * one)
-        assert _push(a, one, 0, base=1, seq=1).accepted
-        assert _push(b, 3 * one, 50, base=1, seq=1).accepted
-        np.testing.assert_array_equal(_wait_version(a, 2).theta, init - 2 * one - 3 * one)
+        assert push_delta(a, one, 0, base=0, seq=0).accepted
+        assert push_delta(b, 3 * one, 0, base=0, seq=0).accepted
+        np.testing.assert_array_equal(wait_version(a, 1).theta, init - 2 * one)
+        assert push_delta(a, one, 0, base=1, seq=1).accepted
+        assert push_delta(b, 3 * one, 50, base=1, seq=1).accepted
+        np.testing.assert_array_equal(wait_version(a, 2).theta, init - 2 * one - 3 * one)
         a.close(), b.close()
     merges = [r for r in read_tape(tmp_state / "tape.jsonl") if r["event"] == "merge"]
     assert [r["uniform_fallback"] for r in merges] == [True, False]
@@ -404,8 +411,8 @@ def test_final_folder_has_weights_and_provenance(toy_layout, rng, tmp_state):
         c.start(init)
         c.wait_one(timeout=20)
         for r in range(2):
-            _push(c, rng.standard_normal(toy_layout.numel).astype(np.float32), 5, r, r)
-        got = _wait_version(c, 2)
+            push_delta(c, rng.standard_normal(toy_layout.numel).astype(np.float32), 5, r, r)
+        got = wait_version(c, 2)
         assert got.final
         c.close()
     final = tmp_state / "final"

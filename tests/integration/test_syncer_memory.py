@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from support import make_client, running_syncer
+from helpers.syncer import make_client, running_syncer
 
 from yeto import codec, net
 from yeto.layout import Layout

@@ -13,7 +13,8 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from support import AVERAGING, make_client, running_syncer, wait_until
+from helpers.syncer import AVERAGING, make_client, running_syncer
+from helpers.wait import wait_until
 
 from syncer import state
 from syncer.admission import Streams

@@ -11,8 +11,7 @@ import struct
 
 import numpy as np
 import pytest
-from helpers.syncer import _push, _wait_version
-from support import make_client, running_syncer
+from helpers.syncer import make_client, push_delta, running_syncer, wait_version
 
 from syncer import state
 from syncer.run import Config, Run
@@ -26,9 +25,9 @@ def _saved_state(state_dir, layout, secret=None):
     with running_syncer(quorum=1, state_dir=state_dir, secret=secret) as (run, addr):
         c = make_client(addr, "a", layout)
         c.start(np.zeros(layout.numel, np.float32))
-        assert _wait_version(c, 0) is not None, c.last_error
-        _push(c, np.full(layout.numel, 0.1, np.float32), 3, 0, 0)
-        assert _wait_version(c, 1) is not None, c.last_error
+        assert wait_version(c, 0) is not None, c.last_error
+        push_delta(c, np.full(layout.numel, 0.1, np.float32), 3, 0, 0)
+        assert wait_version(c, 1) is not None, c.last_error
         c.close()
     return state_dir / state.STATE_FILE
 

@@ -12,8 +12,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from helpers.syncer import _push, _wait_version
-from support import make_client, running_syncer
+from helpers.syncer import make_client, push_delta, running_syncer, wait_version
 
 from integration.test_trust import _join, _started, _stub
 from syncer.admission import Streams
@@ -89,7 +88,7 @@ def test_stalled_broadcast_readers_cannot_multiply_copies_of_theta(rng):
     with running_syncer(quorum=1) as (run, addr):
         a = make_client(addr, "a", layout)
         a.start(rng.standard_normal(n).astype(np.float32))
-        thetas = [_wait_version(a, 0).theta.tobytes()]
+        thetas = [wait_version(a, 0).theta.tobytes()]
         stub = _stub(addr)
         gen = _join(stub, layout, "reader", None, observer=True).generation
         streams = []
@@ -99,8 +98,8 @@ def test_stalled_broadcast_readers_cannot_multiply_copies_of_theta(rng):
             first = next(s)
             assert first.header.version == v
             streams.append((s, first))
-            _push(a, rng.standard_normal(n).astype(np.float32) * 1e-3, 3, v, v)
-            thetas.append(_wait_version(a, v + 1).theta.tobytes())
+            push_delta(a, rng.standard_normal(n).astype(np.float32) * 1e-3, 3, v, v)
+            thetas.append(wait_version(a, v + 1).theta.tobytes())
         copies = _kept_copies()
         assert len(copies) <= Downlink.KEPT and sum(copies) <= Downlink.KEPT * 4 * n, copies
         oldest, first = streams[0]

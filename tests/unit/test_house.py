@@ -213,7 +213,7 @@ def test_every_test_lives_in_its_tier():
     loose = sorted(p.name for p in tests.glob("test_*.py"))
     assert not loose, f"test files outside tests/unit, integration, e2e: {loose}"
     process = r"^import subprocess|^from syncer(\.spawn| import spawn)|^from syncer\.spawn"
-    server = r"^from support import .*running_syncer|^from syncer\.service import"
+    server = r"^from helpers\.syncer import .*running_syncer|^from syncer\.service import"
     starts = {"unit": re.compile(f"{process}|{server}", re.M),
               "integration": re.compile(process, re.M)}
     wrong = [f"{tier}/{p.name}" for tier, pattern in starts.items()

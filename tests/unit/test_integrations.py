@@ -5,20 +5,12 @@ Here: the checks that need no process, server or training (the others:
 tests/integration/test_integrations.py)."""
 
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from yeto import metrics
 from yeto.interop.integrations import count_loss_tokens
 from yeto.io import JsonlFollower
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-sys.path.insert(0, str(ROOT / "examples"))
 
 
 # ---- helpers --------------------------------------------------------------------------

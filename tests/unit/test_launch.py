@@ -13,7 +13,7 @@ import re
 import time
 
 import pytest
-from helpers.launch import _external_run
+from helpers.launch import external_run
 
 from yeto.cli import launch, local_run
 from yeto.cli.launch_view import Display, render_table
@@ -167,7 +167,7 @@ def test_the_address_other_machines_dial(monkeypatch):
 
 def test_without_a_token_launch_makes_one_only_the_user_can_read(tmp_path, monkeypatch):
     monkeypatch.delenv("YETO_TOKEN", raising=False)
-    run = _external_run(tmp_path)
+    run = external_run(tmp_path)
     token = (run.out / "token").read_text().strip()
     assert len(token) == 32 and (run.out / "token").stat().st_mode & 0o777 == 0o600
     assert run.env["YETO_TOKEN"] == token

@@ -7,13 +7,13 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.wait import wait_until
 
 from syncer import merge
 from syncer.messages import PushHeader
 from syncer.run import Config, Reject, Run
 from syncer.stepping import Filling, StepFailed
 from syncer.strategy import Nesterov
-from tests.support import wait_until
 from yeto import codec, net
 from yeto.codec import CHUNK
 from yeto.layout import Layout

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from syncer.spawn import start_syncer
 from syncer.tape import read_tape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mixed_run(model, task, out: Path, steps: int, sync_every: int, seq_len: int,
