@@ -1,11 +1,11 @@
 """GRPO on a real instruct model (issue 45): SmolLM2-135M-Instruct (a GGUF file) on
 one-digit arithmetic, with a rollout node, as local processes.
 
-The task: chat rows "What is a + b? Answer with just the number." (a, b in 1..9) and
-"What is a * b? ..." (a, b in 2..9); the reward is `number_match` (the last number of
-the completion equals the answer). Held-out problems are whole unordered operand pairs
-kept out of training (neither a op b nor b op a is trained on); the split is fixed by
---data-seed, the same for every --seed.
+The task (`yeto.testing.tasks.make_arithmetic_task`): chat rows "What is a + b? Answer
+with just the number." (a, b in 1..9) and "What is a * b? ..." (a, b in 2..9); the
+reward is `number_match` (the last number of the completion equals the answer).
+Held-out problems are whole unordered operand pairs kept out of training (neither a op b
+nor b op a is trained on); the split is fixed by --data-seed, the same for every --seed.
 
 The topology is `yeto demo --rl --nodes direct` with one torch node: a syncer
 (quorum 1, its default outer rule), one torch rollout node outside the run, and one torch
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -31,40 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from yeto.rl import demo  # noqa: E402
+from yeto.testing.tasks import make_arithmetic_task  # noqa: E402
 
 PY = sys.executable
-QUESTION = "What is {a} {op} {b}? Answer with just the number."
-
-
-def problems() -> list[tuple[int, str, int]]:
-    add = [(a, "+", b) for a in range(1, 10) for b in range(1, 10)]
-    mul = [(a, "*", b) for a in range(2, 10) for b in range(2, 10)]
-    return add + mul
-
-
-def answer(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a * b
-
-
-def make_data(out: Path, held_share: float = 0.3, seed: int = 1234) -> tuple[Path, Path]:
-    """train.jsonl and held_out.jsonl (chat rows, the answer as the assistant turn);
-    held-out rows are whole unordered pairs (a op b and b op a go to the same side)."""
-    rng = random.Random(seed)
-    keys = sorted({(op, min(a, b), max(a, b)) for a, op, b in problems()})
-    rng.shuffle(keys)
-    held = set(keys[:round(held_share * len(keys))])
-    rows: dict[bool, list[dict]] = {True: [], False: []}
-    for a, op, b in problems():
-        rows[(op, min(a, b), max(a, b)) in held].append(
-            {"messages": [{"role": "user", "content": QUESTION.format(a=a, op=op, b=b)},
-                          {"role": "assistant", "content": str(answer(a, op, b))}]})
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "held_out.jsonl"
-    for path, side in zip(paths, (False, True)):
-        r = rows[side]
-        random.Random(seed + 1).shuffle(r)
-        path.write_text("".join(json.dumps(x) + "\n" for x in r))
-    return paths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +145,7 @@ def main(argv=None) -> int:
             return 2
         args.model = str(path)
     model = str(model_dir(args.model)) if is_gguf(args.model) else args.model
-    data = make_data(args.out / "data", seed=args.data_seed)
+    data = make_arithmetic_task(args.out / "data", seed=args.data_seed)
     if args.base_only:
         res = base_only(args, model, data)
         print(json.dumps(res, indent=2))

@@ -1,21 +1,12 @@
-"""The `number_match` reward and the arithmetic task of scripts/rl_real.py (issue 45)."""
+"""The `number_match` reward and the arithmetic task scripts/rl_real.py trains on
+(`yeto.testing.tasks.make_arithmetic_task`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 from yeto.rl.rewards import load_reward, number_match
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("rl_real", ROOT / "scripts" / "rl_real.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from yeto.testing.tasks import arithmetic_answer, arithmetic_problems, make_arithmetic_task
 
 
 def test_number_match():
@@ -35,19 +26,18 @@ def test_number_match():
 
 
 def test_arithmetic_task_split(tmp_path):
-    mod = _script()
-    train, held = mod.make_data(tmp_path)
+    train, held = make_arithmetic_task(tmp_path)
     rows = {p: [json.loads(x) for x in p.read_text().splitlines()] for p in (train, held)}
-    assert len(rows[train]) + len(rows[held]) == len(mod.problems()) == 81 + 64
+    assert len(rows[train]) + len(rows[held]) == len(arithmetic_problems()) == 81 + 64
 
     def pair(row):
         q = row["messages"][0]["content"].split("?")[0].removeprefix("What is ").split()
         a, op, b = int(q[0]), q[1], int(q[2])
-        assert row["messages"][1]["content"] == str(mod.answer(a, op, b))
+        assert row["messages"][1]["content"] == str(arithmetic_answer(a, op, b))
         return op, min(a, b), max(a, b)
 
     train_pairs = {pair(r) for r in rows[train]}
     held_pairs = {pair(r) for r in rows[held]}
     assert held_pairs and not train_pairs & held_pairs  # b op a never leaks a held-out a op b
-    again, _ = mod.make_data(tmp_path / "again")
+    again, _ = make_arithmetic_task(tmp_path / "again")
     assert again.read_text() == train.read_text()  # the split is fixed by the data seed
