@@ -1,14 +1,9 @@
-"""scripts/arch_sweep.py's RESULT: counted over the architectures both libraries
-implement; rows of a model type whose mlx-lm module is another architecture are named
-and left out, and the count over every row is printed beside it."""
+"""The architecture sweep's RESULT (yeto.testing.arch_sweep): counted over the
+architectures both libraries implement; rows of a model type whose mlx-lm module is
+another architecture are named and left out, and the count over every row is printed
+beside it."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("arch_sweep", ROOT / "scripts" / "arch_sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+from yeto.testing import arch_sweep as sweep
 
 
 def _row(arch, status, stage="mlx-load", error="TypeError: missing argument"):
