@@ -22,6 +22,11 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("syncer")
 
@@ -35,7 +40,8 @@ class Exhausted(Exception):
 class Watch:
     """One admitted streaming call: when it last moved, and whether it was cut off."""
 
-    def __init__(self, context, learner_id: str, idle_s: float | None):
+    def __init__(self, context: grpc.ServicerContext, learner_id: str | None,
+                 idle_s: float | None):
         self.context, self.learner_id, self.idle_s = context, learner_id, idle_s
         self.last = time.monotonic()
         self.expired = False
@@ -53,7 +59,8 @@ class Streams:
         self._pushing: set[str] = set()  # learner ids with a push in progress
 
     @contextlib.contextmanager
-    def admit(self, context, learner_id: str | None, push: bool = True):
+    def admit(self, context: grpc.ServicerContext, learner_id: str | None, push: bool = True
+              ) -> Iterator[Watch]:
         """Hold one stream slot for the `with` block, or raise Exhausted. `learner_id`:
         the authenticated caller (None without authentication: the total bound only).
         `push`: a push (one per island at once; cancelled when it receives nothing for

@@ -35,11 +35,14 @@ value enters, before it touches the round:
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from yeto.codec import chunked
+from yeto.layout import TensorSpec
 
 SEED_MAX_ABS = 1e8    # initial weights: far beyond any model's, far below overflow
 HISTORY = 8           # push norms per island and fragment the norm bound looks back on
@@ -106,7 +109,7 @@ class Bounds:
                              "--max-tokens-per-step if a step really holds more)")
         return tokens_per_step
 
-    def layout(self, specs) -> None:
+    def layout(self, specs: Iterable[TensorSpec]) -> None:
         """Raise BoundError unless a layout could be a real model's."""
         total = 0
         for s in specs:
@@ -166,13 +169,13 @@ class NormBounds:
             self._norms.setdefault(fragment, {}).setdefault(
                 learner, collections.deque(maxlen=HISTORY)).append(float(norm))
 
-    def saved(self) -> dict:
+    def saved(self) -> dict[str, Any]:
         """What the state file keeps (`restore` reads it back)."""
         return dict(ceiling={str(f): c for f, c in self._ceiling.items()},
                     islands={str(f): {lid: list(h) for lid, h in by.items()}
                              for f, by in self._norms.items()})
 
-    def restore(self, saved) -> None:
+    def restore(self, saved: Any) -> None:
         """From `saved()`'s dict; an older state's list per fragment (no island ids)
         counts as one anonymous island's history."""
         if not isinstance(saved, dict) or "islands" not in saved:
@@ -196,7 +199,7 @@ def share_factors(weights: dict[str, float], cap: float) -> dict[str, float]:
     total = sum(weights.values())
     if cap >= 1.0 or total <= 0 or max(weights.values()) <= cap * total:
         return dict.fromkeys(weights, 1.0)
-    ranked = sorted(weights, key=weights.get, reverse=True)
+    ranked = sorted(weights, key=weights.__getitem__, reverse=True)
     for m in range(1, len(ranked)):
         rest = sum(weights[i] for i in ranked[m:])
         if cap * m >= 1.0:

@@ -5,6 +5,7 @@ are `syncer.run.Config`'s."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from syncer.merge import MERGE_RULES
 from syncer.run import Config
@@ -12,7 +13,7 @@ from syncer.strategy import OPTIMIZERS
 from yeto import codec
 
 
-def add_round_args(p) -> None:
+def add_round_args(p: argparse._ActionsContainer) -> None:
     """Add the outer loop's flags to a parser or argument group."""
     p.add_argument("--outer", choices=tuple(OPTIMIZERS), default=Config.outer,
                    help="the outer optimizer, with --outer-lr and --outer-momentum. The "
@@ -71,7 +72,7 @@ def outer_args(outer: str | None, lr: float | None, momentum: float | None) -> l
             if value is not None for a in (flag, str(value))]
 
 
-def round_config(args: argparse.Namespace, **run) -> Config:
+def round_config(args: argparse.Namespace, **run: Any) -> Config:
     """The run's `Config` from the outer loop's flags; `run` gives the rest (quorum,
     rounds, state dir, ...)."""
     return Config(outer=args.outer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,

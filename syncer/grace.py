@@ -22,6 +22,7 @@ refused when too stale: such fleets sync by wall time (`--sync-every-seconds`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 SLACK = 0.1       # of an island's push interval, added to its expected arrival
@@ -58,14 +59,16 @@ class AutoGrace:
         p.tokens = _ema(p.tokens, float(tokens))
         p.last_push = now
 
-    def wait_s(self, fragment: int, quorum_at: float, pushed, missing) -> float:
+    def wait_s(self, fragment: int, quorum_at: float, pushed: Iterable[str],
+               missing: Iterable[str]) -> float:
         """Seconds after `quorum_at` the round of `fragment` waits for `missing`."""
         if not missing:
             return 0.0
         rates = [self._rate(i, fragment) for i in pushed]
-        if not rates or None in rates or sum(rates) <= 0:
+        known = [r for r in rates if r is not None]
+        if not rates or len(known) < len(rates) or sum(known) <= 0:
             return self.fallback_s
-        worth_per_token = 1.0 / sum(rates)  # seconds of the pushers' work per token
+        worth_per_token = 1.0 / sum(known)  # seconds of the pushers' work per token
         waits = [0.0]
         for j in missing:
             p = self.paces.get((j, fragment))

@@ -14,8 +14,10 @@ import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from syncer.bounds import BoundError, Bounds
+from syncer.config import Config
 from syncer.errors import Reject
 from syncer.strategy import REGIMES
 from yeto.layout import Layout, LayoutMismatch, TensorSpec, fingerprint
@@ -96,9 +98,9 @@ class Members:
         except BoundError as e:
             raise Reject("invalid", f"{learner_id} {e}") from None
         old = self.rows.get(learner_id)
-        declared = (_kept(learner_id, "tokens per step", old and old.tokens_per_step,
+        declared = (_kept(learner_id, "tokens per step", old.tokens_per_step if old else 0,
                           tokens_per_step, "its batch size and sequence length"),
-                    _kept(learner_id, "steps between pushes", old and old.sync_every,
+                    _kept(learner_id, "steps between pushes", old.sync_every if old else 0,
                           sync_every, "its --sync-every"))
         gen = self.next_generation
         self.next_generation += 1
@@ -165,7 +167,7 @@ class Members:
         return sorted(m.learner_id for m in self.rows.values() if m.state == state)
 
     # ---- the saved ledger and status ----------------------------------------------------
-    def ledger(self) -> dict:
+    def ledger(self) -> dict[str, Any]:
         """What the state file keeps of each island."""
         return {m.learner_id: dict(backend=m.backend, pushes=m.pushes,
                                    loss_tokens=m.loss_tokens, last_seq=m.last_seq,
@@ -173,7 +175,7 @@ class Members:
                                    sync_every=m.sync_every)
                 for m in self.rows.values()}
 
-    def restore(self, ledger: dict) -> None:
+    def restore(self, ledger: dict[str, Any]) -> None:
         """Rows from a saved ledger, every island "gone" until it rejoins."""
         for lid, row in ledger.items():
             self.rows[lid] = Member(lid, 0, row["backend"], self.clock(), state="gone",
@@ -182,7 +184,7 @@ class Members:
                                     tokens_per_step=row.get("tokens_per_step", 0),
                                     sync_every=row.get("sync_every", 0))
 
-    def status(self, expected: tuple[str, ...] = ()) -> list[dict]:
+    def status(self, expected: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """A row per island, then the expected ones (`--expect-islands`) not yet joined,
         as "reserved"."""
         now = self.clock()
@@ -194,7 +196,7 @@ class Members:
                             pushes=0, loss_tokens=0, backend="?")
                        for i in expected if i not in self.rows]
 
-    def digest_parts(self) -> list[tuple]:
+    def digest_parts(self) -> list[tuple[object, ...]]:
         return [(m.learner_id, m.generation, m.pushes, m.loss_tokens, m.last_seq,
                  m.tokens_per_step, m.sync_every, sorted(m.pushed_at.items()))
                 for m in sorted(self.rows.values(), key=lambda m: m.learner_id)]
@@ -209,7 +211,7 @@ def checked_regime(learner_id: str, regime: str) -> str:
     return regime
 
 
-def checked_layout(cfg, learner_id: str, specs: list[TensorSpec], fp: str,
+def checked_layout(cfg: Config, learner_id: str, specs: list[TensorSpec], fp: str,
                    backend: str = "") -> Layout:
     """The layout a joining island declares, checked: its id and backend name (shown in
     logs, the tape and `yeto status`: no control characters), the bounds (sane shapes,

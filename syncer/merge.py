@@ -12,7 +12,7 @@ import numpy as np
 
 from syncer import strategy
 from syncer.bounds import share_factors
-from syncer.staging import StagedSum
+from syncer.staging import Pushed, StagedSum
 from yeto import codec
 from yeto.codec import buffers, chunked
 from yeto.codec import format as fmt
@@ -30,7 +30,7 @@ class DeferredPush:
     """A push kept as received (compressed) until its round commits: clipping needs
     the round's median norm, and the share cap every island's weight, known only then."""
 
-    payload: bytes | np.ndarray | buffers.SpilledPayload  # the wire bytes (q4: 0.5625 B/param)
+    payload: chunked.AnyPayload  # the wire bytes (q4: 0.5625 B/param)
     encoding: str
     weight: float
     norm: float
@@ -109,7 +109,7 @@ class MergeAccumulator:
         """The weight a push with rule weight `weight` really gets in the merge."""
         return 1.0 if self.uniform_fallback else weight
 
-    def add(self, payload, encoding: str, loss_tokens: int,
+    def add(self, payload: Pushed, encoding: str, loss_tokens: int,
             norm_limit: float | None = None, learner: str = "") -> Added:
         """Decode and add one push, one chunk at a time (no decoded copy of the push),
         scaled down to norm `norm_limit` when it is longer (the norm bound); returns
@@ -134,7 +134,7 @@ class MergeAccumulator:
         self.count += 1
         return Added(w, norm, scale)
 
-    def _accumulate(self, payload, encoding: str, w: float,
+    def _accumulate(self, payload: chunked.AnyPayload, encoding: str, w: float,
                     norm_limit: float | None) -> tuple[float, float]:
         """Sum one push (its norm computed in the same pass); a push over `norm_limit`
         is then topped up with (scale − 1) × itself: one more pass, for it alone."""
@@ -215,7 +215,8 @@ class MergeAccumulator:
         return g
 
     def step_outer(self, outer: strategy.Nesterov, theta: np.ndarray, m: np.ndarray | None,
-                   t: int = 1, on_chunk=None) -> np.ndarray:
+                   t: int = 1, on_chunk: Callable[[int, int], None] | None = None
+                   ) -> np.ndarray:
         """`outer.step(theta, m, self.result(), t)` with the same bits, in one pass over
         the buffers (four when the rule rescales: g divided, its norm, the factor, the step),
         on a few threads, in pieces of STEP_PIECE values: one compiled call each, so the
@@ -274,7 +275,8 @@ class MergeAccumulator:
         holds g)."""
         if self.summed_weights:
             raise RuntimeError("a reducing rule merges kept pushes only")
-        limit, islands = self._clip_limit(), {}
+        limit = self._clip_limit()
+        islands: dict[str, list[tuple[DeferredPush, float]]] = {}
         for p in self.deferred:
             scale = min(1.0, limit / p.norm) if limit and p.norm > 0 else 1.0
             if self.clip_factor > 0:
@@ -334,7 +336,7 @@ class MergeAccumulator:
             return dict.fromkeys(kept, 1.0)
         total = {i: fixed.get(i, 0.0) + kept.get(i, 0.0) for i in fixed.keys() | kept.keys()}
         want = share_factors(total, self.share_cap(len(total)))
-        out = {}
+        out: dict[str, float] = {}
         for i, q in kept.items():
             s = fixed.get(i, 0.0)
             out[i] = max(0.0, (want[i] * total[i] - s) / q) if q > 0 else 1.0

@@ -30,7 +30,7 @@ class PushHeader:
     eval_loss: float = math.nan
 
     @classmethod
-    def from_pb(cls, h) -> PushHeader:
+    def from_pb(cls, h: pb.PushHeader) -> PushHeader:
         """Raises ValueError for a kind that is neither DELTA nor SEED."""
         if h.kind not in (pb.DELTA, pb.SEED):
             raise ValueError(f"unknown push kind {h.kind}")

@@ -9,6 +9,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from syncer.errors import Reject
 from syncer.merge import MergeAccumulator
 from yeto import codec
 from yeto.layout import Layout, LayoutMismatch, TensorSpec
+
+if TYPE_CHECKING:
+    import hashlib
 
 log = logging.getLogger("syncer")
 
@@ -92,7 +96,7 @@ class Model:
     def asks_seed_of(self, learner_id: str) -> bool:
         return self.theta is None and learner_id == self.seeder
 
-    def seed(self, learner_id: str, payload) -> bool:
+    def seed(self, learner_id: str, payload: codec.Payload) -> bool:
         """Θ from the seeding island's initial weights (False: Θ was seeded already; a
         seed from any other island is refused)."""
         if self.theta is not None:
@@ -101,9 +105,8 @@ class Model:
             raise Reject("precondition", f"{learner_id} was not asked for the seed: "
                          f"{self.seeder or 'the first island to join'} seeds Θ (the syncer's "
                          "--seed-from names it)")
-        assert self.layout is not None  # a push header is refused before the layout
-        try:
-            theta = _f32_owned(payload, self.layout.numel, SEED_MAX_ABS)
+        try:  # (a push header is refused before the layout)
+            theta = _f32_owned(payload, self.the_layout.numel, SEED_MAX_ABS)
         except codec.CodecError as e:
             raise Reject("invalid", f"seed from {learner_id} rejected: {e}") from None
         self.theta = theta
@@ -114,7 +117,7 @@ class Model:
 
     def note_island(self, learner_id: str, regime: str) -> str:
         """An island joined with `regime`; what changed in the outer rule ("": nothing)."""
-        return self.outer.note_island(learner_id, regime)
+        return self.outer.note_island(learner_id, regime) or ""
 
     # ---- the outer step -------------------------------------------------------------
     def span(self, f: int) -> tuple[int, int]:
@@ -169,7 +172,7 @@ class Model:
         self.outer_steps = dict(saved.outer_steps)
         self.weights_file, self.export_files = saved.weights_file, dict(saved.export_files)
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, Any]:
         """What the state file keeps of the model beside its arrays."""
         layout = self.the_layout
         return dict(fingerprint=layout.fingerprint,
@@ -177,15 +180,15 @@ class Model:
                     outer_steps={str(f): t for f, t in self.outer_steps.items()},
                     weights_file=self.weights_file, export_files=self.export_files)
 
-    def provenance(self) -> dict:
+    def provenance(self) -> dict[str, Any]:
         """What provenance.json says of the final weights."""
         return dict(weights_file=self.weights_file, theta_sha256=state.digest(self.the_theta),
                     fingerprint=self.the_layout.fingerprint,
                     parameters=int(self.the_layout.numel))
 
-    def digest_into(self, h) -> None:
+    def digest_into(self, h: hashlib._Hash) -> None:
         for a in (self.theta, self.m):
-            h.update(b"-" if a is None else memoryview(a).cast("B"))
+            h.update(b"-" if a is None else a.data.cast("B"))
 
 
 def checked_files(learner_id: str, weights_file: str, export_files: dict[str, str]) -> None:
@@ -224,7 +227,7 @@ def differing_setting(run: Iterable[TensorSpec], island: Iterable[TensorSpec]) -
 
 
 
-def _f32_owned(payload, numel: int, max_abs: float) -> np.ndarray:
+def _f32_owned(payload: codec.Payload, numel: int, max_abs: float) -> np.ndarray:
     """An f32 payload within `max_abs` as a writable float32 array: the received
     buffer itself when the caller hands over a uint8 array it owns, else a copy."""
     codec.validate(payload, "f32", numel, max_abs)

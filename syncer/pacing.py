@@ -9,6 +9,7 @@ push with whatever arrived.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from syncer.grace import AutoGrace
 from syncer.merge import MergeAccumulator
@@ -18,12 +19,19 @@ from syncer.merge import MergeAccumulator
 class OpenRound:
     fragment: int
     acc: MergeAccumulator
-    responders: list = field(default_factory=list)
-    learners: set = field(default_factory=set)
+    responders: list[dict[str, Any]] = field(default_factory=list)  # the tape's, per push
+    learners: set[str] = field(default_factory=set)
     first_push_at: float | None = None
     quorum_at: float | None = None
     bytes_in: int = 0
     duplicates: int = 0
+
+    @property
+    def started_at(self) -> float:
+        """When its first push joined it (a round commits only with pushes)."""
+        if self.first_push_at is None:
+            raise RuntimeError(f"the round of fragment {self.fragment} has no push yet")
+        return self.first_push_at
 
     def joined(self, learner_id: str, now: float, quorum: int) -> None:
         """A push from `learner_id` joined the round at `now`."""
@@ -63,10 +71,10 @@ class Pacing:
             return []
         out = [(rnd.first_push_at + self.round_timeout_s, "timeout")]
         if rnd.quorum_at is not None:
-            out.insert(0, (rnd.quorum_at + self._grace_s(rnd, live), "quorum"))
+            out.insert(0, (rnd.quorum_at + self._grace_s(rnd, rnd.quorum_at, live), "quorum"))
         return out
 
-    def _grace_s(self, rnd: OpenRound, live: set[str]) -> float:
+    def _grace_s(self, rnd: OpenRound, quorum_at: float, live: set[str]) -> float:
         if self.grace != "auto":
             return self.grace_ms / 1000
-        return self.pace.wait_s(rnd.fragment, rnd.quorum_at, rnd.learners, live - rnd.learners)
+        return self.pace.wait_s(rnd.fragment, quorum_at, rnd.learners, live - rnd.learners)

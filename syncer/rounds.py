@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,10 +27,13 @@ from syncer.members import Member
 from syncer.merge import MergeAccumulator
 from syncer.messages import PushHeader
 from syncer.pacing import OpenRound, Pacing
-from syncer.staging import StagedSum
+from syncer.staging import Pushed, StagedSum
 from yeto import codec
 from yeto.codec import buffers
 from yeto.io import finite_or_none
+
+if TYPE_CHECKING:
+    import hashlib
 
 log = logging.getLogger("syncer")
 
@@ -102,7 +106,7 @@ class Rounds:
                          "and push again")
         return stale
 
-    def add(self, member: Member, h: PushHeader, payload, staleness: int, owned: bool,
+    def add(self, member: Member, h: PushHeader, payload: Pushed, staleness: int, owned: bool,
             live: set[str], version: int) -> None:
         """Sum push `h` into its round, within the norm bound (`syncer.bounds`). A round
         that keeps its pushes keeps a copy of one the run does not own (`owned`: False,
@@ -134,7 +138,8 @@ class Rounds:
         self.pacing.pushed(rnd, h.learner_id, h.loss_tokens, self.clock())
 
     # ---- staging (`syncer.staging`) -------------------------------------------------
-    def claim(self, h: PushHeader, keep) -> StagedSum | None:
+    def claim(self, h: PushHeader, keep: buffers.SpilledPayload | np.ndarray
+              ) -> StagedSum | None:
         """A `StagedSum` for push `h` into its fragment's open round, its bytes kept in
         `keep` too, when it may stage there (see `syncer.staging`), else None (it
         arrives whole into `keep`)."""
@@ -165,7 +170,7 @@ class Rounds:
         if staged.acc.staging is staged:
             staged.acc.unstage()
 
-    def take_turn(self, h: PushHeader, payload) -> None:
+    def take_turn(self, h: PushHeader, payload: Pushed) -> None:
         """A push that is not the one staging into its fragment's open round takes that
         round's buffer as it is summed: the stager goes on as a whole push. Nobody
         waits for a push still arriving."""
@@ -197,23 +202,23 @@ class Rounds:
         """Each fragment's norm ceiling from Θ as seeded."""
         self.norms.seed(theta, spans)
 
-    def restore_norms(self, saved, theta: np.ndarray, spans: list[tuple[int, int]]) -> None:
+    def restore_norms(self, saved: Any, theta: np.ndarray, spans: list[tuple[int, int]]) -> None:
         self.norms.restore(saved)
         if not self.norms.has_ceiling():  # a state saved before the bound had one
             self.norms.seed(theta, spans)
 
-    def norm_record(self) -> dict:
+    def norm_record(self) -> dict[str, Any]:
         return self.norms.saved()
 
-    def digest_into(self, h) -> None:
+    def digest_into(self, h: hashlib._Hash) -> None:
         for f, rnd in sorted(self.open.items()):
             summed = rnd.acc.summed()
-            h.update(b"-" if summed is None else memoryview(summed).cast("B"))
+            h.update(b"-" if summed is None else summed.data.cast("B"))
             h.update(repr((f, len(rnd.responders), rnd.acc.total_weight,
                            rnd.acc.count)).encode())
 
 
-def _copy(payload) -> bytes | np.ndarray:
+def _copy(payload: Pushed) -> bytes | np.ndarray:
     """A push's bytes in memory of their own."""
     if isinstance(payload, StagedSum):  # demoted: a whole push in its keep buffer
         payload = payload.payload()

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -44,9 +45,10 @@ from syncer.model import Model
 from syncer.pacing import Pacing
 from syncer.persist import Store
 from syncer.rounds import Rounds
-from syncer.staging import StagedSum
+from syncer.staging import Pushed, StagedSum
 from syncer.standby import Standbys
 from syncer.tape import Tape
+from yeto.codec.buffers import SpilledPayload
 from yeto.layout import Layout, TensorSpec
 
 log = logging.getLogger("syncer")
@@ -150,7 +152,7 @@ class Run:
     # ---- join -------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
              weights_file: str, export_files: dict[str, str], observer: bool = False,
-             tokens_per_step: int = 0, regime: str = "sft", sync_every: int = 0) -> dict:
+             tokens_per_step: int = 0, regime: str = "sft", sync_every: int = 0) -> dict[str, Any]:
         """An island joins; an `observer` (a rollout node) gets every Θ, never pushes or
         counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl";
         `sync_every`: its steps between pushes of a fragment (0: a schedule by time)."""
@@ -212,7 +214,7 @@ class Run:
         """The caller's ledger row (call under `cond`); refuses unknown or stale callers."""
         return self.members.check(learner_id, generation)
 
-    def heartbeat(self, learner_id: str, generation: int) -> dict:
+    def heartbeat(self, learner_id: str, generation: int) -> dict[str, Any]:
         """The caller's view of the run: version, the open round (0 if none), finished."""
         with self.cond:
             self.check_island(learner_id, generation)
@@ -252,7 +254,7 @@ class Run:
         (`Rounds.keeps_pushes`; read without the lock)."""
         return self.rounds.keeps_pushes(fragment)
 
-    def push(self, h: PushHeader, payload, owned: bool = True) -> dict:
+    def push(self, h: PushHeader, payload: Pushed, owned: bool = True) -> dict[str, Any]:
         """Seed Θ, or add a pseudo-gradient to the open round of its fragment. `owned`:
         the run may keep `payload` (False: a pooled buffer, copied if it must be kept)."""
         with self.cond:
@@ -276,7 +278,9 @@ class Run:
             return dict(accepted=True, status="accepted", round=self.version + 1,
                         staleness=staleness)
 
-    def _seed(self, member: Member, payload) -> dict:
+    def _seed(self, member: Member, payload: Pushed) -> dict[str, Any]:
+        if isinstance(payload, (SpilledPayload, StagedSum)):  # a seed never spills nor stages
+            raise TypeError("a seed arrives whole in memory")
         if not self.model.seed(member.learner_id, payload):
             return dict(accepted=False, status="duplicate", round=0, staleness=0)
         theta = self.model.the_theta
@@ -286,7 +290,8 @@ class Run:
         return dict(accepted=True, status="accepted", round=0, staleness=0)
 
     # ---- staging: a push summed as it arrives (`syncer.staging`) ----------------------
-    def claim_staging(self, h: PushHeader, keep) -> StagedSum | None:
+    def claim_staging(self, h: PushHeader, keep: SpilledPayload | np.ndarray
+                      ) -> StagedSum | None:
         """A `StagedSum` for push `h` when it may stage into its round (`Rounds.claim`),
         else None. Not while a commit holds the lock (its save may take a while: this
         push arrives whole instead of waiting)."""
@@ -378,7 +383,7 @@ class Run:
         if self.standbys is not None:  # before the round is published: a standby has it
             self.standbys.replicate(version)
 
-    def register_standby(self, address: str, version: int) -> dict:
+    def register_standby(self, address: str, version: int) -> dict[str, Any]:
         """A standby syncer at `address` (holding `version`) is there (`syncer.standby`)."""
         if self.standbys is None:
             raise Reject("precondition", "this syncer has no --state-dir: a standby needs "
@@ -491,13 +496,13 @@ class Run:
                  self.version, len(self.members.rows))
         self.tape.write(dict(event="resumed", version=self.version, time=time.time()))
 
-    def run_record(self) -> dict:
+    def run_record(self) -> dict[str, Any]:
         """What the final weights are: for provenance.json."""
         return dict(run_id=self.run_id, version=self.version, **self.model.provenance(),
                     islands=self.members.ledger())
 
     # ---- status -----------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         with self.cond:
             now = self.clock()
             last = self.committer.last_commit_at

@@ -38,12 +38,27 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Protocol, TypeAlias
 
 import numpy as np
 
+from syncer.messages import PushHeader
 from yeto.codec import CHUNK, Q4_BLOCK, CodecError
 from yeto.codec import format as fmt
+from yeto.codec.buffers import SpilledPayload
 from yeto.codec.chunked import ITEM, decode_add_square, q4_add_square
+from yeto.codec.format import Payload
+
+
+class Sums(Protocol):
+    """What a staged push sums into (`syncer.merge.MergeAccumulator`)."""
+
+    staging: StagedSum | None
+
+    def staging_buffer(self) -> np.ndarray: ...
+
+    def unstage(self, demote: bool = False) -> None: ...
 
 
 class StagedSum:
@@ -55,7 +70,8 @@ class StagedSum:
     made once) and decoded from there. q4 block scales are read back from `keep`.
     Keeps Σ of the chunks' squared values for the push's norm."""
 
-    def __init__(self, acc, encoding: str, numel: int, weight: float, keep):
+    def __init__(self, acc: Sums, encoding: str, numel: int, weight: float,
+                 keep: SpilledPayload | np.ndarray):
         self.acc, self.encoding, self.numel, self.keep = acc, encoding, numel, keep
         self.lock = threading.Lock()  # one chunk's decode, or the demotion
         self.demoted = False  # another push took the buffer: this one is a whole push
@@ -71,10 +87,10 @@ class StagedSum:
     def __len__(self) -> int:
         return self.size
 
-    def write(self, piece) -> None:
+    def write(self, piece: Payload) -> None:
         """The next bytes of the payload (validated by the receiver): kept, and every
         chunk of values they complete is decoded into the sum buffer."""
-        view = memoryview(piece).cast("B")
+        view = fmt.as_view(piece).cast("B")
         if isinstance(self.keep, np.ndarray):
             self.keep[self.n:self.n + len(view)] = np.frombuffer(view, np.uint8)
         else:
@@ -85,7 +101,7 @@ class StagedSum:
             else:
                 self.n += len(view)
 
-    def payload(self):
+    def payload(self) -> SpilledPayload | np.ndarray:
         """The push's bytes as received (summed whole, once demoted)."""
         return self.keep
 
@@ -121,13 +137,14 @@ class StagedSum:
             return (-(-hi // Q4_BLOCK) - lo // Q4_BLOCK) * (Q4_BLOCK // 2)
         return ITEM[self.encoding] * (hi - lo)
 
-    def _decode(self, lo: int, hi: int, body) -> None:
+    def _decode(self, lo: int, hi: int, body: Payload) -> None:
         if self.encoding != "q4":
             self.squares += decode_add_square(body, self.encoding, hi - lo, self.buf[lo:hi],
                                               self.weight, assign=True)
             return
         part = slice(4 * (lo // Q4_BLOCK), 4 * -(-hi // Q4_BLOCK))
-        scales = self.keep[part] if isinstance(self.keep, np.ndarray) else self.keep.read(part)
+        scales: Payload = (self.keep[part] if isinstance(self.keep, np.ndarray)
+                           else self.keep.read(part))
         self.squares += q4_add_square(scales, body, hi - lo, self.buf[lo:hi], self.weight, True)
 
     def fold(self, norm_limit: float | None) -> tuple[float, float]:
@@ -152,12 +169,12 @@ class Arrivals:
     BENCHMARKS.md, issue 34). Which path a push takes is all this decides, never the
     bits of the sum."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count: dict[int, int] = {}
 
     @contextlib.contextmanager
-    def arriving(self, h):
+    def arriving(self, h: PushHeader) -> Iterator[bool]:
         """For the length of push `h`'s stream: yields whether it arrives alone (no
         other delta push of its fragment arriving when it starts)."""
         if h.seed:
@@ -171,3 +188,7 @@ class Arrivals:
         finally:
             with self._lock:
                 self._count[h.fragment] -= 1
+
+
+# a push as the run takes it: its bytes in memory, spilled to a file, or staged
+Pushed: TypeAlias = Payload | SpilledPayload | StagedSum

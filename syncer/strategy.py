@@ -38,6 +38,12 @@ class Mean:
         `typical_norm` = Σ wᵢ‖Δᵢ‖ / Σ wᵢ."""
         return None
 
+    def reduce(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """What a rule that `keeps_pushes` defines: each chunk of the round's island rows
+        (k × n float32) reduced into `out` at the commit (`TrimmedMean.reduce`)."""
+        raise NotImplementedError(f"merge rule {self.name!r} keeps its pushes "
+                                  "(keeps_pushes) but defines no reduce")
+
 
 class Uniform(Mean):
     """g = the plain mean of the pushes (wᵢ = 1)."""

@@ -9,7 +9,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from syncer.config import Config
+    from syncer.pacing import OpenRound
+    from syncer.strategy import Nesterov
 
 log = logging.getLogger("syncer")
 
@@ -20,17 +27,17 @@ class Tape:
     # record it gets says how many were left out)
     REFUSALS_BURST, REFUSALS_EVERY_S = 20, 1.0
 
-    def __init__(self, path: Path | None, clock=time.monotonic):
+    def __init__(self, path: Path | None, clock: Callable[[], float] = time.monotonic):
         self.path, self.clock = path, clock
         self._refusals: dict[str, list[float]] = {}  # learner -> [allowance, last, left out]
         self._lock = threading.Lock()
-        self._file = None
+        self._file: IO[bytes] | None = None
         self.lost = 0  # records the disk refused
         if path is not None:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._file = open(path, "ab", buffering=0)
 
-    def write(self, record: dict) -> bool:
+    def write(self, record: dict[str, Any]) -> bool:
         """Append one record; False when the disk refused it (full, read-only, gone):
         the tape then loses that line, whole (never half a line), and says so in the
         log. The tape is the run's account, not its state: a commit never waits on it."""
@@ -54,7 +61,7 @@ class Tape:
                     os.ftruncate(self._file.fileno(), end)  # no half line stays behind
                 return False
 
-    def refusal(self, learner: str, **fields) -> bool:
+    def refusal(self, learner: str, **fields: Any) -> bool:
         """Tape a refused call of `learner`, unless its allowance is spent (a token
         bucket per learner); what it leaves out is counted in the next record."""
         now = self.clock()
@@ -72,7 +79,7 @@ class Tape:
         extra = {"left_out_before": left_out} if left_out else {}
         return self.event("rejected", learner=learner, **fields, **extra)
 
-    def event(self, event: str, **fields) -> bool:
+    def event(self, event: str, **fields: Any) -> bool:
         """`write` a record of `event` with `fields` and the wall time."""
         return self.write(dict(event=event, **fields, time=time.time()))
 
@@ -82,8 +89,9 @@ class Tape:
             self._file = None
 
 
-def merge_record(rnd, reason: str, now: float, merge_s: float, version: int, live: int,
-                 bytes_out: int, cfg, outer, observers: list[str], t: int = 1) -> dict:
+def merge_record(rnd: OpenRound, reason: str, now: float, merge_s: float, version: int,
+                 live: int, bytes_out: int, cfg: Config, outer: Nesterov, observers: list[str],
+                 t: int = 1) -> dict[str, Any]:
     """The tape's record of a committed round (`rnd`: a `syncer.pacing.OpenRound`):
     each responder with the weight the merge really used and its share, and the outer
     step's (lr, μ) of this round (`t`: the fragment's outer step count)."""
@@ -99,16 +107,16 @@ def merge_record(rnd, reason: str, now: float, merge_s: float, version: int, liv
         responders=rnd.responders, quorum=cfg.quorum, islands_live=live,
         bytes_in=rnd.bytes_in, bytes_out=bytes_out, duplicates=rnd.duplicates,
         merge_seconds=merge_s, clip_scales=rnd.acc.clip_scales, share_scales=capped,
-        round_seconds=now - rnd.first_push_at, outer=cfg.outer, outer_lr=outer.lr,
+        round_seconds=now - rnd.started_at, outer=cfg.outer, outer_lr=outer.lr,
         outer_momentum=outer.momentum, step_lr=step_lr, step_momentum=step_mu,
         merge_rule=cfg.merge,
         uniform_fallback=rnd.acc.uniform_fallback, time=time.time(), observers=observers)
 
 
-def _plain(x):
+def _plain(x: object) -> float | str:
     return float(x) if hasattr(x, "__float__") else str(x)
 
 
-def read_tape(path: Path) -> list[dict]:
+def read_tape(path: Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

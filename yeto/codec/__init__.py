@@ -20,8 +20,10 @@ from yeto.codec.format import (
     Q4_BLOCK,
     CodecError,
     Encoder,
+    Payload,
     Scratch,
     add_to,
+    as_view,
     decode,
     decode_add,
     encode,
@@ -33,5 +35,5 @@ from yeto.codec.format import (
 )
 
 __all__ = ["CHUNK", "ENCODINGS", "Q4_BLOCK", "CodecError", "Encoder", "ErrorFeedback",
-           "Scratch", "add_to", "decode", "decode_add", "encode", "encoded_size",
-           "q4_error_bound", "spare_scratch", "validate", "validate_q4_scales"]
+           "Payload", "Scratch", "add_to", "as_view", "decode", "decode_add", "encode",
+           "encoded_size", "q4_error_bound", "spare_scratch", "validate", "validate_q4_scales"]
