@@ -1,8 +1,8 @@
 """What sharding the syncer buys: the same run served by S = 1 and by S shards
 (`python -m syncer --shard I/S`), measured in one invocation.
 
-Each arm starts its syncers and the same synthetic numpy islands (`scripts/
-synthetic_island.py`: a real `Island` and client, no model) with the same seeds, steps
+Each arm starts its syncers and the same synthetic numpy islands (`python -m
+yeto.testing.synthetic`: a real `Island` and client, no model) with the same seeds, steps
 and schedule, and reports per shard: CPU seconds (utime + stime, read from
 /proc/PID/stat until it exits), bytes in and out (its state's counters), and for the
 arm: wall seconds from the islands' start to their end, and rounds. Baseline: S = 1
@@ -31,7 +31,7 @@ from syncer import spawn, state
 from syncer.tape import read_tape
 from yeto.cli.display import print_table
 
-SIM = [sys.executable, str(ROOT / "scripts" / "synthetic_island.py")]
+SIM = [sys.executable, "-m", "yeto.testing.synthetic"]
 TICKS = 100  # clock ticks per second of /proc/PID/stat (Linux: USER_HZ)
 
 

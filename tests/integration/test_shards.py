@@ -48,7 +48,7 @@ def test_shards_exported_together_are_the_unsharded_run_bit_for_bit(tmp_path):
     one, gen1 = _run(tmp_path / "one", Shard())
     shards = [_run(tmp_path / f"s{i}", Shard(i, 2)) for i in range(2)]
     seq = 0
-    for r in range(3):  # three rounds of each fragment, in the same order everywhere
+    for _ in range(3):  # three rounds of each fragment, in the same order everywhere
         for f in range(2):
             seq += 1
             _push(one, gen1, f, seq, one.committer.fragment_version(f))

@@ -325,7 +325,7 @@ class HFPaths:
             raise TargetError(
                 f"mlx-lm's linear {stray[0]} ({len(stray)} such) has no Hugging Face counterpart "
                 "in the checkpoint, so its canonical peft name cannot be derived; check with "
-                "scripts/check_name_parity.py --model ..., or pass the modules to adapt, e.g. "
+                "`yeto check-parity --model ...`, or pass the modules to adapt, e.g. "
                 f"{FLAG} q_proj,v_proj")
 
     def select(self, targets: str, config: dict) -> dict[str, str]:
