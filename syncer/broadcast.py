@@ -17,7 +17,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
@@ -27,7 +29,12 @@ from yeto import net, wire
 from yeto.codec import chunked
 from yeto.proto import yeto_pb2 as pb
 
+if TYPE_CHECKING:
+    from syncer.config import Config
+    from syncer.members import Member
+
 log = logging.getLogger("syncer")
+T = TypeVar("T")
 
 
 class Source:
@@ -51,7 +58,9 @@ class Source:
         self._live = True
         self._readers: dict[int, int] = {}  # reader -> the next byte it reads
         self._next = 0
-        self._built: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
+        # (lo, hi, prefix) -> the chunk built for a reader, kept for the others
+        self._built: collections.OrderedDict[tuple[int, int, bytes], bytes] = (
+            collections.OrderedDict())
         self._lock = threading.Lock()
         self.filling = filling  # the bytes not yet written (an outer step behind it)
         self._retired = ""  # why its readers were ended (`retire`)
@@ -77,8 +86,8 @@ class Source:
             key = (lo, hi, prefix)
             data = self._built.get(key)
             if data is None:
-                a = self._array[lo - self._offset:hi - self._offset]
-                data = self._built[key] = b"".join((prefix, memoryview(a)))
+                a = self._held()[lo - self._offset:hi - self._offset]
+                data = self._built[key] = b"".join((prefix, a.data))
             self._forget_passed()
             while len(self._built) > self.SHARED:
                 self._built.popitem(last=False)
@@ -103,6 +112,13 @@ class Source:
             self._array, self._retired = None, why
             self._built.clear()
 
+    def _held(self) -> np.ndarray:
+        """The bytes it streams: a live or detached source's (never a retired one's, nor
+        one whose last reader closed: nobody reads those)."""
+        if self._array is None:
+            raise RuntimeError("broadcast source read after it let its bytes go")
+        return self._array
+
     def _forget_passed(self) -> None:
         """Drop the built chunks every open reader has passed (all, with no reader)."""
         slowest = min(self._readers.values(), default=None)
@@ -119,7 +135,7 @@ class Source:
                 self._array = None
                 return 0
             lo = min(self._readers.values())
-            self._array = self._array[lo - self._offset:].copy()
+            self._array = self._held()[lo - self._offset:].copy()
             self._offset = lo
             return self._array.size
 
@@ -133,6 +149,13 @@ class Broadcast:
     final: bool
     delta: np.ndarray | None = None  # compressed (new − previous) for islands at base_version
     base_version: int = 0
+
+    @property
+    def update(self) -> np.ndarray:
+        """The compressed update, for a broadcast that has one."""
+        if self.delta is None:
+            raise RuntimeError(f"broadcast of version {self.version} carries no update")
+        return self.delta
 
     @property
     def nbytes(self) -> int:
@@ -219,12 +242,38 @@ class Downlink:
         self.kept[f] = kept
 
 
+class _Sizes(Protocol):
+    def numel(self, f: int | None = None) -> int: ...
+
+
+class Served(Protocol):
+    """What a subscription reads of the run (`syncer.run.Run`, which imports this module)."""
+
+    cond: threading.Condition
+
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def model(self) -> _Sizes: ...
+
+    def newest_broadcasts(self) -> list[Broadcast]: ...
+
+    def holds_back(self) -> bool: ...
+
+    def check_island(self, learner_id: str, generation: int) -> Member: ...
+
+    def count_sent(self, nbytes: int) -> None: ...
+
+    def owned(self) -> list[int]: ...
+
+
 class Subscription:
     """One island's broadcast stream: what it has been sent (the newest version per
     fragment, and which fragments' final weights), so it gets each new version once,
     as a compressed update when it holds the version that update is against."""
 
-    def __init__(self, run, learner_id: str, generation: int):
+    def __init__(self, run: Served, learner_id: str, generation: int):
         self.run, self.learner_id, self.generation = run, learner_id, generation
         self.sent: dict[int, int] = {}
         self.sent_final: set[int] = set()
@@ -236,7 +285,7 @@ class Subscription:
                 return bc
         return None
 
-    def wait_next(self, active) -> Outgoing | None:
+    def wait_next(self, active: Callable[[], bool]) -> Outgoing | None:
         """The next broadcast to send, waiting while `active()`; None when it ends.
         Raises Reject when this connection has been superseded. A broadcast of the
         whole weights is opened for reading here, under the run's lock, so a commit
@@ -253,24 +302,25 @@ class Subscription:
             use_delta = bc.delta is not None and self.sent.get(bc.fragment) == bc.base_version
             return Outgoing(bc, use_delta, None if use_delta else bc.source.open())
 
-    def send(self, out: Outgoing):
+    def send(self, out: Outgoing) -> Iterator[bytes]:
         """The chunks of one broadcast, as wire bytes built straight from the weights
         (or from the one compressed update all islands share); records it as sent once
         its last chunk is handed to the transport. (An island that has its final
         weights hangs up at once: the stream may be closed at that last `yield`, and
         the record must not depend on the transport asking for more.)"""
         run, bc = self.run, out.bc
-        size = bc.delta.size if out.use_delta else bc.source.size
+        size = bc.update.size if out.use_delta else bc.source.size
         header = pb.BroadcastHeader(
             version=bc.version, round=bc.version, fragment=bc.fragment,
             encoding=run.cfg.downlink if out.use_delta else bc.encoding,
             numel=run.model.numel(bc.fragment), payload_bytes=size,
             final=bc.final, delta=out.use_delta, base_version=bc.base_version)
+        chunks: Iterator[bytes]
         if out.use_delta:
             chunks = (wire.chunk_bytes(header if i == 0 else None, piece) for i, piece
-                      in enumerate(net.chunks(memoryview(bc.delta).cast("B"))))
+                      in enumerate(net.chunks(bc.update.data.cast("B"))))
         else:
-            chunks = source_chunks(header, bc.source, out.reader)
+            chunks = source_chunks(header, bc.source, out.place)
         handed = False
         try:
             for last, piece in _marking_last(chunks):
@@ -300,26 +350,33 @@ class Outgoing:
     use_delta: bool
     reader: int | None
 
+    @property
+    def place(self) -> int:
+        """Its reader of the source (a broadcast sent whole has one until `release`)."""
+        if self.reader is None:
+            raise RuntimeError("a broadcast sent whole is read through its open reader")
+        return self.reader
+
     def release(self) -> None:
         if self.reader is not None:
             self.bc.source.close(self.reader)
             self.reader = None
 
 
-def _marking_last(items):
+def _marking_last(items: Iterable[T]) -> Iterator[tuple[bool, T]]:
     """(is_last, item) for each item, knowing the last one before it is yielded."""
     it = iter(items)
-    item = next(it, _END)
-    while item is not _END:
-        following = next(it, _END)
-        yield following is _END, item
+    try:
+        item = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield False, item
         item = following
+    yield True, item
 
 
-_END = object()
-
-
-def source_chunks(header, source, reader: int):
+def source_chunks(header: pb.BroadcastHeader, source: Source, reader: int) -> Iterator[bytes]:
     """Chunks read from a broadcast's source (see `Source`), one at a time."""
     size = source.size
     for i, lo in enumerate(range(0, max(size, 1), net.CHUNK_BYTES)):

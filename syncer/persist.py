@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class Saved:
 
     model: Restored
     island_theta: np.ndarray | None
-    meta: dict
+    meta: dict[str, Any]
 
     @property
     def fragment_versions(self) -> list[int]:
@@ -44,7 +45,7 @@ class Store:
         self.dir: Path = cfg.state_dir
         self.key = state.StateKey(cfg.token)  # the run's secret signs its state
 
-    def flags(self) -> dict:
+    def flags(self) -> dict[str, Any]:
         """The settings a resumed run must share (`state.MATH_FLAGS`)."""
         return {k: getattr(self.cfg, k) for k in state.MATH_FLAGS}
 
@@ -56,7 +57,7 @@ class Store:
                 "choose a new --state-dir (it is never overwritten silently)")
 
     def save(self, theta: np.ndarray, momentum: np.ndarray | None,
-             island_theta: np.ndarray | None, meta: dict) -> None:
+             island_theta: np.ndarray | None, meta: dict[str, Any]) -> None:
         """The state as `meta` describes it (raises OSError: the caller retries)."""
         state.save(self.dir, theta, momentum, island_theta, dict(meta, flags=self.flags()),
                    key=self.key)
@@ -81,7 +82,7 @@ class Store:
         return Saved(model, island_theta if self.cfg.downlink != "f32" else None, meta)
 
     def write_final(self, layout: Layout, theta: np.ndarray, weights_file: str,
-                    export_files: dict[str, str], version: int, record: dict) -> None:
+                    export_files: dict[str, str], version: int, record: dict[str, Any]) -> None:
         """`state-dir/final/`: the final weights in the islands' file name, with frozen
         LoRA A rebuilt (it never travelled), their export files and provenance.json
         (`record`: what the run says of itself)."""

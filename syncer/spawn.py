@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from yeto.io import host_port
 
@@ -46,8 +46,8 @@ class SyncerProcess:
     """A running `python -m syncer`: its process, port and address; a context manager
     that stops it on exit."""
 
-    def __init__(self, proc: subprocess.Popen, host: str, log_path: Path | None,
-                 owned: list, tmpdir: Path | None):
+    def __init__(self, proc: subprocess.Popen[bytes], host: str, log_path: Path | None,
+                 owned: list[IO[Any]], tmpdir: Path | None):
         self.proc = proc
         self.host = host                   # the host islands connect to
         self.port: int = 0
@@ -138,7 +138,7 @@ class SyncerProcess:
     def __enter__(self) -> SyncerProcess:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -150,7 +150,7 @@ def connect_host(host: str) -> str:
 def start_syncer(args: Sequence[str] = (), *, host: str = "127.0.0.1", port: int = 0,
                  port_file: str | Path | None = None, dashboard_port: int | None = None,
                  cwd: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 log: str | Path | IO | None = None, timeout_s: float = 60.0,
+                 log: str | Path | IO[Any] | None = None, timeout_s: float = 60.0,
                  new_session: bool = False, python: str = sys.executable) -> SyncerProcess:
     """Start ``python -m syncer ARGS`` listening on ``host:port`` and wait until it listens.
 
@@ -171,7 +171,10 @@ def start_syncer(args: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
                          "to start_syncer instead")
     tmpdir = Path(tempfile.mkdtemp(prefix="yeto-syncer-")) if port_file is None or log is None \
         else None
-    port_file = Path(port_file) if port_file is not None else tmpdir / "port"
+    if port_file is None:
+        assert tmpdir is not None  # made just above when no port file is given
+        port_file = tmpdir / "port"
+    port_file = Path(port_file)
     dash_file = port_file.with_name(port_file.name + "-dashboard")
     for f in (port_file, dash_file):
         f.unlink(missing_ok=True)  # a stale file from an earlier run must not count
@@ -185,8 +188,8 @@ def start_syncer(args: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
                                 env=dict(env) if env is not None else None,
                                 start_new_session=new_session)
     except BaseException:
-        for f in owned:
-            f.close()
+        for opened in owned:
+            opened.close()
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
         raise
@@ -201,8 +204,10 @@ def start_syncer(args: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     return syncer
 
 
-def _open_log(log, tmpdir: Path | None) -> tuple[IO, list, Path | None]:
+def _open_log(log: str | Path | IO[Any] | None, tmpdir: Path | None
+              ) -> tuple[IO[Any], list[IO[Any]], Path | None]:
     if log is None:
+        assert tmpdir is not None  # start_syncer makes one when no log is given
         log = tmpdir / "log.txt"
     if isinstance(log, (str, Path)):
         f = open(log, "w")  # noqa: SIM115 - closed by SyncerProcess.close

@@ -30,11 +30,17 @@ import hmac
 import json
 import math
 import struct
+from collections.abc import Iterable, Mapping
+from io import FileIO
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from yeto.io import atomic_file, atomic_write
+
+if TYPE_CHECKING:
+    from syncer.config import Config
 
 STATE_FILE = "state.safetensors"
 FINAL_DIR = "final"
@@ -66,15 +72,15 @@ _MAX_DIMS = 32  # numpy's own limit is 64; no tensor of a run has more than a fe
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a)).cast("B")
+    return np.ascontiguousarray(a).data.cast("B")
 
 
-def _meta_body(meta: dict) -> bytes:
+def _meta_body(meta: dict[str, Any]) -> bytes:
     return json.dumps({k: v for k, v in meta.items() if k != META_DIGEST},
                       sort_keys=True).encode()
 
 
-def meta_digest(meta: dict) -> str:
+def meta_digest(meta: dict[str, Any]) -> str:
     """SHA-256 of the state's metadata (everything but this digest itself): with the
     tensors' own digests in it, it covers the whole state."""
     return hashlib.sha256(_meta_body(meta)).hexdigest()
@@ -97,12 +103,12 @@ class StateKey:
                      if secret else None)
         self.kind = KEYED if self._key is not None else PLAIN
 
-    def digest(self, meta: dict) -> str:
+    def digest(self, meta: dict[str, Any]) -> str:
         if self._key is None:
             return meta_digest(meta)
         return hmac.new(self._key, _meta_body(meta), hashlib.sha256).hexdigest()
 
-    def check(self, path: Path, meta: dict, trust_unkeyed: bool = False) -> None:
+    def check(self, path: Path, meta: dict[str, Any], trust_unkeyed: bool = False) -> None:
         """Refuse (StateError) a state whose metadata this run cannot vouch for.
         `trust_unkeyed`: the operator vouches for an unkeyed state (checked as one)."""
         kind = meta.get(DIGEST_KIND, PLAIN if meta["format"] >= 2 else None)
@@ -143,11 +149,12 @@ def digest(a: np.ndarray) -> str:
     return hashlib.sha256(_bytes_of(a)).hexdigest()
 
 
-def write_safetensors(f, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+def write_safetensors(f: IO[bytes], tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str]) -> None:
     """Write `tensors` to the binary file `f` in the safetensors format: an 8-byte
     header length, the JSON header (padded to 8 bytes), then each tensor's raw
     little-endian bytes, written slice by slice from the arrays themselves."""
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, a in tensors.items():
         if np.dtype(a.dtype) not in _NAMES:
@@ -191,16 +198,16 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
             if lo != end:
                 raise ValueError(f"{name}: data_offsets start at {lo}, not at {end} where "
                                  "the tensor before it ends")
-            a = np.empty(shape, dtype)
+            a: np.ndarray = np.empty(shape, dtype)
             f.seek(8 + n + lo)
-            _read_into(f, memoryview(a).cast("B") if a.nbytes else memoryview(b""))
+            _read_into(f, a.data.cast("B") if a.nbytes else memoryview(b""))
             tensors[name], end = a, hi
         if 8 + n + end != size:
             raise ValueError(f"{size - 8 - n - end} bytes after the last tensor")
     return tensors, metadata
 
 
-def _entry(name: str, info, body: int) -> tuple[int, int, str, type, list[int]]:
+def _entry(name: str, info: object, body: int) -> tuple[int, int, str, type, list[int]]:
     """(start, end, name, dtype, shape) of one tensor's header entry, checked against
     the `body` bytes of tensor data the file holds: a well-formed dtype, shape and
     data_offsets, and a shape whose bytes are the offsets' span (Python ints: no
@@ -226,14 +233,14 @@ def _entry(name: str, info, body: int) -> tuple[int, int, str, type, list[int]]:
     return offsets[0], offsets[1], name, _DTYPES[dtype], shape
 
 
-def _read_exact(f, n: int) -> bytes:
+def _read_exact(f: FileIO, n: int) -> bytes:
     data = f.read(n)
     if len(data) != n:
         raise ValueError(f"file ends after {len(data)} of {n} bytes")
     return data
 
 
-def _read_into(f, mv: memoryview) -> None:
+def _read_into(f: FileIO, mv: memoryview) -> None:
     got = 0
     while got < len(mv):
         k = f.readinto(mv[got:])
@@ -243,7 +250,8 @@ def _read_into(f, mv: memoryview) -> None:
 
 
 def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray | None,
-         island_theta: np.ndarray | None, meta: dict, key: StateKey | None = None) -> None:
+         island_theta: np.ndarray | None, meta: dict[str, Any], key: StateKey | None = None
+         ) -> None:
     """`momentum`: None when the run keeps none (momentum 0; not stored). `island_theta`:
     the weights islands hold when the downlink is compressed (else None, or Θ itself:
     then it is not stored). `key`: what the metadata's digest is made with (None: a
@@ -264,7 +272,7 @@ def save(state_dir: Path, theta: np.ndarray, momentum: np.ndarray | None,
 
 
 def load(state_dir: Path, key: StateKey | None = None, trust_unkeyed: bool = False
-         ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, dict]:
+         ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, dict[str, Any]]:
     """(Θ, momentum or None when none was stored, the islands' weights or None,
     metadata) of a saved run. `key`: the resuming run's (`StateKey.check`: a state it
     cannot vouch for is refused); None reads a state without vouching for it (a tool
@@ -294,7 +302,7 @@ def load(state_dir: Path, key: StateKey | None = None, trust_unkeyed: bool = Fal
     return theta, momentum, island_theta, meta
 
 
-def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Tensors and metadata from one open of the file."""
     try:
         tensors, metadata = read_safetensors(path)
@@ -307,7 +315,7 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     return tensors, meta
 
 
-def check_flags(meta: dict, current: dict) -> None:
+def check_flags(meta: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse a resume whose math-changing flags differ from the saved run's."""
     saved = {k: meta["flags"].get(k, FLAG_DEFAULTS.get(k)) for k in MATH_FLAGS}
     diffs = [f"--{k.replace('_', '-')} was {saved[k]!r}, now {current[k]!r}"
@@ -319,7 +327,7 @@ def check_flags(meta: dict, current: dict) -> None:
 
 # ---- the final folder ---------------------------------------------------------------
 def write_final(out: Path, weights_file: str, tensors: dict[str, np.ndarray], version: int,
-                export_files: dict[str, str], provenance: dict) -> None:
+                export_files: dict[str, str], provenance: dict[str, Any]) -> None:
     """Write `out/<weights_file>` (safetensors, loadable by peft when the islands train
     LoRA), the islands' export files and provenance.json."""
     from yeto.data.provenance import write_provenance
@@ -334,19 +342,19 @@ def write_final(out: Path, weights_file: str, tensors: dict[str, np.ndarray], ve
     write_provenance(out, provenance)
 
 
-def final_provenance(config, run: dict) -> dict:
+def final_provenance(config: Config | Mapping[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """provenance.json of the syncer's final/: yeto's version and code digest, the
     environment, the run's config and `run` (id, version, layout, islands)."""
     from yeto.data.provenance import REDACTED_ARGS, build_record
 
-    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    fields = dict(config) if isinstance(config, Mapping) else dataclasses.asdict(config)
     record = build_record(None, None, fields, backend=None)
     record["command"] = redact_command(record["command"], REDACTED_ARGS)
     record["syncer"] = run
     return record
 
 
-def redact_command(argv: list[str], secret_args) -> list[str]:
+def redact_command(argv: list[str], secret_args: Iterable[str]) -> list[str]:
     """`--token X` / `--token=X` with X replaced by <redacted>."""
     flags = {"--" + a.replace("_", "-") for a in secret_args}
     out, hide_next = [], False
