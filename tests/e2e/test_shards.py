@@ -24,12 +24,12 @@ def _syncer(out: Path, name: str, *args) -> SyncerProcess:
                                   log=log)
 
 
-def _islands(out: Path, address: str, wire: str) -> list[dict]:
+def _islands(out: Path, address: str, wire: str, layout: str) -> list[dict]:
     """Two islands to the end of the run; each one's last record."""
     procs = [subprocess.Popen([*SIM, "--syncer", address, "--learner-id", f"island-{i}",
                                "--record", str(out / f"island-{i}.jsonl"), "--steps", "30",
                                "--sync-every", "5", "--dim", "4096", "--seed", str(i),
-                               "--wire", wire, "--blocking-sync"], cwd=ROOT,
+                               "--wire", wire, "--layout", layout, "--blocking-sync"], cwd=ROOT,
                               stdout=open(out / f"island-{i}.log", "w"),
                               stderr=subprocess.STDOUT) for i in range(2)]
     for i, p in enumerate(procs):
@@ -38,11 +38,11 @@ def _islands(out: Path, address: str, wire: str) -> list[dict]:
             for i in range(2)]
 
 
-def _run(out: Path, shards: int, wire: str) -> list[dict]:
+def _run(out: Path, shards: int, wire: str, layout: str) -> list[dict]:
     out.mkdir()
     syncers = [_syncer(out, f"shard{i}", "--shard", f"{i}/{shards}") for i in range(shards)]
     try:
-        done = _islands(out, ";".join(s.address for s in syncers), wire)
+        done = _islands(out, ";".join(s.address for s in syncers), wire, layout)
         for s in syncers:
             assert s.wait(timeout=60) == 0
     finally:
@@ -53,9 +53,10 @@ def _run(out: Path, shards: int, wire: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("wire", ["f32", "q4"])
-def test_two_shards_end_with_the_weights_of_one_bit_for_bit(tmp_path, wire):
-    one = _run(tmp_path / "one", 1, wire)
-    two = _run(tmp_path / "two", 2, wire)
+@pytest.mark.parametrize("layout", ["lora", "full"])
+def test_two_shards_end_with_the_weights_of_one_bit_for_bit(tmp_path, wire, layout):
+    one = _run(tmp_path / "one", 1, wire, layout)
+    two = _run(tmp_path / "two", 2, wire, layout)
     for done in (one, two):
         assert all(d["event"] == "done" and d["final"] for d in done), done
         assert done[0]["weights_sha256"] == done[1]["weights_sha256"]
