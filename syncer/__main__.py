@@ -13,14 +13,16 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from syncer.admission import Streams
 from syncer.bounds import Bounds
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
-from syncer.service import EXCLUSIVE_PORT, SPILL_MIN_BYTES, serve
+from syncer.service import EXCLUSIVE_PORT, SPILL_MIN_BYTES, SyncerServer, TLSFiles, serve
 from syncer.shards import Shard
 from syncer.state import StateError
 from yeto import memory, net, runfile
@@ -28,6 +30,9 @@ from yeto.codec import kernels
 from yeto.config import island_parser
 from yeto.io import atomic_write, host_port
 from yeto.signals import GracefulStop, die_with_threads, ignore_signals
+
+if TYPE_CHECKING:
+    from syncer.dashboard import DashboardServer
 
 log = logging.getLogger("syncer")
 FINAL_DRAIN_S = 30.0  # how long a finished run waits for islands to take the final weights
@@ -172,12 +177,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
                                              (args.expect_islands or "").split(",") if x.strip()))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The syncer's flags, with the run file's values (``--config``) under them."""
     return runfile.parse(build_parser(), argv, "syncer", programs={"island": island_parser})
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _check_state_dir(args.state_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s syncer %(message)s",
@@ -225,7 +230,8 @@ def _shard(text: str) -> Shard:
         sys.exit(f"error: {e}")
 
 
-def _stand_by(args, cfg: Config, token: str | None, tls) -> int:
+def _stand_by(args: argparse.Namespace, cfg: Config, token: str | None, tls: TLSFiles | None
+              ) -> int:
     """Serve as a standby (`syncer.standby`) until the primary stops answering; returns
     the port, freed for the run this syncer now serves. A signal ends it (exit 0)."""
     import grpc
@@ -273,7 +279,7 @@ def _stand_by(args, cfg: Config, token: str | None, tls) -> int:
     return port
 
 
-def _tls_credentials(args) -> tuple[bytes, bytes, bytes | None] | None:
+def _tls_credentials(args: argparse.Namespace) -> TLSFiles | None:
     if not (args.tls_cert or args.tls_key):
         return None
     if not (args.tls_cert and args.tls_key):
@@ -306,7 +312,8 @@ def _check_state_dir(state_dir: Path | None) -> None:
                  "create and write, e.g. --state-dir runs/syncer")
 
 
-def _refuse_open_listening(args, token: str | None, tls) -> None:
+def _refuse_open_listening(args: argparse.Namespace, token: str | None,
+                           tls: TLSFiles | None) -> None:
     if net.is_loopback(args.host, resolve=True) or token or tls or args.insecure:
         return
     sys.exit(f"error: refusing to listen on {args.host} without a token or TLS: anyone who "
@@ -315,7 +322,8 @@ def _refuse_open_listening(args, token: str | None, tls) -> None:
              "\n(or pass --insecure on a trusted network)")
 
 
-def _start_dashboard(run: Run, args, token: str | None, server):
+def _start_dashboard(run: Run, args: argparse.Namespace, token: str | None,
+                     server: SyncerServer) -> DashboardServer | None:
     if args.dashboard_port is None:
         return None
     from syncer.dashboard import DashboardError, start_dashboard
@@ -332,7 +340,8 @@ def _start_dashboard(run: Run, args, token: str | None, server):
     return dashboard
 
 
-def _serve_until_done(run: Run, server, dashboard, announce=lambda: None) -> int:
+def _serve_until_done(run: Run, server: SyncerServer, dashboard: DashboardServer | None,
+                      announce: Callable[[], None] = lambda: None) -> int:
     """Serve until the run finishes (and islands have its final weights) or a signal
     comes. First SIGINT/SIGTERM: stop cleanly (the state on disk is the last committed
     round's, saved as it committed); second: stop at once. `announce()` says where it
@@ -369,7 +378,8 @@ def _wait_for_finish(run: Run, stop: threading.Event) -> None:
             break
 
 
-def _shutdown(run: Run, server, dashboard, grace_s: float) -> None:
+def _shutdown(run: Run, server: SyncerServer, dashboard: DashboardServer | None,
+              grace_s: float) -> None:
     run.close()
     server.ticker_stop.set()
     server.stop(grace=grace_s).wait()

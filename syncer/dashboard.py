@@ -30,14 +30,20 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Sequence
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from yeto.io import JsonlFollower, finite_or_none, host_port
 from yeto.net import is_loopback
 from yeto.signals import GracefulStop
+
+if TYPE_CHECKING:
+    from syncer.run import Run
 
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}  # what a loopback dashboard answers to
 
@@ -56,10 +62,10 @@ class TapeCache:
     def __init__(self, path: Path | None):
         self.path = path
         self._follower = JsonlFollower(path) if path is not None else None
-        self._records: list[dict] = []
+        self._records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
-    def since(self, n: int) -> tuple[list[dict], int]:
+    def since(self, n: int) -> tuple[list[dict[str, Any]], int]:
         with self._lock:
             if self._follower is not None:
                 self._records.extend(self._follower.read_new())
@@ -72,8 +78,9 @@ class Dashboard:
     """What the HTTP handler serves: built from a live `Run` (or only a tape file,
     for looking at a finished run)."""
 
-    def __init__(self, run=None, tape_path: Path | None = None, token: str | None = None,
-                 require_token: bool = False, loopback_only: bool = False):
+    def __init__(self, run: Run | None = None, tape_path: Path | None = None,
+                 token: str | None = None, require_token: bool = False,
+                 loopback_only: bool = False):
         if tape_path is None and run is not None and getattr(run, "tape", None) is not None:
             tape_path = run.tape.path
         self.run = run
@@ -82,9 +89,10 @@ class Dashboard:
         self.require_token = require_token
         self.loopback_only = loopback_only  # listening on loopback: check the Host header
 
-    def status(self) -> dict:
-        out: dict = dict(time=time.time(), tape=str(self.tape.path) if self.tape.path else None,
-                         live=self.run is not None)
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(time=time.time(),
+                                   tape=str(self.tape.path) if self.tape.path else None,
+                                   live=self.run is not None)
         if self.run is None:
             return out
         run = self.run
@@ -92,7 +100,7 @@ class Dashboard:
         out.update(started=bool(getattr(run, "started", False)),
                    rejected=int(getattr(run, "rejected", 0)))
         cfg = getattr(run, "cfg", None)
-        if dataclasses.is_dataclass(cfg):
+        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
             out["config"] = {k: (str(v) if isinstance(v, Path) else v)
                              for k, v in dataclasses.asdict(cfg).items()}
         layout = getattr(run, "layout", None)
@@ -111,7 +119,7 @@ class Dashboard:
             host.rsplit(":", 1)[0] if host.count(":") == 1 else host
         return host in LOOPBACK_NAMES
 
-    def authorized(self, headers, query: dict) -> bool:
+    def authorized(self, headers: Message, query: dict[str, list[str]]) -> bool:
         if not self.require_token:
             return True
         if not self.token:
@@ -128,7 +136,8 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, handler, dashboard: Dashboard, family):
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 dashboard: Dashboard, family: socket.AddressFamily):
         self.address_family = family
         self.dashboard = dashboard
         super().__init__(address, handler)
@@ -137,11 +146,12 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server_version = "yeto-dashboard"
     sys_version = ""
+    server: _Server  # (a declaration: the server that made the handler)
 
-    def log_message(self, fmt, *args):  # quiet: standard logging at debug level
+    def log_message(self, fmt: str, *args: Any) -> None:  # quiet: standard logging at debug level
         log.debug("%s %s", self.address_string(), fmt % args)
 
-    def do_GET(self):  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         dash: Dashboard = self.server.dashboard
@@ -178,11 +188,11 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send(HTTPStatus.NOT_FOUND, b"not found: try / or /api/status or /api/tape\n",
                           "text/plain; charset=utf-8")
 
-    def _json(self, obj, status=HTTPStatus.OK):
+    def _json(self, obj: object, status: HTTPStatus = HTTPStatus.OK) -> None:
         body = json.dumps(obj, default=_plain, allow_nan=False).encode()
         self._send(status, body, "application/json")
 
-    def _send(self, status, body: bytes, ctype: str):
+    def _send(self, status: HTTPStatus, body: bytes, ctype: str) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -199,7 +209,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
 
-def _plain(x):
+def _plain(x: object) -> float | str | None:
     """JSON for what json cannot encode itself: numbers (NaN/inf -> null), else text."""
     return finite_or_none(float(x)) if hasattr(x, "__float__") else str(x)
 
@@ -219,7 +229,7 @@ class DashboardServer:
         self.httpd.server_close()
 
 
-def start_dashboard(run=None, host: str = "127.0.0.1", port: int = 0, *,
+def start_dashboard(run: Run | None = None, host: str = "127.0.0.1", port: int = 0, *,
                     token: str | None = None, insecure: bool = False,
                     tape_path: Path | None = None) -> DashboardServer:
     """Serve the dashboard of ``run`` (a `syncer.run.Run`) on host:port (0 = any free
@@ -247,7 +257,7 @@ def start_dashboard(run=None, host: str = "127.0.0.1", port: int = 0, *,
     return DashboardServer(httpd, thread, host, bound)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m syncer.dashboard --tape runs/demo/syncer/tape.jsonl`: the dashboard of
     a finished (or another process's) run, from its tape alone."""
     import argparse

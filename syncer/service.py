@@ -17,16 +17,21 @@ import hmac
 import itertools
 import logging
 import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
+from functools import partial
+from typing import Any, NoReturn, Protocol, TypeAlias, cast
 
 import grpc
+import numpy as np
 
 from syncer import staging
-from syncer.admission import UNARY_WORKERS, Exhausted, Streams
+from syncer.admission import UNARY_WORKERS, Exhausted, Streams, Watch
 from syncer.broadcast import Subscription
 from syncer.errors import Reject
 from syncer.messages import PushHeader
 from syncer.run import Run
+from syncer.staging import Pushed, StagedSum
 from yeto import codec, net, wire
 from yeto.codec import buffers, receiver
 from yeto.io import host_port
@@ -42,13 +47,28 @@ EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 SPILL_MIN_BYTES = 16 << 20
 
 
-def _abort(context, reject: Reject, run: Run | None = None, call: str = "",
-           learner: str = ""):
+def _abort(context: grpc.ServicerContext, reject: Reject, run: Run | None = None, call: str = "",
+           learner: str = "") -> NoReturn:
     """Refuse the call; the tape gets it (`run` given) unless it failed authentication
     (an unauthenticated caller cannot fill the tape; `_caller` tapes impersonations)."""
     if run is not None and reject.code not in ("unauthenticated", "denied"):
         run.note_rejected(call, learner, reject)
     context.abort(reject.status, str(reject))
+
+
+# (certificate, key, CA for client certificates or None) PEM bytes
+TLSFiles: TypeAlias = tuple[bytes, bytes, bytes | None]
+
+
+class SyncerServer(Protocol):
+    """The gRPC server `serve` starts, with its ticker's stop event (set it on shutdown,
+    then `stop` the server)."""
+
+    ticker_stop: threading.Event
+
+    def stop(self, grace: float | None) -> threading.Event: ...
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool: ...
 
 
 class SyncerService(pb_grpc.SyncerServicer):
@@ -67,7 +87,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.spill_min_bytes = spill_min_bytes
         self.arrivals = staging.Arrivals()
 
-    def _caller(self, context, learner_id: str | None, call: str) -> str | None:
+    def _caller(self, context: grpc.ServicerContext, learner_id: str | None, call: str
+                ) -> str | None:
         """Check a call's credential; returns the island it authenticates (None: no
         secret or client certificate is required, or the caller holds the run's secret
         and may act for anyone). Raises Reject for a missing or wrong credential, or
@@ -75,7 +96,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         if self.secret is None:
             return self._certified(context, learner_id, call) if self.client_certs else None
         got = dict(context.invocation_metadata() or ()).get(net.AUTH_KEY, "")
-        token = got[len("Bearer "):] if got.startswith("Bearer ") else ""
+        # (only "-bin" keys carry bytes: a bytes authorization is no credential)
+        token = got[len("Bearer "):] if isinstance(got, str) and got.startswith("Bearer ") else ""
         if token and hmac.compare_digest(token.encode(), self.secret.encode()):
             return None
         owner = net.credential_valid(self.secret, token) if token else None
@@ -88,18 +110,19 @@ class SyncerService(pb_grpc.SyncerServicer):
             raise e
         return owner
 
-    def _operator(self, context, call: str) -> None:
+    def _operator(self, context: grpc.ServicerContext, call: str) -> None:
         """Calls only the run's secret may make (a standby syncer's)."""
         if self._caller(context, None, call) is not None or \
                 (self.secret is None and self.client_certs):
             raise Reject("denied", f"{call} needs the run's secret (--token / "
                          f"${net.TOKEN_ENV}), not an island's credential")
 
-    def _certified(self, context, learner_id: str | None, call: str) -> str:
+    def _certified(self, context: grpc.ServicerContext, learner_id: str | None, call: str) -> str:
         """The island a call's client certificate (checked by the TLS handshake)
         speaks for: `learner_id` when the certificate names it, else Reject; with no id
         claimed (Status, a push before its header), the first name it holds."""
-        names = _certificate_names(context.auth_context())
+        # types-grpcio says Mapping[str, bytes]; gRPC gives each property a list of values
+        names = _certificate_names(context.auth_context())  # type: ignore[arg-type]
         if not names:
             raise Reject("unauthenticated", "the client certificate names no island (no CN "
                          "or subjectAltName): give each island a certificate whose CN is "
@@ -113,7 +136,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             raise e
         return learner_id if learner_id is not None else names[0]
 
-    def Join(self, request, context):
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         specs = [TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype)
                  for t in request.layout]
         try:
@@ -127,7 +150,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)
 
-    def Push(self, request_iterator, context):
+    def Push(self, request_iterator: Iterator[wire.Chunk[pb.PushHeader]],
+             context: grpc.ServicerContext) -> pb.PushReply:
         first, watch = None, None
         try:
             owner = self._caller(context, None, "push")
@@ -155,7 +179,9 @@ class SyncerService(pb_grpc.SyncerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the push sent nothing for "
                           f"{self.streams.idle_s:.0f} s (--stream-idle-s): cancelled")
 
-    def _admitted_push(self, h, first, rest, watch) -> dict:
+    def _admitted_push(self, h: PushHeader, first: wire.Chunk[pb.PushHeader],
+                       rest: Iterable[wire.Chunk[pb.PushHeader]], watch: Watch
+                       ) -> dict[str, Any]:
         """Receive and merge a push once it has one of the `--max-inflight-pushes`
         slots: each push in flight holds its payload, compressed as it came (q4:
         0.5625 B per parameter), until it is validated whole and merged. The wait for
@@ -170,7 +196,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         finally:
             self.inflight.release()
 
-    def _push(self, h, first, rest) -> dict:
+    def _push(self, h: PushHeader, first: wire.Chunk[pb.PushHeader],
+              rest: Iterable[wire.Chunk[pb.PushHeader]]) -> dict[str, Any]:
         """Receive and merge one push. A large delta goes to a temporary file as it
         arrives (`buffers.SpilledPayload`: a push in flight costs a chunk of memory, not
         its size); a small one to a buffer. Both are pooled: back in their pool once
@@ -180,15 +207,19 @@ class SyncerService(pb_grpc.SyncerServicer):
         fragment is arriving then (`syncer.staging`).
         The seed's buffer becomes Θ."""
         keep = h.seed or self.run.keeps_pushes(h.fragment)
+        buf: buffers.SpilledPayload | np.ndarray | None
+        done: Callable[[], None] | None = None
         if not h.seed and h.payload_bytes >= self.spill_min_bytes:
-            buf = self._spill_file(h)
-            done = None if keep else (lambda: self.spills.put(buf))
+            spilled = buf = self._spill_file(h)
+            if not keep:
+                done = partial(self.spills.put, spilled)
         else:
-            buf = None if keep else self.pool.get(h.payload_bytes)
-            done = None if keep else (lambda: self.pool.put(buf))
+            pooled = buf = None if keep else self.pool.get(h.payload_bytes)
+            if pooled is not None:
+                done = partial(self.pool.put, pooled)
         with self.arrivals.arriving(h) as alone:
             staged = None  # summed as it arrives, when it arrives alone (syncer.staging)
-            if not keep and alone:
+            if not keep and alone and buf is not None:
                 staged = self.run.claim_staging(h, buf)
             elif not keep:  # beside others: it arrives whole, and a stager may too
                 self.run.make_way(h)
@@ -208,7 +239,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 if done is not None:
                     done()
 
-    def _spill_file(self, h) -> buffers.SpilledPayload:
+    def _spill_file(self, h: PushHeader) -> buffers.SpilledPayload:
         folder = self.run.cfg.state_dir
         try:
             return self.spills.get(h.payload_bytes)
@@ -216,7 +247,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             raise Reject("exhausted", f"the syncer cannot open a spill file in "
                          f"{folder or 'the temporary folder'}: {e}; the island retries") from None
 
-    def Subscribe(self, request, context):
+    def Subscribe(self, request: pb.SubscribeRequest,
+                  context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
             self._caller(context, request.learner_id, "subscribe")
             with self.streams.admit(context, request.learner_id, push=False):
@@ -226,7 +258,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Reject as e:
             _abort(context, e)
 
-    def _subscribe(self, request, context):
+    def _subscribe(self, request: pb.SubscribeRequest,
+                   context: grpc.ServicerContext) -> Iterator[bytes]:
         run = self.run
         with run.cond:
             run.check_island(request.learner_id, request.generation)
@@ -245,7 +278,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             if sub.all_finals_sent():
                 run.mark_final_delivered(request.learner_id)
 
-    def Heartbeat(self, request, context):
+    def Heartbeat(self, request: pb.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:
             self._caller(context, request.learner_id, "heartbeat")
             return pb.HeartbeatReply(**self.run.heartbeat(request.learner_id,
@@ -253,7 +287,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Reject as e:
             _abort(context, e)
 
-    def Status(self, request, context):
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         try:
             self._caller(context, None, "status")
         except Reject as e:
@@ -262,7 +296,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         islands = [pb.IslandStatus(**i) for i in s.pop("islands")]
         return pb.StatusReply(islands=islands, **s)
 
-    def Finish(self, request, context):
+    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
         try:
             self._caller(context, request.learner_id, "finish")
             return pb.FinishReply(run_finished=self.run.finish_island(request.learner_id,
@@ -270,7 +304,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Reject as e:
             _abort(context, e)
 
-    def RegisterStandby(self, request, context):
+    def RegisterStandby(self, request: pb.RegisterStandbyRequest, context: grpc.ServicerContext
+                        ) -> pb.RegisterStandbyReply:
         try:
             self._operator(context, "register_standby")
             net.parse_address(request.address)  # host:port, or ValueError
@@ -281,12 +316,13 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Reject as e:
             _abort(context, e)
 
-    def Replicate(self, request_iterator, context):
+    def Replicate(self, request_iterator: Iterator[pb.ReplicateChunk], context: grpc.ServicerContext
+                  ) -> pb.ReplicateReply:
         _abort(context, Reject("precondition", "this syncer is a primary: replicas go to a "
                                "standby (--standby-of)"))
 
 
-def _certificate_names(auth: dict) -> list[str]:
+def _certificate_names(auth: Mapping[str, Iterable[bytes | str]]) -> list[str]:
     """The names a verified client certificate holds (gRPC's auth context): its
     subject's CN, then its subjectAltNames, each once."""
     names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
@@ -294,7 +330,8 @@ def _certificate_names(auth: dict) -> list[str]:
                               for n in names))
 
 
-def _touching(chunks, watch):
+def _touching(chunks: Iterable[wire.Chunk[pb.PushHeader]], watch: Watch
+              ) -> Iterator[wire.Chunk[pb.PushHeader]]:
     """The chunks of a push, telling `watch` of each that moves it on (it is cancelled
     when silent): a chunk without payload bytes is no progress, so a stream of empty
     chunks is cut off like a silent one."""
@@ -304,7 +341,10 @@ def _touching(chunks, watch):
         yield chunk
 
 
-def _receive(h, first, rest, into=None, max_abs: float | None = None):
+def _receive(h: PushHeader, first: wire.Chunk[pb.PushHeader],
+             rest: Iterable[wire.Chunk[pb.PushHeader]],
+             into: StagedSum | buffers.SpilledPayload | np.ndarray | None = None,
+             max_abs: float | None = None) -> Pushed:
     """Assemble a push payload from its chunks into `into` (or a new buffer), validated
     as it arrives (see `yeto.codec.receiver.PayloadReceiver`): one buffer of the wire size,
     every value finite and within `max_abs`."""
@@ -321,11 +361,11 @@ def _receive(h, first, rest, into=None, max_abs: float | None = None):
         raise Reject("invalid", f"push from {h.learner_id}: {e}") from None
 
 
-def add_to_server(service: SyncerService, server) -> None:
+def add_to_server(service: SyncerService, server: grpc.Server) -> None:
     """Register the service's methods; Push and Subscribe move their payloads through
     `yeto.wire` (the same bytes on the wire, fewer copies)."""
     unary = grpc.unary_unary_rpc_method_handler
-    handlers = {
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "Join": unary(service.Join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString),
         "Push": grpc.stream_unary_rpc_method_handler(
             service.Push, wire.parse_push_chunk, pb.PushReply.SerializeToString),
@@ -347,9 +387,9 @@ def add_to_server(service: SyncerService, server) -> None:
 
 
 def serve(run: Run, host: str, port: int, token: str | None = None,
-          tls: tuple[bytes, bytes, bytes | None] | None = None,
+          tls: TLSFiles | None = None,
           max_inflight_pushes: int = 4, spill_min_bytes: int = SPILL_MIN_BYTES,
-          streams: Streams | None = None):
+          streams: Streams | None = None) -> tuple[SyncerServer, int]:
     """Start the server; returns (server, bound port). The port is the syncer's alone
     (a second syncer on it fails here). A ticker thread commits rounds whose grace
     window or timeout has passed, and cancels silent pushes; if it dies, the run
@@ -381,8 +421,9 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     stop = threading.Event()
     threading.Thread(target=_tick, args=(run, streams, stop), name="syncer-ticker",
                      daemon=True).start()
-    server.ticker_stop = stop
-    return server, bound
+    ticking = cast(SyncerServer, server)  # a grpc server takes attributes: it now has one
+    ticking.ticker_stop = stop
+    return ticking, bound
 
 
 def _tick(run: Run, streams: Streams, stop: threading.Event) -> None:

@@ -27,8 +27,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import grpc
 
@@ -41,6 +42,7 @@ from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 log = logging.getLogger("syncer")
+T = TypeVar("T")
 
 CHUNK = 1 << 20            # bytes of the state file per ReplicateChunk
 REGISTER_EVERY_S = 1.0      # a standby's RegisterStandby period
@@ -211,7 +213,7 @@ class Standby:
         return False
 
 
-def _with(first, rest):
+def _with(first: T, rest: Iterable[T]) -> Iterator[T]:
     yield first
     yield from rest
 
@@ -232,7 +234,7 @@ class StandbyService(pb_grpc.SyncerServicer):
     def __init__(self, standby: Standby, token: str | None):
         self.standby, self.token = standby, token
 
-    def _operator(self, context) -> None:
+    def _operator(self, context: grpc.ServicerContext) -> None:
         if self.token is None:
             return
         got = dict(context.invocation_metadata() or ()).get(net.AUTH_KEY, "")
@@ -240,37 +242,42 @@ class StandbyService(pb_grpc.SyncerServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "a replica needs the run's secret "
                           "(--token / $YETO_TOKEN)")
 
-    def Replicate(self, request_iterator, context):
+    def Replicate(self, request_iterator: Iterator[pb.ReplicateChunk], context: grpc.ServicerContext
+                  ) -> pb.ReplicateReply:
         self._operator(context)
         try:
             return pb.ReplicateReply(version=self.standby.receive(request_iterator))
         except Reject as e:
             context.abort(e.status, str(e))
 
-    def Status(self, request, context):
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.standby
         return pb.StatusReply(run_id=s.run_id, version=s.version,
                               problem=f"standby of {s.primary} (holds version {s.version}); "
                                       "it serves the run once the primary stops answering")
 
-    def _elsewhere(self, context):
+    def _elsewhere(self, context: grpc.ServicerContext) -> NoReturn:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"this is a standby of {self.standby.primary}: "
                       "it serves the run once the primary stops answering")
 
-    def Join(self, request, context):
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         self._elsewhere(context)
 
-    def Push(self, request_iterator, context):
+    def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext
+             ) -> pb.PushReply:
         self._elsewhere(context)
 
-    def Subscribe(self, request, context):
+    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext
+                  ) -> Iterator[pb.BroadcastChunk]:
         self._elsewhere(context)
 
-    def Heartbeat(self, request, context):
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+                  ) -> pb.HeartbeatReply:
         self._elsewhere(context)
 
-    def Finish(self, request, context):
+    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
         self._elsewhere(context)
 
-    def RegisterStandby(self, request, context):
+    def RegisterStandby(self, request: pb.RegisterStandbyRequest, context: grpc.ServicerContext
+                        ) -> pb.RegisterStandbyReply:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a standby, not a primary")

@@ -15,19 +15,22 @@ bytes on the wire are exactly what the generated classes produce and accept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from yeto.codec.format import Payload, as_view
 from yeto.proto import yeto_pb2 as pb
 
+H = TypeVar("H", bound=Message)  # the chunk's header message type
+
 _HEADER, _DATA = 1, 2
 _LEN = 2  # wire type of length-delimited fields
 
 
 @dataclass(frozen=True)
-class Chunk:
-    header: Message | None
+class Chunk(Generic[H]):
+    header: H | None
     data: memoryview
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - as the generated classes say it
@@ -60,12 +63,13 @@ def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
     raise DecodeError(f"unsupported wire type {wire_type}")
 
 
-def parse_chunk(raw: bytes, header_type: type[Message]) -> Chunk:
+def parse_chunk(raw: bytes, header_type: type[H]) -> Chunk[H]:
     """One chunk message from its wire bytes; `data` is a view into `raw` (no copy).
     As protobuf does, a repeated header is merged and a repeated data field keeps the
     last; unknown fields are skipped; malformed input raises DecodeError."""
     buf = memoryview(raw)
-    header, data, pos = None, buf[0:0], 0
+    header: H | None = None
+    data, pos = buf[0:0], 0
     while pos < len(buf):
         key, pos = _varint(buf, pos)
         field, wire_type = key >> 3, key & 7
@@ -88,12 +92,12 @@ def parse_chunk(raw: bytes, header_type: type[Message]) -> Chunk:
     return Chunk(header, data)
 
 
-def parse_push_chunk(raw: bytes) -> Chunk:
+def parse_push_chunk(raw: bytes) -> Chunk[pb.PushHeader]:
     """One PushChunk from its wire bytes; `data` is a view into `raw` (no copy)."""
     return parse_chunk(raw, pb.PushHeader)
 
 
-def parse_broadcast_chunk(raw: bytes) -> Chunk:
+def parse_broadcast_chunk(raw: bytes) -> Chunk[pb.BroadcastHeader]:
     """One BroadcastChunk from its wire bytes; `data` is a view into `raw` (no copy)."""
     return parse_chunk(raw, pb.BroadcastHeader)
 
