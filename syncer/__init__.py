@@ -3,19 +3,28 @@
 Read it top to bottom, in the order a push travels:
 
   __main__   the command: flags -> `Config`, serve until the run ends, stop on signals
+  flags      the outer loop's flags, shared with `python -m yeto.sim`
+  config     the run's settings (`Config`) and their defaults
   service    the gRPC edge: auth, framing, status codes; protobuf -> `messages`
+  errors     `Reject`, the one way a call is refused, mapped to a gRPC status at the edge
   admission  which streaming calls it takes, and silent ones cancelled
-  run        the coordinator: holds the lock, Θ, m and versions; join, push, tick, status
+  standby    a second syncer that holds every committed state and takes over the run
+  run        the coordinator: the lock and the run's lifecycle; join, push, tick, status
   members    the ledger of islands: generations, who is live, declarations
-  intake     what a push must meet (header, claims, late pushes), then its sum
+  model      the layout, Θ, the outer momentum and step counts, the final files
+  intake     what a push header must meet (encoding, size, round, claims): pure checks
   bounds     what one island can do: value, norm, claim and layout bounds
+  rounds     each fragment's open round: its running sum, who pushed, when it is due
+  staging    a push summed into its round as its bytes arrive, folded in at its last byte
   merge      the round's running sum and the chunked outer step
   strategy   merge rules (mean, uniform, RDA) and outer optimizers (Nesterov, ...)
   pacing     the open rounds and when they commit (quorum, grace, timeout)
-  commit     merge -> step -> state on disk -> tape -> broadcast; a failed save waits
-  persist    the run <-> the state file (`state`: the formats) and final/
+  grace      the adaptive grace window (`--grace auto`)
+  commit     `Committer`: merge -> step -> state on disk -> tape -> broadcast
+  stepping   the outer step behind its broadcast: chunks stream as the step writes them
+  persist    `Store`: the state dir, the state file (`state`: the formats) and final/
   broadcast  the next broadcast per fragment, its bytes, each island's stream
-  finish     the end of a run: final weights out, final/ written
+  shards     a run served by several syncers, each the owner of some fragments
   tape       the event tape: one JSON line per merge or refused message
   dashboard  the live dashboard: one HTML page and a JSON API
   spawn      starting `python -m syncer` as a subprocess and learning its address

@@ -1,5 +1,21 @@
 """The `yeto` command: one entry for every role. Each subcommand runs the same `main`
-(and so the same parser) as its `python -m` form, which keeps working unchanged."""
+(and so the same parser) as its `python -m` form, which works as well.
+
+- `island`: `yeto island` (torch or MLX) and `yeto rl`;
+- `launch`: `yeto launch`, a syncer and its islands as local processes;
+- `local_run`: those processes: started, reserved slots, stopped in order;
+- `join`: external island slots of `yeto launch` and the command that joins one;
+- `progress`: what a local run's files and its syncer say (`Progress`);
+- `launch_view`: what `yeto launch` shows, live or a line per round;
+- `display`: tables and a live view (`rich`), for the command and the scripts;
+- `demo`: `yeto demo`, a complete local run on a tiny model built here;
+- `status`: `yeto status HOST:PORT`, where a running syncer stands;
+- `credential`: `yeto credential ID...`, each island's own credential;
+- `data`: `yeto data`, a data source checked the way an island will read it;
+- `make`: `yeto make-tiny-model` and `yeto make-task`;
+- `parity`: `yeto check-parity`, torch and MLX islands on one model;
+- `reference`: the docs/reference/ pages, generated from the parsers.
+"""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@
 - `yeto.codec.buffers`: where a payload waits: pooled buffers, spill files.
 - `yeto.codec.receiver`: `PayloadReceiver`, the streaming receiver of both ends,
   validating a payload as its pieces arrive.
+- `yeto.codec.kernels`: the syncer's hot loops (a q4 chunk added into a sum, the
+  outer step) as compiled passes with numba, or a numpy twin with the same bits.
 """
 
 from yeto.codec.feedback import ErrorFeedback

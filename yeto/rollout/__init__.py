@@ -10,6 +10,8 @@ weights sampled them (``yeto_version``). With ``--syncer`` it joins a run as an
 - `generate`: the batched sampling loop, written once (numpy sampling, per-row
   seeds, stops, logprobs at temperature 1); a backend supplies prefill / merge /
   decode over its own KV cache;
+- `engine`: what both engines share (`LoRAEngine`: the LoRA held, adapters loaded,
+  stop tokens);
 - `torch_engine`, `mlx_engine`: the two backends (peft-named LoRA on both), batched
   for attention-only and hybrid models (conv / state-space blocks beside attention:
   LFM2, Granite-4.0-H, Falcon-H1, Qwen3-Next, ...); `torch_cache`: transformers'
@@ -23,4 +25,5 @@ weights sampled them (``yeto_version``). With ``--syncer`` it joins a run as an
 - `guard`: who may call a node (Host, Origin, Content-Type: no web page can) and
   where it may load adapters from (``--adapter-root``);
 - `observer`: the syncer subscription.
+- `cli`: `python -m yeto.rollout`: its flags, the engine it builds, serving.
 """

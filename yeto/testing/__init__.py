@@ -11,4 +11,15 @@ Nothing here is needed to train or to run a syncer; `yeto demo`, `yeto make-tiny
                             (`SHAPES`, `make_shaped_model`)
 - `yeto.testing.archs`      tiny random models of any transformers architecture, for the
                             torch/MLX parity checks (`tiny_model`)
+- `yeto.testing.variants`   other valid configs of an architecture than its preset (`draw`)
+- `yeto.testing.servable`   a tiny model of any architecture that a rollout node can serve
+- `yeto.testing.arch_sweep` every causal LM both transformers and mlx-lm implement, checked
+                            for torch/MLX parity
+- `yeto.testing.real`       a real pretrained checkpoint (SmolLM2-135M, GGUF) from the
+                            package index, for the slow tests and the benchmarks
+- `yeto.testing.reference_diloco`  DiLoCo as the paper writes it, in plain torch: the
+                            independent reference the outer loop is checked against
+- `yeto.testing.synthetic`  a numpy island (no model, real sync) for fault tests and soaks
+- `yeto.testing.chaos`      a real fleet under a seeded schedule of faults, then the checks
+- `yeto.testing.netlab`     a network lab on one Linux machine: hosts as network namespaces
 """
