@@ -7,7 +7,8 @@ read by every program as `--model FILE.gguf` (`yeto.gguf`):
 - a federated LoRA run of two torch islands on real text (the Python standard library's
   own documentation) lowers held-out loss, and its adapter loads in peft and in plain
   `mlx_lm.load(base, adapter_path=...)` with the same logits;
-- the rollout node's logprobs equal transformers' own on the same checkpoint.
+- the rollout node's logprobs equal transformers' own on the same checkpoint;
+- the island benchmark (scripts/bench_island.py --model) runs on it.
 """
 
 import json
@@ -133,3 +134,20 @@ def test_the_rollout_node_logprobs_equal_transformers_on_a_real_checkpoint(smoll
         lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(
             1, torch.tensor(ids)[:, None])[:, 0].numpy()
         assert np.abs(np.array(choice["logprobs"]["token_logprobs"]) - lp).max() <= 1e-4
+
+
+def test_the_island_benchmark_runs_on_a_real_checkpoint(smollm2):
+    """bench_island.py --model FILE.gguf (tiny sizes): the torch island against a bare peft
+    loop on SmolLM2 and real text; the last line is a RESULT line with both tokens/s and a
+    timed push. Speed is not asserted."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_island.py"), "--model",
+                        str(smollm2), "--batch-size", "1", "--seq-len", "32", "--steps", "2",
+                        "--sync-every", "1", "--repeats", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT ratio="), last
+    fields = dict(kv.split("=", 1) for kv in last.split()[1:])
+    assert fields["model"] == "SmolLM2-135M-Instruct" and int(fields["pushes"]) >= 1, last
+    for key in ("ratio", "cpu_ratio", "bare_tok_s", "island_tok_s"):
+        assert float(fields[key]) > 0, last
