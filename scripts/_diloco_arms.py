@@ -2,7 +2,7 @@
 what, for how long) and each arm (k islands, H, wire, outer rule), and which arms each
 mode runs (`plan`). The runner, the caching and the report live in compare_diloco.py.
 
-Mode `--rules` (issue 33) crosses the outer-rule candidates (`CANDIDATES`, each a
+Mode `--rules` crosses the outer-rule candidates (`CANDIDATES`, each a
 `syncer.strategy` rule with its lr and momentum) with three regimes, q4 both ways, each
 cell's ratio to data-parallel on the same tokens:
   short    LoRA SFT on the synthetic chat task, k = 4, H = 50: 8 rounds (400 steps per
@@ -17,7 +17,7 @@ cell's ratio to data-parallel on the same tokens:
 DiLoCo arms run through `python -m yeto.sim` (one process per arm), dp arms as one
 island process.
 
-Mode `--real` (issue 45) runs `REAL_CELLS`: LoRA (rank 16, the default targets) on a real
+Mode `--real` runs `REAL_CELLS`: LoRA (rank 16, the default targets) on a real
 pretrained model (SmolLM2-135M-Instruct from its GGUF file, `yeto.testing.real.SMOLLM2`,
 or --model) and real text (standard-library docstrings, `yeto.testing.real.stdlib_docs`),
 k = 2 and 4 islands, 4 rounds each, the default rule and plain averaging (`REAL_RULES`),
@@ -262,7 +262,7 @@ def plan(mode: str, model: str | None = None) -> tuple[dict[str, Regime], list[A
     return {"lora": lora, "full": full}, lora_arms(lora) + full_arms(full), [0, 1]
 
 
-# ---------------------------------------------------------------- outer rules (issue 33)
+# ---------------------------------------------------------------- outer rules (--rules)
 
 # name -> (--outer, --outer-lr, --outer-momentum); the arm's suffix is "-name" ("" for avg,
 # so the arm names of earlier tables hold)
@@ -329,7 +329,7 @@ def candidate_of(arm: Arm) -> str | None:
     return next((c for c, f in CANDIDATES.items() if f == flags), None)
 
 
-# ---------------------------------------------------------------- real text (issue 45)
+# ---------------------------------------------------------------- real text (--real)
 
 # N, the single-island steps of --real's token budget: N x REAL_BATCH blocks of 128 tokens,
 # about one pass over stdlib_docs' 125 training blocks (SmolLM2's tokenizer), sized for

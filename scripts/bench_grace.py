@@ -99,7 +99,7 @@ def main() -> int:
     p.add_argument("--arms", default=",".join(ARMS), help="comma list of arm names")
     p.add_argument("--step-jitter", type=float, default=0.0, metavar="J",
                    help="each step costs S x speed x a factor in [1 - J, 1 + J] (python -m "
-                        "yeto.sim --step-jitter): islands of equal speed no longer push at "
+                        "yeto.sim --step-jitter): islands of equal speed do not push at "
                         "the same instant")
     p.add_argument("--reuse", action="store_true",
                    help="report arms whose summary.json is already in --out without rerunning")

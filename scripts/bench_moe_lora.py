@@ -1,4 +1,4 @@
-"""What LoRA on mixture-of-experts experts costs in memory (issue 32).
+"""What LoRA on mixture-of-experts experts costs in memory.
 
 Two measurements, each beside its baseline (attention-only LoRA, what ``auto`` picks
 on a MoE model) in the same run:

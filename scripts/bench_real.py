@@ -1,4 +1,4 @@
-"""A real pretrained model (issue 45): a federated LoRA run of two torch islands against a
+"""A real pretrained model: a federated LoRA run of two torch islands against a
 bare single-process peft LoRA loop on the same tokens, and the islands' tokens/s against
 the bare loop's, all measured in the same run.
 

@@ -53,12 +53,12 @@ Goals (each reported with met=yes|no)
   - Regime full (from scratch): diloco4 <= dp4, both below the single island (the
     DiLoCo paper's Table 2 baseline: one island, as many steps, 1/k of the tokens).
 
-Goals of --rules (issue 33; the arms: scripts/_diloco_arms.py), per outer rule
+Goals of --rules (the arms: scripts/_diloco_arms.py), per outer rule
   - short LoRA (8 rounds) <= 1.03 x dp4; long warm k = 4 and 8 <= 1.00 x dp<k> at >= 400x
     fewer bytes per token; from scratch and the larger model (warm2m: warm, k = 4, H = 100
     on the >2M-parameter "small" tiny model) reported against the same goal.
 
-Goals of --real (issue 45): LoRA r16 on SmolLM2-135M-Instruct (a real pretrained model,
+Goals of --real: LoRA r16 on SmolLM2-135M-Instruct (a real pretrained model,
 its GGUF file) and real text (standard-library docstrings), the default outer rule at
 k = 2 and k = 4 (4 rounds each) <= 1.03 x dp<k> on the same tokens; plain averaging
 reported beside it.
@@ -700,10 +700,10 @@ def goal_lines(rows: dict[str, Row]) -> list[str]:
 
 # ---------------------------------------------------------------- outer rules (--rules)
 
-# each regime's goal (issue 33): ratio to dp<k> at most, bytes per token fewer at least;
+# each regime's goal: ratio to dp<k> at most, bytes per token fewer at least;
 # a rule meets the goal when it meets the short and warm cells (scratch: reported)
 RULE_TARGETS = {"short": (1.03, 0), "warm": (1.00, 400), "scratch": (1.00, 400),
-                "warm2m": (1.00, 400), "real": (1.03, 0)}  # real: issue 45, k = 2 and 4
+                "warm2m": (1.00, 400), "real": (1.03, 0)}  # real: k = 2 and 4
 REQUIRED = ("short", "warm")
 
 
@@ -796,7 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "python -m yeto.sim; k, H and outer-optimizer sweeps at that "
                            "per-island budget")
     mode.add_argument("--real", action="store_true",
-                      help="issue 45: LoRA (r16) on a real pretrained model (--model, default "
+                      help="LoRA (r16) on a real pretrained model (--model, default "
                            "SmolLM2-135M-Instruct) and real text (standard-library "
                            "docstrings, held out by module), k=2 and 4 islands, 4 rounds, the "
                            "default outer rule and plain averaging against dp<k> on the same "
@@ -986,7 +986,7 @@ def report(rows: dict[str, Row], regimes: dict[str, Regime], skipped: list[str],
 
 
 def long_goal_lines(rows: dict[str, Row]) -> list[str]:
-    """The long regime's goals (issue 15): k=4 H=50 q4/q4 <= 1.00 x dp4 at >= 400x
+    """The long regime's goals: k=4 H=50 q4/q4 <= 1.00 x dp4 at >= 400x
     fewer bytes per token; q4 within 0.3 % of f32; loss falls with k."""
     out = []
     for regime in ("warm", "scratch"):  # every k = 4, H >= 50, q4 both ways arm

@@ -1,4 +1,4 @@
-"""GRPO on a real instruct model (issue 45): SmolLM2-135M-Instruct (a GGUF file) on
+"""GRPO on a real instruct model: SmolLM2-135M-Instruct (a GGUF file) on
 one-digit arithmetic, with a rollout node, as local processes.
 
 The task (`yeto.testing.tasks.make_arithmetic_task`): chat rows "What is a + b? Answer

@@ -1,5 +1,5 @@
 """One island's link to the syncer: the gRPC channel and its credential, joining
-(again after every failure, with exponential backoff and full jitter) on a background
+(again after every failure, with exponential backoff and equal jitter) on a background
 thread, and what the last join said: generation, fragments, the newest push the
 syncer holds. `status` makes one Status call (for `yeto status`)."""
 
@@ -154,7 +154,8 @@ class Connection:
                     self._refused(e)
                     return
                 self._next_address()
-                # full jitter: islands do not retry in lockstep after a syncer restart
+                # equal jitter (half the delay, plus up to half again at random): islands do not
+                # retry in lockstep after a syncer restart
                 wait = random.uniform(delay / 2, delay)
                 log.warning("syncer %s unreachable (%s); retrying in %.1fs, training "
                             "continues locally", self.address, self.last_error, wait)

@@ -13,7 +13,7 @@ of decoded values, whatever the size of the vector.
   decoded update, in place (the compressed downlink).
 - `q4_chunk_parts` and `q4_add_square`: a q4 chunk as its scales and codes, views of
   the payload or read from a spill file into a scratch, summed in one compiled pass
-  (`yeto.codec.kernels`): the syncer's sums make no bytes object per chunk (issue 34).
+  (`yeto.codec.kernels`): the syncer's sums make no bytes object per chunk.
   A q4 payload's norm is defined on its codes (`yeto.codec.kernels`); f32 and bf16
   norms are float32 dot products.
 

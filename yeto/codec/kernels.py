@@ -1,4 +1,4 @@
-"""The syncer's hot loops as compiled passes (issue 34): a q4 chunk decoded, weighted
+"""The syncer's hot loops as compiled passes: a q4 chunk decoded, weighted
 and added into the round's sum with its squared norm, reading each code once
 (`q4_add_square`); and the outer step with its finiteness check (`outer_step`).
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from yeto.rl.seqs import Seq, batch_of, group_advantages  # noqa: F401 - Seq, group_advantages: their old home
+from yeto.rl.seqs import Seq, batch_of, group_advantages  # noqa: F401 - re-exported
 
 
 def completion_logprobs(model, seqs: list[Seq], pad_id: int = 0, device="cpu"):

@@ -29,8 +29,8 @@ the syncer's own failures and standbys; the outer step's and the save's time (th
 are in the CPU per byte); a step's time varies by island, not by step.
 
 The shards' cost per byte is measured, not assumed: `python scripts/bench_memory.py
---half-billion` at c5b0fd9 (docs/benchmarks-history.md, "Issue 34: the outer step
-behind the broadcast", 5e8 parameters, two islands, q4 up, f32 down): the syncer spent
+--half-billion` (5e8 parameters, two islands, q4 up, f32 down; the run is in
+BENCHMARKS.md): the syncer spent
 2.80 CPU seconds a round (median) on 2 × 281,250,000 bytes of pushes in and 2 × 2e9
 bytes of broadcast out, 0.614 ns per byte (1.63 GB per CPU second). That run's
 syncer was 1.47–1.62× what raw gRPC and the arithmetic alone spend

@@ -180,7 +180,7 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     # mamba2's SSM heads: num_heads * head_dim must equal expand * hidden_size
     "mamba2": {"num_heads": 8},
     # transformers 5.24's modeling_dbrx reads attn_config.rope_theta, which
-    # DbrxAttentionConfig no longer defines; DBRX checkpoints carry it (5e5)
+    # DbrxAttentionConfig does not define; DBRX checkpoints carry it (5e5)
     # (and clamps q/k/v to clip_qkv, which its default leaves None: DBRX uses 8)
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0},
              "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},

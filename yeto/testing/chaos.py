@@ -885,7 +885,7 @@ def inject_disk_full(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
     return "state dir", f"filled with {size >> 10} KiB; noticed: {how}; committed v{m['version']}"
 
 
-# ---- the rogue's claims and norms (issue 44) -------------------------------------------------
+# ---- the rogue's claims and norms -----------------------------------------------------------
 CARRY = re.compile(r"can carry at most (\d+)")
 CLAIM_TRIES = 3  # rogue-claims: pushes at the bound until one lands in a merge of k >= 3
 

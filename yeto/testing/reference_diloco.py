@@ -366,7 +366,7 @@ def run_yeto(case: Case, out: Path) -> Trace:
                     outer_lr=case.outer_lr, outer_momentum=case.outer_momentum, downlink="f32",
                     merge="mean" if case.token_weights else "uniform")
     original, fleet.Run = fleet.Run, Recorder
-    try:  # simulated time for --overlap: when Θ arrives no longer depends on the machine
+    try:  # simulated time for --overlap: when Θ arrives does not depend on the machine
         result = fleet.run_fleet(base, syncer, case.islands, out,
                                  step_seconds=1.0 if case.overlap else 0.0)
     finally:
