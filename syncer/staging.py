@@ -165,8 +165,8 @@ class Arrivals:
     (`claim`); one that starts beside others does not, and takes the round's stager off
     the buffer at once if it is not half in yet (`make_way`). Pushes that arrive
     together race: the first to end takes the buffer from a stager, and the stager's
-    decode so far is lost (two islands pushing at once did so every round:
-    BENCHMARKS.md, issue 34). Which path a push takes is all this decides, never the
+    decode so far is lost (two islands pushing at once would do so every round).
+    Which path a push takes is all this decides, never the
     bits of the sum."""
 
     def __init__(self) -> None:

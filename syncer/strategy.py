@@ -72,7 +72,7 @@ class TrimmedMean(Mean):
     sorted, the `trim` lowest and `trim` highest dropped, and the rest averaged. One
     island's value is then dropped where it is extreme, and lies between honest values
     where it is kept: a rogue at its norm bound moves no coordinate past the honest
-    islands' range (issue 44). With k ≤ 2·trim it trims (k − 1) // 2 from each end: the
+    islands' range. With k ≤ 2·trim it trims (k − 1) // 2 from each end: the
     coordinate median (k = 2: the mean of the two; k = 1: the push itself).
 
     Plain, not token-weighted: the tokens are each island's own claim, and a weight
@@ -114,8 +114,8 @@ def merge_rule(name: str) -> Mean:
 class Nesterov:
     """m ← μm + g;  Θ ← Θ − lr·(g + μm): DiLoCo's outer step (Douillard et al., "DiLoCo:
     Distributed Low-Communication Training of Language Models", arXiv 2311.08105). lr 1
-    with μ 0 is plain averaging (the default until issue 33; the default now warms up from
-    it: `WarmupNesterov`). SNOO (Kallusky et al., arXiv 2510.15830) is this same update on one
+    with μ 0 is plain averaging (`WarmupNesterov` warms up from it to lr 0.4, μ 0.9).
+    SNOO (Kallusky et al., arXiv 2510.15830) is this same update on one
     worker's pseudo-gradient (k = 1), and Lookahead (Zhang et al., arXiv 1907.08610) is
     it with μ 0, lr = Lookahead's α: neither is a separate rule here.
 
@@ -166,8 +166,8 @@ class BiasCorrectedNesterov(Nesterov):
     moment (Kingma & Ba, "Adam: A Method for Stochastic Optimization", arXiv 1412.6980):
     Θ ← Θ − lr·(g + μ·m / (1 − μᵗ)). For a steady g, m = g·(1 − μᵗ)/(1 − μ) after t
     steps: the correction gives every round the step lr·g/(1 − μ) that plain Nesterov
-    reaches only after many rounds, so an empty buffer no longer under-steps the first
-    ones (issue 33's short runs)."""
+    reaches only after many rounds, so an empty buffer does not under-step the first
+    ones."""
 
     name = "nesterov-bc"
 
@@ -183,7 +183,8 @@ class WarmupNesterov(Nesterov):
     arXiv 1706.02677) and a momentum that grows over the first steps (Sutskever et
     al., "On the importance of initialization and momentum in deep learning", ICML
     2013, PMLR 28(3):1139, no arXiv version). Here the warm-up moves from the rule that
-    wins short runs to the one that wins long ones (issue 33)."""
+    wins short runs to the one that wins long ones (BENCHMARKS.md, "One outer rule for
+    every regime")."""
 
     name = "nesterov-warmup"
     WARMUP = 20  # rounds
@@ -244,7 +245,7 @@ class AgreementNesterov(Nesterov):
     of the round's merged change g with the momentum m (the pseudo-gradients before
     it): s = max(0, cos(g, m)), lr_t = 1 + (lr − 1)·s, μ_t = μ·s. An empty m (round 1)
     gives s = 0, plain averaging; m is then g itself, so round 2's s is the cosine of
-    two successive pseudo-gradients. Source: issue 33's candidate (an outer lr adapted
+    two successive pseudo-gradients. Source: an outer lr adapted
     from the agreement of successive pseudo-gradients); the test is the one of adaptive
     restart (O'Donoghue & Candès, "Adaptive Restart for Accelerated Gradient Schemes",
     arXiv 1204.3982), made continuous. No state beyond m and t: s is computed from
