@@ -245,8 +245,8 @@ class AgreementNesterov(Nesterov):
     of the round's merged change g with the momentum m (the pseudo-gradients before
     it): s = max(0, cos(g, m)), lr_t = 1 + (lr − 1)·s, μ_t = μ·s. An empty m (round 1)
     gives s = 0, plain averaging; m is then g itself, so round 2's s is the cosine of
-    two successive pseudo-gradients. Source: an outer lr adapted
-    from the agreement of successive pseudo-gradients); the test is the one of adaptive
+    two successive pseudo-gradients. The idea: an outer lr adapted
+    from the agreement of successive pseudo-gradients; the test is the one of adaptive
     restart (O'Donoghue & Candès, "Adaptive Restart for Accelerated Gradient Schemes",
     arXiv 1204.3982), made continuous. No state beyond m and t: s is computed from
     them each round."""
