@@ -338,7 +338,8 @@ class Subscription:
             self.sent_final.add(bc.fragment)
 
     def all_finals_sent(self) -> bool:
-        return len(self.sent_final) == len(self.run.owned())
+        owned = self.run.owned()
+        return bool(owned) and len(self.sent_final) == len(owned)
 
 
 @dataclass

@@ -134,7 +134,10 @@ class Run:
         return self.cfg.shard.owners([self.model.numel(f) for f in range(self.cfg.fragments)])
 
     def owned(self) -> list[int]:
-        """The fragments whose rounds this syncer runs (all of them, unsharded)."""
+        """The fragments whose rounds this syncer runs (all of them, unsharded; none
+        before the run has a layout)."""
+        if self.model.layout is None:
+            return []
         owners = self._owners()
         return [f for f in range(self.cfg.fragments) if owners[f] == self.cfg.shard.index]
 

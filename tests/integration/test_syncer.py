@@ -431,3 +431,14 @@ def test_final_folder_has_weights_and_provenance(toy_layout, rng, tmp_state):
     assert "numpy" in prov["environment"]
     assert sorted(p.name for p in final.iterdir()) == \
         ["adapter_config.json", "provenance.json", "weights.safetensors"]
+
+
+def test_a_stream_opened_before_the_run_has_a_layout_waits_for_it():
+    """An observer that subscribes before any island brought the layout: its stream has
+    not sent every final weight (the run has none yet), and asking does not raise."""
+    from syncer.broadcast import Subscription
+    from syncer.run import Config, Run
+
+    run = Run(Config(quorum=1, fragments=2))
+    sub = Subscription(run, "rollout-0", 1)
+    assert run.owned() == [] and not sub.all_finals_sent()
