@@ -1,7 +1,7 @@
 """Shared helpers for the benchmark scripts (scripts/bench_*.py).
 
 Every benchmark measures its baseline in the same run as the thing it measures,
-prints a short table (`yeto.cli.display.print_table`), and ends with one
+prints a short table (`yeto.display.print_table`), and ends with one
 machine-readable line (`result_line`):
 
     RESULT ratio=<value> key=value ...

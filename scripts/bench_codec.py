@@ -31,8 +31,8 @@ import numpy as np
 from _bench import MIB, interleaved, parser, rate, result_line
 
 from yeto import codec
-from yeto.cli.display import print_table
 from yeto.codec import chunked, kernels
+from yeto.display import print_table
 from yeto.island.encoder import DeltaEncoder, default_threads
 from yeto.island.island import CHUNK
 from yeto.island.weights import WeightPasses, Weights

@@ -34,10 +34,11 @@ import sys
 from pathlib import Path
 
 from _bench import ROOT, parser, result_line
-from compare_diloco import arm_env, plan, prepare
+from compare_diloco import arm_env, prepare
 
 from syncer.tape import read_tape
-from yeto.cli.display import print_table
+from yeto.display import print_table
+from yeto.testing.diloco_arms import plan
 
 H, T = 50, 2.0
 S = T / H  # simulated seconds per step at full speed

@@ -59,9 +59,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from syncer.spawn import start_syncer  # noqa: E402
-from yeto.cli.display import print_table  # noqa: E402
 from yeto.client import SyncerClient  # noqa: E402
 from yeto.data import BatchSampler, load_blocks  # noqa: E402
+from yeto.display import print_table  # noqa: E402
 from yeto.island import FlatWeights, Island  # noqa: E402
 from yeto.testing.tasks import make_task  # noqa: E402
 from yeto.testing.tiny import make_tiny_model  # noqa: E402

@@ -43,7 +43,7 @@ from pathlib import Path
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
 from _bench import parser, result_line
 
-from yeto.cli.display import print_table
+from yeto.display import print_table
 from yeto.testing import netlab
 
 TOKEN = "bench-link-token"

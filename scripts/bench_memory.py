@@ -55,8 +55,8 @@ from _bench import ROOT, parser, result_line
 
 from syncer.spawn import start_syncer
 from yeto import codec, net
-from yeto.cli.display import print_table
 from yeto.codec import kernels
+from yeto.display import print_table
 
 log = logging.getLogger("bench_memory")
 ISLANDS = (1, 2, 4, 8)

@@ -37,8 +37,8 @@ from _bench import MIB, ROOT, parser, result_line
 
 from syncer.spawn import SyncerProcess, start_syncer
 from yeto import codec
-from yeto.cli.display import print_table
 from yeto.client import SyncerClient
+from yeto.display import print_table
 from yeto.layout import Layout
 
 

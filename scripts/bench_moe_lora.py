@@ -36,7 +36,7 @@ from pathlib import Path
 
 from _bench import MIB, ROOT, parser, result_line
 
-from yeto.cli.display import print_table
+from yeto.display import print_table
 
 R, ALPHA = 16, 32.0
 REAL = {

@@ -64,8 +64,8 @@ from pathlib import Path
 # _bench (scripts/) puts the repo root on sys.path before yeto is imported
 from _bench import ROOT, result_line
 
-from yeto.cli.display import print_table
 from yeto.config import D
+from yeto.display import print_table
 
 PY = sys.executable
 QUICK = dict(steps=6, sync_every=2, seq_len=128)  # ~3 minutes: 3 rounds, shorter blocks

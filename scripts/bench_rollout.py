@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 from _bench import ROOT, interleaved, parser, result_line
 
-from yeto.cli.display import markdown_table, print_table
+from yeto.display import markdown_table, print_table
 
 SFT_STEPS = 90  # the warm start: held-out reward well above 0 and well below 1 (BENCHMARKS.md)
 

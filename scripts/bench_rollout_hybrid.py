@@ -28,7 +28,7 @@ from pathlib import Path
 
 from _bench import interleaved, parser, result_line
 
-from yeto.cli.display import markdown_table, print_table
+from yeto.display import markdown_table, print_table
 
 
 def _args():

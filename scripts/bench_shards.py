@@ -29,7 +29,7 @@ from _bench import ROOT, parser, result_line
 
 from syncer import spawn, state
 from syncer.tape import read_tape
-from yeto.cli.display import print_table
+from yeto.display import print_table
 
 SIM = [sys.executable, "-m", "yeto.testing.synthetic"]
 TICKS = 100  # clock ticks per second of /proc/PID/stat (Linux: USER_HZ)

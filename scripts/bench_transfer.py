@@ -62,8 +62,8 @@ from _bench import MIB, parser, rate, result_line
 from syncer.run import Config, Run
 from syncer.service import serve
 from yeto import codec, memory, net, wire
-from yeto.cli.display import print_table
 from yeto.client import SyncerClient
+from yeto.display import print_table
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc

@@ -204,18 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/compare_torchft.py",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="local model folder (default: the tiny one)")
-    p.add_argument("--data", default=None, help="training data (default: the tiny task)")
-    p.add_argument("--eval-data", default=None, help="held-out data (default: the task's)")
+    p.add_argument("--model", default=argparse.SUPPRESS,
+                   help="local model folder (default: the tiny one)")
+    p.add_argument("--data", default=argparse.SUPPRESS,
+                   help="training data (default: the tiny task)")
+    p.add_argument("--eval-data", default=argparse.SUPPRESS,
+                   help="held-out data (default: the task's)")
     p.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks (0 = all)")
-    p.add_argument("--tuning", choices=("lora", "full"), default="full")
-    p.add_argument("--islands", type=int, default=2, metavar="K")
-    p.add_argument("--rounds", type=int, default=10, metavar="T")
-    p.add_argument("--sync-every", type=int, default=20, metavar="H")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--inner-lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--tuning", choices=("lora", "full"), default="full",
+                   help="what the replicas train")
+    p.add_argument("--islands", type=int, default=2, metavar="K", help="replicas")
+    p.add_argument("--rounds", type=int, default=10, metavar="T", help="outer rounds")
+    p.add_argument("--sync-every", type=int, default=20, metavar="H",
+                   help="inner steps per round")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per block")
+    p.add_argument("--batch-size", type=int, default=8, help="blocks per inner step")
+    p.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW's learning rate")
+    p.add_argument("--seed", type=int, default=3, help="seed of the model and the batches")
     p.add_argument("--outer", choices=("average", "nesterov", "both"), default="both",
                    help="plain averaging (lr 1, momentum 0), Nesterov (lr 0.7, momentum "
                         "0.9), or each in turn")
@@ -229,7 +234,8 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model, data, eval_data = args.model, args.data, args.eval_data
+    model, data = getattr(args, "model", None), getattr(args, "data", None)
+    eval_data = getattr(args, "eval_data", None)
     if model is None or data is None:
         from yeto.testing.tasks import make_task
         from yeto.testing.tiny import make_tiny_model

@@ -1,6 +1,6 @@
 """What a push header must meet before any of its payload is read: encoding, size,
 round and claims. Checks only: they read what they are given and change nothing (the
-run calls them under its lock, `syncer.run.Run.check_push_header`)."""
+run calls them under its lock, `syncer.run.Run.push`)."""
 
 from __future__ import annotations
 

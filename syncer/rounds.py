@@ -89,25 +89,26 @@ class Rounds:
         return rnd.acc.keeps_pushes if rnd else self.clip_factor > 0 or self.rule.keeps_pushes
 
     # ---- a push ---------------------------------------------------------------------
-    def duplicate(self, member: Member, h: PushHeader) -> bool:
-        """Whether push `h` was received already (counted, never merged twice)."""
-        if h.seq > member.last_seq:
-            return False
-        self.get(h.fragment).duplicates += 1
-        return True
-
-    def staleness(self, h: PushHeader, commits: Iterable[int]) -> int:
-        """Commits of this fragment (`commits`: their versions) the island had not seen
-        when it pushed (accepted up to `max_staleness`)."""
+    def take(self, member: Member, h: PushHeader, payload: Pushed, owned: bool,
+             commits: Iterable[int], live: set[str], version: int) -> int | None:
+        """Take push `h` into its round: its staleness (`commits`: the versions of this
+        fragment's commits), or None when it was received already (counted, never
+        merged twice). A whole push takes the round's buffer from a push still staging
+        into it (`take_turn`)."""
+        self._take_turn(h, payload)
+        if h.seq <= member.last_seq:
+            self.get(h.fragment).duplicates += 1
+            return None
         stale = sum(v > h.base_version for v in commits)
         if stale > self.max_staleness:
             raise Reject("precondition", f"push from {h.learner_id} is {stale} versions "
                          f"stale (max {self.max_staleness}); apply the newest broadcast "
                          "and push again")
+        self._add(member, h, payload, stale, owned, live, version)
         return stale
 
-    def add(self, member: Member, h: PushHeader, payload: Pushed, staleness: int, owned: bool,
-            live: set[str], version: int) -> None:
+    def _add(self, member: Member, h: PushHeader, payload: Pushed, staleness: int,
+             owned: bool, live: set[str], version: int) -> None:
         """Sum push `h` into its round, within the norm bound (`syncer.bounds`). A round
         that keeps its pushes keeps a copy of one the run does not own (`owned`: False,
         a pooled buffer, received while another round was open). `live`: the live
@@ -170,7 +171,7 @@ class Rounds:
         if staged.acc.staging is staged:
             staged.acc.unstage()
 
-    def take_turn(self, h: PushHeader, payload: Pushed) -> None:
+    def _take_turn(self, h: PushHeader, payload: Pushed) -> None:
         """A push that is not the one staging into its fragment's open round takes that
         round's buffer as it is summed: the stager goes on as a whole push. Nobody
         waits for a push still arriving."""

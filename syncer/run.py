@@ -45,7 +45,7 @@ from syncer.model import Model
 from syncer.pacing import Pacing
 from syncer.persist import Store
 from syncer.rounds import Rounds
-from syncer.staging import Pushed, StagedSum
+from syncer.staging import PushBody, Pushed, StagedSum
 from syncer.standby import Standbys
 from syncer.tape import Tape
 from yeto.codec.buffers import SpilledPayload
@@ -228,9 +228,31 @@ class Run:
         return self.version + 1 if self.started and not self.finished else 0
 
     # ---- push -------------------------------------------------------------------------
-    def check_push_header(self, h: PushHeader) -> int:
+    def push(self, h: PushHeader, body: PushBody) -> dict[str, Any]:
+        """One push, whole: its header checked before any payload is read
+        (`syncer.intake`), then its body received (a slot, a buffer, summed into its
+        round as it arrives when it arrives alone: `syncer.staging`) and taken: Θ seeded
+        or a pseudo-gradient added to the open round of its fragment. A round kept
+        until its commit (clipping, a share cap: `Rounds.keeps_pushes`) keeps the
+        payload as it came."""
+        keep = self._check_push_header(h)
+        with body.slot(), body.buffer(h, keep) as buf, body.arriving(h) as alone:
+            staged = None
+            if not keep and alone and buf is not None:
+                staged = self._claim_staging(h, buf)
+            elif not keep:  # beside others: it arrives whole, and a stager may too
+                self._make_way(h)
+            try:
+                payload = body.receive(h, staged or buf, intake.max_abs(h, self.cfg.bounds))
+                return self._take(h, payload, owned=keep)
+            finally:
+                if staged is not None:
+                    self._release_staging(staged)
+
+    def _check_push_header(self, h: PushHeader) -> bool:
         """Validate a push header before any payload is read (`syncer.intake`); returns
-        the payload size."""
+        whether the run keeps the payload as it came (a seed; a round that keeps its
+        pushes until the commit: `Rounds.keeps_pushes`)."""
         with self.cond:
             member = self.check_island(h.learner_id, h.generation)
             if member.state == "observer":
@@ -240,24 +262,15 @@ class Run:
             if self.model.layout is None:
                 raise Reject("precondition", "no layout yet")
             if h.seed:
-                return intake.payload_size(h, self.model.numel())
-            size = intake.payload_size(
-                h, self.model.numel(intake.fragment(h, self.cfg.fragments)))
+                intake.payload_size(h, self.model.numel())
+                return True
+            intake.payload_size(h, self.model.numel(intake.fragment(h, self.cfg.fragments)))
             intake.owner(h, self._owners(), self.cfg.shard.index)
             intake.round_open(h, self.started, self.finished, self.version)
             intake.claims(self.cfg.bounds, member, h, self.committer.commits_of(h.fragment))
-            return size
+            return self.rounds.keeps_pushes(h.fragment)
 
-    def max_abs(self, h: PushHeader) -> float:
-        """The value bound of push `h`'s elements."""
-        return intake.max_abs(h, self.cfg.bounds)
-
-    def keeps_pushes(self, fragment: int) -> bool:
-        """Whether a push to `fragment` is kept as received until its round commits
-        (`Rounds.keeps_pushes`; read without the lock)."""
-        return self.rounds.keeps_pushes(fragment)
-
-    def push(self, h: PushHeader, payload: Pushed, owned: bool = True) -> dict[str, Any]:
+    def _take(self, h: PushHeader, payload: Pushed, owned: bool) -> dict[str, Any]:
         """Seed Θ, or add a pseudo-gradient to the open round of its fragment. `owned`:
         the run may keep `payload` (False: a pooled buffer, copied if it must be kept)."""
         with self.cond:
@@ -265,18 +278,17 @@ class Run:
             self.bytes_in += len(payload)
             if h.seed:
                 return self._seed(member, payload)
-            self.rounds.take_turn(h, payload)  # a whole push never waits for a stager
             if self.finished:
                 raise Reject("precondition", "the run has finished")
             self.committer.check_saved()
             intake.round_matches(h)
-            if self.rounds.duplicate(member, h):
+            staleness = self.rounds.take(member, h, payload, owned,
+                                         self.committer.commits_of(h.fragment),
+                                         self.members.live_ids(), self.version)
+            if staleness is None:
                 self._reject_note(h.learner_id, "duplicate", f"seq {h.seq} already received")
                 return dict(accepted=False, status="duplicate", round=self.version + 1,
                             staleness=0)
-            staleness = self.rounds.staleness(h, self.committer.commits_of(h.fragment))
-            self.rounds.add(member, h, payload, staleness, owned, self.members.live_ids(),
-                            self.version)
             self._maybe_commit(self.clock())
             return dict(accepted=True, status="accepted", round=self.version + 1,
                         staleness=staleness)
@@ -293,8 +305,8 @@ class Run:
         return dict(accepted=True, status="accepted", round=0, staleness=0)
 
     # ---- staging: a push summed as it arrives (`syncer.staging`) ----------------------
-    def claim_staging(self, h: PushHeader, keep: SpilledPayload | np.ndarray
-                      ) -> StagedSum | None:
+    def _claim_staging(self, h: PushHeader, keep: SpilledPayload | np.ndarray
+                       ) -> StagedSum | None:
         """A `StagedSum` for push `h` when it may stage into its round (`Rounds.claim`),
         else None. Not while a commit holds the lock (its save may take a while: this
         push arrives whole instead of waiting)."""
@@ -307,7 +319,7 @@ class Run:
         finally:
             self.cond.release()
 
-    def make_way(self, h: PushHeader) -> None:
+    def _make_way(self, h: PushHeader) -> None:
         """Push `h` starts beside others (`Rounds.make_way`); skipped while a commit
         holds the lock (nobody waits here)."""
         if h.seed or not self.cond.acquire(blocking=False):
@@ -317,7 +329,7 @@ class Run:
         finally:
             self.cond.release()
 
-    def release_staging(self, staged: StagedSum) -> None:
+    def _release_staging(self, staged: StagedSum) -> None:
         """The staged push's stream is over. (Folded or taken over, it is already: then
         the lock is not waited for.)"""
         if staged.acc.staging is not staged:

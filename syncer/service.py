@@ -13,13 +13,13 @@ the certificate only admits the machine."""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent import futures
-from functools import partial
 from typing import Any, NoReturn, Protocol, TypeAlias, cast
 
 import grpc
@@ -166,8 +166,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                     raise Reject("invalid", str(e)) from None
                 if owner is not None and h.learner_id != owner:
                     self._caller(context, h.learner_id, "push")  # refused and taped
-                self.run.check_push_header(h)
-                return pb.PushReply(**self._admitted_push(h, first, request_iterator, watch))
+                body = _PushStream(self, first, request_iterator, watch)
+                return pb.PushReply(**self.run.push(h, body))
         except Exhausted as e:
             _abort(context, Reject("exhausted", str(e)))
         except Reject as e:
@@ -179,67 +179,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the push sent nothing for "
                           f"{self.streams.idle_s:.0f} s (--stream-idle-s): cancelled")
 
-    def _admitted_push(self, h: PushHeader, first: wire.Chunk[pb.PushHeader],
-                       rest: Iterable[wire.Chunk[pb.PushHeader]], watch: Watch
-                       ) -> dict[str, Any]:
-        """Receive and merge a push once it has one of the `--max-inflight-pushes`
-        slots: each push in flight holds its payload, compressed as it came (q4:
-        0.5625 B per parameter), until it is validated whole and merged. The wait for
-        a slot is bounded too (holders move or are cancelled within --stream-idle-s;
-        a WAN push may take minutes, so ten times that)."""
-        if not self.inflight.acquire(timeout=10 * self.streams.idle_s):
-            raise Reject("exhausted", "every push slot of the syncer stayed busy; the "
-                         "island retries")
-        try:
-            watch.touch()
-            return self._push(h, first, _touching(rest, watch))
-        finally:
-            self.inflight.release()
-
-    def _push(self, h: PushHeader, first: wire.Chunk[pb.PushHeader],
-              rest: Iterable[wire.Chunk[pb.PushHeader]]) -> dict[str, Any]:
-        """Receive and merge one push. A large delta goes to a temporary file as it
-        arrives (`buffers.SpilledPayload`: a push in flight costs a chunk of memory, not
-        its size); a small one to a buffer. Both are pooled: back in their pool once
-        merged, for the next push. Either is kept instead while the run holds pushes
-        until the round commits (clipping, a share cap: `Run.keeps_pushes`).
-        The first push of a round is also summed as it arrives, if no other push of its
-        fragment is arriving then (`syncer.staging`).
-        The seed's buffer becomes Θ."""
-        keep = h.seed or self.run.keeps_pushes(h.fragment)
-        buf: buffers.SpilledPayload | np.ndarray | None
-        done: Callable[[], None] | None = None
-        if not h.seed and h.payload_bytes >= self.spill_min_bytes:
-            spilled = buf = self._spill_file(h)
-            if not keep:
-                done = partial(self.spills.put, spilled)
-        else:
-            pooled = buf = None if keep else self.pool.get(h.payload_bytes)
-            if pooled is not None:
-                done = partial(self.pool.put, pooled)
-        with self.arrivals.arriving(h) as alone:
-            staged = None  # summed as it arrives, when it arrives alone (syncer.staging)
-            if not keep and alone and buf is not None:
-                staged = self.run.claim_staging(h, buf)
-            elif not keep:  # beside others: it arrives whole, and a stager may too
-                self.run.make_way(h)
-            try:
-                try:
-                    payload = _receive(h, first, rest, staged or buf,
-                                       self.run.max_abs(h))
-                except OSError as e:  # the spill file: a full or vanished disk
-                    raise Reject("exhausted", f"the syncer could not write the push from "
-                                 f"{h.learner_id} to its spill file: {e}; free disk space "
-                                 "in the state dir (or raise --spill-min-mib); the island "
-                                 "retries") from None
-                return self.run.push(h, payload, owned=keep)
-            finally:
-                if staged is not None:
-                    self.run.release_staging(staged)
-                if done is not None:
-                    done()
-
-    def _spill_file(self, h: PushHeader) -> buffers.SpilledPayload:
+    def spill_file(self, h: PushHeader) -> buffers.SpilledPayload:
+        """A pooled spill file for push `h`'s bytes, in the state dir."""
         folder = self.run.cfg.state_dir
         try:
             return self.spills.get(h.payload_bytes)
@@ -339,6 +280,68 @@ def _touching(chunks: Iterable[wire.Chunk[pb.PushHeader]], watch: Watch
         if len(chunk.data) or chunk.header is not None:
             watch.touch()
         yield chunk
+
+
+class _PushStream:
+    """One push's stream as `Run.push` receives it (`syncer.staging.PushBody`): a slot
+    of the `--max-inflight-pushes`, the buffer its bytes go to, and the bytes, validated
+    as they arrive.
+
+    Each push in flight holds its payload, compressed as it came (q4: 0.5625 B per
+    parameter), until it is validated whole and merged. A large delta goes to a
+    temporary file as it arrives (`buffers.SpilledPayload`: a push in flight costs a
+    chunk of memory, not its size); a small one to a buffer. Both are pooled: back in
+    their pool once merged, for the next push, unless the run keeps them. A seed's
+    buffer becomes Θ."""
+
+    def __init__(self, service: SyncerService, first: wire.Chunk[pb.PushHeader],
+                 rest: Iterable[wire.Chunk[pb.PushHeader]], watch: Watch) -> None:
+        self._service, self._first, self._watch = service, first, watch
+        self._rest = _touching(rest, watch)
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """The wait for a slot is bounded (holders move or are cancelled within
+        --stream-idle-s; a WAN push may take minutes, so ten times that)."""
+        inflight = self._service.inflight
+        if not inflight.acquire(timeout=10 * self._service.streams.idle_s):
+            raise Reject("exhausted", "every push slot of the syncer stayed busy; the "
+                         "island retries")
+        try:
+            self._watch.touch()
+            yield
+        finally:
+            inflight.release()
+
+    @contextlib.contextmanager
+    def buffer(self, h: PushHeader, keep: bool
+               ) -> Iterator[buffers.SpilledPayload | np.ndarray | None]:
+        sv = self._service
+        if not h.seed and h.payload_bytes >= sv.spill_min_bytes:
+            spilled = sv.spill_file(h)
+            try:
+                yield spilled
+            finally:
+                if not keep:
+                    sv.spills.put(spilled)
+            return
+        pooled = None if keep else sv.pool.get(h.payload_bytes)
+        try:
+            yield pooled
+        finally:
+            if pooled is not None:
+                sv.pool.put(pooled)
+
+    def arriving(self, h: PushHeader) -> contextlib.AbstractContextManager[bool]:
+        return self._service.arrivals.arriving(h)
+
+    def receive(self, h: PushHeader, into: staging.Into, max_abs: float) -> Pushed:
+        try:
+            return _receive(h, self._first, self._rest, into, max_abs)
+        except OSError as e:  # the spill file: a full or vanished disk
+            raise Reject("exhausted", f"the syncer could not write the push from "
+                         f"{h.learner_id} to its spill file: {e}; free disk space in the "
+                         "state dir (or raise --spill-min-mib); the island retries") from None
 
 
 def _receive(h: PushHeader, first: wire.Chunk[pb.PushHeader],

@@ -192,3 +192,46 @@ class Arrivals:
 
 # a push as the run takes it: its bytes in memory, spilled to a file, or staged
 Pushed: TypeAlias = Payload | SpilledPayload | StagedSum
+# where a push's bytes go as they arrive, before the run takes it (`PushBody.receive`)
+Into: TypeAlias = StagedSum | SpilledPayload | np.ndarray | None
+
+
+class PushBody(Protocol):
+    """One push's stream as `syncer.run.Run.push` receives it, once its header passed:
+    the transport (`syncer.service`) owns the slots, the buffers and the bytes; the run
+    decides, in this order, whether the push may take a slot, where its bytes go
+    (kept, staged into its round, or a pooled buffer) and what it makes of them."""
+
+    def slot(self) -> contextlib.AbstractContextManager[None]:
+        """Hold one of the pushes-in-flight slots while the body is received."""
+
+    def buffer(self, h: PushHeader, keep: bool
+               ) -> contextlib.AbstractContextManager[SpilledPayload | np.ndarray | None]:
+        """Where push `h`'s bytes go (None: a new buffer); `keep`: the run keeps them."""
+
+    def arriving(self, h: PushHeader) -> contextlib.AbstractContextManager[bool]:
+        """For the length of the stream: whether push `h` arrives alone (`Arrivals`)."""
+
+    def receive(self, h: PushHeader, into: Into, max_abs: float) -> Pushed:
+        """The payload, every byte of it validated (finite, within `max_abs`)."""
+
+
+class WholePush:
+    """A push already whole in memory (`PushBody`): for a run driven in-process, as
+    the fleet model and its tests do; no slot, no staging, and its values taken as
+    they are (nothing crossed a process boundary)."""
+
+    def __init__(self, payload: Payload) -> None:
+        self._payload = payload
+
+    def slot(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def buffer(self, h: PushHeader, keep: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def arriving(self, h: PushHeader) -> contextlib.AbstractContextManager[bool]:
+        return contextlib.nullcontext(True)  # alone, and no buffer: never staged
+
+    def receive(self, h: PushHeader, into: Into, max_abs: float) -> Pushed:
+        return self._payload

@@ -35,6 +35,7 @@ Its modules:
 - `yeto.signals`: stopping on SIGINT/SIGTERM;
 - `yeto.memory`: freed memory given back to the operating system;
 - `yeto.io`: atomic files, finite numbers, addresses, the cache home;
+- `yeto.display`: tables and a live view (`rich`), for the `yeto` command and the scripts;
 - `yeto.version`: the version number.
 """
 

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 
 from syncer.run import Config, PushHeader, Reject, Run
 from syncer.shards import Shard
+from syncer.staging import WholePush
 from yeto import codec
 from yeto.interop.export import ExportError, export
 from yeto.layout import Layout
@@ -31,7 +32,7 @@ def _run(state_dir, shard: Shard) -> tuple[Run, int]:
     n = LAYOUT.numel
     seed = np.random.default_rng(0).standard_normal(n).astype(np.float32) * 0.1
     run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
-             codec.encode(seed, "f32"))
+             WholePush(codec.encode(seed, "f32")))
     return run, gen
 
 
@@ -40,7 +41,7 @@ def _push(run: Run, gen: int, f: int, seq: int, base: int) -> None:
     delta = np.random.default_rng(100 + seq).standard_normal(numel).astype(np.float32) * 0.01
     reply = run.push(PushHeader("a", gen, base + 1, f, base, 10, 1, "q4", numel,
                                 codec.encoded_size("q4", numel), False, seq),
-                     codec.encode(delta, "q4"))
+                     WholePush(codec.encode(delta, "q4")))
     assert reply["accepted"], reply
 
 
@@ -59,10 +60,9 @@ def test_shards_exported_together_are_the_unsharded_run_bit_for_bit(tmp_path):
     # a shard refuses a push to another's fragment, naming its owner
     run, gen = shards[0]
     with pytest.raises(Reject, match="belongs to shard 1"):
-        run.check_push_header(PushHeader("a", gen, run.version + 1, 1, run.version, 10, 1,
-                                         "q4", run.model.numel(1),
-                                         codec.encoded_size("q4", run.model.numel(1)),
-                                         False, 99))
+        run.push(PushHeader("a", gen, run.version + 1, 1, run.version, 10, 1, "q4",
+                            run.model.numel(1), codec.encoded_size("q4", run.model.numel(1)),
+                            False, 99), WholePush(b""))
     export([tmp_path / "one"], tmp_path / "out1", "peft")
     export([tmp_path / "s0", tmp_path / "s1"], tmp_path / "out2", "peft")
     a = load_file(tmp_path / "out1" / "adapter_model.safetensors")

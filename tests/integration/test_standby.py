@@ -15,6 +15,7 @@ from helpers.syncer import running_syncer
 
 from syncer import state
 from syncer.run import Config, PushHeader, Run
+from syncer.staging import WholePush
 from syncer.standby import Standby, StandbyService
 from yeto import codec, net
 from yeto.layout import Layout
@@ -32,10 +33,10 @@ def _saved(state_dir, secret=SECRET, rounds=2):
         "generation"]
     n = LAYOUT.numel
     run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
-             codec.encode(np.zeros(n, np.float32), "f32"))
+             WholePush(codec.encode(np.zeros(n, np.float32), "f32")))
     for v in range(rounds):
         run.push(PushHeader("a", gen, v + 1, 0, v, 10, 1, "f32", n, 4 * n, False, v + 1),
-                 codec.encode(np.full(n, 0.01, np.float32), "f32"))
+                 WholePush(codec.encode(np.full(n, 0.01, np.float32), "f32")))
     run.tape.close()
     return state_dir / state.STATE_FILE
 

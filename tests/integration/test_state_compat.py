@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from syncer.run import Config, PushHeader, Run
+from syncer.staging import WholePush
 from yeto import codec
 from yeto.layout import Layout
 
@@ -34,7 +35,7 @@ def test_a_state_saved_by_ea63bc5_resumes_and_goes_on(tmp_path):
         delta = np.full(LAYOUT.numel, 0.01, np.float32)
         reply = run.push(PushHeader("old-island", joined["generation"], 3, 0, 2, 10, 1, "f32",
                                     LAYOUT.numel, 4 * LAYOUT.numel, False, 3),
-                         codec.encode(delta, "f32"))
+                         WholePush(codec.encode(delta, "f32")))
         assert reply["accepted"] and run.version == 3
     finally:
         run.tape.close()
@@ -63,7 +64,7 @@ def test_a_keyed_run_resumes_an_unkeyed_state_only_when_the_operator_vouches(tmp
                    tokens_per_step=64)["generation"]
     run.push(PushHeader("old-island", gen, 3, 0, 2, 10, 1, "f32", LAYOUT.numel,
                         4 * LAYOUT.numel, False, 3),
-             codec.encode(np.full(LAYOUT.numel, 0.01, np.float32), "f32"))
+             WholePush(codec.encode(np.full(LAYOUT.numel, 0.01, np.float32), "f32")))
     run.tape.close()
     assert run.version == 3
     back = Run(Config(quorum=1, outer=OUTER, state_dir=state_dir, resume=True, token="s3"))

@@ -1,31 +1,19 @@
-"""scripts/compare_diloco.py --smoke: two arms (one island; two DiLoCo islands and a
-syncer, as real processes) for a few steps; the table and the RESULT lines parse.
-
-Nothing about the losses is asserted beyond being finite: the numbers are for
-BENCHMARKS.md, measured by the full script.
-
-Here: the checks that need no process, server or training (the others:
-tests/e2e/test_compare_diloco.py)."""
-
-
-import sys
-from pathlib import Path
+"""scripts/compare_diloco.py's arms (`yeto.testing.diloco_arms`) and report
+(`yeto.testing.diloco_report`): the plans, the cache keys and the tables and RESULT lines
+over made-up results. The runs themselves: tests/e2e/test_compare_diloco.py."""
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-sys.path.insert(0, str(ROOT / "scripts"))
+from yeto.testing import diloco_arms as da
+from yeto.testing import diloco_report as rep
 
 
 def test_cross_tables_place_each_arm_by_its_flags(capsys):
     """The outer grid and the wire cross put each arm's ratio to its reference (the mean
     over seeds, ± half the range) in the cell its flags name, and nowhere else."""
-    import compare_diloco as cd
 
-    _, arms, _ = cd.plan("long")
-    rows = {a.key: cd.Row(a) for a in arms if a.regime == "warm"}
+    _, arms, _ = da.plan("long")
+    rows = {a.key: rep.Row(a) for a in arms if a.regime == "warm"}
     loss = {"warm:dp4": (2.0, 4.0), "warm:diloco4-H50-q4-dq4-lr04m05": (2.2, 4.2),
             "warm:diloco4-H50-q4-dq4-o04": (2.0, 4.0), "warm:diloco4-H50-q4-dq4": (1.0, 2.0),
             "warm:diloco4-H50-q4-dq4-m05": (3.0, 6.0), "warm:diloco4-H50-f32-nest": (2.0, 4.4),
@@ -33,9 +21,9 @@ def test_cross_tables_place_each_arm_by_its_flags(capsys):
             "warm:diloco4-H50-q4-dq4-nest": (2.4, 4.0)}
     for key, (s0, s1) in loss.items():
         rows[key].results = {0: {"eval_loss": s0}, 1: {"eval_loss": s1}}
-    cd.attach_ratios(rows)
-    cd.print_grids(rows, md=True)
-    cd.print_wires(rows, md=True)
+    rep.attach_ratios(rows)
+    rep.print_grids(rows, md=True)
+    rep.print_wires(rows, md=True)
     out = capsys.readouterr().out
     grid = out[out.index("outer grid, warm, k = 4"):out.index("wire, warm")]
     assert "| 0.4 | - | 1.0750 ± 0.0250 (2) | 1.0000 ± 0.0000 (2) |" in grid
@@ -51,14 +39,13 @@ def test_cross_tables_place_each_arm_by_its_flags(capsys):
 def test_q4_vs_f32_goal_compares_the_seeds_both_arms_ran():
     """The q4-vs-f32 gap is the ratio of mean losses over the seeds both arms ran, for
     q4 both ways and for q4 up with f32 down."""
-    import compare_diloco as cd
 
-    _, arms, _ = cd.plan("long")
-    rows = {a.key: cd.Row(a) for a in arms if a.regime == "warm"}
+    _, arms, _ = da.plan("long")
+    rows = {a.key: rep.Row(a) for a in arms if a.regime == "warm"}
     rows["warm:diloco4-H50-f32-nest"].results = {0: {"eval_loss": 2.0}}
     rows["warm:diloco4-H50-q4-nest"].results = {0: {"eval_loss": 2.004}, 1: {"eval_loss": 9.0}}
     rows["warm:diloco4-H50-q4-dq4-nest"].results = {0: {"eval_loss": 2.1}, 1: {"eval_loss": 2.0}}
-    lines = [x for x in cd.long_goal_lines(rows) if "goal=long_q4_vs_f32" in x]
+    lines = [x for x in rep.long_goal_lines(rows) if "goal=long_q4_vs_f32" in x]
     assert lines == [
         "RESULT goal=long_q4_vs_f32 arm=warm:H50 wire=q4/q4 met=no gap=+5.00% seeds=1",
         "RESULT goal=long_q4_vs_f32 arm=warm:H50 wire=q4/f32 met=yes gap=+0.20% seeds=1"]
@@ -68,11 +55,10 @@ def test_the_rules_table_and_goal_lines_say_what_ran(capsys):
     """--rules: each candidate's cells (ratio to dp<k> over the seeds both ran, ± half the
     range), "not run" where nothing ran, and a rule meets the goal only with every short
     and warm cell measured and met (n/a, naming the missing cells, before that)."""
-    import compare_diloco as cd
 
-    regimes, arms, seeds = cd.plan("rules")
+    regimes, arms, seeds = da.plan("rules")
     assert seeds == [0, 1, 2] and set(regimes) == {"short", "warm", "scratch", "warm2m"}
-    rows = {a.key: cd.Row(a) for a in arms}
+    rows = {a.key: rep.Row(a) for a in arms}
     bytes_fewer = {"short": 0.01, "warm": 1 / 500}  # bytes per token ratio
 
     def put(key: str, losses, bpt=1.0):
@@ -85,14 +71,14 @@ def test_the_rules_table_and_goal_lines_say_what_ran(capsys):
     put("short:diloco4-H50-q4-dq4-o04", (2.3, 2.3, 2.3), bytes_fewer["short"])
     put("warm:diloco4-H100-q4-dq4-o04", (1.98, 2.0, 2.02), bytes_fewer["warm"])
     put("warm:diloco8-H100-q4-dq4-o04", (1.9, 1.9, 1.9), bytes_fewer["warm"])
-    cd.attach_ratios(rows)
-    cd.print_rules(rows, md=True)
+    rep.attach_ratios(rows)
+    rep.print_rules(rows, md=True)
     out = capsys.readouterr().out
     assert "| avg (nesterov/1.0/0.0) | 1.0200 ± 0.0100 (3) | not run |" in out
     assert "| o04 (nesterov/0.4/0.9) | 1.1500 ± 0.0000 (3) | 1.0000 ± 0.0100 (3) | " \
            "0.9500 ± 0.0000 (3) | not run | not run |" in out
     assert "bc (" not in out  # no cell ran
-    lines = cd.rules_goal_lines(rows)
+    lines = rep.rules_goal_lines(rows)
     assert ("RESULT goal=outer_rule rule=avg cell=short:k4:H50 met=yes ratio=1.0200+-0.0100 "
             "fewer_bytes=100 seeds=3 target_ratio=1.03 target_fewer=0") in lines
     assert ("RESULT goal=one_rule rule=avg met=n/a missing=warm:k4:H100,warm:k8:H100 "
@@ -106,35 +92,32 @@ def test_quick_runs_the_syncers_default_rule():
     """--quick runs the short cell of `DEFAULT`, which must be the rule, lr and momentum a
     syncer gets without flags for SFT islands (`auto` steps as nesterov-warmup then:
     tests/unit/test_strategy.py checks the bits)."""
-    import _diloco_arms as arms
-    import compare_diloco as cd
 
     from syncer import strategy
     from syncer.run import Config
 
     default = strategy.outer_optimizer(Config.outer, Config.outer_lr, Config.outer_momentum)
     assert isinstance(default, strategy.RegimeNesterov)
-    assert arms.CANDIDATES[arms.DEFAULT] == (strategy.WarmupNesterov.name, default.lr,
+    assert da.CANDIDATES[da.DEFAULT] == (strategy.WarmupNesterov.name, default.lr,
                                              default.momentum)
-    _, quick, _ = cd.plan("quick")
+    _, quick, _ = da.plan("quick")
     assert [(a.key, a.kind) for a in quick][0] == ("short:dp4", "dp")
-    assert [cd.candidate_of(a) for a in quick[1:]] == [arms.DEFAULT]
+    assert [da.candidate_of(a) for a in quick[1:]] == [da.DEFAULT]
 
 
 def test_a_reference_that_spiked_at_the_end_gives_no_ratio():
     """A dp run whose final held-out loss is over 5 % above its own best along the way
     is left out of the ratios, and the report names it."""
-    import compare_diloco as cd
 
-    _, arms, _ = cd.plan("rules")
-    rows = {a.key: cd.Row(a) for a in arms if a.regime == "short"}
+    _, arms, _ = da.plan("rules")
+    rows = {a.key: rep.Row(a) for a in arms if a.regime == "short"}
     rows["short:dp4"].results = {
         0: {"eval_loss": 1.10, "curve": [[350, 1.11], [400, 1.10]]},
         2: {"eval_loss": 1.89, "curve": [[350, 1.11], [400, 1.89]]}}
     rows["short:diloco4-H50-q4-dq4"].results = {0: {"eval_loss": 1.12}, 2: {"eval_loss": 1.12}}
-    cd.attach_ratios(rows)
+    rep.attach_ratios(rows)
     assert rows["short:diloco4-H50-q4-dq4"].ratios == {0: pytest.approx(1.12 / 1.10)}
-    assert cd.spike_lines(rows) == [
+    assert rep.spike_lines(rows) == [
         "RESULT note=reference_spiked arm=short:dp4 seed=2 eval_loss=1.8900 "
         "best_on_the_way=1.1100 (no ratio for this seed)"]
 
@@ -146,24 +129,22 @@ def test_the_larger_model_cell_runs_dp4_and_two_rules_on_the_small_model():
     import hashlib
     import json
 
-    import _diloco_arms as arms_mod
-    import compare_diloco as cd
 
-    regimes, arms, _ = cd.plan("rules")
+    regimes, arms, _ = da.plan("rules")
     warm, larger = regimes["warm"], regimes["warm2m"]
     assert larger.size == "small" and warm.size == "tiny"
     assert {**vars(larger), "name": "warm", "size": "tiny"} == vars(warm)  # only the model
     by = {a.key: a for a in arms}
-    got = [(a.name, a.kind, cd.candidate_of(a)) for a in arms if a.regime == "warm2m"]
+    got = [(a.name, a.kind, da.candidate_of(a)) for a in arms if a.regime == "warm2m"]
     assert got[0][:2] == ("dp4", "dp")
     assert got[1:] == [(f"diloco4-H100-q4-dq4{'' if c == 'avg' else '-' + c}", "diloco", c)
-                       for c in arms_mod.LARGER_RULES]
-    assert "warmup" in arms_mod.LARGER_RULES
-    assert [a.key for a in cd.choose(arms, "warm2m:*warmup")] == [
+                       for c in da.LARGER_RULES]
+    assert "warmup" in da.LARGER_RULES
+    assert [a.key for a in da.choose(arms, "warm2m:*warmup")] == [
         "warm2m:dp4", "warm2m:diloco4-H100-q4-dq4-warmup"]
 
     def digest(a, seed=0):
-        cfg = cd.config_of(a, regimes[a.regime], seed)
+        cfg = da.config_of(a, regimes[a.regime], seed)
         return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
     # the digests of runs/compare-rules/results/warm/ cached before sizes existed
@@ -173,15 +154,14 @@ def test_the_larger_model_cell_runs_dp4_and_two_rules_on_the_small_model():
 
 
 def test_max_steps_caps_every_arm_and_keys_its_cache_apart():
-    import compare_diloco as cd
 
-    regimes, arms, _ = cd.plan("rules")
+    regimes, arms, _ = da.plan("rules")
     arm = next(a for a in arms if a.key == "warm2m:diloco4-H100-q4-dq4-warmup")
-    (short,) = cd.capped([arm], 300)
+    (short,) = da.capped([arm], 300)
     assert (arm.steps, short.steps, short.H) == (5000, 300, 100)
-    assert cd.config_of(short, regimes["warm2m"], 0) != cd.config_of(arm, regimes["warm2m"], 0)
+    assert da.config_of(short, regimes["warm2m"], 0) != da.config_of(arm, regimes["warm2m"], 0)
     with pytest.raises(SystemExit, match="at least 1 step"):
-        cd.capped([arm], 0)
+        da.capped([arm], 0)
 
 
 def test_real_runs_the_default_rule_and_averaging_against_dp_on_the_same_tokens():
@@ -189,52 +169,48 @@ def test_real_runs_the_default_rule_and_averaging_against_dp_on_the_same_tokens(
     default rule's and plain averaging's DiLoCo arms, every arm on the same tokens, at
     least 4 rounds, LoRA r16 on the real base; the base's path keys the cache, and the
     tiny regimes' keys do not change (see the digests above)."""
-    import _diloco_arms as arms_mod
-    import compare_diloco as cd
 
     from yeto.testing.real import SMOLLM2
 
-    regimes, arms, seeds = cd.plan("real")
+    regimes, arms, seeds = da.plan("real")
     rg = regimes["real"]
     assert seeds == [0, 1] and list(regimes) == ["real"]
     assert (rg.base, rg.tuning, rg.lora_r, rg.data, rg.seq_len, rg.sim) == (
         str(SMOLLM2.path), "lora", 16, "docs", 128, True)
-    assert arms_mod.REAL_RULES[0] == arms_mod.DEFAULT and "avg" in arms_mod.REAL_RULES
-    assert [(a.name, cd.candidate_of(a) if a.kind == "diloco" else a.kind) for a in arms] == [
-        (n, c) for _, k, H in arms_mod.REAL_CELLS for n, c in (
+    assert da.REAL_RULES[0] == da.DEFAULT and "avg" in da.REAL_RULES
+    assert [(a.name, da.candidate_of(a) if a.kind == "diloco" else a.kind) for a in arms] == [
+        (n, c) for _, k, H in da.REAL_CELLS for n, c in (
             (f"dp{k}", "dp"), (f"diloco{k}-H{H}-q4-dq4-warmup", "warmup"),
             (f"diloco{k}-H{H}-q4-dq4", "avg"))]
-    assert {k for _, k, _ in arms_mod.REAL_CELLS} == {2, 4}
+    assert {k for _, k, _ in da.REAL_CELLS} == {2, 4}
     for a in arms:
         assert a.steps * a.batch * (1 if a.kind == "dp" else a.k) == rg.steps * rg.batch
         assert a.ref == f"dp{a.k}"
         if a.kind == "diloco":
-            assert a.steps // a.H >= 4 and cd.cell_of(a) == ("real", a.k, a.H)
-    other = cd.plan("real", "/elsewhere/model.gguf")[0]["real"]
+            assert a.steps // a.H >= 4 and da.cell_of(a) == ("real", a.k, a.H)
+    other = da.plan("real", "/elsewhere/model.gguf")[0]["real"]
     assert other.base == "/elsewhere/model.gguf"
-    assert cd.config_of(arms[1], other, 0) != cd.config_of(arms[1], rg, 0)
-    assert "base" not in cd.config_of(arms[0], cd.plan("rules")[0]["short"], 0)["regime"]
+    assert da.config_of(arms[1], other, 0) != da.config_of(arms[1], rg, 0)
+    assert "base" not in da.config_of(arms[0], da.plan("rules")[0]["short"], 0)["regime"]
 
 
 def test_the_real_table_and_goals_are_per_k_against_1_03(capsys):
-    import _diloco_arms as arms_mod
-    import compare_diloco as cd
 
-    _, arms, _ = cd.plan("real")
-    rows = {a.key: cd.Row(a) for a in arms}
-    (_, _, h2), (_, _, h4) = arms_mod.REAL_CELLS
+    _, arms, _ = da.plan("real")
+    rows = {a.key: rep.Row(a) for a in arms}
+    (_, _, h2), (_, _, h4) = da.REAL_CELLS
     for key, losses in (("dp2", (2.0, 2.0)), ("dp4", (2.0, 2.0)),
                         (f"diloco2-H{h2}-q4-dq4-warmup", (2.02, 2.06)),
                         (f"diloco4-H{h4}-q4-dq4-warmup", (2.1, 2.1))):
         rows[f"real:{key}"].results = {s: {"eval_loss": x, "bytes_per_token_ratio": 0.1}
                                        for s, x in enumerate(losses)}
-    cd.attach_ratios(rows)
-    cd.print_rules(rows, md=True, cells=arms_mod.REAL_CELLS)
+    rep.attach_ratios(rows)
+    rep.print_rules(rows, md=True, cells=da.REAL_CELLS)
     out = capsys.readouterr().out
     assert (f"| rule (outer/lr/momentum) | real:k2:H{h2} | real:k4:H{h4} |\n" in out
             and "| warmup (nesterov-warmup/0.4/0.9) | 1.0200 ± 0.0100 (2) | "
                 "1.0500 ± 0.0000 (2) |" in out)
-    lines = cd.rules_goal_lines(rows, arms_mod.REAL_CELLS, ("real",))
+    lines = rep.rules_goal_lines(rows, da.REAL_CELLS, ("real",))
     assert f"RESULT goal=outer_rule rule=warmup cell=real:k2:H{h2} met=yes ratio=1.0200+-" \
            "0.0100 fewer_bytes=10 seeds=2 target_ratio=1.03 target_fewer=0" in lines
     assert "RESULT goal=one_rule rule=warmup met=no cells=2/2" in lines

@@ -219,3 +219,13 @@ def test_every_test_lives_in_its_tier():
     wrong = [f"{tier}/{p.name}" for tier, pattern in starts.items()
              for p in sorted((tests / tier).glob("test_*.py")) if pattern.search(p.read_text())]
     assert not wrong, f"process or server starts in a cheaper tier: {wrong}"
+
+
+def test_no_test_imports_a_script():
+    """scripts/ holds entry points and benchmarks that tests run as programs; what a test
+    imports lives in yeto/ (yeto.testing) or tests/helpers, never loaded from scripts/."""
+    loads = re.compile(r"sys\.path\.(insert|append)\([^)]*scripts|run_path\([^)]*scripts"
+                       r"|spec_from_file_location\([^)]*scripts")
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "tests").rglob("*.py"))
+           for n, line in enumerate(p.read_text().splitlines(), 1) if loads.search(line)]
+    assert not bad, f"tests that load a module from scripts/: {bad}"

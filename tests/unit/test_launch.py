@@ -118,9 +118,9 @@ class _Done:
 
 
 def test_plain_tables_are_parseable_and_never_wrapped():
-    """yeto.cli.display off a terminal: columns two spaces apart, a rule under the
+    """yeto.display off a terminal: columns two spaces apart, a rule under the
     header, cells taken literally (no rich markup), wide tables on one line each."""
-    from yeto.cli.display import table_text
+    from yeto.display import table_text
 
     headers = [f"column {i}" for i in range(30)]
     text = table_text(headers, [["[bold]x[/bold]", *range(29)], ["[::1]:29400", *range(29)]],

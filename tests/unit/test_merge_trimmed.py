@@ -74,6 +74,6 @@ def test_one_island_is_one_row_and_the_norm_bound_still_applies():
 
 
 def test_a_trimmed_run_keeps_pushes_before_any_round_opens():
-    assert Run(Config(merge="trimmed")).keeps_pushes(0)
-    assert not Run(Config()).keeps_pushes(0)
+    assert Run(Config(merge="trimmed")).rounds.keeps_pushes(0)
+    assert not Run(Config()).rounds.keeps_pushes(0)
     assert "trimmed" in strategy.RULES and Config().merge == "mean"

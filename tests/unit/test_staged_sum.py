@@ -8,13 +8,13 @@ integration run, stage their rounds' first pushes)."""
 
 import numpy as np
 import pytest
+from helpers.streams import PIECE, Stream
 
-from syncer import staging
 from syncer.bounds import Bounds
 from syncer.merge import MergeAccumulator
 from syncer.messages import PushHeader
 from syncer.run import Config, Run
-from syncer.staging import StagedSum
+from syncer.staging import StagedSum, WholePush
 from syncer.strategy import Nesterov
 from yeto import codec
 from yeto.codec.buffers import SpilledPayload
@@ -22,7 +22,6 @@ from yeto.codec.receiver import PayloadReceiver
 from yeto.layout import Layout
 
 N = 3 * codec.CHUNK + 1000  # chunks and a tail that is not a whole q4 block
-PIECE = 70_001  # bytes per message: pieces end anywhere, mid-value and mid-block
 
 
 def _payloads(encoding, k=3, seed=0):
@@ -89,7 +88,7 @@ def _run(islands=("a", "b", "c")):
     gens = {i: run.join(i, LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors",
                         {})["generation"] for i in islands}
     seed = codec.encode(np.linspace(-1, 1, N, dtype=np.float32), "f32")
-    run.push(_header("a", gens["a"], seed=True, encoding="f32"), seed)
+    run.push(_header("a", gens["a"], seed=True, encoding="f32"), WholePush(seed))
     return run, gens
 
 
@@ -98,28 +97,29 @@ def _header(learner, gen, seed=False, encoding="q4", tokens=7, seq=0):
                       encoding, N, codec.encoded_size(encoding, N), seed, seq)
 
 
-def _claim(run, h, payload, upto=None):
-    staged = run.claim_staging(h, np.empty(len(payload), np.uint8))
-    assert staged is not None
-    return staged, _stream(staged, payload, upto)
+def _whole(run, h, payload):
+    return run.push(h, WholePush(payload))
 
 
 def test_a_push_broken_mid_stream_leaves_the_run_unchanged():
     pushes = _payloads("q4", 2, seed=1)
     run, gens = _run(("a", "b"))
     digest = run.state_digest()
-    h = _header("a", gens["a"])
-    staged, rx = _claim(run, h, pushes[0], upto=len(pushes[0]) // 2)
-    assert staged.lo > 0  # chunks were summed into the round's buffer as they came
+    seen = []
+
+    def meanwhile(staged):
+        seen.append((isinstance(staged, StagedSum), staged.lo))
+
+    a = Stream(pushes[0], upto=len(pushes[0]) // 2, meanwhile=meanwhile, broken=True)
     with pytest.raises(ValueError, match="payload ended"):
-        rx.finish()  # the stream broke off here
-    run.release_staging(staged)
+        run.push(_header("a", gens["a"]), a)  # the stream broke off half way
+    assert seen[0][0] and seen[0][1] > 0  # chunks were summed into the round as they came
     assert run.state_digest() == digest and run.rounds.open[0].acc.staging is None
     # the same round goes on, and ends as if the broken push had never come
     reference, ref_gens = _run(("a", "b"))
     for r, g in ((run, gens), (reference, ref_gens)):
         for i, (learner, p) in enumerate(zip("ab", pushes)):
-            assert r.push(_header(learner, g[learner], tokens=7 + i), p)["accepted"]
+            assert _whole(r, _header(learner, g[learner], tokens=7 + i), p)["accepted"]
     assert run.version == reference.version == 1
     assert run.theta.tobytes() == reference.theta.tobytes()
 
@@ -130,17 +130,19 @@ def test_a_whole_push_takes_the_round_from_one_still_arriving():
     own bytes. Θ equals the run that got b then a whole, bit for bit."""
     pushes = _payloads("q4", 3, seed=2)
     run, gens = _run()
-    ha = _header("a", gens["a"])
-    staged, rx = _claim(run, ha, pushes[0], upto=len(pushes[0]) // 2)
-    assert run.push(_header("b", gens["b"], tokens=9), pushes[1])["accepted"]
-    assert staged.demoted and run.rounds.open[0].acc.staging is None
-    rx.add(memoryview(pushes[0])[len(pushes[0]) // 2:])
-    assert run.push(ha, rx.finish())["accepted"]
-    run.release_staging(staged)
-    assert run.push(_header("c", gens["c"], tokens=11), pushes[2])["accepted"]
+
+    def meanwhile(staged):
+        assert isinstance(staged, StagedSum) and not staged.demoted
+        assert _whole(run, _header("b", gens["b"], tokens=9), pushes[1])["accepted"]
+        assert staged.demoted and run.rounds.open[0].acc.staging is None
+
+    a = Stream(pushes[0], upto=len(pushes[0]) // 2, meanwhile=meanwhile)
+    assert run.push(_header("a", gens["a"]), a)["accepted"]
+    assert a.into.demoted
+    assert _whole(run, _header("c", gens["c"], tokens=11), pushes[2])["accepted"]
     reference, g = _run()
     for learner, p, t in (("b", pushes[1], 9), ("a", pushes[0], 7), ("c", pushes[2], 11)):
-        assert reference.push(_header(learner, g[learner], tokens=t), p)["accepted"]
+        assert _whole(reference, _header(learner, g[learner], tokens=t), p)["accepted"]
     assert run.version == reference.version == 1
     assert run.theta.tobytes() == reference.theta.tobytes()
 
@@ -149,47 +151,65 @@ def test_a_staged_push_refused_at_its_end_changes_nothing():
     push = _payloads("q4", 1, seed=3)[0]
     run, gens = _run(("a", "b"))
     digest = run.state_digest()
-    late = _header("a", gens["a"], seq=0)
-    staged, rx = _claim(run, late, push)
-    run.finished = True  # the run ended while the push arrived
+
+    def meanwhile(staged):
+        assert isinstance(staged, StagedSum)
+        run.finished = True  # the run ended while the push arrived
+
     with pytest.raises(Exception, match="finished"):
-        run.push(late, rx.finish())
-    run.release_staging(staged)
+        run.push(_header("a", gens["a"], seq=0), Stream(push, upto=len(push) // 2,
+                                                         meanwhile=meanwhile))
     run.finished = False
-    assert run.state_digest() == digest
+    assert run.state_digest() == digest and run.rounds.open[0].acc.staging is None
 
 
 def test_a_push_that_starts_beside_a_stager_not_half_in_takes_it_off_the_buffer():
     """Pushes arriving together race, and a stager that loses throws its decode away:
     a push starting beside a stager that is not half in makes it a whole push at once
-    (`staging.make_way`); one past half keeps staging. The bits are those of whole
-    pushes in the order the run accepts them, either way."""
+    (`Rounds.make_way`). The bits are those of whole pushes in the order the run
+    accepts them: here b (it ends first), then a."""
     pushes = _payloads("q4", 2, seed=4)
     run, gens = _run(("a", "b"))
     ha, hb = _header("a", gens["a"]), _header("b", gens["b"], tokens=9)
-    arrivals = staging.Arrivals()
-    with arrivals.arriving(ha) as alone_a:
-        staged, rx = _claim(run, ha, pushes[0], upto=len(pushes[0]) // 4)
-        with arrivals.arriving(hb) as alone_b:
-            assert alone_a and not alone_b
-            run.make_way(hb)
+
+    def b_starts(staged):
+        def a_made_way(_):
             assert staged.demoted and run.rounds.open[0].acc.staging is None
-            rx.add(memoryview(pushes[0])[len(pushes[0]) // 4:])
-            assert run.push(ha, rx.finish())["accepted"]
-            assert run.push(hb, pushes[1])["accepted"]
-    with arrivals.arriving(ha) as alone:
-        assert alone  # nobody arriving any more
+
+        b = Stream(pushes[1], upto=0, meanwhile=a_made_way, alone=False)
+        assert run.push(hb, b)["accepted"] and b.into is not None
+
+    a = Stream(pushes[0], upto=len(pushes[0]) // 4, meanwhile=b_starts)
+    assert run.push(ha, a)["accepted"] and a.into.demoted
     reference, g = _run(("a", "b"))
-    for learner, p, t in (("a", pushes[0], 7), ("b", pushes[1], 9)):
-        assert reference.push(_header(learner, g[learner], tokens=t), p)["accepted"]
+    for learner, p, t in (("b", pushes[1], 9), ("a", pushes[0], 7)):
+        assert _whole(reference, _header(learner, g[learner], tokens=t), p)["accepted"]
     assert run.version == reference.version == 1
     assert run.theta.tobytes() == reference.theta.tobytes()
 
 
 def test_a_stager_past_half_keeps_staging_when_another_push_starts():
-    pushes = _payloads("q4", 1, seed=5)
+    """b starts beside a stager past half in (it keeps staging), then breaks off; a
+    ends staged; b comes again whole: the bits of a then b, whole."""
+    pushes = _payloads("q4", 2, seed=5)
     run, gens = _run(("a", "b"))
-    staged, _ = _claim(run, _header("a", gens["a"]), pushes[0], upto=3 * len(pushes[0]) // 4)
-    assert 2 * staged.lo >= staged.numel
-    run.make_way(_header("b", gens["b"]))
-    assert not staged.demoted and run.rounds.open[0].acc.staging is staged
+    ha, hb = _header("a", gens["a"]), _header("b", gens["b"], tokens=9)
+
+    def b_starts_and_breaks(staged):
+        assert 2 * staged.lo >= staged.numel
+
+        def a_kept_staging(_):
+            assert not staged.demoted and run.rounds.open[0].acc.staging is staged
+
+        b = Stream(pushes[1], upto=0, meanwhile=a_kept_staging, broken=True, alone=False)
+        with pytest.raises(ValueError, match="payload ended"):
+            run.push(hb, b)
+
+    a = Stream(pushes[0], upto=3 * len(pushes[0]) // 4, meanwhile=b_starts_and_breaks)
+    assert run.push(ha, a)["accepted"] and not a.into.demoted
+    assert _whole(run, hb, pushes[1])["accepted"]
+    reference, g = _run(("a", "b"))
+    for learner, p, t in (("a", pushes[0], 7), ("b", pushes[1], 9)):
+        assert _whole(reference, _header(learner, g[learner], tokens=t), p)["accepted"]
+    assert run.version == reference.version == 1
+    assert run.theta.tobytes() == reference.theta.tobytes()

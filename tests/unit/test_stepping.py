@@ -12,6 +12,7 @@ from helpers.wait import wait_until
 from syncer import merge
 from syncer.messages import PushHeader
 from syncer.run import Config, Reject, Run
+from syncer.staging import WholePush
 from syncer.stepping import Filling, StepFailed
 from syncer.strategy import Nesterov
 from yeto import codec, net
@@ -63,7 +64,7 @@ def _started(overlap: bool, poison: bool = False) -> tuple[Run, int]:
     gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors", {})[
         "generation"]
     theta0 = np.random.default_rng(0).standard_normal(LAYOUT.numel).astype(np.float32)
-    run.push(_header(pb.SEED, gen=gen), codec.encode(theta0, "f32"))
+    run.push(_header(pb.SEED, gen=gen), WholePush(codec.encode(theta0, "f32")))
     if overlap:
         run.model.outer = Gated(run.theta.__array_interface__["data"][0], poison)
     return run, gen
@@ -76,7 +77,7 @@ def _delta(seed: int) -> bytes:
 
 def _push(run, gen, seq):
     return run.push(_header(pb.DELTA, seq=seq, round_=seq, base=seq - 1, gen=gen),
-                    _delta(seq))
+                    WholePush(_delta(seq)))
 
 
 def test_filling_lets_a_prefix_through_and_holds_the_last_byte():

@@ -8,6 +8,7 @@ from syncer import state, strategy
 from syncer.merge import MergeAccumulator
 from syncer.messages import PushHeader
 from syncer.run import Config, Run
+from syncer.staging import WholePush
 from yeto import codec
 from yeto.layout import Layout
 
@@ -66,10 +67,10 @@ def _committed_run(state_dir, outer: str, rounds: int = 3) -> Run:
     gen = run.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors",
                    {})["generation"]
     run.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
-             codec.encode(np.zeros(N, np.float32), "f32"))
+             WholePush(codec.encode(np.zeros(N, np.float32), "f32")))
     for v in range(rounds):
         run.push(PushHeader("x", gen, v + 1, 0, v, 10, 1, "f32", N, 4 * N, False, v),
-                 codec.encode(np.full(N, 0.01, np.float32), "f32"))
+                 WholePush(codec.encode(np.full(N, 0.01, np.float32), "f32")))
     run.tape.close()
     return run
 
@@ -164,7 +165,7 @@ def _push_rounds(run: Run, gen: int, rounds: range) -> None:
     for v in rounds:
         x = np.cos(np.arange(N) * 0.01 + v * 1.3).astype(np.float32) * 0.01
         run.push(PushHeader("x", gen, v + 1, 0, v, 10, 1, "f32", N, 4 * N, False, v + 1),
-                 codec.encode(x, "f32"))
+                 WholePush(codec.encode(x, "f32")))
 
 
 @pytest.mark.parametrize("outer", ["nesterov-warmup", "nesterov-agree", "nesterov-restart"])
@@ -180,7 +181,7 @@ def test_a_resumed_run_steps_as_one_that_never_stopped(tmp_path, outer):
         gen = run.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors",
                        {})["generation"]
         run.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
-                 codec.encode(np.zeros(N, np.float32), "f32"))
+                 WholePush(codec.encode(np.zeros(N, np.float32), "f32")))
         _push_rounds(run, gen, range(4 if name == "through" else 3))
         run.tape.close()
         runs[name] = run
@@ -204,7 +205,7 @@ def _run_of(outer: str, regime: str, rounds: int, tmp_path=None) -> Run:
     gen = run.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors", {},
                    regime=regime)["generation"]
     run.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
-             codec.encode(np.zeros(N, np.float32), "f32"))
+             WholePush(codec.encode(np.zeros(N, np.float32), "f32")))
     _push_rounds(run, gen, range(rounds))
     return run
 
@@ -221,7 +222,7 @@ def test_auto_is_nesterov_warmup_for_sft_and_plain_averaging_for_rl():
         gen = named.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors",
                          {})["generation"]
         named.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
-                   codec.encode(np.zeros(N, np.float32), "f32"))
+                   WholePush(codec.encode(np.zeros(N, np.float32), "f32")))
         _push_rounds(named, gen, range(25))
         assert auto.version == named.version == 25
         assert auto.theta.tobytes() == named.theta.tobytes(), regime

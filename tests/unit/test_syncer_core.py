@@ -14,6 +14,7 @@ from syncer import __main__ as syncer_cli
 from syncer import state
 from syncer.merge import MergeAccumulator
 from syncer.run import Config, Run
+from syncer.staging import WholePush
 from yeto import codec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -234,7 +235,7 @@ def test_final_weights_count_as_delivered_when_the_island_hangs_up_at_the_last_c
     gen = run.join("x", layout.specs, layout.fingerprint, "numpy", "w.safetensors",
                    {})["generation"]
     run.push(PushHeader("x", gen, 0, 0, 0, 0, 0, "f32", N, 4 * N, True, 0),
-             codec.encode(np.zeros(N, np.float32), "f32"))
+             WholePush(codec.encode(np.zeros(N, np.float32), "f32")))
     assert run.finish_island("x", gen) and not run.final_done()
     sub = Subscription(run, "x", gen)
     stream = sub.send(sub.wait_next(lambda: True))

@@ -7,7 +7,6 @@
 - `join`: external island slots of `yeto launch` and the command that joins one;
 - `progress`: what a local run's files and its syncer say (`Progress`);
 - `launch_view`: what `yeto launch` shows, live or a line per round;
-- `display`: tables and a live view (`rich`), for the command and the scripts;
 - `demo`: `yeto demo`, a complete local run on a tiny model built here;
 - `status`: `yeto status HOST:PORT`, where a running syncer stands;
 - `credential`: `yeto credential ID...`, each island's own credential;

@@ -9,9 +9,9 @@ import time
 from rich.console import Group
 from rich.text import Text
 
-from yeto.cli.display import Screen, human_bytes, human_seconds, table, to_text
 from yeto.cli.local_run import LocalRun
 from yeto.cli.progress import IslandProc
+from yeto.display import Screen, human_bytes, human_seconds, table, to_text
 
 ISLAND_COLUMNS = ["island", "backend", "step", "train loss", "held-out", "loss tok/s", "round",
                   "pushes", "state"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Group
 from rich.text import Text
 
-from yeto.cli.display import Screen, human_bytes, human_seconds, show, table, to_text
+from yeto.display import Screen, human_bytes, human_seconds, show, table, to_text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,9 @@ Nothing here is needed to train or to run a syncer; `yeto demo`, `yeto make-tiny
                             package index, for the slow tests and the benchmarks
 - `yeto.testing.reference_diloco`  DiLoCo as the paper writes it, in plain torch: the
                             independent reference the outer loop is checked against
+- `yeto.testing.diloco_arms`  the arms of scripts/compare_diloco.py (DiLoCo against
+                            data-parallel) as data: regimes, arms, each mode's plan
+- `yeto.testing.diloco_report`  its tables and RESULT lines, from the arms' results
 - `yeto.testing.synthetic`  a numpy island (no model, real sync) for fault tests and soaks
 - `yeto.testing.chaos`      a real fleet under a seeded schedule of faults, then the checks
 - `yeto.testing.netlab`     a network lab on one Linux machine: hosts as network namespaces

@@ -117,6 +117,7 @@ from syncer.errors import Reject
 from syncer.merge import MERGE_RULES
 from syncer.messages import PushHeader
 from syncer.run import Config, Run
+from syncer.staging import WholePush
 from syncer.tape import Tape
 from yeto import codec, net
 from yeto.layout import Layout
@@ -1388,7 +1389,7 @@ def drift_push(run: Run, lid: str, gen: int, v: int, delta: np.ndarray, steps: i
     """`lid`'s push against version `v` through the real Run.push (f32)."""
     n = run.layout.numel
     run.push(PushHeader(lid, gen, v + 1, 0, v, tokens, steps, "f32", n, 4 * n, seed, v),
-             np.ascontiguousarray(delta, np.float32).tobytes())
+             WholePush(np.ascontiguousarray(delta, np.float32).tobytes()))
 
 
 def drift_run(args, honest: int, rogue: bool) -> Drift:

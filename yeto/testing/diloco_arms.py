@@ -1,6 +1,8 @@
 """The arms of `scripts/compare_diloco.py` as data: each regime (what is trained, on
 what, for how long) and each arm (k islands, H, wire, outer rule), and which arms each
-mode runs (`plan`). The runner, the caching and the report live in compare_diloco.py.
+mode runs (`plan`), what an arm's cached result depends on (`config_of`), and the
+`--arms` / `--max-steps` selections. The runner and its cache live in
+scripts/compare_diloco.py; the tables and RESULT lines in `yeto.testing.diloco_report`.
 
 Mode `--rules` crosses the outer-rule candidates (`CANDIDATES`, each a
 `syncer.strategy` rule with its lr and momentum) with three regimes, q4 both ways, each
@@ -26,8 +28,11 @@ each against dp<k> on the same tokens, through `python -m yeto.sim` as well.
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+
+DATA_VERSION = 1  # bump when the prepared data change
 
 
 @dataclass(frozen=True)
@@ -351,3 +356,39 @@ def real_plan(model: str | None = None) -> tuple[dict[str, Regime], list[Arm]]:
                 inner_lr=1e-3, sim=True, base=model)
     arms = [a for _, k, H in REAL_CELLS for a in cell_arms(rg, k, H, REAL_RULES, rg.steps // k)]
     return {rg.name: rg}, arms
+
+
+def config_of(arm: Arm, rg: Regime, seed: int) -> dict:
+    """What an arm's result depends on (its name and reference arm do not count)."""
+    drop = {"name", "ref"} | ({"syncer_extra"} if not arm.syncer_extra else set())
+    if arm.outer == "nesterov":  # the rule earlier caches ran: their digests hold
+        drop.add("outer")
+    if arm.kind not in ("diloco", "mixed"):  # no syncer: the outer settings do not apply
+        drop |= {"H", "wire", "outer", "outer_lr", "outer_momentum", "merge", "downlink"}
+    what = {k: v for k, v in asdict(arm).items() if k not in drop}
+    regime = asdict(rg)
+    if not rg.base:  # the tiny model, as every earlier cache: their digests hold; a real
+        del regime["base"]  # base is keyed by its path (GGUF file or model dir)
+    if rg.size == "tiny":  # the size every earlier cache ran: their digests hold
+        del regime["size"]
+    else:  # the base's cache key: a changed shape or pretraining recipe is a new result
+        from yeto.testing.tiny import cache_key
+
+        regime["model"] = cache_key("llama", 0, rg.pretrain, rg.size)
+    return {"arm": what, "regime": regime, "seed": seed, "data": DATA_VERSION}
+
+
+def capped(arms: list[Arm], n: int) -> list[Arm]:
+    """The arms with at most n steps per island (--max-steps)."""
+    if n < 1:
+        raise SystemExit(f"--max-steps {n}: give at least 1 step per island, e.g. --max-steps 300")
+    return [replace(a, steps=min(a.steps, n),
+                    island_steps=tuple(min(x, n) for x in a.island_steps)) for a in arms]
+
+
+def choose(arms: list[Arm], pick: str) -> list[Arm]:
+    """The arms matching a comma list of glob patterns, and their reference arms."""
+    pats = [x.strip() for x in pick.split(",") if x.strip()]
+    chosen = {a.key for a in arms if any(fnmatch.fnmatchcase(a.key, pt) for pt in pats)}
+    chosen |= {f"{a.regime}:{a.ref}" for a in arms if a.key in chosen and a.ref}  # for ratio
+    return [a for a in arms if a.key in chosen]
