@@ -152,7 +152,8 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
                    help="streaming calls (pushes, broadcast streams) served at once; 4 at "
                         "most per island; more are refused and retried")
     g.add_argument("--stream-idle-s", type=float, default=60.0,
-                   help="a push that sends nothing for this long is cancelled")
+                   help="a push that moves less than 64 KiB of payload in this long (a "
+                        "smaller push: that arrives whole in it) is cancelled")
     g.add_argument("--save-timeout-s", type=float, default=Config.save_timeout_s,
                    help="a round whose state cannot be saved (full or failing disk) waits "
                         "and retries this long, then the syncer exits non-zero; the disk "

@@ -43,8 +43,10 @@ log = logging.getLogger("syncer")
 # gRPC lets a second server bind a port in use (SO_REUSEPORT) unless told not to:
 # then two syncers on one port would split the islands between two runs
 EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
-# a delta push this large goes to a temporary file as it arrives (see SyncerService._push)
+# a delta push this large goes to a temporary file as it arrives (`_PushStream.buffer`)
 SPILL_MIN_BYTES = 16 << 20
+# a push moves at least this much payload in every --stream-idle-s (else it is cut off)
+PROGRESS_BYTES = 64 << 10
 
 
 def _abort(context: grpc.ServicerContext, reject: Reject, run: Run | None = None, call: str = "",
@@ -273,12 +275,16 @@ def _certificate_names(auth: Mapping[str, Iterable[bytes | str]]) -> list[str]:
 
 def _touching(chunks: Iterable[wire.Chunk[pb.PushHeader]], watch: Watch
               ) -> Iterator[wire.Chunk[pb.PushHeader]]:
-    """The chunks of a push, telling `watch` of each that moves it on (it is cancelled
-    when silent): a chunk without payload bytes is no progress, so a stream of empty
-    chunks is cut off like a silent one."""
+    """The chunks of a push, telling `watch` each time another PROGRESS_BYTES of payload
+    arrived (it is cancelled when that takes longer than --stream-idle-s): a stream of
+    empty chunks, or one that trickles a few bytes at a time, is cut off like a silent
+    one; a push smaller than PROGRESS_BYTES arrives whole within --stream-idle-s."""
+    moved = 0
     for chunk in chunks:
-        if len(chunk.data) or chunk.header is not None:
+        moved += len(chunk.data)
+        if moved >= PROGRESS_BYTES:
             watch.touch()
+            moved = 0
         yield chunk
 
 

@@ -24,12 +24,15 @@ from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 
 
-def test_empty_chunks_do_not_keep_a_push_alive(toy_layout):
+@pytest.mark.parametrize("trickle", [b"", b"\0"], ids=["empty chunks", "a byte at a time"])
+def test_a_push_that_barely_moves_is_cut_off(toy_layout, trickle):
     """Every chunk reset a push's idle watch, empty or not: a push that sent its header
-    and then only empty chunks never expired, holding a push slot and a worker for
-    good. Now only payload bytes (or the header) count as progress: it is cancelled as
-    a silent push is, and the slot is free again."""
+    and then only empty chunks (or a byte at a time) never expired, holding a push slot
+    and a worker for good (or for as long as it pleased). Now the watch counts payload:
+    a push must move 64 KiB, or arrive whole, within --stream-idle-s, else it is cut off
+    as a silent push is, and the slot is free again."""
     n = toy_layout.numel
+    assert 4 * n > 100  # a byte per 10 ms takes longer than --stream-idle-s (1 s) to arrive
     run = Run(Config(quorum=1))
     server, port = serve(run, "127.0.0.1", 0, max_inflight_pushes=1,
                          streams=Streams(idle_s=1.0))
@@ -42,8 +45,8 @@ def test_empty_chunks_do_not_keep_a_push_alive(toy_layout):
 
         def chunks():
             yield pb.PushChunk(header=header)
-            while not release.wait(0.01):  # empty chunks until the call ends
-                yield pb.PushChunk()
+            while not release.wait(0.01):  # until the call ends
+                yield pb.PushChunk(data=trickle)
 
         with pytest.raises(grpc.RpcError) as e:  # (its own deadline: a hang guard only)
             _stub(addr).Push(chunks(), timeout=90)
