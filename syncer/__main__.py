@@ -145,7 +145,8 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
                         "islands in the round, so no cap for one or two")
     g.add_argument("--seed-from", default="", metavar="LEARNER_ID",
                    help="the island whose initial weights seed Θ (default: the first "
-                        "island to join; no other is asked)")
+                        "island to join, unless more than half of the first quorum declared "
+                        "other initial weights: then the earliest of those)")
     g.add_argument("--max-params", type=int, default=b.max_params,
                    help="the most values the first island's layout may hold")
     g.add_argument("--max-streams", type=int, default=128,

@@ -261,6 +261,8 @@ class Served(Protocol):
 
     def holds_back(self) -> bool: ...
 
+    def asks_seed_of(self, learner_id: str) -> bool: ...
+
     def check_island(self, learner_id: str, generation: int) -> Member: ...
 
     def count_sent(self, nbytes: int) -> None: ...
@@ -294,6 +296,9 @@ class Subscription:
         with run.cond:
             bc = self._pending()
             while active() and (bc is None or run.holds_back()):
+                if bc is None and run.asks_seed_of(self.learner_id):
+                    raise Reject("unavailable", f"the run now asks {self.learner_id} for "
+                                 "its initial weights as Θ (the seed): join again")
                 run.cond.wait(timeout=1.0)  # (a commit not yet on disk: its Θ is not out)
                 bc = self._pending()
             if bc is None:

@@ -11,13 +11,14 @@ GRPC_CODES = {
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "denied": grpc.StatusCode.PERMISSION_DENIED,
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the island retries later
+    "unavailable": grpc.StatusCode.UNAVAILABLE,  # the island joins again
 }
 
 
 class Reject(Exception):
     """A call that must be refused; `code` maps to a gRPC status (`syncer.service`):
     invalid | precondition | not_found | unauthenticated | denied | exhausted (the
-    island retries later)."""
+    island retries later) | unavailable (the island joins again)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)

@@ -47,6 +47,7 @@ class Member:
     pushed_at: dict[int, int] = field(default_factory=dict)
     joined_at: int = 0
     fingerprint: str = ""     # the layout it joined with (an observer's is checked later)
+    init_sha256: bytes = b""  # the digest of its initial weights it declared (b"": none)
 
     def missed(self, fragment: int, commits: list[int]) -> int:
         """Commits of `fragment` (the versions in `commits`) since its last accepted push
@@ -89,7 +90,8 @@ class Members:
         self.next_generation = (secrets.randbits(31) << 32) + 1
 
     def enroll(self, learner_id: str, backend: str, state: str, tokens_per_step: int,
-               sync_every: int = 0, version: int = 0, fingerprint: str = "") -> Member:
+               sync_every: int = 0, version: int = 0, fingerprint: str = "",
+               init_sha256: bytes = b"") -> Member:
         """A new row with a fresh generation for `learner_id` (checks its declarations of
         tokens per step and steps between pushes first: a rejoin may raise neither).
         `version`: the run's, now."""
@@ -106,7 +108,7 @@ class Members:
         self.next_generation += 1
         member = Member(learner_id, gen, backend or "?", self.clock(), state=state,
                         tokens_per_step=declared[0], sync_every=declared[1],
-                        joined_at=version, fingerprint=fingerprint)
+                        joined_at=version, fingerprint=fingerprint, init_sha256=init_sha256)
         if old is not None:
             member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
             member.last_seq, member.pushed_at = old.last_seq, old.pushed_at
@@ -162,6 +164,11 @@ class Members:
 
     def live_ids(self) -> set[str]:
         return {m.learner_id for m in self.live()}
+
+    def initial_weights(self) -> list[tuple[str, bytes]]:
+        """The live training islands in the order they first joined, each with the
+        digest of its initial weights it declared (b"": none)."""
+        return [(m.learner_id, m.init_sha256) for m in self.live()]
 
     def in_state(self, state: str) -> list[str]:
         return sorted(m.learner_id for m in self.rows.values() if m.state == state)

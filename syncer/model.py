@@ -5,6 +5,8 @@ final weights are written as. `Model` alone changes them; callers hold the run's
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -55,6 +57,8 @@ class Model:
         self.outer_steps: dict[int, int] = {}  # per fragment: outer steps taken
         self.seed_from = seed_from  # the operator's choice (--seed-from); "" for none
         self.seeder = seed_from  # who is asked for the seed (set at the first join)
+        self.seed_sha256 = b""  # the digest of the seed's payload, once Θ is seeded
+        self.refused_seeders: set[str] = set()  # islands whose seed was refused
 
     # ---- what islands bring ---------------------------------------------------------
     def adopt(self, learner_id: str, layout: Layout, weights_file: str,
@@ -84,9 +88,23 @@ class Model:
         return False
 
     def choose_seeder(self, learner_id: str) -> None:
-        """A training island joined: the first one seeds Θ unless --seed-from names one."""
-        if not self.seeder:
+        """A training island joined: the first one seeds Θ unless --seed-from names one
+        (an island whose seed was refused is never asked again)."""
+        if not self.seeder and learner_id not in self.refused_seeders:
             self.seeder = learner_id
+
+    def seed_refused(self, learner_id: str, joiners: list[tuple[str, bytes]]) -> bool:
+        """The seeder's seed was refused (not the weights it declared, or not finite
+        and in range): it is not asked again; the next of `joiners` (learner id,
+        declared digest; in join order) that declared the same initial weights is, else
+        the next to join. Returns whether the seeder changed (--seed-from's stays)."""
+        if learner_id != self.seeder or self.seed_from:
+            return False
+        self.refused_seeders.add(learner_id)
+        declared = dict(joiners).get(learner_id, b"")
+        self.seeder = next((lid for lid, d in joiners if d == declared and
+                            lid not in self.refused_seeders), "")
+        return True
 
     def seeder_gone(self, learner_id: str) -> None:
         """An island left: if it was to seed Θ and has not, the next to join seeds it."""
@@ -96,9 +114,10 @@ class Model:
     def asks_seed_of(self, learner_id: str) -> bool:
         return self.theta is None and learner_id == self.seeder
 
-    def seed(self, learner_id: str, payload: codec.Payload) -> bool:
+    def seed(self, learner_id: str, payload: codec.Payload, declared: bytes = b"") -> bool:
         """Θ from the seeding island's initial weights (False: Θ was seeded already; a
-        seed from any other island is refused)."""
+        seed from any other island is refused, and so is one that is not the initial
+        weights the island `declared` at its join)."""
         if self.theta is not None:
             return False
         if learner_id != self.seeder:
@@ -109,11 +128,38 @@ class Model:
             theta = _f32_owned(payload, self.the_layout.numel, SEED_MAX_ABS)
         except codec.CodecError as e:
             raise Reject("invalid", f"seed from {learner_id} rejected: {e}") from None
-        self.theta = theta
+        digest = hashlib.sha256(theta.data).digest()
+        if declared and digest != declared:
+            raise Reject("invalid", f"the seed from {learner_id} (sha256 {digest.hex()[:12]}) "
+                         "is not the initial weights it declared when it joined (sha256 "
+                         f"{declared.hex()[:12]}): Θ stays unseeded")
+        self.theta, self.seed_sha256 = theta, digest
         if self.outer.keeps_momentum:
             self.m = np.zeros_like(theta)
         log.info("Θ seeded by %s (%d parameters)", learner_id, theta.size)
         return True
+
+    def vote(self, joiners: list[tuple[str, bytes]]) -> str:
+        """The first quorum's check of the seed, before round 1: when more than half of
+        the `joiners` (learner id, declared digest of its initial weights; in the order
+        they joined) that declared one agree on initial weights other than Θ's, Θ is
+        unseeded and the earliest of them is asked for it instead. Returns what changed
+        ("": nothing). --seed-from's choice stands; so does Θ when no majority agrees
+        (islands that start from different weights, e.g. torch beside MLX)."""
+        declared = [(lid, d) for lid, d in joiners if d]
+        if not self.seed_sha256 or self.seed_from or not declared:
+            return ""  # unseeded, or Θ restored from the state dir, or the operator's seed
+        counts = collections.Counter(d for _, d in declared)
+        digest, n = counts.most_common(1)[0]
+        if 2 * n <= len(declared) or digest == self.seed_sha256:
+            return ""
+        before = self.seeder
+        self.seeder = next((lid for lid, d in declared if d == digest and
+                            lid not in self.refused_seeders), "")
+        self.theta, self.m, self.seed_sha256 = None, None, b""
+        return (f"{n} of the {len(declared)} islands of the first quorum declared initial "
+                f"weights (sha256 {digest.hex()[:12]}) other than the seed {before} sent: "
+                f"Θ is unseeded, and {self.seeder} seeds it")
 
     def note_island(self, learner_id: str, regime: str) -> str:
         """An island joined with `regime`; what changed in the outer rule ("": nothing)."""

@@ -155,10 +155,16 @@ class Run:
     # ---- join -------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
              weights_file: str, export_files: dict[str, str], observer: bool = False,
-             tokens_per_step: int = 0, regime: str = "sft", sync_every: int = 0) -> dict[str, Any]:
+             tokens_per_step: int = 0, regime: str = "sft", sync_every: int = 0,
+             init_sha256: bytes = b"") -> dict[str, Any]:
         """An island joins; an `observer` (a rollout node) gets every Θ, never pushes or
         counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl";
-        `sync_every`: its steps between pushes of a fragment (0: a schedule by time)."""
+        `sync_every`: its steps between pushes of a fragment (0: a schedule by time);
+        `init_sha256`: the digest of its initial weights as a seed (b"": undeclared), which
+        the first quorum compares before round 1 (`Model.vote`)."""
+        if len(init_sha256) not in (0, 32):
+            raise Reject("invalid", f"{learner_id}: init_sha256 must be a SHA-256 digest "
+                         f"(32 bytes), not {len(init_sha256)} bytes")
         regime = members.checked_regime(learner_id, regime)
         layout = members.checked_layout(self.cfg, learner_id, specs, fp, backend)
         with self.cond:
@@ -171,7 +177,8 @@ class Run:
                                 "start it with the islands' --model and LoRA settings")
             kind = "observer" if observer else "training" if self.started else "waiting"
             member = self.members.enroll(learner_id, backend, kind, tokens_per_step,
-                                         sync_every, self.version, layout.fingerprint)
+                                         sync_every, self.version, layout.fingerprint,
+                                         b"" if observer else init_sha256)
             if not observer:
                 self.model.choose_seeder(learner_id)  # one island seeds: no race
             live = len(self.members.live())
@@ -201,6 +208,11 @@ class Run:
         if self.started or self.model.theta is None or \
                 len(self.members.live()) < self.cfg.quorum:
             return
+        if change := self.model.vote(self.members.initial_weights()):
+            log.warning("%s", change)
+            self.tape.event("seed_vote", seeder=self.model.seeder, detail=change)
+            self.cond.notify_all()  # the new seeder's broadcast stream asks it to join again
+            return
         self.started = True
         self.members.start_training()
         self.rounds.start({f: self.model.numel(f) for f in self.owned()},
@@ -216,6 +228,11 @@ class Run:
     def check_island(self, learner_id: str, generation: int) -> Member:
         """The caller's ledger row (call under `cond`); refuses unknown or stale callers."""
         return self.members.check(learner_id, generation)
+
+    def asks_seed_of(self, learner_id: str) -> bool:
+        """Whether the run waits for `learner_id`'s initial weights as Θ (call under
+        `cond`)."""
+        return self.model.asks_seed_of(learner_id)
 
     def heartbeat(self, learner_id: str, generation: int) -> dict[str, Any]:
         """The caller's view of the run: version, the open round (0 if none), finished."""
@@ -296,8 +313,15 @@ class Run:
     def _seed(self, member: Member, payload: Pushed) -> dict[str, Any]:
         if isinstance(payload, (SpilledPayload, StagedSum)):  # a seed never spills nor stages
             raise TypeError("a seed arrives whole in memory")
-        if not self.model.seed(member.learner_id, payload):
-            return dict(accepted=False, status="duplicate", round=0, staleness=0)
+        try:
+            if not self.model.seed(member.learner_id, payload, member.init_sha256):
+                return dict(accepted=False, status="duplicate", round=0, staleness=0)
+        except Reject as e:
+            if self.model.seed_refused(member.learner_id, self.members.initial_weights()):
+                self.tape.event("seed_refused", learner=member.learner_id,
+                                seeder=self.model.seeder, detail=str(e))
+                self.cond.notify_all()  # the next seeder's stream asks it to join again
+            raise
         theta = self.model.the_theta
         self.rounds.seed_norms(theta, self.model.spans())
         self.tape.event("seeded", learner=member.learner_id, theta_sha256=state.digest(theta))

@@ -147,7 +147,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                               request.weights_file, dict(request.export_files),
                               observer=request.observer,
                               tokens_per_step=request.tokens_per_step,
-                              regime=request.regime, sync_every=request.sync_every)
+                              regime=request.regime, sync_every=request.sync_every,
+                              init_sha256=request.init_sha256)
         except Reject as e:
             _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)

@@ -12,7 +12,7 @@ RESULT = re.compile(r"RESULT faults=(\d+) kinds=(\d+) rounds=(\d+) lost_commits=
                     r"theta_finite=(\d) islands_identical=(\d) "
                     rf"rogue_share_max={NUMBER} share_cap={NUMBER} rogue_drift_ratio={NUMBER} "
                     rf"rogue_drift_half={NUMBER} rogue_drift_alone={NUMBER}")
-ROGUE_KINDS = ("rogue-claims", "seed-race", "observer-first", "rogue-bound")
+ROGUE_KINDS = ("rogue-claims", "seed-race", "observer-first", "rogue-bound", "seed-vote")
 
 
 def chaos(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, re.Match, str]:
@@ -43,15 +43,16 @@ def test_chaos_twenty_faults(tmp_path):
 
 def test_chaos_rogue_with_a_valid_credential(tmp_path):
     """The rogue's kinds once each: over-claims refused, its share of a merge within the
-    cap, its pushes within the norm bound, the seed and observer races on fresh runs; and
-    the drift figures (in-process runs: measured, not bounded here)."""
-    r, m, tail = chaos(tmp_path, "--faults", "4", "--seed", "1", "--kinds", ",".join(ROGUE_KINDS),
-                       "--drift-rounds", "30")
+    cap, its pushes within the norm bound, the seed and observer races and the seed vote
+    on fresh runs; and the drift figures (in-process runs: measured, not bounded here)."""
+    r, m, tail = chaos(tmp_path, "--faults", str(len(ROGUE_KINDS)), "--seed", "1", "--kinds",
+                       ",".join(ROGUE_KINDS), "--drift-rounds", "30")
     faults, kinds, rounds, lost, finite, identical = map(int, m.groups()[:6])
     share, cap, minority, half, alone = map(float, m.groups()[6:])
-    assert faults == 4 and kinds == 4 and rounds > 4, tail
+    n = len(ROGUE_KINDS)
+    assert faults == n and kinds == n and rounds > n, tail
     for kind in ROGUE_KINDS:
-        line = rf"^\[\s*\d+/4\] {kind} +(port \d+|\S+) +ok "  # the target: rogue, port N
+        line = rf"^\[\s*\d+/{n}\] {kind} +(port \d+|\S+) +ok "  # the target: rogue, port N
         assert re.search(line, r.stdout, re.MULTILINE), tail
     assert lost == 0 and finite == 1 and identical == 1, tail
     assert 0 < share <= cap * (1 + 1e-6) and cap <= 1, tail

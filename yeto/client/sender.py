@@ -5,6 +5,7 @@ last of them. The seed goes the same way, from the caller's array."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
@@ -18,6 +19,13 @@ from yeto.proto import yeto_pb2 as pb
 from yeto.transport import Lost, PushReply, Refused, Unavailable
 
 log = logging.getLogger("yeto.client")
+
+
+def seed_sha256(initial: np.ndarray) -> bytes:
+    """The SHA-256 of the seed an island with these initial weights sends (f32, the
+    layout's order): declared at join, so the run's first quorum can agree on Θ."""
+    seed = np.ascontiguousarray(initial, dtype=np.float32)
+    return hashlib.sha256(memoryview(seed).cast("B")).digest()
 
 
 class PushSender:

@@ -19,7 +19,7 @@ import numpy as np
 from yeto import net
 from yeto.client.connection import Connection, StreamEnded, TLSConfig, join_request
 from yeto.client.receiver import BroadcastReceiver
-from yeto.client.sender import PushSender
+from yeto.client.sender import PushSender, seed_sha256
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.transport import Received, Transport
@@ -121,8 +121,10 @@ class SyncerClient(Transport):
         self.receiver.stream_broadcasts()
 
     def start(self, initial: np.ndarray) -> None:
-        """Connect in the background; `initial` seeds Θ if the syncer asks for it."""
+        """Connect in the background; `initial` seeds Θ if the syncer asks for it (its
+        digest is declared at join: `seed_sha256`)."""
         self._initial = initial
+        self.connection.join_request.init_sha256 = seed_sha256(initial)
         self.connection.start(self._session, lambda: self.receiver.finished)
 
     def _session(self, reply: pb.JoinReply) -> None:

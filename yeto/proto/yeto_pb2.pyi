@@ -25,7 +25,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer", "tokens_per_step", "regime", "sync_every")
+    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer", "tokens_per_step", "regime", "sync_every", "init_sha256")
     class ExportFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class JoinRequest(_message.Message):
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     REGIME_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    INIT_SHA256_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     fingerprint: str
@@ -53,7 +54,8 @@ class JoinRequest(_message.Message):
     tokens_per_step: int
     regime: str
     sync_every: int
-    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ..., sync_every: _Optional[int] = ...) -> None: ...
+    init_sha256: bytes
+    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ..., sync_every: _Optional[int] = ..., init_sha256: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink", "shard", "shards", "fragment_owner")

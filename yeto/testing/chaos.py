@@ -49,6 +49,10 @@ at random; --kinds picks some):
   observer-first  a fresh run on a second syncer: an observer with another layout joins
                   first, then an island with the real one: accepted and asked for the seed;
                   the observer's next Heartbeat and its rejoin are refused
+  seed-vote       a fresh run on a second syncer (--quorum 3): the rogue joins first,
+                  declares its own initial weights and seeds them; two honest raw clients
+                  join declaring others: the first quorum must unseed the rogue's Θ, ask
+                  the first honest client (at its next join) and start from its seed
 
 Every wait is on an event (a process exit, a tape or log line, an RPC answer) and has a
 bound (--wait-s) that fails loudly; every fault ends with a committed round. After the
@@ -106,6 +110,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -120,6 +125,7 @@ from syncer.run import Config, Run
 from syncer.staging import WholePush
 from syncer.tape import Tape
 from yeto import codec, net
+from yeto.client.sender import seed_sha256
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
@@ -1099,6 +1105,52 @@ def inject_seed_race(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
     return f"port {syncer.port}", text + f"; fleet committed v{m['version']}"
 
 
+def seed_vote(fleet: Fleet, rogue: Rogue, honest: list[Rogue], state_dir: Path,
+              rng: random.Random) -> str:
+    n = rogue.layout.numel
+    bogus = np.full(n, 9.0, np.float32)
+    theta0 = np.frombuffer(small_delta(n, rng), np.float32)
+    joined = answered("the rogue's Join", lambda: rogue.join(init_sha256=seed_sha256(bogus)))
+    if not joined.send_seed:
+        raise FaultFailed("the rogue, first to join, was not asked for the seed")
+    answered("the rogue's seed", lambda: rogue.push(rogue.header("f32", 0, kind=pb.SEED),
+                                                    bogus.tobytes()))
+    declared = dict(init_sha256=seed_sha256(theta0))
+    for h in (*honest, honest[0]):  # the first again: the vote asks it for the seed
+        again = answered(f"{h.lid}'s Join", partial(h.join, **declared))
+    if not again.send_seed:
+        raise FaultFailed(f"after the first quorum, {honest[0].lid} was not asked for the seed "
+                          "when it joined again")
+    reply = answered("the honest seed", lambda: honest[0].push(
+        honest[0].header("f32", 0, kind=pb.SEED), theta0.tobytes()))
+    if not reply.accepted:
+        raise FaultFailed(f"the honest seed was not taken ({reply.status})")
+    seeds = fleet.wait_for("two 'seeded' on the throwaway syncer's tape",
+                           lambda: s if len(s := _seeded(state_dir)) >= 2 else None)
+    if seeds[-1]["learner"] != honest[0].lid or \
+            seeds[-1]["theta_sha256"] != state.digest(theta0):
+        raise FaultFailed(f"Θ was last seeded by {seeds[-1]['learner']}, not the honest seed")
+    return (f"the rogue seeded first (sha {seeds[0]['theta_sha256'][:12]}); the quorum "
+            f"unseeded it and Θ = {honest[0].lid}'s seed (sha {seeds[-1]['theta_sha256'][:12]})")
+
+
+def _seeded(state_dir: Path) -> list[dict]:
+    return [r for r in records(state_dir / "tape.jsonl") if r.get("event") == "seeded"]
+
+
+def inject_seed_vote(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    with throwaway_syncer(fleet, "seed-vote", quorum=3) as (syncer, state_dir):
+        rogue = Rogue(fleet, syncer.address)
+        honest = [Rogue(fleet, syncer.address, f"honest-{i}") for i in range(2)]
+        try:
+            text = seed_vote(fleet, rogue, honest, state_dir, rng)
+        finally:
+            for c in (rogue, *honest):
+                c.close()
+    m = fleet.next_merge("commit after the seed vote")
+    return f"port {syncer.port}", text + f"; fleet committed v{m['version']}"
+
+
 def observer_first(observer: Rogue, island: Rogue) -> str:
     answered("the observer's Join (first, another layout)", lambda: observer.join(observer=True))
     joined = answered("the island's Join after an observer of another layout", island.join)
@@ -1153,6 +1205,7 @@ KINDS = (
     Kind("rogue-bound", inject_rogue_bound),
     Kind("seed-race", inject_seed_race),
     Kind("observer-first", inject_observer_first),
+    Kind("seed-vote", inject_seed_vote),
 )
 
 
