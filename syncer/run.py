@@ -551,6 +551,7 @@ class Run:
                 version=self.version, quorum=self.cfg.quorum, finished=self.finished,
                 bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                 last_merge_s=now - last if last else -1.0,
+                shard=self.cfg.shard.index, shards=self.cfg.shard.count,
                 islands=self.members.status(self.cfg.expect_islands))
 
     def state_digest(self) -> str:

@@ -4,16 +4,19 @@ bit for bit the unsharded run's (the process tests: tests/e2e/test_shards.py).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
 import pytest
+from helpers.syncer import running_syncer
 from safetensors.numpy import load_file
 
 from syncer.run import Config, PushHeader, Reject, Run
 from syncer.shards import Shard
 from syncer.staging import WholePush
 from yeto import codec
+from yeto.cli import status as status_cli
 from yeto.interop.export import ExportError, export
 from yeto.layout import Layout
 
@@ -72,3 +75,37 @@ def test_shards_exported_together_are_the_unsharded_run_bit_for_bit(tmp_path):
     assert not np.array_equal(shards[0][0].theta, one.theta)
     with pytest.raises(ExportError, match="shards 0/2"):
         export([tmp_path / "s0", tmp_path / "s0"], tmp_path / "out3", "peft")
+
+
+def test_status_shows_every_shard_and_each_island_over_all_of_them(tmp_path, capsys):
+    """`yeto status 'A;B'`: a line per shard (its round, version, bytes), each island
+    once with its pushes summed over the shards; the shards listed out of order, or one
+    shard alone, are said as such."""
+    with contextlib.ExitStack() as stack:
+        served = [stack.enter_context(running_syncer(quorum=1, fragments=2, shard=Shard(i, 2),
+                                                     state_dir=tmp_path / f"s{i}"))
+                  for i in range(2)]
+        for f, (run, _) in enumerate(served):  # shard f owns fragment f
+            gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy",
+                           "adapter_model.safetensors", {"adapter_config.json": CONFIG},
+                           )["generation"]
+            n = LAYOUT.numel
+            run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
+                     WholePush(codec.encode(np.zeros(n, np.float32), "f32")))
+            for seq in range(f + 1):  # shard 1 gets two pushes, shard 0 one
+                _push(run, gen, f, seq, run.committer.fragment_version(f))
+        a, b = (address for _, address in served)
+        assert status_cli.main([f"{a};{b}", "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        assert [(x["shard"], x["shards"], x["address"], x["version"]) for x in s["shards"]] == [
+            (0, 2, a, 1), (1, 2, b, 2)]
+        assert status_cli.main([f"{a};{b}"]) == 0
+        text = capsys.readouterr().out
+        assert f"shard 0/2 {a}" in text and f"shard 1/2 {b}" in text
+        row = next(line.split() for line in text.splitlines() if line.split()[:1] == ["a"])
+        assert row[-2:] == ["3", "10"], text  # 1 + 2 pushes; loss tokens where fragment 0 is
+        assert "expected shard" not in text
+        assert status_cli.main([f"{b};{a}"]) == 0
+        assert "expected shard 0 of 2 here" in capsys.readouterr().out
+        assert status_cli.main([b]) == 0
+        assert "shard 1 of 2: its fragments only" in capsys.readouterr().out

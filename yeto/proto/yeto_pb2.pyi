@@ -224,7 +224,7 @@ class IslandStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., state: _Optional[str] = ..., last_contact_s: _Optional[float] = ..., pushes: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "round", "version", "quorum", "islands", "bytes_in", "bytes_out", "finished", "last_merge_s", "problem")
+    __slots__ = ("run_id", "round", "version", "quorum", "islands", "bytes_in", "bytes_out", "finished", "last_merge_s", "problem", "shard", "shards")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,8 @@ class StatusReply(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAST_MERGE_S_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     version: int
@@ -245,7 +247,9 @@ class StatusReply(_message.Message):
     finished: bool
     last_merge_s: float
     problem: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., version: _Optional[int] = ..., quorum: _Optional[int] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., finished: _Optional[bool] = ..., last_merge_s: _Optional[float] = ..., problem: _Optional[str] = ...) -> None: ...
+    shard: int
+    shards: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., version: _Optional[int] = ..., quorum: _Optional[int] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., finished: _Optional[bool] = ..., last_merge_s: _Optional[float] = ..., problem: _Optional[str] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("learner_id", "generation")
