@@ -97,7 +97,13 @@ def test_absurd_adapters_are_refused_and_the_old_one_keeps_serving(node, tiny_ll
     overflow = {k: np.full_like(v, MAX_FACTOR_ABS / 2 if "layers.0.mlp" in k else 0.0)
                 for k, v in good.items()}
     peft_to_mlx(_save(root / "huge", tiny_llama, huge), root / "huge-mlx", base_model=tiny_llama)
+    pattern = _save(root / "pattern", tiny_llama, good)  # served with one alpha: wrong there
+    cfg = json.loads((pattern / "adapter_config.json").read_text())
+    module = name.split(".lora_")[0].removeprefix("base_model.model.")
+    (pattern / "adapter_config.json").write_text(json.dumps(dict(cfg, alpha_pattern={
+        module: 64})))
     cases = [  # (adapter dir, words of the refusal)
+        (pattern, ("alpha_pattern", module)),
         (_save(root / "huge", tiny_llama, huge), (name, "1e+30", f"{MAX_FACTOR_ABS:g}")),
         (root / "huge-mlx", (name, "1e+30", f"{MAX_FACTOR_ABS:g}")),
         (_save(root / "alpha", tiny_llama, good, alpha=1e38),

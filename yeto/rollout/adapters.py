@@ -119,6 +119,12 @@ def spec_of(tensors: dict[str, np.ndarray], cfg: dict) -> LoraSpec:
     for key in ("use_rslora", "use_dora"):
         if cfg.get(key):
             raise AdapterError(f"the adapter uses {key}; rollout nodes serve plain LoRA")
+    for key in ("alpha_pattern", "rank_pattern"):
+        if cfg.get(key):  # served with one alpha and r, those modules would sample wrong
+            some = ", ".join(sorted(map(str, cfg[key]))[:3])
+            raise AdapterError(f"the adapter sets {key} (for {some}): rollout nodes serve one "
+                               "lora_alpha and r for every module; export it without "
+                               "per-module values")
     r, alpha = _rank_alpha(cfg)
     modules = _check_factors(tensors, r)
     if not modules:
