@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,3 +84,25 @@ def _num(v) -> str:
         return f"{v:.4g}"
     return str(v).replace(" ", "_")
 
+
+# ---- /proc ------------------------------------------------------------------------
+def proc_kib(pid: int, field: str) -> int | None:
+    """A `VmRSS`/`VmHWM` line of /proc/PID/status in KiB (None once the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process (/proc/PID/stat; None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -51,7 +51,7 @@ import grpc
 import numpy as np
 
 # _bench (scripts/) puts the repo root on sys.path before yeto/syncer are imported
-from _bench import ROOT, parser, result_line
+from _bench import ROOT, parser, proc_cpu_s, proc_kib, result_line
 
 from syncer.spawn import start_syncer
 from yeto import codec, net
@@ -62,29 +62,6 @@ log = logging.getLogger("bench_memory")
 ISLANDS = (1, 2, 4, 8)
 MOMENTUM = {"none": ["--outer", "nesterov", "--outer-lr", "1", "--outer-momentum", "0"],
             "0.9": ["--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"]}
-
-
-# ---- /proc ------------------------------------------------------------------------
-def proc_kib(pid: int, field: str) -> int | None:
-    """A `VmRSS`/`VmHWM` line of /proc/PID/status in KiB (None once the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a process (/proc/PID/stat; None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class PeakWatch:

@@ -4,7 +4,10 @@
 Each arm starts its syncers and the same synthetic numpy islands (`python -m
 yeto.testing.synthetic`: a real `Island` and client, no model) with the same seeds, steps
 and schedule, and reports per shard: CPU seconds (utime + stime, read from
-/proc/PID/stat until it exits), bytes in and out (its state's counters), and for the
+/proc/PID/stat until it exits), bytes in and out (its state's counters), peak RSS
+(VmHWM: the seed arrives whole at every shard, so the peak holds all of Θ once) and the
+most RSS once its rounds run (VmRSS after its first merge: a shard keeps only its own
+fragments' values), and for the
 arm: wall seconds from the islands' start to their end, and rounds. Baseline: S = 1
 in the same run. Islands, syncers and this script share the machine: on 2 cores the
 wall time says little (everything competes for the same CPUs); the per-shard CPU and
@@ -25,23 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench import ROOT, parser, result_line
+from _bench import ROOT, parser, proc_cpu_s, proc_kib, result_line
 
 from syncer import spawn, state
 from syncer.tape import read_tape
 from yeto.display import print_table
 
 SIM = [sys.executable, "-m", "yeto.testing.synthetic"]
-TICKS = 100  # clock ticks per second of /proc/PID/stat (Linux: USER_HZ)
 
 
-def cpu_s(pid: int) -> float | None:
-    """utime + stime of a running process, in seconds (None once it has gone)."""
+def merged(state_dir: Path) -> bool:
+    """Whether the shard's tape holds a merge yet (its seed is in, its rounds run)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return '"event": "merge"' in (state_dir / "tape.jsonl").read_text()
     except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICKS
+        return False
 
 
 def arm(shards: int, args, out: Path) -> dict:
@@ -62,13 +63,16 @@ def arm(shards: int, args, out: Path) -> dict:
                                  "--wire", args.wire], cwd=ROOT,
                                 stdout=open(out / f"island-{i}.log", "w"),
                                 stderr=subprocess.STDOUT) for i in range(args.islands)]
-    cpu = [0.0] * shards
+    cpu, peak, rss = [0.0] * shards, [0] * shards, [0] * shards
     islands_done = None
     try:
         while any(p.poll() is None for p in islands) or any(s.poll() is None for s in syncers):
             for i, s in enumerate(syncers):
-                now = cpu_s(s.pid)
+                now, hwm = proc_cpu_s(s.pid), proc_kib(s.pid, "VmHWM")
                 cpu[i] = now if now is not None else cpu[i]
+                peak[i] = hwm if hwm is not None else peak[i]
+                if islands_done is None and merged(out / f"shard{i}"):  # rounds running
+                    rss[i] = max(rss[i], proc_kib(s.pid, "VmRSS") or 0)
             if islands_done is None and all(p.poll() is not None for p in islands):
                 islands_done = time.perf_counter()
             if islands_done is not None and time.perf_counter() - islands_done > 60:
@@ -87,7 +91,8 @@ def arm(shards: int, args, out: Path) -> dict:
         meta = state.load(out / f"shard{i}")[3]
         merges = [r for r in read_tape(out / f"shard{i}" / "tape.jsonl") if r["event"] == "merge"]
         rows.append(dict(cpu_s=cpu[i], bytes_in=meta["bytes_in"], bytes_out=meta["bytes_out"],
-                         rounds=len(merges)))
+                         rounds=len(merges), peak_mib=peak[i] / 1024,
+                         rss_mib=rss[i] / 1024))
     return dict(wall_s=wall, shards=rows)
 
 
@@ -112,15 +117,21 @@ def main(argv=None) -> int:
         for i, row in enumerate(r["shards"]):
             table.append([str(s), str(i), f"{r['wall_s']:.1f}", str(row["rounds"]),
                           f"{row['cpu_s']:.1f}", f"{row['bytes_in'] / 1e6:.1f}",
-                          f"{row['bytes_out'] / 1e6:.1f}"])
-    print_table(["S", "shard", "wall s", "rounds", "CPU s", "MB in", "MB out"], table)
+                          f"{row['bytes_out'] / 1e6:.1f}", f"{row['peak_mib']:.0f}",
+                          f"{row['rss_mib']:.0f}"])
+    print_table(["S", "shard", "wall s", "rounds", "CPU s", "MB in", "MB out", "peak RSS MiB",
+                 "RSS in rounds MiB"], table)
     base = results[counts[0]]
     base_cpu = max(r["cpu_s"] for r in base["shards"])
     for s in counts[1:]:
         r = results[s]
         busiest = max(x["cpu_s"] for x in r["shards"])
+        base_peak = max(x["peak_mib"] for x in base["shards"])
         print(result_line(busiest / base_cpu, shards=s, baseline_shards=counts[0],
                           busiest_cpu_s=busiest, baseline_cpu_s=base_cpu,
+                          largest_peak_ratio=max(x["peak_mib"] for x in r["shards"]) / base_peak,
+                          largest_rss_ratio=max(x["rss_mib"] for x in r["shards"]) /
+                          max(x["rss_mib"] for x in base["shards"]),
                           wall_ratio=r["wall_s"] / base["wall_s"],
                           max_bytes_in_share=max(x["bytes_in"] for x in r["shards"]) /
                           sum(x["bytes_in"] for x in base["shards"])))

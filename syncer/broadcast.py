@@ -192,8 +192,9 @@ class Downlink:
         if self.encoding == "f32":
             source = theta[lo:hi]
         else:
-            if self.island_theta is None:
-                self.island_theta = theta.copy()
+            if self.island_theta is None:  # each fragment's span is set at its first
+                # broadcast (below); a shard's other fragments' pages are never touched
+                self.island_theta = np.zeros(theta.shape, theta.dtype)
             source = self.island_theta[lo:hi]
             if final or prev is None:
                 source[...] = theta[lo:hi]

@@ -114,10 +114,12 @@ class Model:
     def asks_seed_of(self, learner_id: str) -> bool:
         return self.theta is None and learner_id == self.seeder
 
-    def seed(self, learner_id: str, payload: codec.Payload, declared: bytes = b"") -> bool:
+    def seed(self, learner_id: str, payload: codec.Payload, declared: bytes = b"",
+             owned: list[int] | None = None) -> bool:
         """Θ from the seeding island's initial weights (False: Θ was seeded already; a
         seed from any other island is refused, and so is one that is not the initial
-        weights the island `declared` at its join)."""
+        weights the island `declared` at its join). `owned`: the fragments this syncer
+        runs (a shard's; None: all): only their values are kept."""
         if self.theta is not None:
             return False
         if learner_id != self.seeder:
@@ -133,9 +135,9 @@ class Model:
             raise Reject("invalid", f"the seed from {learner_id} (sha256 {digest.hex()[:12]}) "
                          "is not the initial weights it declared when it joined (sha256 "
                          f"{declared.hex()[:12]}): Θ stays unseeded")
-        self.theta, self.seed_sha256 = theta, digest
+        self.theta, self.seed_sha256 = self._owned_only(theta, owned), digest
         if self.outer.keeps_momentum:
-            self.m = np.zeros_like(theta)
+            self.m = np.zeros(theta.shape, theta.dtype)
         log.info("Θ seeded by %s (%d parameters)", learner_id, theta.size)
         return True
 
@@ -192,7 +194,9 @@ class Model:
     @property
     def momentum(self) -> np.ndarray | None:
         """The outer momentum m (zeros made on request when the run keeps none)."""
-        return np.zeros_like(self.theta) if self.m is None and self.theta is not None else self.m
+        if self.m is None and self.theta is not None:
+            return np.zeros(self.theta.shape, self.theta.dtype)
+        return self.m
 
     def outer_step(self, f: int, acc: MergeAccumulator,
                    on_chunk: Callable[[int, int], None] | None = None
@@ -211,10 +215,25 @@ class Model:
         return self.outer_steps.get(f, 0)
 
     # ---- on disk --------------------------------------------------------------------
-    def restore(self, saved: Restored) -> None:
-        self.layout, self.theta = saved.layout, saved.theta
+    def _owned_only(self, theta: np.ndarray, owned: list[int] | None) -> np.ndarray:
+        """`theta`, or for a shard a new Θ holding only its own fragments' values: the
+        pages of the others are never written, so they take no memory (`np.zeros`
+        maps pages on first write; `np.zeros_like` would write them all)."""
+        if owned is None or len(owned) == self.fragments:
+            return theta
+        kept = np.zeros(theta.shape, theta.dtype)
+        for f in owned:
+            lo, hi = self.span(f)
+            kept[lo:hi] = theta[lo:hi]
+        return kept
+
+    def restore(self, saved: Restored, owned: list[int] | None = None) -> None:
+        """The model as saved; `owned` as for `seed`."""
+        self.layout = saved.layout
+        self.theta = self._owned_only(saved.theta, owned)
         if self.outer.keeps_momentum:
-            self.m = saved.momentum if saved.momentum is not None else np.zeros_like(saved.theta)
+            self.m = np.zeros(self.theta.shape, self.theta.dtype) if saved.momentum is None else \
+                self._owned_only(saved.momentum, owned)
         self.outer_steps = dict(saved.outer_steps)
         self.weights_file, self.export_files = saved.weights_file, dict(saved.export_files)
 

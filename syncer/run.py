@@ -136,10 +136,10 @@ class Run:
     def owned(self) -> list[int]:
         """The fragments whose rounds this syncer runs (all of them, unsharded; none
         before the run has a layout)."""
-        if self.model.layout is None:
-            return []
-        owners = self._owners()
-        return [f for f in range(self.cfg.fragments) if owners[f] == self.cfg.shard.index]
+        return [] if self.model.layout is None else self._owned_by(self.model.layout)
+
+    def _owned_by(self, layout: Layout) -> list[int]:
+        return self.cfg.shard.owns([frag.numel for frag in layout.fragments])
 
     def newest_broadcasts(self) -> list[Broadcast]:
         return self.downlink.newest()
@@ -314,7 +314,8 @@ class Run:
         if isinstance(payload, (SpilledPayload, StagedSum)):  # a seed never spills nor stages
             raise TypeError("a seed arrives whole in memory")
         try:
-            if not self.model.seed(member.learner_id, payload, member.init_sha256):
+            if not self.model.seed(member.learner_id, payload, member.init_sha256,
+                                   self.owned()):
                 return dict(accepted=False, status="duplicate", round=0, staleness=0)
         except Reject as e:
             if self.model.seed_refused(member.learner_id, self.members.initial_weights()):
@@ -523,7 +524,7 @@ class Run:
     def _restore(self, store: Store) -> None:
         saved = store.load()
         meta = saved.meta
-        self.model.restore(saved.model)
+        self.model.restore(saved.model, self._owned_by(saved.model.layout))
         self.committer.restore(meta["version"], saved.fragment_versions)
         self.downlink.restore(saved.island_theta)
         self.rounds.restore_norms(meta.get("norm_history", {}), saved.model.theta,

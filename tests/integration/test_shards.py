@@ -109,3 +109,19 @@ def test_status_shows_every_shard_and_each_island_over_all_of_them(tmp_path, cap
         assert "expected shard 0 of 2 here" in capsys.readouterr().out
         assert status_cli.main([b]) == 0
         assert "shard 1 of 2: its fragments only" in capsys.readouterr().out
+
+
+def test_a_shard_keeps_only_its_own_fragments(tmp_path):
+    """Each shard held all of Θ (and, under a compressed downlink, the islands' copy):
+    S shards took S times the memory. Now a shard keeps its own fragments' values; the
+    others' stay zero pages that are never written (scripts/bench_shards.py measures the
+    memory: BENCHMARKS.md)."""
+    for shard in (Shard(0, 2), Shard(1, 2)):
+        run, _ = _run(tmp_path / f"s{shard.index}", shard)
+        seed = np.random.default_rng(0).standard_normal(LAYOUT.numel).astype(np.float32) * 0.1
+        (mine,) = run.owned()
+        for f in range(2):
+            lo, hi = run.model.span(f)
+            want = seed[lo:hi] if f == mine else np.zeros(hi - lo, np.float32)
+            np.testing.assert_array_equal(run.theta[lo:hi], want, err_msg=f"fragment {f}")
+        run.tape.close()
