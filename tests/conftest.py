@@ -7,8 +7,10 @@
 
 `pytest -m "not e2e"` runs the first two; `slow` tests (long runs) run only when
 asked for (`pytest -m slow`). `pytest -m regimes` runs the slow tests that keep every
-regime true (RL under the default outer rule, mixed fleets, parity beyond the presets):
-.ci/run runs it after the default tier."""
+regime true (RL under the default outer rule, mixed fleets, parity beyond the presets);
+`pytest -m long` the minute-scale e2e runs the default tier leaves out to stay quick
+(a cut link, a killed rank, twenty chaos faults, the longer how-to pages): .ci/run runs
+both after the default tier."""
 
 import logging
 import threading
@@ -24,10 +26,10 @@ TIERS = ("unit", "integration", "e2e")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its folder's tier; leave out `slow` unless the -m
-    expression names it."""
+    """Mark each test with its folder's tier; leave out `slow` and `long` unless the
+    -m expression names them."""
     expr = config.getoption("markexpr") or ""
-    wants_slow = any(m in expr for m in ("slow", "regimes", "real"))
+    wants_slow = any(m in expr for m in ("slow", "regimes", "real", "long"))
     kept, dropped = [], []
     no_gpu = _no_gpu() if any(i.get_closest_marker("cuda") for i in items) else None
     for item in items:
@@ -36,7 +38,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
         if no_gpu and item.get_closest_marker("cuda"):
             item.add_marker(pytest.mark.skip(reason=no_gpu))
-        (dropped if item.get_closest_marker("slow") and not wants_slow else kept).append(item)
+        later = item.get_closest_marker("slow") or item.get_closest_marker("long")
+        (dropped if later and not wants_slow else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"(-?[0-9.]+(?:e[-+]?\d+)?)"
 RESULT = re.compile(r"RESULT faults=(\d+) kinds=(\d+) rounds=(\d+) lost_commits=(-?\d+) "
@@ -29,6 +31,7 @@ def chaos(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, re.Match, str]
     return r, m, tail
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 def test_chaos_twenty_faults(tmp_path):
     r, m, tail = chaos(tmp_path, "--faults", "20", "--seed", "1")
     faults, kinds, rounds, lost, finite, identical = map(int, m.groups()[:6])

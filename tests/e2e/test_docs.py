@@ -213,7 +213,13 @@ def _tensors_equal(a: Path, b: Path) -> bool:
     return ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
 
 
-@pytest.mark.parametrize("page", list(EXPECT))
+# minute-scale pages (.ci/run runs them after the default tier, with `-m long`)
+LONG_PAGES = ("docs/how-to/your-training-loop.md", "docs/how-to/mac-and-cuda.md",
+              "docs/how-to/recover-from-a-crash.md", "docs/how-to/full-weights-fsdp.md")
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.long) if p in LONG_PAGES
+                                  else p for p in EXPECT])
 def test_the_page_commands_run(page, tmp_path):
     work = tmp_path / "checkout"
     work.mkdir()

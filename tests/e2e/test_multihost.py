@@ -352,6 +352,7 @@ def assert_nothing_lost(tmp_path, state: Path, summary: dict) -> None:
         assert_identical(adapter(tmp_path / iid / "adapter"), final, iid)
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 def test_a_link_cut_mid_run_loses_nothing(lab, tmp_path, tiny_llama, tiny_task):
     """b's link goes down for seconds and its connections drop (a laptop whose
     Wi-Fi comes back on another network): b trains on offline, rejoins, and its

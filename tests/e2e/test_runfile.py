@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from syncer.spawn import start_syncer
@@ -55,6 +56,7 @@ def _by_hand(work: Path, config: Path) -> Path:
     return state / "final" / "adapter_model.safetensors"
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 def test_launch_and_by_hand_runs_of_one_run_file_are_the_same_run(tmp_path, tiny_llama,
                                                                   tiny_task):
     config = ROOT / "examples" / "lora.toml"

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers.wait import run_together
 from safetensors.numpy import load_file
 
@@ -147,6 +148,7 @@ def test_simulated_time_counts_the_waits_for_slower_islands(tiny_llama, tiny_tas
     assert [len(m["responders"]) for m in _merges(out)] == [3, 3, 2, 1, 1, 1]
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 def test_step_jitter_makes_equal_islands_wait_and_still_repeats(tiny_llama, tiny_task, tmp_path):
     """Two islands of equal speed, blocking sync, --step-jitter 0.5: without jitter they
     end each round at the same instant and nobody waits (goodput 1); with it one waits

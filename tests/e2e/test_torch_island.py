@@ -117,6 +117,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 def test_unreachable_syncer_is_an_error_unless_solo_is_allowed(tmp_path, tiny_llama, tiny_task):
     """An island that never joined a round must not look like success: it retries,
     trains on, saves its work, and exits 3 naming the address and the last error.

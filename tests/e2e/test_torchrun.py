@@ -93,6 +93,7 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_killing_one_rank_takes_the_island_down_and_the_run_goes_on(tmp_path, tiny_llama,
                                                                    tiny_task):
