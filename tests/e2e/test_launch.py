@@ -132,3 +132,24 @@ def test_a_syncer_that_cannot_start_is_reported_with_its_output(tmp_path, capsys
                         "--syncer-args=--bogus", "--display", "none"])
     err = capsys.readouterr().err
     assert code == 2 and "exited with code 2 before it listened" in err and "--bogus" in err
+
+
+def test_launch_with_two_shards(tmp_path, tiny_llama, tiny_task):
+    """`yeto launch --shards 2`: two syncer shards (OUT/syncer, OUT/syncer-1), each
+    running the rounds of its fragment; OUT/adapter, assembled from both shards' states,
+    is the final adapter every island saved, bit for bit."""
+    train, held_out = tiny_task
+    out = tmp_path / "sharded"
+    r = subprocess.run(_launch_cmd(out, tiny_llama, train, held_out, "--shards", "2",
+                                   "--max-steps", "12", "--sync-every", "4"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "held-out loss:" in r.stdout and f"--state-dir {out / 'syncer-1'}" in r.stdout
+    final = load_file(out / "adapter" / "adapter_model.safetensors")
+    for island in ("island-0", "island-1"):
+        mine = load_file(out / "islands" / island / "adapter" / "adapter_model.safetensors")
+        assert mine.keys() == final.keys(), island
+        assert all(np.array_equal(mine[k], final[k]) for k in final), island
+    for d in ("syncer", "syncer-1"):  # each shard merged rounds of its own fragment
+        merges = [r for r in read_tape(out / d / "tape.jsonl") if r["event"] == "merge"]
+        assert merges and {m["fragment"] for m in merges} == {0 if d == "syncer" else 1}, d

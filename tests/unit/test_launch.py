@@ -27,6 +27,11 @@ from yeto.io import JsonlFollower
     (["--islands", "torch"], "--model and --data are required"),
     (["--model", "m", "--data", "d", "--learner-id", "x"], "the launcher sets these"),
     (["--model", "m", "--data", "d", "--report-to", "wandb"], "wandb: unknown"),
+    (["--model", "m", "--data", "d", "--shards", "0"], "--shards 0: give at least 1"),
+    (["--model", "m", "--data", "d", "--shards", "3", "--fragments", "2"],
+     "needs --fragments >= 3"),
+    (["--model", "m", "--data", "d", "--shards", "2", "--external-islands", "1"],
+     "--shards with --external-islands or --tls-cert: not yet"),
 ])
 def test_launch_refuses_bad_flags(capsys, argv, words):
     with pytest.raises(SystemExit) as e:
@@ -249,3 +254,13 @@ def test_torch_only_flags_reach_torch_islands_only(tmp_path):
     assert torch_cmd[torch_cmd.index("--threads") + 1] == "1" and "--device=cpu" in torch_cmd
     assert "--threads" not in mlx_cmd and not any(a.startswith("--device") for a in mlx_cmd)
     assert mlx_cmd[mlx_cmd.index("--max-steps") + 1] == "5"
+
+
+def test_shards_give_each_syncer_its_shard_and_enough_fragments():
+    p = launch.build_parser()
+    args, rest = p.parse_known_args(["--model", "m", "--data", "d", "--shards", "2"])
+    cfg = launch.config_from_args(p, args, rest)
+    assert cfg.shards == 2 and cfg.syncer_args[-2:] == ["--fragments", "2"]
+    args, rest = p.parse_known_args(["--model", "m", "--data", "d", "--shards", "2",
+                                     "--fragments", "4"])
+    assert launch.config_from_args(p, args, rest).syncer_args.count("--fragments") == 1

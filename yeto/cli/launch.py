@@ -171,11 +171,12 @@ def _on_failures(run: LocalRun, display: Display, exited: list[IslandProc]) -> N
     if failed and not run.cfg.keep_going and run.stopping is None and run.running():
         display.say("stopping the other islands (--keep-going keeps them training)")
         run.request_stop(f"{failed[0].id} failed")
-    if run.syncer.poll() not in (None, 0) and run.stopping is None:
+    failed_syncer = run.failed_syncer()
+    if failed_syncer is not None and run.stopping is None:
         # (code 0: the run finished and the final weights went out; the islands are
         # saving their outputs and exit by themselves)
-        display.say(f"error: the syncer exited with code {run.syncer.returncode}:\n"
-                    + tail(run.syncer_dir / "log.txt"))
+        code, log = failed_syncer
+        display.say(f"error: the syncer exited with code {code}:\n" + tail(log))
         run.request_stop("the syncer failed")
 
 
@@ -246,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dashboard", action="store_true", help="no dashboard")
     p.add_argument("--syncer-args", default="", help="extra flags for the syncer "
                                                      "(python -m syncer --help)")
+    p.add_argument("--shards", type=int, default=1, metavar="S",
+                   help="serve the run by S syncer shards (python -m syncer --shard I/S), "
+                        "each owning some of the fragments (--fragments defaults to S); "
+                        "islands push each fragment to its owner. Shard 0 is in OUT/syncer, "
+                        "shard i in OUT/syncer-i; OUT/adapter is assembled from all of them")
     for name, (flag, typ, text) in SYNCER_FLAGS.items():
         default = "every island" if name == "quorum" else getattr(Config, name)
         p.add_argument(flag, dest=name, type=typ, default=None,
@@ -332,6 +338,7 @@ def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> Launc
         value = getattr(args, name)
         if value is not None and name != "quorum":
             syncer_args += [flag, str(value)]
+    syncer_args += _shard_flags(p, args, external)
     shared = []
     if args.config is not None:  # the syncer and every island read the same file
         shared = ["--config", str(args.config.resolve())]
@@ -348,7 +355,25 @@ def config_from_args(p: argparse.ArgumentParser, args, rest: list[str]) -> Launc
         dashboard_port=None if args.no_dashboard else args.dashboard_port,
         display=args.display, report_to=report_to, stop_timeout_s=args.stop_timeout,
         keep_going=args.keep_going, max_steps=_max_steps(rest, args.config),
-        overwrite=args.overwrite)
+        overwrite=args.overwrite, shards=args.shards)
+
+
+def _shard_flags(p: argparse.ArgumentParser, args, external: list[str]) -> list[str]:
+    """The syncer flags --shards adds (--fragments S unless given); refuses what a
+    sharded local run does not do yet."""
+    if args.shards < 1:
+        p.error(f"--shards {args.shards}: give at least 1")
+    if args.shards == 1:
+        return []
+    if external or args.tls_cert:
+        p.error("--shards with --external-islands or --tls-cert: not yet; start the shards "
+                "by hand (docs/how-to/a-run-too-big-for-one-syncer.md)")
+    if args.fragments is None:
+        return ["--fragments", str(args.shards)]
+    if args.fragments < args.shards:
+        p.error(f"--shards {args.shards} needs --fragments >= {args.shards} (each shard owns "
+                f"at least one), got {args.fragments}")
+    return []
 
 
 def _max_steps(rest: list[str], config: Path | None) -> int:
@@ -378,19 +403,24 @@ def print_outputs(run: LocalRun, summary: dict | None, code: int, stream=None) -
               f"{summary['bytes_down'] / 1e6:.2f} MB down, {summary['seconds']:.0f} s",
               file=stream)
     print(f"outputs in {out}:", file=stream)
+    states = " ".join(f"--state-dir {run.shard_dir(i)}" for i in range(run.cfg.shards))
     if (out / "adapter").is_dir():
-        print(f"  adapter/         the final adapter (peft; `yeto export --state-dir "
-              f"{out / 'syncer'} --format mlx --out DIR` for mlx-lm)", file=stream)
+        print(f"  adapter/         the final adapter (peft; `yeto export {states} --format mlx "
+              "--out DIR` for mlx-lm)", file=stream)
     else:
-        print("  (no final adapter: the run did not finish; `yeto export --state-dir "
-              f"{out / 'syncer'} ...` exports its last merged weights)", file=stream)
+        print(f"  (no final adapter: the run did not finish; `yeto export {states} ...` "
+              "exports its last merged weights)", file=stream)
     if run.cfg.backends:
         print("  islands/<id>/    adapter/, metrics.jsonl, summary.json, log.txt", file=stream)
     if run.external():
         print(f"  join.txt         the join commands (external islands, "
               f"{', '.join(i.id for i in run.external())}, keep their outputs on their own "
               "machines: --output there)", file=stream)
-    print("  syncer/          tape.jsonl (one line per merge), state, log.txt", file=stream)
+    if run.cfg.shards > 1:
+        print(f"  syncer/, syncer-1/ ... syncer-{run.cfg.shards - 1}/  each shard's tape.jsonl "
+              "(one line per merge of its fragments), state, log.txt", file=stream)
+    else:
+        print("  syncer/          tape.jsonl (one line per merge), state, log.txt", file=stream)
     if (out / "summary.json").exists():
         print("  summary.json", file=stream)
     if (out / "tensorboard").is_dir():

@@ -73,6 +73,7 @@ class LaunchConfig:
     tls_cert: Path | None = None        # the syncer's certificate and key: TLS on
     tls_key: Path | None = None
     tls_ca: Path | None = None          # what islands trust (default: tls_cert)
+    shards: int = 1                     # syncer shards (--shard I/S); 1: one syncer
 
     @property
     def num_islands(self) -> int:
@@ -94,10 +95,11 @@ class LocalRun:
     def __init__(self, cfg: LaunchConfig):
         self.cfg = cfg
         self.out = cfg.out.resolve()
-        self.syncer_dir = self.out / "syncer"
+        self.syncer_dir = self.out / "syncer"  # shard 0's; shard i > 0: syncer-<i>
         self.islands: list[IslandProc] = []
         self.progress = Progress(self.out, self.islands, cfg.report_to)
-        self.syncer: SyncerProcess | None = None
+        self.syncer: SyncerProcess | None = None  # shard 0 (the one syncer when unsharded)
+        self.shards: list[SyncerProcess] = []
         self.address = ""
         self.dashboard_url: str | None = None
         self.stopping: str | None = None   # why, once a stop began
@@ -115,8 +117,8 @@ class LocalRun:
     # ---- start ------------------------------------------------------------------
     def prepare(self) -> None:
         """Refuse (or, with overwrite, clear) an earlier run's outputs in --out."""
-        for sub in ("syncer", "islands", "adapter", "tensorboard"):
-            p = self.out / sub
+        for p in (*(self.shard_dir(i) for i in range(self.cfg.shards)),
+                  *(self.out / sub for sub in ("islands", "adapter", "tensorboard"))):
             if p.is_dir() and any(p.iterdir()):
                 if not self.cfg.overwrite:
                     raise LaunchError(f"{p} already holds a run's outputs: pass --overwrite to "
@@ -144,29 +146,43 @@ class LocalRun:
         self.env[net.TOKEN_ENV] = self.token
 
     def start_syncer(self, timeout: float = 60.0) -> str:
-        """Start the syncer (its own session, log in syncer/log.txt); returns its address."""
+        """Start the syncer, or each of --shards shards (each in its own session, its log
+        in its state dir's log.txt); returns the address islands dial ('A;B' for shards)."""
         quorum = self.cfg.quorum or self.cfg.num_islands
         tls = ["--tls-cert", str(self.cfg.tls_cert), "--tls-key", str(self.cfg.tls_key)] \
             if self.cfg.tls_cert else []
         slots = [iid for _, iid, _ in self._slots()]
         expect = ["--expect-islands", ",".join(slots)] if slots else []
-        try:
-            self.syncer = start_syncer(
-                ["--quorum", str(quorum), "--state-dir", str(self.syncer_dir), *tls,
-                 *expect, *self.cfg.syncer_args],
-                host=self.cfg.host, port=self.cfg.port, port_file=self.syncer_dir / "port",
-                dashboard_port=self.cfg.dashboard_port, env=self.env,
-                log=self.syncer_dir / "log.txt", timeout_s=timeout, new_session=True)
-        except (SyncerStartError, ValueError) as e:
-            raise LaunchError(f"{e}\n(the syncer's log: {self.syncer_dir / 'log.txt'})") \
-                from None
-        self.address, self.dashboard_url = self.syncer.address, self.syncer.dashboard_url
+        n = self.cfg.shards
+        for i in range(n):
+            state_dir = self.shard_dir(i)
+            state_dir.mkdir(parents=True, exist_ok=True)
+            shard = ["--shard", f"{i}/{n}", "--seed-from", "island-0"] if n > 1 else []
+            try:
+                self.shards.append(start_syncer(
+                    ["--quorum", str(quorum), "--state-dir", str(state_dir), *tls, *expect,
+                     *shard, *self.cfg.syncer_args],
+                    host=self.cfg.host, port=self.cfg.port if i == 0 else 0,
+                    port_file=state_dir / "port",
+                    dashboard_port=self.cfg.dashboard_port if i == 0 else None, env=self.env,
+                    log=state_dir / "log.txt", timeout_s=timeout, new_session=True))
+            except (SyncerStartError, ValueError) as e:
+                raise LaunchError(f"{e}\n(the syncer's log: {state_dir / 'log.txt'})") \
+                    from None
+        self.syncer = self.shards[0]
+        self.address = ";".join(s.address for s in self.shards)
+        self.dashboard_url = self.syncer.dashboard_url
         if self.cfg.external or self.cfg.advertise_host:
             self.join_address = join.join_address(self.cfg.host, self.syncer.port,
                                                   self.cfg.advertise_host)
             if self.cfg.tls_cert:  # the certificate names the address others dial
                 self.address = self.join_address
         return self.address
+
+    def shard_dir(self, i: int) -> Path:
+        """Shard i's state dir: OUT/syncer for shard 0 (the one syncer, unsharded), else
+        OUT/syncer-<i>."""
+        return self.syncer_dir if i == 0 else self.out / f"syncer-{i}"
 
     def island_command(self, index: int, backend: str, out_dir: Path) -> list[str]:
         """The island program (``python -m yeto.learner`` / ``yeto.mlx.learner``) and its
@@ -237,14 +253,16 @@ class LocalRun:
         return self.progress.poll(self._fetch_status if alive else None)
 
     def _fetch_status(self) -> dict:
-        from yeto.cli.status import fetch
+        """The syncer's Status; with shards, shard 0's with each island over all of them."""
+        from yeto.cli.status import fetch, merged_islands
 
         tls = None
         if self.cfg.island_ca is not None:
             from yeto.client import TLSConfig
 
             tls = TLSConfig(ca=self.cfg.island_ca.read_bytes())
-        return fetch(self.address, self.token, tls=tls, timeout=2.0)
+        got = [fetch(a, self.token, tls=tls, timeout=2.0) for a in self.address.split(";")]
+        return dict(got[0], islands=merged_islands(got)) if len(got) > 1 else got[0]
 
     def external(self) -> list[IslandProc]:
         return [i for i in self.islands if i.external]
@@ -261,6 +279,14 @@ class LocalRun:
 
     def waiting_slots(self) -> list[IslandProc]:
         return [i for i in self.external() if not i.syncer_state]
+
+    def failed_syncer(self) -> tuple[int, Path] | None:
+        """(exit code, its log) of the first syncer (shard) that exited non-zero."""
+        for i, s in enumerate(self.shards):
+            code = s.poll()
+            if code not in (None, 0):
+                return code, self.shard_dir(i) / "log.txt"
+        return None
 
     def stopped_by_signal(self) -> bool:
         return bool(self.stopping and self.stopping.startswith("signal"))
@@ -298,37 +324,52 @@ class LocalRun:
 
     def stop_syncer(self, wait_s: float = 60.0) -> int | None:
         """The syncer exits by itself once the run finished and the final weights went
-        out; otherwise it gets SIGTERM (it saves state every round) after ``wait_s``."""
-        return self.syncer.stop(grace_s=wait_s) if self.syncer is not None else None
+        out; otherwise it gets SIGTERM (it saves state every round) after ``wait_s``.
+        With shards: each in turn; the first non-zero exit code (else shard 0's)."""
+        codes = [s.stop(grace_s=wait_s) for s in self.shards]
+        return next((c for c in codes if c), codes[0] if codes else None)
 
     def kill_all(self) -> None:
         for isl in self.islands:
             if isl.proc is not None and isl.proc.poll() is None:
                 _send(isl.proc, signal.SIGKILL)
                 isl.proc.wait()
-        if self.syncer is not None:
-            self.syncer.kill()
+        for s in self.shards:
+            s.kill()
 
     def close(self) -> None:
         for f in self._logs:
             f.close()
         self.progress.close()
-        if self.syncer is not None:
-            self.syncer.close()
+        for s in self.shards:
+            s.close()
 
     # ---- outputs ----------------------------------------------------------------
     def collect(self, seconds: float) -> dict | None:
-        """Copy the syncer's final adapter to out/adapter and write summary.json."""
+        """Copy the syncer's final adapter to out/adapter (shards: assemble it from every
+        shard's state, as `yeto export` does) and write summary.json."""
         final = self.syncer_dir / "final"
         if final.is_dir():
             shutil.rmtree(self.out / "adapter", ignore_errors=True)
             shutil.copytree(final, self.out / "adapter")
+        elif self.cfg.shards > 1:
+            self._assemble_shards()
         try:
             summary = summarize(self.out, seconds, [i.id for i in self.external()])
         except (OSError, ValueError, StopIteration):
             return None
         atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
         return summary
+
+    def _assemble_shards(self) -> None:
+        from yeto.interop.export import ExportError, export
+
+        dirs = [self.shard_dir(i) for i in range(self.cfg.shards)]
+        shutil.rmtree(self.out / "adapter", ignore_errors=True)
+        try:
+            export(dirs, self.out / "adapter", "peft")
+        except ExportError as e:
+            log.warning("the shards' states did not assemble into an adapter: %s", e)
 
 
 def _send(proc: subprocess.Popen, sig) -> None:
