@@ -26,6 +26,11 @@ What is measured, in one run:
            training loop waits for its own push without blocking sync (one synthetic
            island, quorum 1, a push every 2 steps): staged behind the guard
            (`Island.before_update`) against staged in the loop, every other push.
+           With --shards S: the same round served by S syncer shards too (`--shard
+           I/S`, one fragment each; the islands push fragment 0, wait for its round,
+           then fragment 1, ...), in the same run: each shard's round time, CPU per
+           round, peak RSS and syncer_over_stack (its CPU ÷ what numpy and raw gRPC
+           need for its share of the bytes).
 
 Goal: syncer <= 10 B/param without momentum, <= 14 with it, whatever the number of
 islands; island overhead <= 10 B/param; the 5e8 round fits in 24 GiB and takes
@@ -36,6 +41,7 @@ islands; island overhead <= 10 B/param; the 5e8 round fits in 24 GiB and takes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -261,6 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--sync-every", type=int, default=3, help="island steps per push")
     p.add_argument("--half-billion", action="store_true",
                    help="only the 5e8-parameter round: syncer + two synthetic islands")
+    p.add_argument("--shards", type=int, default=1, metavar="S",
+                   help="with --half-billion: also the same round served by S syncer shards "
+                        "(--shard I/S, a fragment each), in the same run: round time, CPU "
+                        "and syncer_over_stack per shard")
     p.add_argument("--pin-islands", action="store_true",
                    help="with --half-billion: island i runs on core i only (Linux), as if "
                         "each island had a machine of its own; each then encodes on one "
@@ -408,37 +418,52 @@ def _on_core(i: int | None):
     return lambda: os.sched_setaffinity(0, {core})
 
 
-def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False) -> dict:
-    """The syncer and two synthetic islands (subprocesses), blocking sync every step,
-    each push staged in the training loop (with blocking sync the loop waits for the
-    round anyway: `island_overlap_run` measures the guard); `pin`: each island on a
-    core of its own (the syncer anywhere)."""
+def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False,
+                     shards: int = 1) -> dict:
+    """The syncer (or `shards` shards, each owning one of as many fragments) and two
+    synthetic islands (subprocesses), blocking sync every step, each push staged in the
+    training loop (with blocking sync the loop waits for the round anyway:
+    `island_overlap_run` measures the guard); `pin`: each island on a core of its own
+    (the syncers anywhere). With shards an island pushes fragment 0, waits for its round,
+    then fragment 1, ...: each shard's round is timed and its CPU read on its own."""
+    tmp = tmp / f"s{shards}"
+    tmp.mkdir(parents=True, exist_ok=True)
     records = [tmp / f"half-{i}.jsonl" for i in range(2)]
     children_cpu, t0 = _children_cpu_s(), time.perf_counter()
-    with start_syncer(["--quorum", "2", "--grace-ms", "0"], cwd=ROOT,
-                      log=tmp / "syncer.log") as syncer:
-        watch = PeakWatch(syncer.pid)
-        run_islands([synthetic_island(syncer.address, f"half-{i}", numel, "--steps", str(rounds),
+    flags = [["--quorum", "2", "--grace-ms", "0"] + (
+        ["--shard", f"{s}/{shards}", "--fragments", str(shards), "--seed-from", "half-0"]
+        if shards > 1 else []) for s in range(shards)]
+    with contextlib.ExitStack() as stack:
+        syncers = [stack.enter_context(start_syncer(f, cwd=ROOT, log=tmp / f"syncer-{s}.log"))
+                   for s, f in enumerate(flags)]
+        watches = [PeakWatch(s.pid) for s in syncers]
+        address = ";".join(s.address for s in syncers)
+        run_islands([synthetic_island(address, f"half-{i}", numel, "--steps", str(rounds),
                                       *EVERY_STEP, "--seed", str(i), "--record", str(rec))
                      for i, rec in enumerate(records)],
                     [tmp / f"half-{i}.log" for i in range(2)], pin=pin)
-        syncer.wait(timeout=300)
-        syncer_peak = watch.stop()
-    children_cpu = _children_cpu_s() - children_cpu  # the syncer and both islands
+        for s in syncers:
+            s.wait(timeout=300)
+        peaks = [w.stop() for w in watches]
+    children_cpu = _children_cpu_s() - children_cpu  # the syncers and both islands
     wall = time.perf_counter() - t0
     recs = [[json.loads(line) for line in r.read_text().splitlines()] for r in records]
     done = [[e for e in r if e["event"] == "done"][-1] for r in recs]
     if not all(d["final"] for d in done) or done[0]["weights_sha256"] != done[1]["weights_sha256"]:
         raise RuntimeError("the islands did not end with the same final weights")
     islands_cpu = [d["cpu_s"] for d in done]
-    per_round = _round_seconds(recs, rounds)
+    per_round = _round_seconds(recs, rounds, shards)
     for r in per_round:
-        r["syncer_cpu"] = watch.cpu_between(r.pop("start"), r.pop("end"))
-    return dict(syncer_peak_kib=syncer_peak, island_peak_kib=[d["peak_rss_kib"] for d in done],
+        parts = r.pop("parts")  # shard s's round: its fragment's push to both applied
+        r["syncer_cpu"] = [w.cpu_between(p["start"], p["end"]) for w, p in zip(watches, parts)]
+        r["shard_s"] = [p["end"] - p["start"] for p in parts]
+    return dict(syncer_peak_kib=max(peaks), shard_peak_kib=peaks,
+                island_peak_kib=[d["peak_rss_kib"] for d in done],
                 round_s=per_round, cpu_s=[children_cpu - sum(islands_cpu), *islands_cpu],
                 wall_s=wall,  # the pushes after each island's first (which touches every page)
                 blocked_s=[b for d in done for b in d["blocked_s"][1:]],
-                encode_s=[e for d in done for e in d["encode_s"][1:]])
+                encode_s=[e for d in done for e in d["encode_s"][1:]], shards=shards,
+                share=[1.0 / shards] * shards)
 
 
 OVERLAP_PUSHES = 9  # pushes of island_overlap_run's training steps: the first aside, 4 + 4
@@ -503,25 +528,37 @@ def _children_cpu_s() -> float:
     return t.children_user + t.children_system
 
 
-def _round_seconds(recs: list[list[dict]], rounds: int) -> list[dict]:
+def _round_seconds(recs: list[list[dict]], rounds: int, fragments: int = 1) -> list[dict]:
     """Per round, from the islands' records: `total` from the first island starting to
     encode its push to both having applied the merged weights; `encode` until the
     last push is handed to its client; `merge` until the last reply (the last push
     of a round is answered after the commit: transfer, merge, outer step); `bcast`
-    until both applied the broadcast."""
-    def times(event: str, r: int) -> list[float]:
-        """The time of each island's r-th `event` (for "applied": of version r + 1)."""
+    until both applied the broadcast. With `fragments` (blocking, one after another in
+    a step): the round spans them all, and `parts` holds each fragment's (start, end)."""
+    def times(event: str, k: int, f: int) -> list[float]:
+        """Each island's time of the k-th `event` of fragment f (for "applied": of
+        version k + 1; "push" events carry no fragment: they alternate)."""
         if event == "applied":
             return [next(e["time"] for e in rec if e["event"] == event and
-                         e["version"] == r + 1) for rec in recs]
-        return [[e["time"] for e in rec if e["event"] == event][r] for rec in recs]
+                         e["version"] == k + 1 and e.get("fragment", 0) == f) for rec in recs]
+        if event == "push":
+            return [[e["time"] for e in rec if e["event"] == event][k * fragments + f]
+                    for rec in recs]
+        return [[e["time"] for e in rec if e["event"] == event and
+                 e.get("fragment", 0) == f][k] for rec in recs]
 
     out = []
     for r in range(rounds):
-        start, sent = min(times("push", r)), max(times("sent", r))
-        replied, applied = max(times("replied", r)), max(times("applied", r))
-        out.append(dict(total=applied - start, encode=sent - start, merge=replied - sent,
-                        bcast=applied - replied, start=start, end=applied))
+        parts = []
+        for f in range(fragments):
+            start, sent = min(times("push", r, f)), max(times("sent", r, f))
+            replied, applied = max(times("replied", r, f)), max(times("applied", r, f))
+            parts.append(dict(start=start, sent=sent, replied=replied, end=applied))
+        start, end = parts[0]["start"], parts[-1]["end"]
+        out.append(dict(total=end - start, encode=sum(p["sent"] - p["start"] for p in parts),
+                        merge=sum(p["replied"] - p["sent"] for p in parts),
+                        bcast=sum(p["end"] - p["replied"] for p in parts), start=start,
+                        end=end, parts=parts))
     return out
 
 
@@ -591,6 +628,8 @@ def half_billion_main(args) -> int:
     before = raw_grpc(up, 4 * numel, streams=2, cpu=raw_cpu)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
         run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands)
+        sharded = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands,
+                                   shards=args.shards) if args.shards > 1 else None
         guard, loop = island_overlap_run(numel, Path(tmp))
     after = raw_grpc(up, 4 * numel, streams=2, cpu=raw_cpu)  # the speed drifts: best of both
     raw_up, raw_down = min(before[0], after[0]), min(before[1], after[1])
@@ -614,19 +653,50 @@ def half_billion_main(args) -> int:
                 right=[1, 2])
     print_table(["round", "total s", "islands encode", "push + merge + step", "broadcast + apply",
                  "syncer CPU s"],
-                [[i + 1, r["total"], r["encode"], r["merge"], r["bcast"], r["syncer_cpu"]]
+                [[i + 1, r["total"], r["encode"], r["merge"], r["bcast"], r["syncer_cpu"][0]]
                  for i, r in enumerate(run["round_s"])], right=range(6))
     copy_rate = max(copy_rate, memcpy_rate())  # the best of before and after the rounds
     cpu, _, _ = _floor_table(run, numel, copy_rate)
     arith, transport = _stack_table(numel, copy_rate, arithmetic_cpu_s(numel), raw_cpu)
     blocked, encode = overlap_table(guard, loop)
+    shard_kv = _shard_table(run, sharded, numel, copy_rate, arith + transport) if sharded else {}
     print(result_line(cpu_over_floor=cpu, arith_over_floor=arith,
                       syncer_over_stack=cpu / (arith + transport), raw_cpu_over_floor=transport,
                       island_blocked_s=blocked, encode_s=encode,
                       island_blocked_in_loop_s=statistics.median(loop["blocked_s"]),
                       half_billion_peak_gib=total_gib, round_s=round_s, raw_s=raw,
-                      round_over_raw=round_s / raw, params=numel))
+                      round_over_raw=round_s / raw, params=numel, **shard_kv))
     return 0
+
+
+def _shard_table(one: dict, sharded: dict, numel: int, copy_rate: float,
+                 stack: float) -> dict:
+    """S = 1 against S shards, from the same invocation: the round time, and per shard
+    its round (its fragment pushed to both islands applied), its CPU per round and that
+    CPU against what numpy and raw gRPC need for its share of the bytes (the stack's
+    figure × its share). Medians over the rounds after the first. Returns RESULT keys."""
+    floor_s = round_floor_bytes(numel, 2) / copy_rate
+    later = sharded["round_s"][1:]
+    rows = [["S = 1", "syncer", statistics.median(r["total"] for r in one["round_s"][1:]),
+             statistics.median(r["syncer_cpu"][0] for r in one["round_s"][1:]),
+             one["syncer_peak_kib"] / (1 << 20),
+             statistics.median(r["syncer_cpu"][0] for r in one["round_s"][1:])
+             / floor_s / stack]]
+    over = []
+    for s in range(sharded["shards"]):
+        cpu = statistics.median(r["syncer_cpu"][s] for r in later)
+        over.append(cpu / floor_s / (stack * sharded["share"][s]))
+        rows.append([f"S = {sharded['shards']}", f"shard {s}",
+                     statistics.median(r["shard_s"][s] for r in later), cpu,
+                     sharded["shard_peak_kib"][s] / (1 << 20), over[-1]])
+    print_table(["run", "syncer", "round s (median)", "CPU s per round", "peak RSS GiB",
+                 "÷ stack (its share)"], rows, right=[2, 3, 4, 5])
+    round_sharded = statistics.median(r["total"] for r in later)
+    print(f"S = {sharded['shards']}: a step's rounds, one shard after the other (blocking "
+          f"sync): {round_sharded:.2f} s")
+    return dict(shards=sharded["shards"], shard_round_s=round_sharded,
+                shard_syncer_over_stack=",".join(f"{x:.3f}" for x in over),
+                shard_syncer_over_stack_max=max(over))
 
 
 def _floor_table(run: dict, numel: int, copy_rate: float) -> tuple[float, float, float]:
@@ -635,7 +705,7 @@ def _floor_table(run: dict, numel: int, copy_rate: float) -> tuple[float, float,
     (`Island.blocked_s`) and seconds its encode took on the background thread. Returns
     (CPU ÷ floor, blocked, encode): medians over the rounds after the first."""
     floor_s = round_floor_bytes(numel, 2) / copy_rate
-    cpu = statistics.median(r["syncer_cpu"] for r in run["round_s"][1:])
+    cpu = statistics.median(r["syncer_cpu"][0] for r in run["round_s"][1:])
     blocked, encode = statistics.median(run["blocked_s"]), statistics.median(run["encode_s"])
     print_table(["what", "seconds"],
                 [[f"memcpy: {copy_rate / 1e9:.1f} GB moved (read + written) per CPU second, "

@@ -37,7 +37,8 @@ def test_benchmarks_explain_themselves():
 
 @pytest.mark.parametrize("args, key", [
     (["--quick", "--islands", "1", "--momentum", "none"], "syncer_bytes_per_param"),
-    (["--half-billion", "--params", "2e6", "--rounds", "2"], "round_over_raw"),
+    (["--half-billion", "--params", "2e6", "--rounds", "2", "--shards", "2"],
+     "shard_syncer_over_stack_max"),
 ])
 def test_memory_benchmark_runs_and_reports(args, key):
     """bench_memory's two jobs (small): the last line is a RESULT line with numbers."""

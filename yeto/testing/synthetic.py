@@ -123,9 +123,10 @@ def _record_pushes(client, record) -> None:
     push = client.push
 
     def timed(payload, **kw):
-        record("sent", seq=kw.get("seq"), bytes=len(payload))
+        f = kw.get("fragment", 0)
+        record("sent", seq=kw.get("seq"), fragment=f, bytes=len(payload))
         fut = push(payload, **kw)
-        fut.add_done_callback(lambda _: record("replied", seq=kw.get("seq")))
+        fut.add_done_callback(lambda _: record("replied", seq=kw.get("seq"), fragment=f))
         return fut
 
     client.push = timed
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
 
     def on_apply(got) -> None:
         whole = isinstance(got.theta, np.ndarray)  # else it streamed into w
-        record("applied", version=got.version, final=got.final,
+        record("applied", version=got.version, fragment=got.fragment, final=got.final,
                theta_sha256=hashlib.sha256(got.theta).hexdigest() if whole else None)
 
     def on_sync() -> float:
