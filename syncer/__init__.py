@@ -31,6 +31,12 @@ Read it top to bottom, in the order a push travels:
 
 Needs numpy, grpcio, protobuf and safetensors only: no torch, transformers, peft or mlx.
 
+One push: `service` checks the caller and hands the stream to `Run.push` once; the
+run checks the header (`members`, `intake`), then, as the bytes arrive, stages them
+into the round or makes way (`rounds`, `staging`), takes the push at its last byte
+(`Rounds.take`), and a round that is due commits (`commit`: `Model.outer_step`, the
+`Store`, the tape, the broadcast).
+
 Memory, per parameter: Θ (4 B) and the open round's running sum (4 B); the outer
 momentum (4 B) only when it is not 0; the islands' weights (4 B) only with a
 compressed downlink, plus its encoded update (0.5625 B for q4), shared by all
@@ -40,4 +46,5 @@ under `--spill-min-mib` are held in memory instead; at most `--max-inflight-push
 once (clipping keeps a round's pushes, in their files, until it commits). Broadcasts
 stream from the live weights; the state file streams from the arrays. What grows with
 the number of islands is each connection's gRPC buffers, not a per-parameter cost.
+A shard (`--shard I/S`) holds these for its own fragments only.
 """
