@@ -43,10 +43,10 @@ import numpy as np
 
 from yeto.codec import chunked
 from yeto.layout import TensorSpec
+from yeto.transport import CARRY_SLACK
 
 SEED_MAX_ABS = 1e8    # initial weights: far beyond any model's, far below overflow
 HISTORY = 8           # push norms per island and fragment the norm bound looks back on
-CARRY_SLACK = 2       # schedules of steps a push may carry beyond the commits it missed
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 

@@ -25,6 +25,11 @@ from typing import Protocol
 
 import numpy as np
 
+# the most schedules of H steps one push claims beyond the commits its island missed since
+# its last accepted push: the syncer refuses more (`syncer.bounds.Bounds.claims`), and an
+# island's push claims at most this many H (work carried past it counts no tokens)
+CARRY_SLACK = 2
+
 
 class TransportError(RuntimeError):
     """A call to the syncer failed; the subclass says how."""

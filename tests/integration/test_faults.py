@@ -22,10 +22,13 @@ from helpers.wait import wait_until
 from syncer import state
 from syncer.bounds import Bounds
 from syncer.run import Config, Run
+from syncer.service import serve
 from syncer.tape import read_tape
 from yeto import codec, net
+from yeto.island import Island
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
+from yeto.testing.synthetic import Quadratic
 from yeto.transport import Refused
 
 
@@ -282,3 +285,48 @@ def test_clip_factor_bounds_a_poisoned_island(toy_layout, rng):
     bound = lr * (1 + mu) * clip * median  # first round: Θ moves lr·(1+μ)·g, ‖g‖ ≤ clip·median
     assert moved[clip] <= bound * (1 + 1e-5)
     assert moved[0.0] > 100 * bound  # without clipping the poison dominates
+
+
+def test_an_island_that_trained_through_a_syncer_restart_pushes_again(tmp_path, toy_layout):
+    """A syncer stopped and resumed while an island trained on: the steps the island
+    took offline all went into its next push, which claimed more than the syncer allows
+    an island that missed no commit (H × 2), and was refused; so was every later one
+    (each carried the last): the island never pushed again (the recover-from-a-crash
+    page hung on it). Now a push claims at most 2H steps (the work carried past that
+    still goes out whole): the run goes on after the restart."""
+    H, state_dir = 2, tmp_path / "state"
+    run = Run(Config(quorum=1, state_dir=state_dir, grace_ms=0))
+    server, port = serve(run, "127.0.0.1", 0)
+    client = make_client(f"127.0.0.1:{port}", "a", toy_layout, sync_every=H)  # declared
+    model = Quadratic(toy_layout, 0, 0.05)
+    island = Island(model, client=client, sync_every=H)
+    steps = []
+
+    def train_until(pred, what):
+        def step():
+            island.before_update()
+            model.update()
+            island.after_step(10)
+            steps.append(island.version)
+            return pred()
+        assert wait_until(step, timeout=60, interval=0.01), what
+
+    try:
+        island.start()
+        train_until(lambda: island.version >= 2, "two rounds before the stop")
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+        run.tape.close()
+        before = island.version
+        train_until(lambda: len(steps) > 20 * H, "steps while the syncer is down")
+        resumed = Run(Config(quorum=1, state_dir=state_dir, grace_ms=0, resume=True))
+        server, _ = serve(resumed, "127.0.0.1", port)
+        run = resumed
+        train_until(lambda: island.version > before, "a round after the restart")
+        refused = [r for r in read_tape(state_dir / "tape.jsonl") if r["event"] == "rejected"]
+        assert not refused, refused
+    finally:
+        client.close()
+        server.ticker_stop.set()
+        server.stop(grace=0).wait()
+        run.tape.close()

@@ -19,7 +19,7 @@ from yeto.island.schedule import Schedule
 from yeto.island.staging import Stager
 from yeto.island.weights import WeightPasses
 from yeto.layout import Fragment
-from yeto.transport import Received, Refused, Transport
+from yeto.transport import CARRY_SLACK, Received, Refused, Transport
 
 log = logging.getLogger("yeto.island")
 
@@ -55,7 +55,8 @@ class Island:
         # threads that encode a push (training waits for it): the island's cores
         threads = max(1, threads if threads is not None else default_threads())
         self.encoder = DeltaEncoder(self.layout.numel, wire, int(chunk), threads)
-        self.ledger = PushLedger(client, self.encoder)
+        self.ledger = PushLedger(client, self.encoder, 0 if sync_every_seconds > 0 else
+                                 CARRY_SLACK * sync_every)
         self.applier = Applier(self.encoder, merge_alpha, int(chunk))
         self.schedule = Schedule(sync_every, sync_every_seconds, clock)
         self.blocking, self.pipeline = blocking, max(1, pipeline)

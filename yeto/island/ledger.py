@@ -43,8 +43,12 @@ class PushLedger:
     """Counters and pushes in flight of the island on `client`; work that is not held
     goes back through `encoder` (`DeltaEncoder.carry`)."""
 
-    def __init__(self, client: Transport, encoder: DeltaEncoder):
-        self.client, self.encoder = client, encoder
+    def __init__(self, client: Transport, encoder: DeltaEncoder, max_steps: int = 0):
+        """`max_steps`: the most steps one push claims (0: no cap): H × `CARRY_SLACK`
+        for a schedule of H steps, as the syncer bounds a claim of an island that missed
+        no commit. Work carried past it (pushes refused or not delivered, a syncer
+        restart) still goes out whole; only its claim is capped."""
+        self.client, self.encoder, self.max_steps = client, encoder, max_steps
         self.pushed: list[Push] = []
         self.tokens: dict[int, int] = {}     # per fragment, since its last push
         self.steps: dict[int, int] = {}
@@ -70,6 +74,8 @@ class PushLedger:
         push at once. The push's future resolves to the syncer's reply."""
         self.seq = max(self.seq, self.client.acked_seq + 1)
         tokens, steps = self.tokens.get(f, 0), self.steps.get(f, 0)
+        if self.max_steps and steps > self.max_steps:  # carried work: claim what is allowed
+            tokens, steps = tokens * self.max_steps // steps, self.max_steps
         p = Push(f, self.seq, self.client.generation_for(f), None, tokens, steps, Future())
         self.pushed.append(p)
         self.seq += 1
