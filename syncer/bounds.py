@@ -43,7 +43,7 @@ import numpy as np
 
 from yeto.codec import chunked
 from yeto.layout import TensorSpec
-from yeto.transport import CARRY_SLACK
+from yeto.transport import CARRY_SLACK, OVER_SCHEDULE
 
 SEED_MAX_ABS = 1e8    # initial weights: far beyond any model's, far below overflow
 HISTORY = 8           # push norms per island and fragment the norm bound looks back on
@@ -92,10 +92,10 @@ class Bounds:
             raise BoundError(f"push claims {steps} steps; a push may carry at most "
                              f"{self.max_steps_per_push} (--max-steps-per-push)")
         if sync_every and steps > sync_every * (CARRY_SLACK + missed):
-            raise BoundError(f"push claims {steps} steps; the island declared a push every "
-                             f"{sync_every} steps when it joined and missed {missed} commits "
-                             f"since its last accepted push, so it can carry at most "
-                             f"{sync_every * (CARRY_SLACK + missed)}")
+            raise BoundError(f"push claims {steps} steps, {OVER_SCHEDULE}: the island "
+                             f"declared a push every {sync_every} steps when it joined and "
+                             f"missed {missed} commits since its last accepted push, so it "
+                             f"can carry at most {sync_every * (CARRY_SLACK + missed)}")
         per_step = min(tokens_per_step or self.max_tokens_per_step, self.max_tokens_per_step)
         if loss_tokens > steps * per_step:
             raise BoundError(f"push claims {loss_tokens} loss tokens in {steps} steps: more "

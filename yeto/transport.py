@@ -29,6 +29,9 @@ import numpy as np
 # its last accepted push: the syncer refuses more (`syncer.bounds.Bounds.claims`), and an
 # island's push claims at most this many H (work carried past it counts no tokens)
 CARRY_SLACK = 2
+# in the syncer's refusal of a push whose claim passes that: the island then cuts the
+# claim it carries into its next push (`yeto.island.ledger`)
+OVER_SCHEDULE = "more steps than its schedule allows"
 
 
 class TransportError(RuntimeError):

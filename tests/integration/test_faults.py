@@ -292,8 +292,9 @@ def test_an_island_that_trained_through_a_syncer_restart_pushes_again(tmp_path, 
     took offline all went into its next push, which claimed more than the syncer allows
     an island that missed no commit (H × 2), and was refused; so was every later one
     (each carried the last): the island never pushed again (the recover-from-a-crash
-    page hung on it). Now a push claims at most 2H steps (the work carried past that
-    still goes out whole): the run goes on after the restart."""
+    page hung on it). Now the island cuts the claim it carries to 2H after such a
+    refusal (the work still goes out whole): one push is refused, the next is merged,
+    and the run goes on."""
     H, state_dir = 2, tmp_path / "state"
     run = Run(Config(quorum=1, state_dir=state_dir, grace_ms=0))
     server, port = serve(run, "127.0.0.1", 0)
@@ -324,7 +325,7 @@ def test_an_island_that_trained_through_a_syncer_restart_pushes_again(tmp_path, 
         run = resumed
         train_until(lambda: island.version > before, "a round after the restart")
         refused = [r for r in read_tape(state_dir / "tape.jsonl") if r["event"] == "rejected"]
-        assert not refused, refused
+        assert len(refused) <= 1 and all("schedule allows" in r["detail"] for r in refused)
     finally:
         client.close()
         server.ticker_stop.set()

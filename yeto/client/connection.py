@@ -90,9 +90,12 @@ class Connection:
     def __init__(self, address: str, learner_id: str, request: pb.JoinRequest, *,
                  token: str | None = None, tls: TLSConfig | None = None,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None):
+                 keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None,
+                 cond: threading.Condition | None = None):
         """`address`: 'host:port', or several comma-separated (a primary syncer and its
-        standbys, `syncer.standby`): after a failure the next one is tried."""
+        standbys, `syncer.standby`): after a failure the next one is tried. `cond`: the
+        condition to notify (default: its own; the shards of a run share one, so a wait
+        wakes on any shard's broadcast)."""
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
         self.learner_id, self.join_request = learner_id, request
         self.metadata = net.auth_metadata(
@@ -101,7 +104,7 @@ class Connection:
         self._stream = None
         self._use(0, channel)
         self.backoff = (backoff_s, max_backoff_s)
-        self.cond = threading.Condition()
+        self.cond = cond if cond is not None else threading.Condition()
         self.connected = threading.Event()
         self.closed = False
         self.generation, self.run_id, self.num_fragments, self.acked_seq = 0, "", 1, -1

@@ -19,8 +19,6 @@ from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 from yeto.transport import Received, Transport
 
-POLL_S = 0.05  # a wait on several shards looks at each this often
-
 
 class AllSet:
     """`connected` of several links: set while every one of them is."""
@@ -51,8 +49,9 @@ class ShardedClient(Transport):
         self.address, self.learner_id, self.layout = syncer, learner_id, layout
         self._lock = threading.Lock()
         self.owner: list[int] | None = None  # the shard owning each fragment, once known
+        self.cond = threading.Condition()  # every shard's connection notifies it
         self.clients = [SyncerClient(a, learner_id, layout, shard=i,
-                                     check_join=self._check_map, **options)
+                                     check_join=self._check_map, cond=self.cond, **options)
                         for i, a in enumerate(addresses)]
         self.connected = AllSet([c.connected for c in self.clients])
         self.background_pushes = self.clients[0].background_pushes
@@ -142,21 +141,20 @@ class ShardedClient(Transport):
         return [r for c in self.clients for r in c.take()]
 
     def wait(self, timeout: float | None, need_connection: bool = False) -> list[Received]:
-        """Until any shard has a broadcast (or timeout / a fatal error / close)."""
+        """Until any shard has a broadcast (or timeout / a fatal error / close): the
+        shards' connections share one condition, which each notifies."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            got = self.take()
-            if got or self.fatal:
-                return got
-            if need_connection and not self.connected.is_set():
-                return []
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return []
-            got = self.clients[0].wait(POLL_S if left is None else min(left, POLL_S),
-                                       need_connection)
-            if got:
-                return got + self.take()
+        with self.cond:
+            while True:
+                got = self.take()
+                if got or self.fatal or any(c.closed for c in self.clients):
+                    return got
+                if need_connection and not self.connected.is_set():
+                    return []
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return []
+                self.cond.wait(timeout=0.5 if left is None else min(left, 0.5))
 
     def wait_one(self, timeout: float | None) -> Received | None:
         got = self.wait(timeout)

@@ -36,7 +36,8 @@ class SyncerClient(Transport):
                  keepalive_s: float = net.KEEPALIVE_S, channel: grpc.Channel | None = None,
                  sender: Executor | None = None, tokens_per_step: int = 0,
                  regime: str = "sft", sync_every: int = 0, shard: int | None = None,
-                 check_join: Callable[[pb.JoinReply], str | None] | None = None):
+                 check_join: Callable[[pb.JoinReply], str | None] | None = None,
+                 cond: threading.Condition | None = None):
         """`keepalive_s`: see `yeto.net.KEEPALIVE_S`. `channel`: a ready channel to use
         instead of opening one to `address` (`yeto.sim` passes an in-process one).
         `sender`: the executor pushes run on (default: one background thread, so a push
@@ -50,14 +51,14 @@ class SyncerClient(Transport):
         pushes by time): the syncer refuses pushes claiming more steps than that allows.
         `shard`: the shard of a sharded run this client talks to (None: an unsharded
         run); `check_join(reply)`: what is wrong with a join reply (None: nothing), to
-        end the island's part in the run with that message."""
+        end the island's part in the run with that message. `cond`: see `Connection`."""
         self.address, self.learner_id, self.layout = address, learner_id, layout
         self.shard, self.check_join = shard, check_join
         request = join_request(learner_id, layout, backend, weights_file, export_files,
                                tokens_per_step, regime, sync_every)
         self.connection = Connection(address, learner_id, request, token=token, tls=tls,
                                      backoff_s=backoff_s, max_backoff_s=max_backoff_s,
-                                     keepalive_s=keepalive_s, channel=channel)
+                                     keepalive_s=keepalive_s, channel=channel, cond=cond)
         self.receiver = BroadcastReceiver(self.connection)
         self.sender = PushSender(self.connection, layout.numel, sender)
         # pushes go out on the sender's own thread (not `sender`'s, e.g. yeto.sim's
@@ -116,6 +117,11 @@ class SyncerClient(Transport):
         return self.connection.acked_seq
 
     # ---- calls ------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """No more joins: the island stopped its connection."""
+        return self.connection.closed
+
     def stream_broadcasts(self) -> None:
         """Hand large f32 broadcasts over as `ThetaStream`s (`BroadcastReceiver`)."""
         self.receiver.stream_broadcasts()

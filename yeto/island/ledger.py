@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from yeto.codec import Encoder
 from yeto.island.encoder import DeltaEncoder
 from yeto.layout import Fragment
-from yeto.transport import Lost, Refused, Transport, TransportError
+from yeto.transport import OVER_SCHEDULE, Lost, Refused, Transport, TransportError
 
 log = logging.getLogger("yeto.island")
 PUSH_TIMEOUT_S = 300.0  # the longest a settle waits for one push's reply
@@ -36,6 +36,7 @@ class Push:
     steps: int
     future: Future               # the reply: done once encoded, sent and answered
     accepted: bool | None = None  # None until the reply (or its loss) is known
+    over_claimed: bool = False   # refused as claiming more steps than the syncer allows
     encode_s: float = 0.0        # seconds its encode took (on the background thread)
 
 
@@ -44,10 +45,13 @@ class PushLedger:
     goes back through `encoder` (`DeltaEncoder.carry`)."""
 
     def __init__(self, client: Transport, encoder: DeltaEncoder, max_steps: int = 0):
-        """`max_steps`: the most steps one push claims (0: no cap): H × `CARRY_SLACK`
-        for a schedule of H steps, as the syncer bounds a claim of an island that missed
-        no commit. Work carried past it (pushes refused or not delivered, a syncer
-        restart) still goes out whole; only its claim is capped."""
+        """`max_steps`: what a push claims after the syncer refused a claim as more
+        than its schedule allows (0: no cap): H × `CARRY_SLACK` for a schedule of H
+        steps, what the syncer allows an island that missed no commit. Steps taken
+        while no round committed (the syncer down, the quorum not met) all go into
+        the next push, which may claim more than that: then the work still goes out
+        whole, and only its claim is cut to what the syncer takes (without the cut,
+        every later push would carry the refused claim and be refused too)."""
         self.client, self.encoder, self.max_steps = client, encoder, max_steps
         self.pushed: list[Push] = []
         self.tokens: dict[int, int] = {}     # per fragment, since its last push
@@ -74,8 +78,6 @@ class PushLedger:
         push at once. The push's future resolves to the syncer's reply."""
         self.seq = max(self.seq, self.client.acked_seq + 1)
         tokens, steps = self.tokens.get(f, 0), self.steps.get(f, 0)
-        if self.max_steps and steps > self.max_steps:  # carried work: claim what is allowed
-            tokens, steps = tokens * self.max_steps // steps, self.max_steps
         p = Push(f, self.seq, self.client.generation_for(f), None, tokens, steps, Future())
         self.pushed.append(p)
         self.seq += 1
@@ -142,6 +144,13 @@ class PushLedger:
             self.encoder.carry(p.encoded, frag.start, frag.start, frag.start + p.encoded.numel)
         self.tokens[f] = self.tokens.get(f, 0) + sum(p.tokens for p in undone)
         self.steps[f] = self.steps.get(f, 0) + sum(p.steps for p in undone)
+        steps = self.steps[f]
+        if self.max_steps and steps > self.max_steps and any(p.over_claimed for p in undone):
+            log.warning("push %d claimed more steps than the syncer allows: the next push "
+                        "claims %d of the %d steps it carries", undone[0].seq,
+                        self.max_steps, steps)
+            self.tokens[f] = self.tokens[f] * self.max_steps // steps
+            self.steps[f] = self.max_steps
         self.pushed = [p for p in self.pushed if all(p is not u for u in undone)]
 
     def _outcome(self, p: Push) -> bool | None:
@@ -151,6 +160,7 @@ class PushLedger:
             return p.future.result(timeout=PUSH_TIMEOUT_S).kept
         except Refused as e:
             log.warning("push %d refused: %s", p.seq, e)
+            p.over_claimed = OVER_SCHEDULE in str(e)
             return False
         except Lost as e:
             if self.client.generation_for(p.fragment) != p.generation:
