@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 
 import numpy as np
 import pytest
 from helpers.syncer import running_syncer
+from helpers.wait import wait_until
 from safetensors.numpy import load_file
 
 from syncer.run import Config, PushHeader, Reject, Run
@@ -17,6 +19,7 @@ from syncer.shards import Shard
 from syncer.staging import WholePush
 from yeto import codec
 from yeto.cli import status as status_cli
+from yeto.client.sharded import ShardedClient
 from yeto.interop.export import ExportError, export
 from yeto.layout import Layout
 
@@ -125,3 +128,23 @@ def test_a_shard_keeps_only_its_own_fragments(tmp_path):
             want = seed[lo:hi] if f == mine else np.zeros(hi - lo, np.float32)
             np.testing.assert_array_equal(run.theta[lo:hi], want, err_msg=f"fragment {f}")
         run.tape.close()
+
+
+def test_an_island_knows_the_fragments_from_whichever_shard_answers_first(tmp_path):
+    """The island took the run's fragment count from shard 0 alone: when shard 1
+    answered first (here shard 0 is not up yet), it counted one fragment, and shard 1's
+    broadcast of fragment 1 crashed it (`IndexError`, seen in `yeto launch --shards
+    2`). Now any shard that answered tells it."""
+    with socket.socket() as s:  # a port where shard 0 is not (yet) listening
+        s.bind(("127.0.0.1", 0))
+        down = s.getsockname()[1]
+    with running_syncer(quorum=1, fragments=2, shard=Shard(1, 2),
+                        state_dir=tmp_path / "s1") as (_, address):
+        client = ShardedClient(f"127.0.0.1:{down};{address}", "a", LAYOUT,
+                               backoff_s=0.05, max_backoff_s=0.2)
+        try:
+            client.start(np.zeros(LAYOUT.numel, np.float32))
+            assert wait_until(lambda: client.clients[1].connected.is_set(), timeout=30)
+            assert client.num_fragments == 2
+        finally:
+            client.close()

@@ -101,7 +101,9 @@ class ShardedClient(Transport):
 
     @property
     def num_fragments(self) -> int:
-        return self.clients[0].num_fragments
+        """The run's fragments, from whichever shard answered a join first (every shard
+        gives the same count: `_check_map`; one not joined yet says 1)."""
+        return max(c.num_fragments for c in self.clients)
 
     @property
     def fatal(self) -> str | None:
