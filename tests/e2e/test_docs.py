@@ -215,7 +215,8 @@ def _tensors_equal(a: Path, b: Path) -> bool:
 
 # minute-scale pages (.ci/run runs them after the default tier, with `-m long`)
 LONG_PAGES = ("docs/how-to/your-training-loop.md", "docs/how-to/mac-and-cuda.md",
-              "docs/how-to/recover-from-a-crash.md", "docs/how-to/full-weights-fsdp.md")
+              "docs/how-to/recover-from-a-crash.md", "docs/how-to/full-weights-fsdp.md",
+              "docs/how-to/rl-rollout-nodes.md", "docs/how-to/internet.md")
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.long) if p in LONG_PAGES
