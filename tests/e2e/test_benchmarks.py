@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULT = re.compile(r"^RESULT ratio=(\S+)((?: [A-Za-z_][A-Za-z0-9_]*=\S+)*)$")
 
 
-@pytest.mark.parametrize("script", ["bench_codec.py", "bench_transfer.py", "bench_merge.py"])
+@pytest.mark.parametrize("script", ["bench_codec.py",  # the slower two: .ci/run's long tier
+                                    *(pytest.param(s, marks=pytest.mark.long)
+                                      for s in ("bench_transfer.py", "bench_merge.py"))])
 def test_benchmark_runs_and_reports(script):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--quick"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)

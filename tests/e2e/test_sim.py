@@ -116,6 +116,7 @@ def _simulated(model: Path, task, *outs: Path) -> list[tuple[dict, list[dict]]]:
             for out in outs]
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 def test_simulated_time_syncs_by_simulated_seconds_and_repeats_exactly(tiny_llama, tiny_task,
                                                                     tmp_path):
     """On simulated time an island twice as slow pushes every 5 steps where the fast one
@@ -132,6 +133,7 @@ def test_simulated_time_syncs_by_simulated_seconds_and_repeats_exactly(tiny_llam
         np.testing.assert_array_equal(first[k], second[k], err_msg=k)
 
 
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
 def test_simulated_time_counts_the_waits_for_slower_islands(tiny_llama, tiny_task, tmp_path):
     """Speeds 1, 2, 4 (steps of 0.125, 0.25, 0.5 simulated s), blocking sync every 10
     steps, every island in every round: the fast islands wait at each round for the
