@@ -28,6 +28,25 @@ SMALL = ["--seq-len", "64", "--batch-size", "4", "--lora-r", "4", "--eval-blocks
          "--inner-lr", "3e-3"]
 
 
+def _launched(out, model, task, *extra) -> subprocess.CompletedProcess:
+    """A finished `yeto launch` of two islands, 12 steps, a push every 4."""
+    train, held_out = task
+    r = subprocess.run(_launch_cmd(out, model, train, held_out, "--max-steps", "12",
+                                   "--sync-every", "4", *extra),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _islands_hold_the_final_adapter(out) -> None:
+    """OUT/adapter is what both islands saved, tensor for tensor, bit for bit."""
+    final = load_file(out / "adapter" / "adapter_model.safetensors")
+    for island in ("island-0", "island-1"):
+        mine = load_file(out / "islands" / island / "adapter" / "adapter_model.safetensors")
+        assert mine.keys() == final.keys(), island
+        assert all(np.array_equal(mine[k], final[k]) for k in final), island
+
+
 def _launch_cmd(out, model, train, held_out, *extra):
     return [sys.executable, "-m", "yeto", "launch", "--model", str(model), "--data", str(train),
             "--eval-data", str(held_out), "--out", str(out), "--display", "plain", *SMALL, *extra]
@@ -103,17 +122,10 @@ def test_a_failing_island_stops_the_run_with_its_log(tmp_path, tiny_llama, tiny_
 @pytest.mark.mlx
 def test_launch_torch_and_mlx_islands(tmp_path, tiny_llama, tiny_task):
     pytest.importorskip("mlx_lm")
-    train, held_out = tiny_task
     out = tmp_path / "mixed"
-    r = subprocess.run(_launch_cmd(out, tiny_llama, train, held_out, "--islands", "torch,mlx",
-                                   "--max-steps", "12", "--sync-every", "4"),
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _launched(out, tiny_llama, tiny_task, "--islands", "torch,mlx")
     assert "island-1  mlx" in r.stdout and "held-out loss:" in r.stdout
-    final = load_file(out / "adapter" / "adapter_model.safetensors")
-    for island in ("island-0", "island-1"):
-        mine = load_file(out / "islands" / island / "adapter" / "adapter_model.safetensors")
-        assert all(np.array_equal(mine[k], final[k]) for k in final), island
+    _islands_hold_the_final_adapter(out)
     merges = [r for r in read_tape(out / "syncer" / "tape.jsonl") if r["event"] == "merge"]
     assert len(merges) == 3
 
@@ -138,18 +150,10 @@ def test_launch_with_two_shards(tmp_path, tiny_llama, tiny_task):
     """`yeto launch --shards 2`: two syncer shards (OUT/syncer, OUT/syncer-1), each
     running the rounds of its fragment; OUT/adapter, assembled from both shards' states,
     is the final adapter every island saved, bit for bit."""
-    train, held_out = tiny_task
     out = tmp_path / "sharded"
-    r = subprocess.run(_launch_cmd(out, tiny_llama, train, held_out, "--shards", "2",
-                                   "--max-steps", "12", "--sync-every", "4"),
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _launched(out, tiny_llama, tiny_task, "--shards", "2")
     assert "held-out loss:" in r.stdout and f"--state-dir {out / 'syncer-1'}" in r.stdout
-    final = load_file(out / "adapter" / "adapter_model.safetensors")
-    for island in ("island-0", "island-1"):
-        mine = load_file(out / "islands" / island / "adapter" / "adapter_model.safetensors")
-        assert mine.keys() == final.keys(), island
-        assert all(np.array_equal(mine[k], final[k]) for k in final), island
+    _islands_hold_the_final_adapter(out)
     for d in ("syncer", "syncer-1"):  # each shard merged rounds of its own fragment
         merges = [r for r in read_tape(out / d / "tape.jsonl") if r["event"] == "merge"]
         assert merges and {m["fragment"] for m in merges} == {0 if d == "syncer" else 1}, d

@@ -21,6 +21,14 @@ from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 
 
+def _rogue_joins(stub, layout, declared):
+    """The rogue joins first, declaring `declared` as its initial weights: it is asked
+    for the seed."""
+    joined = _join(stub, layout, "rogue", _cred("rogue"), init_sha256=seed_sha256(declared))
+    assert joined.send_seed
+    return joined
+
+
 def _clients(addr, layout, initials):
     """Real clients, started in order, each with its own initial weights."""
     out = []
@@ -42,9 +50,7 @@ def test_a_rogue_that_seeds_first_is_outvoted_by_the_first_quorum(toy_layout, tm
     honest, bogus = np.full(n, 0.25, np.float32), np.full(n, 5.0, np.float32)
     with running_syncer(quorum=3, token=SECRET, state_dir=tmp_path / "s") as (run, addr):
         stub = _stub(addr)
-        rogue = _join(stub, toy_layout, "rogue", _cred("rogue"),
-                      init_sha256=seed_sha256(bogus))
-        assert rogue.send_seed
+        rogue = _rogue_joins(stub, toy_layout, declared=bogus)
         assert _push(stub, _cred("rogue"), bogus.tobytes(), learner_id="rogue",
                      generation=rogue.generation, numel=n, kind=pb.PushKind.SEED).accepted
         cs = _clients(addr, toy_layout, [("honest-0", honest), ("honest-1", honest)])
@@ -70,9 +76,7 @@ def test_a_seed_that_is_not_the_declared_weights_is_refused(toy_layout, tmp_path
     honest, bogus = np.full(n, 0.25, np.float32), np.full(n, 5.0, np.float32)
     with running_syncer(quorum=2, token=SECRET, state_dir=tmp_path / "s") as (run, addr):
         stub = _stub(addr)
-        rogue = _join(stub, toy_layout, "rogue", _cred("rogue"),
-                      init_sha256=seed_sha256(honest))
-        assert rogue.send_seed
+        rogue = _rogue_joins(stub, toy_layout, declared=honest)
         for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             with pytest.raises(grpc.RpcError) as e:  # then: no longer the one asked
                 _push(stub, _cred("rogue"), bogus.tobytes(), learner_id="rogue",
