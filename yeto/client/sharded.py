@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from yeto.client.sender import seed_sha256
 from yeto.client.syncer_client import SyncerClient
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
@@ -135,9 +136,11 @@ class ShardedClient(Transport):
             c.stream_broadcasts()
 
     def start(self, initial: np.ndarray) -> None:
-        """Join every shard; each asks for the seed on its own (the same weights)."""
+        """Join every shard; each asks for the seed on its own (the same weights, their
+        digest computed once)."""
+        digest = seed_sha256(initial)
         for c in self.clients:
-            c.start(initial)
+            c.start(initial, digest)
 
     def take(self) -> list[Received]:
         return [r for c in self.clients for r in c.take()]

@@ -126,11 +126,11 @@ class SyncerClient(Transport):
         """Hand large f32 broadcasts over as `ThetaStream`s (`BroadcastReceiver`)."""
         self.receiver.stream_broadcasts()
 
-    def start(self, initial: np.ndarray) -> None:
+    def start(self, initial: np.ndarray, digest: bytes | None = None) -> None:
         """Connect in the background; `initial` seeds Θ if the syncer asks for it (its
-        digest is declared at join: `seed_sha256`)."""
+        digest, `seed_sha256(initial)` unless given, is declared at join)."""
         self._initial = initial
-        self.connection.join_request.init_sha256 = seed_sha256(initial)
+        self.connection.join_request.init_sha256 = digest or seed_sha256(initial)
         self.connection.start(self._session, lambda: self.receiver.finished)
 
     def _session(self, reply: pb.JoinReply) -> None:
