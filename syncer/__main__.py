@@ -139,6 +139,14 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
                    help="the most optimizer steps one push may claim (an island that "
                         "declared its --sync-every H when it joined: also at most H x (2 + "
                         "the rounds it missed))")
+    g.add_argument("--max-steps-per-second", type=float, default=b.max_steps_per_second,
+                   metavar="R",
+                   help="the fastest any island of this fleet trains, in optimizer steps per "
+                        "second: a push may claim at most R x the seconds since that "
+                        "island's last accepted push (plus one second's and 2 x its H), so "
+                        "an island with no declared --sync-every cannot claim steps it had "
+                        "no time for (0 = off; set it a few times above your fastest "
+                        "island's steps per second)")
     g.add_argument("--max-share", type=float, default=b.max_share,
                    help="the most of a round's merge one island's pushes may hold (its "
                         "weight lowered to fit, its direction kept); 0 = auto: 2/k for k "
@@ -168,7 +176,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     bounds = Bounds(max_delta=args.max_delta, norm_factor=args.norm_factor,
                     max_tokens_per_step=args.max_tokens_per_step,
                     max_steps_per_push=args.max_steps_per_push, max_params=args.max_params,
-                    max_share=args.max_share)
+                    max_share=args.max_share,
+                    max_steps_per_second=args.max_steps_per_second)
     return round_config(args, quorum=args.quorum, rounds=args.rounds, bounds=bounds,
                         save_timeout_s=args.save_timeout_s,
                         state_dir=args.state_dir, resume=args.resume,

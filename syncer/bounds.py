@@ -21,7 +21,12 @@ value enters, before it touches the round:
   the bound of an island that declares none); steps ≤ its declared schedule (H steps
   between pushes, declared at its first join) × (2 + the fragment's commits it missed
   since its last accepted push: carried work), and ≤ `max_steps_per_push` always. A
-  rejoin keeps the first declarations: an island cannot raise them mid-run.
+  rejoin keeps the first declarations: an island cannot raise them mid-run. With
+  `max_steps_per_second` R (the fleet's top speed, as the operator knows it), steps ≤
+  R × the seconds since the island's last accepted push to that fragment (or since
+  this syncer enrolled it), plus one second's steps and 2 × its H of slack: an island
+  that declared no schedule (a time-based one), or one that stayed away for many
+  rounds, cannot claim more steps than the wall time it had.
 - **Shares** (`max_share`): no island's share of a round's merge exceeds the cap
   (`share_cap`: by default 2/k for k islands in the round, so none for k ≤ 2); an
   island over it keeps its direction with its weight lowered (`share_factors`). The
@@ -35,6 +40,7 @@ value enters, before it touches the round:
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +68,7 @@ class Bounds:
     max_steps_per_push: int = 100_000
     max_params: int = 1 << 32
     max_share: float = 0.0  # 0: auto (2/k for k islands in a round)
+    max_steps_per_second: float = 0.0  # 0: no wall-time bound on claimed steps
 
     def check(self) -> None:
         for name in ("max_delta", "max_tokens_per_step", "max_steps_per_push", "max_params"):
@@ -71,6 +78,9 @@ class Bounds:
                                  f"got {v}")
         if not (np.isfinite(self.norm_factor) and self.norm_factor >= 0):
             raise ValueError(f"--norm-factor must be >= 0 (0 = off), got {self.norm_factor}")
+        if not (np.isfinite(self.max_steps_per_second) and self.max_steps_per_second >= 0):
+            raise ValueError("--max-steps-per-second must be >= 0 (0 = no wall-time bound), "
+                             f"got {self.max_steps_per_second}")
         if not 0 <= self.max_share <= 1:
             raise ValueError(f"--max-share must be in [0, 1] (0 = auto: 2/k), got "
                              f"{self.max_share}")
@@ -83,11 +93,12 @@ class Bounds:
 
 
     def claims(self, loss_tokens: int, steps: int, tokens_per_step: int,
-               sync_every: int = 0, missed: int = 0) -> None:
+               sync_every: int = 0, missed: int = 0, trained_s: float = math.inf) -> None:
         """Raise BoundError unless a push's claimed tokens and steps are plausible: an
         island that declared `sync_every` H steps between pushes, and missed `missed`
         commits of the fragment since its last accepted push, carries at most
-        H × (CARRY_SLACK + missed) steps."""
+        H × (CARRY_SLACK + missed) steps; with `max_steps_per_second`, at most that many
+        per second of `trained_s` (the wall time since its last accepted push there)."""
         if steps > self.max_steps_per_push:
             raise BoundError(f"push claims {steps} steps; a push may carry at most "
                              f"{self.max_steps_per_push} (--max-steps-per-push)")
@@ -96,11 +107,23 @@ class Bounds:
                              f"declared a push every {sync_every} steps when it joined and "
                              f"missed {missed} commits since its last accepted push, so it "
                              f"can carry at most {sync_every * (CARRY_SLACK + missed)}")
+        rate = self.max_steps_per_second
+        if rate and steps > (most := self.steps_in(trained_s, sync_every)):
+            raise BoundError(f"push claims {steps} steps {trained_s:.1f} s after its last "
+                             f"accepted push (or its join): at most {most} at "
+                             f"{rate:g} steps per second (--max-steps-per-second)")
         per_step = min(tokens_per_step or self.max_tokens_per_step, self.max_tokens_per_step)
         if loss_tokens > steps * per_step:
             raise BoundError(f"push claims {loss_tokens} loss tokens in {steps} steps: more "
                              f"than {per_step} per step, what the island declared when it "
                              "joined (--max-tokens-per-step caps any declaration)")
+
+    def steps_in(self, seconds: float, sync_every: int = 0) -> int:
+        """The most steps an island may claim after `seconds` of training at
+        `max_steps_per_second` (one second's more, and CARRY_SLACK × its H)."""
+        if not math.isfinite(seconds):
+            return self.max_steps_per_push
+        return math.ceil(self.max_steps_per_second * (seconds + 1.0)) + CARRY_SLACK * sync_every
 
     def declaration(self, tokens_per_step: int) -> int:
         if tokens_per_step > self.max_tokens_per_step:

@@ -56,12 +56,14 @@ def round_open(h: PushHeader, started: bool, finished: bool, version: int) -> No
                      f"syncer's {version}")
 
 
-def claims(bounds: Bounds, member: Member, h: PushHeader, commits: list[int]) -> None:
-    """The loss tokens and steps a delta claims, within what its island declared and
-    the rounds it may be carrying (`commits`: its fragment's commit versions)."""
+def claims(bounds: Bounds, member: Member, h: PushHeader, commits: list[int],
+           now: float) -> None:
+    """The loss tokens and steps a delta claims, within what its island declared, the
+    rounds it may be carrying (`commits`: its fragment's commit versions) and the wall
+    time it had (`now`: the run's clock)."""
     try:
         bounds.claims(h.loss_tokens, h.steps, member.tokens_per_step, member.sync_every,
-                      member.missed(h.fragment, commits))
+                      member.missed(h.fragment, commits), member.trained_for(h.fragment, now))
     except BoundError as e:
         raise Reject("invalid", f"{h.learner_id}: {e}") from None
 

@@ -48,6 +48,10 @@ class Member:
     joined_at: int = 0
     fingerprint: str = ""     # the layout it joined with (an observer's is checked later)
     init_sha256: bytes = b""  # the digest of its initial weights it declared (b"": none)
+    # the run's clock when this syncer first enrolled it (or restored it from the state),
+    # and per fragment when its last push there was accepted: the wall time it trained
+    enrolled_clock: float = 0.0
+    accepted_clock: dict[int, float] = field(default_factory=dict)
 
     def missed(self, fragment: int, commits: list[int]) -> int:
         """Commits of `fragment` (the versions in `commits`) since its last accepted push
@@ -55,9 +59,16 @@ class Member:
         since = self.pushed_at.get(fragment, self.joined_at)
         return sum(v > since for v in commits)
 
-    def accepted(self, fragment: int, version: int, seq: int, loss_tokens: int) -> None:
-        """Its push `seq` to `fragment` was summed into the round open on `version`."""
-        self.pushed_at[fragment] = version
+    def trained_for(self, fragment: int, now: float) -> float:
+        """Seconds of the run's clock since its last accepted push to `fragment` (or since
+        this syncer enrolled it): the wall time its next push there can have trained."""
+        return max(0.0, now - self.accepted_clock.get(fragment, self.enrolled_clock))
+
+    def accepted(self, fragment: int, version: int, seq: int, loss_tokens: int,
+                 now: float) -> None:
+        """Its push `seq` to `fragment` was summed into the round open on `version`, at
+        `now` (the run's clock)."""
+        self.pushed_at[fragment], self.accepted_clock[fragment] = version, now
         self.last_seq, self.pushes = seq, self.pushes + 1
         if fragment == 0:  # each fragment's push carries the same steps: count once
             self.loss_tokens += loss_tokens
@@ -106,13 +117,16 @@ class Members:
                           sync_every, "its --sync-every"))
         gen = self.next_generation
         self.next_generation += 1
-        member = Member(learner_id, gen, backend or "?", self.clock(), state=state,
+        now = self.clock()
+        member = Member(learner_id, gen, backend or "?", now, state=state,
                         tokens_per_step=declared[0], sync_every=declared[1],
-                        joined_at=version, fingerprint=fingerprint, init_sha256=init_sha256)
+                        joined_at=version, fingerprint=fingerprint, init_sha256=init_sha256,
+                        enrolled_clock=now)
         if old is not None:
             member.pushes, member.loss_tokens = old.pushes, old.loss_tokens
             member.last_seq, member.pushed_at = old.last_seq, old.pushed_at
-            member.joined_at = old.joined_at
+            member.joined_at, member.enrolled_clock = old.joined_at, old.enrolled_clock
+            member.accepted_clock = old.accepted_clock
             if old.state in (*LIVE, "observer"):
                 log.warning("%s joined again: generation %d replaces %d, whose calls are "
                             "refused from now on", learner_id, gen, old.generation)
@@ -186,6 +200,7 @@ class Members:
         """Rows from a saved ledger, every island "gone" until it rejoins."""
         for lid, row in ledger.items():
             self.rows[lid] = Member(lid, 0, row["backend"], self.clock(), state="gone",
+                                    enrolled_clock=self.clock(),
                                     pushes=row["pushes"], loss_tokens=row["loss_tokens"],
                                     last_seq=row["last_seq"],
                                     tokens_per_step=row.get("tokens_per_step", 0),

@@ -126,7 +126,7 @@ class Rounds:
         except codec.CodecError as e:
             raise Reject("invalid", f"push from {h.learner_id} rejected: {e}") from None
         self.norms.observe(h.fragment, h.learner_id, added.norm)
-        member.accepted(h.fragment, version, h.seq, h.loss_tokens)
+        member.accepted(h.fragment, version, h.seq, h.loss_tokens, self.clock())
         if added.scale < 1.0:
             log.warning("push from %s: norm %.4g over the bound, scaled by %.4g",
                         h.learner_id, added.norm, added.scale)

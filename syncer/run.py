@@ -284,7 +284,8 @@ class Run:
             intake.payload_size(h, self.model.numel(intake.fragment(h, self.cfg.fragments)))
             intake.owner(h, self._owners(), self.cfg.shard.index)
             intake.round_open(h, self.started, self.finished, self.version)
-            intake.claims(self.cfg.bounds, member, h, self.committer.commits_of(h.fragment))
+            intake.claims(self.cfg.bounds, member, h, self.committer.commits_of(h.fragment),
+                          self.clock())
             return self.rounds.keeps_pushes(h.fragment)
 
     def _take(self, h: PushHeader, payload: Pushed, owned: bool) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from helpers.wait import wait_until
 
 from syncer import state
 from syncer.admission import Streams
-from syncer.bounds import HISTORY
+from syncer.bounds import HISTORY, Bounds
 from syncer.run import Config, Run
 from syncer.service import serve
 from syncer.tape import read_tape
@@ -184,6 +184,34 @@ def test_steps_are_bounded_by_the_declared_schedule(toy_layout):
         assert "steps between pushes" in e.value.details()
         assert _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
                      numel=n, loss_tokens=2000, steps=20).accepted
+        honest.close()
+
+
+def test_steps_are_bounded_by_the_wall_time_at_the_fleets_speed(toy_layout):
+    """An island that declares no schedule (a time-based one) could claim 100,000 steps
+    in any push. With --max-steps-per-second R, a push claims at most R x (the seconds
+    since its island's last accepted push, or its join, + 1): the run's clock decides,
+    not the island."""
+    n, now = toy_layout.numel, [1000.0]
+    with running_syncer(quorum=2, token=SECRET, clock=lambda: now[0],
+                        bounds=Bounds(max_steps_per_second=10)) as (run, addr):
+        stub, joined = _stub(addr), []
+        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
+            _join(stub, toy_layout, "rogue", _cred("rogue"), tokens_per_step=100)))
+        gen = joined[0].generation
+        now[0] += 5.0  # five seconds after both joined: at most 10 x (5 + 1) = 60 steps
+        payload = np.full(n, 0.5, np.float32).tobytes()
+        digest = run.state_digest()
+        with pytest.raises(grpc.RpcError) as e:
+            _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
+                  numel=n, loss_tokens=6100, steps=61)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 60 at 10 steps per second (--max-steps-per-second)" in e.value.details()
+        assert run.state_digest() == digest
+        reply = _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
+                      numel=n, loss_tokens=6000, steps=60)
+        assert reply.accepted
+        assert [r["steps"] for r in run.rounds.get(0).responders] == [60]
         honest.close()
 
 
