@@ -22,8 +22,9 @@ from syncer.admission import Streams
 from syncer.bounds import Bounds
 from syncer.flags import add_round_args, round_config
 from syncer.run import Config, Run
-from syncer.service import EXCLUSIVE_PORT, SPILL_MIN_BYTES, SyncerServer, TLSFiles, serve
+from syncer.service import EXCLUSIVE_PORT, SPILL_MIN_BYTES, SyncerServer, TLSFiles, listen, serve
 from syncer.shards import Shard
+from syncer.standby import peer_tls
 from syncer.state import StateError
 from yeto import memory, net, runfile
 from yeto.codec import kernels
@@ -203,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _refuse_open_listening(args, token, tls)
     cfg = config_from_args(args)
     cfg.token = token  # keys the state's digest (syncer.persist.Store)
+    cfg.peer_tls = peer_tls(*tls) if tls else None  # to a standby, or to the primary
     memory.limit_arenas()  # freed chunk buffers reused from two arenas, not kept in 16
     if args.standby_of:
         args.port = _stand_by(args, cfg, token, tls)  # returns once it takes over
@@ -253,9 +255,9 @@ def _stand_by(args: argparse.Namespace, cfg: Config, token: str | None, tls: TLS
 
     if cfg.state_dir is None:
         sys.exit("error: --standby-of needs --state-dir (where the primary's states are kept)")
-    if tls:
-        sys.exit("error: --standby-of does not take TLS flags yet: keep the primary and its "
-                 "standby on a private network and give both the run's --token")
+    if tls and not token:
+        sys.exit("error: --standby-of with TLS needs the run's --token (or $YETO_TOKEN): "
+                 "only the run's secret registers a standby and sends it states")
     if args.takeover_after_s <= 0:
         sys.exit("error: --takeover-after-s must be positive")
     try:
@@ -264,13 +266,17 @@ def _stand_by(args: argparse.Namespace, cfg: Config, token: str | None, tls: TLS
         sys.exit(f"error: --standby-of: {e}")
     server = grpc.server(ThreadPoolExecutor(max_workers=8),
                          options=net.SERVER_OPTIONS + EXCLUSIVE_PORT)
-    port = server.add_insecure_port(host_port(args.host, args.port))
+    try:
+        port = listen(server, host_port(args.host, args.port), tls)
+    except RuntimeError:
+        port = 0
     if port == 0:
         sys.exit(f"error: cannot listen on {host_port(args.host, args.port)}")
     advertise = args.advertise or host_port(args.host, port)
     try:
         standby = Standby(cfg.state_dir, StateKey(token), args.standby_of, advertise,
-                          args.takeover_after_s, 12 * cfg.bounds.max_params + (64 << 20))
+                          args.takeover_after_s, 12 * cfg.bounds.max_params + (64 << 20),
+                          cfg.peer_tls)
     except StateError as e:
         sys.exit(f"error: {e}")
     pb_grpc.add_SyncerServicer_to_server(StandbyService(standby, token), server)

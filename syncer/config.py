@@ -11,6 +11,7 @@ import numpy as np
 from syncer import strategy
 from syncer.bounds import Bounds
 from syncer.shards import Shard
+from yeto.client.connection import TLSConfig
 
 MAX_QUORUM = 1 << 20  # islands a round may wait for (the wire carries it as uint32)
 
@@ -47,6 +48,9 @@ class Config:
     save_timeout_s: float = 120.0
     # the run's secret (--token / $YETO_TOKEN): keys the state's digest (syncer.persist)
     token: str | None = field(default=None, repr=False)
+    # how it dials the other syncer of a primary-standby pair (syncer.standby.peer_tls;
+    # None: plaintext)
+    peer_tls: TLSConfig | None = field(default=None, repr=False)
 
     def check(self) -> None:
         """Refuse settings that would make the outer step non-finite or meaningless."""

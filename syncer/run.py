@@ -76,7 +76,8 @@ class Run:
         self.committer = Committer(config, self, self.cond, clock, self.model, self.rounds,
                                    self.members, self.downlink, self.tape)
         self.store = Store(config) if config.state_dir is not None else None
-        self.standbys = Standbys(config.state_dir / state.STATE_FILE, config.token, self.tape) \
+        self.standbys = Standbys(config.state_dir / state.STATE_FILE, config.token, self.tape,
+                                 config.peer_tls) \
             if config.state_dir is not None else None
         self.started, self.finished = False, False
         self.bytes_in = self.bytes_out = self.rejected = 0

@@ -414,13 +414,7 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
                                 client_certs=bool(tls and tls[2] is not None)), server)
     address = host_port(host, port)
     try:
-        if tls:
-            cert, key, ca = tls
-            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                                require_client_auth=ca is not None)
-            bound = server.add_secure_port(address, creds)
-        else:
-            bound = server.add_insecure_port(address)
+        bound = listen(server, address, tls)
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -434,6 +428,17 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
     ticking = cast(SyncerServer, server)  # a grpc server takes attributes: it now has one
     ticking.ticker_stop = stop
     return ticking, bound
+
+
+def listen(server: grpc.Server, address: str, tls: TLSFiles | None) -> int:
+    """Bind `server` to `address`, with TLS when given (client certificates required
+    when it names a CA); returns the port (0: not bound)."""
+    if not tls:
+        return server.add_insecure_port(address)
+    cert, key, ca = tls
+    creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                        require_client_auth=ca is not None)
+    return server.add_secure_port(address, creds)
 
 
 def _tick(run: Run, streams: Streams, stop: threading.Event) -> None:

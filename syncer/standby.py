@@ -37,7 +37,8 @@ from syncer import state
 from syncer.errors import Reject
 from syncer.tape import Tape
 from yeto import net
-from yeto.io import atomic_file, host_port
+from yeto.client.connection import TLSConfig, open_channel
+from yeto.io import atomic_file
 from yeto.proto import yeto_pb2 as pb
 from yeto.proto import yeto_pb2_grpc as pb_grpc
 
@@ -50,9 +51,19 @@ MIN_RATE = 20e6             # bytes/s a replica must at least move at (its deadl
 INCOMING = ".incoming"      # where a standby checks a received state before using it
 
 
-def _channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(host_port(*net.parse_address(address)),
-                                 options=net.client_options(net.KEEPALIVE_S))
+def _channel(address: str, tls: TLSConfig | None) -> grpc.Channel:
+    """A channel to the other syncer of the pair (TLS when the run uses it: see
+    `peer_tls`)."""
+    return open_channel(address, tls)
+
+
+def peer_tls(cert: bytes, key: bytes, ca: bytes | None) -> TLSConfig:
+    """How a syncer serving TLS (`cert`, `key`; `ca`: its --tls-ca, if any) dials the
+    other syncer of a primary-standby pair: it trusts `ca`, or without one the
+    certificate it serves itself (both syncers then serve one certificate, which names
+    both hosts), and presents its own certificate, so a peer that asks islands for
+    client certificates gets one too."""
+    return TLSConfig(ca=ca or cert, cert=cert, key=key)
 
 
 def _deadline_s(size: int) -> float:
@@ -62,8 +73,9 @@ def _deadline_s(size: int) -> float:
 class Standbys:
     """The primary's standbys: who registered, and sending them each saved state."""
 
-    def __init__(self, state_path: Path, token: str | None, tape: Tape):
-        self.path, self.tape = state_path, tape
+    def __init__(self, state_path: Path, token: str | None, tape: Tape,
+                 tls: TLSConfig | None = None):
+        self.path, self.tape, self.tls = state_path, tape, tls
         self.metadata = net.auth_metadata(token)
         self._lock = threading.Lock()
         self._known: dict[str, int] = {}  # address -> the version it acknowledged
@@ -100,7 +112,7 @@ class Standbys:
     def send(self, address: str, version: int) -> int:
         """Stream the state file to `address`; returns the version it acknowledged."""
         size = self.path.stat().st_size
-        with _channel(address) as channel:
+        with _channel(address, self.tls) as channel:
             reply = pb_grpc.SyncerStub(channel).Replicate(
                 _chunks(self.path, version, size), metadata=self.metadata,
                 timeout=_deadline_s(size))
@@ -137,8 +149,9 @@ class Standby:
     """The standby side: the newest state it holds, and whether the primary answers."""
 
     def __init__(self, state_dir: Path, key: state.StateKey, primary: str, advertise: str,
-                 takeover_after_s: float, max_bytes: int):
+                 takeover_after_s: float, max_bytes: int, tls: TLSConfig | None = None):
         self.dir, self.key, self.primary, self.advertise = state_dir, key, primary, advertise
+        self.tls = tls  # how it dials the primary (`peer_tls`; None: plaintext)
         self.takeover_after_s, self.max_bytes = takeover_after_s, max_bytes
         self._lock = threading.Lock()
         self.version = self._held_version()
@@ -188,7 +201,7 @@ class Standby:
         `takeover_after_s` (True: take over) or `stop` is set (False)."""
         metadata = net.auth_metadata(token)
         last_ok = time.monotonic()
-        with _channel(self.primary) as channel:
+        with _channel(self.primary, self.tls) as channel:
             stub = pb_grpc.SyncerStub(channel)
             while not stop.wait(REGISTER_EVERY_S):
                 try:

@@ -3,11 +3,13 @@ the primary saves it, and when the primary is killed with SIGKILL it takes the r
 the islands, which hold both addresses, finish without a restart and no committed round
 is lost. Real processes: two syncers and synthetic numpy islands."""
 
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers.wait import wait_until
 
 from syncer import spawn, state
@@ -83,3 +85,65 @@ def test_a_standby_takes_over_a_killed_primary_without_losing_a_round(tmp_path):
     assert finals[0]["weights_sha256"] == finals[1]["weights_sha256"]
     theta_final = state.load(b, state.StateKey("s3cret-run"))[3]
     assert theta_final["version"] == versions[-1]
+
+
+def _self_signed(d: Path) -> tuple[Path, Path]:
+    """One certificate both syncers serve (it names 127.0.0.1), which islands trust."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    "syncer.key", "-out", "syncer.pem", "-days", "2", "-subj", "/CN=syncer",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], cwd=d, check=True,
+                   capture_output=True)
+    return d / "syncer.pem", d / "syncer.key"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_a_standby_pair_speaks_tls_both_ways(tmp_path, toy_layout):
+    """A TLS run can have a standby: it registers with the primary over TLS, and the
+    primary sends it each committed state over TLS (the standby serves the same
+    certificate; the run's --token authenticates both calls). Before, --standby-of
+    refused TLS flags."""
+    import numpy as np
+    from helpers.syncer import make_client, push_delta, wait_version
+
+    from yeto.client.connection import TLSConfig
+
+    cert, key = _self_signed(tmp_path)
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--quorum", "1"]
+    a, b = tmp_path / "primary", tmp_path / "standby"
+    primary = _syncer(a, *tls)
+    standby = _syncer(b, *tls, "--standby-of", primary.address, "--takeover-after-s", "600")
+    client = None
+    try:
+        assert wait_until(lambda: _events(a, "standby"), timeout=60), (
+            "the standby did not register over TLS: " + (tmp_path / "standby.log").read_text())
+        client = make_client(primary.address, "island-0", toy_layout, token="s3cret-run",
+                             tls=TLSConfig(ca=cert.read_bytes()))
+        client.start(np.zeros(toy_layout.numel, np.float32))
+        assert client.connected.wait(30), client.last_error
+        assert wait_version(client, 0) is not None  # Θ seeded and broadcast
+        assert push_delta(client, np.full(toy_layout.numel, 0.01, np.float32), 10, 0, 0).accepted
+
+        def held() -> int:
+            try:
+                return int(state.load(b, state.StateKey("s3cret-run"))[3]["version"])
+            except (state.StateError, OSError):
+                return 0
+
+        assert wait_until(lambda: held() >= 1, timeout=60), (
+            "no state reached the standby over TLS: " + (tmp_path / "primary.log").read_text())
+        assert held() == state.load(a, state.StateKey("s3cret-run"))[3]["version"]
+    finally:
+        if client is not None:
+            client.close()
+        for p in (primary, standby):
+            p.kill()
+            p.wait()
+
+
+def test_a_tls_standby_needs_the_run_token(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "syncer", "--state-dir", str(tmp_path / "s"),
+                          "--tls-cert", str(cert), "--tls-key", str(key), "--standby-of",
+                          "127.0.0.1:1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--standby-of with TLS needs the run's --token" in out.stderr
