@@ -19,6 +19,7 @@ from syncer import state, strategy
 from syncer.bounds import SEED_MAX_ABS
 from syncer.errors import Reject
 from syncer.merge import MergeAccumulator
+from syncer.staging import OwnedSeed
 from yeto import codec
 from yeto.layout import Layout, LayoutMismatch, TensorSpec
 
@@ -114,28 +115,40 @@ class Model:
     def asks_seed_of(self, learner_id: str) -> bool:
         return self.theta is None and learner_id == self.seeder
 
-    def seed(self, learner_id: str, payload: codec.Payload, declared: bytes = b"",
+    def seed_target(self, owned: list[int] | None) -> OwnedSeed | None:
+        """Where a shard receives a seed (`owned`: its fragments; None: all, then the
+        seed arrives whole): only its own fragments' values are kept as they come."""
+        if owned is None or len(owned) == self.fragments:
+            return None
+        return OwnedSeed(self.the_layout.numel, [self.span(f) for f in owned])
+
+    def seed(self, learner_id: str, payload: codec.Payload | OwnedSeed, declared: bytes = b"",
              owned: list[int] | None = None) -> bool:
         """Θ from the seeding island's initial weights (False: Θ was seeded already; a
         seed from any other island is refused, and so is one that is not the initial
         weights the island `declared` at its join). `owned`: the fragments this syncer
-        runs (a shard's; None: all): only their values are kept."""
+        runs (a shard's; None: all): only their values are kept (a shard's seed arrives
+        as an `OwnedSeed` that kept only those)."""
         if self.theta is not None:
             return False
         if learner_id != self.seeder:
             raise Reject("precondition", f"{learner_id} was not asked for the seed: "
                          f"{self.seeder or 'the first island to join'} seeds Θ (the syncer's "
                          "--seed-from names it)")
-        try:  # (a push header is refused before the layout)
-            theta = _f32_owned(payload, self.the_layout.numel, SEED_MAX_ABS)
-        except codec.CodecError as e:
-            raise Reject("invalid", f"seed from {learner_id} rejected: {e}") from None
-        digest = hashlib.sha256(theta.data).digest()
+        if isinstance(payload, OwnedSeed):  # its values checked as they arrived
+            theta, digest = payload.theta, payload.digest()
+        else:
+            try:  # (a push header is refused before the layout)
+                theta = _f32_owned(payload, self.the_layout.numel, SEED_MAX_ABS)
+            except codec.CodecError as e:
+                raise Reject("invalid", f"seed from {learner_id} rejected: {e}") from None
+            digest = hashlib.sha256(theta.data).digest()
         if declared and digest != declared:
             raise Reject("invalid", f"the seed from {learner_id} (sha256 {digest.hex()[:12]}) "
                          "is not the initial weights it declared when it joined (sha256 "
                          f"{declared.hex()[:12]}): Θ stays unseeded")
-        self.theta, self.seed_sha256 = self._owned_only(theta, owned), digest
+        kept = theta if isinstance(payload, OwnedSeed) else self._owned_only(theta, owned)
+        self.theta, self.seed_sha256 = kept, digest
         if self.outer.keeps_momentum:
             self.m = np.zeros(theta.shape, theta.dtype)
         log.info("Θ seeded by %s (%d parameters)", learner_id, theta.size)

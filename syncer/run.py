@@ -45,7 +45,7 @@ from syncer.model import Model
 from syncer.pacing import Pacing
 from syncer.persist import Store
 from syncer.rounds import Rounds
-from syncer.staging import PushBody, Pushed, StagedSum
+from syncer.staging import Into, OwnedSeed, PushBody, Received, StagedSum
 from syncer.standby import Standbys
 from syncer.tape import Tape
 from yeto.codec.buffers import SpilledPayload
@@ -256,12 +256,15 @@ class Run:
         keep = self._check_push_header(h)
         with body.slot(), body.buffer(h, keep) as buf, body.arriving(h) as alone:
             staged = None
-            if not keep and alone and buf is not None:
+            into: Into = buf
+            if h.seed:  # a shard keeps its own fragments of it only
+                into = self.model.seed_target(self.owned())
+            elif not keep and alone and buf is not None:
                 staged = self._claim_staging(h, buf)
             elif not keep:  # beside others: it arrives whole, and a stager may too
                 self._make_way(h)
             try:
-                payload = body.receive(h, staged or buf, intake.max_abs(h, self.cfg.bounds))
+                payload = body.receive(h, staged or into, intake.max_abs(h, self.cfg.bounds))
                 return self._take(h, payload, owned=keep)
             finally:
                 if staged is not None:
@@ -289,7 +292,7 @@ class Run:
                           self.clock())
             return self.rounds.keeps_pushes(h.fragment)
 
-    def _take(self, h: PushHeader, payload: Pushed, owned: bool) -> dict[str, Any]:
+    def _take(self, h: PushHeader, payload: Received, owned: bool) -> dict[str, Any]:
         """Seed Θ, or add a pseudo-gradient to the open round of its fragment. `owned`:
         the run may keep `payload` (False: a pooled buffer, copied if it must be kept)."""
         with self.cond:
@@ -297,6 +300,8 @@ class Run:
             self.bytes_in += len(payload)
             if h.seed:
                 return self._seed(member, payload)
+            if isinstance(payload, OwnedSeed):
+                raise TypeError("only a seed arrives as an OwnedSeed")
             if self.finished:
                 raise Reject("precondition", "the run has finished")
             self.committer.check_saved()
@@ -312,7 +317,7 @@ class Run:
             return dict(accepted=True, status="accepted", round=self.version + 1,
                         staleness=staleness)
 
-    def _seed(self, member: Member, payload: Pushed) -> dict[str, Any]:
+    def _seed(self, member: Member, payload: Received) -> dict[str, Any]:
         if isinstance(payload, (SpilledPayload, StagedSum)):  # a seed never spills nor stages
             raise TypeError("a seed arrives whole in memory")
         try:

@@ -31,7 +31,7 @@ from syncer.broadcast import Subscription
 from syncer.errors import Reject
 from syncer.messages import PushHeader
 from syncer.run import Run
-from syncer.staging import Pushed, StagedSum
+from syncer.staging import Received
 from yeto import codec, net, wire
 from yeto.codec import buffers, receiver
 from yeto.io import host_port
@@ -342,7 +342,7 @@ class _PushStream:
     def arriving(self, h: PushHeader) -> contextlib.AbstractContextManager[bool]:
         return self._service.arrivals.arriving(h)
 
-    def receive(self, h: PushHeader, into: staging.Into, max_abs: float) -> Pushed:
+    def receive(self, h: PushHeader, into: staging.Into, max_abs: float) -> Received:
         try:
             return _receive(h, self._first, self._rest, into, max_abs)
         except OSError as e:  # the spill file: a full or vanished disk
@@ -353,8 +353,7 @@ class _PushStream:
 
 def _receive(h: PushHeader, first: wire.Chunk[pb.PushHeader],
              rest: Iterable[wire.Chunk[pb.PushHeader]],
-             into: StagedSum | buffers.SpilledPayload | np.ndarray | None = None,
-             max_abs: float | None = None) -> Pushed:
+             into: staging.Into = None, max_abs: float | None = None) -> Received:
     """Assemble a push payload from its chunks into `into` (or a new buffer), validated
     as it arrives (see `yeto.codec.receiver.PayloadReceiver`): one buffer of the wire size,
     every value finite and within `max_abs`."""

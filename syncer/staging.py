@@ -37,6 +37,7 @@ wait for it to start arriving)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Iterator
 from typing import Protocol, TypeAlias
@@ -190,10 +191,45 @@ class Arrivals:
                 self._count[h.fragment] -= 1
 
 
-# a push as the run takes it: its bytes in memory, spilled to a file, or staged
+class OwnedSeed:
+    """A seed as a shard receives it (`syncer.model.Model.seed_target`): every byte
+    hashed as it arrives (the digest the seeding island declared covers all of Θ), and
+    only the bytes of the shard's own fragments kept, in a Θ-shaped array whose other
+    pages are never written, so they take no memory (`np.zeros` maps pages on first
+    write). A shard of S holds its part of Θ from the seed's first byte, never the
+    whole. The receiver has checked every value before `write` sees it."""
+
+    def __init__(self, numel: int, spans: list[tuple[int, int]]):
+        self.theta = np.zeros(numel, np.float32)
+        self._bytes = self.theta.view(np.uint8)
+        self._ranges = [(4 * lo, 4 * hi) for lo, hi in spans]  # bytes kept
+        self._hash = hashlib.sha256()
+        self._n = 0  # bytes received
+
+    def __len__(self) -> int:
+        return self._bytes.size
+
+    def write(self, piece: Payload) -> None:
+        view = fmt.as_view(piece).cast("B")
+        self._hash.update(view)
+        start, end = self._n, self._n + len(view)
+        for lo, hi in self._ranges:
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                self._bytes[a:b] = np.frombuffer(view[a - start:b - start], np.uint8)
+        self._n = end
+
+    def digest(self) -> bytes:
+        """SHA-256 of every byte received (all of Θ, not only the kept part)."""
+        return self._hash.digest()
+
+
+# a delta as the run takes it: its bytes in memory, spilled to a file, or staged
 Pushed: TypeAlias = Payload | SpilledPayload | StagedSum
+# any push as it was received (a shard receives a seed as an `OwnedSeed`)
+Received: TypeAlias = Pushed | OwnedSeed
 # where a push's bytes go as they arrive, before the run takes it (`PushBody.receive`)
-Into: TypeAlias = StagedSum | SpilledPayload | np.ndarray | None
+Into: TypeAlias = StagedSum | SpilledPayload | OwnedSeed | np.ndarray | None
 
 
 class PushBody(Protocol):
@@ -212,7 +248,7 @@ class PushBody(Protocol):
     def arriving(self, h: PushHeader) -> contextlib.AbstractContextManager[bool]:
         """For the length of the stream: whether push `h` arrives alone (`Arrivals`)."""
 
-    def receive(self, h: PushHeader, into: Into, max_abs: float) -> Pushed:
+    def receive(self, h: PushHeader, into: Into, max_abs: float) -> Received:
         """The payload, every byte of it validated (finite, within `max_abs`)."""
 
 
@@ -233,5 +269,5 @@ class WholePush:
     def arriving(self, h: PushHeader) -> contextlib.AbstractContextManager[bool]:
         return contextlib.nullcontext(True)  # alone, and no buffer: never staged
 
-    def receive(self, h: PushHeader, into: Into, max_abs: float) -> Pushed:
+    def receive(self, h: PushHeader, into: Into, max_abs: float) -> Received:
         return self._payload

@@ -82,3 +82,48 @@ def test_a_wrong_shard_map_is_refused_with_one_clear_line(tmp_path):
             s.kill()
     assert p.returncode != 0
     assert "wrong shard map" in p.stdout + p.stderr
+
+
+def _kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_a_shard_never_holds_the_whole_seed(tmp_path):
+    """Each shard received the seed whole into one buffer before keeping its own
+    fragments: at S shards every one of them briefly held all of Θ (S x its part).
+    Now a shard keeps its part as the bytes arrive: a 200 MB seed raises a shard of
+    two by about its 100 MB half, not the 300 MB of the whole seed beside its half.
+    Memory, read from /proc (VmHWM), not time."""
+    import numpy as np
+
+    from yeto.client.sharded import ShardedClient
+    from yeto.layout import Layout
+
+    layout = Layout.from_shapes({"base_model.model.m.q_proj.lora_A.weight": (2500, 10_000),
+                                 "base_model.model.m.q_proj.lora_B.weight": (10_000, 2500)})
+    seed = np.ones(layout.numel, np.float32)  # 5e7 values: 200 MB
+    shards = [spawn.start_syncer(["--quorum", "1", "--fragments", "2", "--shard", f"{i}/2"],
+                                 cwd=ROOT, log=tmp_path / f"shard-{i}.log") for i in range(2)]
+    client = None
+    try:
+        before = _kib(shards[0].pid, "VmRSS")
+        client = ShardedClient(";".join(s.address for s in shards), "island-0", layout,
+                               backoff_s=0.05, max_backoff_s=0.2)
+        client.start(seed)
+        seeded: set[int] = set()  # the fragments broadcast at version 0: both shards seeded
+        while len(seeded) < 2:
+            got = client.wait(timeout=120)
+            assert got, client.last_error
+            seeded |= {r.fragment for r in got if r.version == 0}
+        grew = (_kib(shards[0].pid, "VmHWM") - before) * 1024
+    finally:
+        if client is not None:
+            client.close()
+        for s in shards:
+            s.kill()
+            s.wait()
+    assert grew < 0.75 * seed.nbytes, f"the shard's peak grew by {grew / 1e6:.0f} MB"

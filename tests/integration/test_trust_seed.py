@@ -14,6 +14,7 @@ from helpers.syncer import make_client, running_syncer
 
 from integration.test_trust import SECRET, _cred, _join, _push, _stub
 from syncer.model import Model, Restored
+from syncer.shards import Shard
 from syncer.strategy import Nesterov
 from syncer.tape import read_tape
 from yeto.client.sender import seed_sha256
@@ -131,3 +132,35 @@ def test_the_vote_never_unseeds_a_theta_restored_from_the_state_dir():
 
 def _tape(state_dir):
     return read_tape(state_dir / "tape.jsonl")
+
+
+def test_a_shard_keeps_its_part_of_the_seed_and_checks_all_of_it(toy_layout):
+    """A shard received the seed whole into one buffer, then kept its own fragments:
+    each of S shards briefly held all of Θ. Now it keeps its fragments' bytes as they
+    arrive (`syncer.staging.OwnedSeed`) and hashes every byte: a seed that differs
+    from the declared weights only in another shard's fragment is still refused."""
+    n = toy_layout.numel
+    declared = np.linspace(-1, 1, n, dtype=np.float32)
+    with running_syncer(quorum=1, token=SECRET, fragments=2, shard=Shard(0, 2)) as (run, addr):
+        stub = _stub(addr)
+        joined = _rogue_joins(stub, toy_layout, declared)
+        (mine,) = run.owned()
+        lo, hi = run.model.span(1 - mine)
+        tampered = declared.copy()
+        tampered[lo:hi] += 1.0  # only the fragment this shard does not keep
+        with pytest.raises(grpc.RpcError) as e:
+            _push(stub, _cred("rogue"), tampered.tobytes(), learner_id="rogue",
+                  generation=joined.generation, numel=n, kind=pb.PushKind.SEED)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not the initial weights it declared" in e.value.details()
+        assert run.model.theta is None
+        honest = _join(stub, toy_layout, "honest", _cred("honest"),
+                       init_sha256=seed_sha256(declared))
+        assert honest.send_seed  # the rogue lost the seeding with its refused seed
+        assert _push(stub, _cred("honest"), declared.tobytes(), learner_id="honest",
+                     generation=honest.generation, numel=n, kind=pb.PushKind.SEED).accepted
+        theta = run.model.the_theta
+        mlo, mhi = run.model.span(mine)
+        np.testing.assert_array_equal(theta[mlo:mhi], declared[mlo:mhi])
+        assert not theta[lo:hi].any()
+        assert run.model.seed_sha256 == seed_sha256(declared)
