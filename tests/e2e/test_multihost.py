@@ -400,6 +400,92 @@ def test_slurm_script_parses_and_keeps_the_token_off_command_lines():
     assert "--token" not in text and "export YETO_TOKEN" in text
 
 
+SRUN = """#!PYTHON
+# srun for one machine: the job's nodes are this host. A step of --nodes=N > 1 runs its
+# command N times at once (SLURM_NODEID 0..N-1) and fails if any copy fails; any other
+# step runs its command once, in the foreground (the script backgrounds it with &).
+import os, subprocess, sys
+args, nodes = sys.argv[1:], 1
+while args and args[0].startswith("--"):
+    opt = args.pop(0)
+    if opt.startswith("--nodes="):
+        nodes = int(opt.split("=", 1)[1])
+if nodes == 1:
+    os.execvp(args[0], args)
+procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_NODEID=str(i))) for i in range(nodes)]
+sys.exit(max(p.wait() for p in procs))
+"""
+SCONTROL = """#!/bin/sh
+# scontrol show hostnames LIST, for a job of two nodes that are both this host
+printf '127.0.0.1\\n127.0.0.1\\n'
+"""
+
+
+def _free_base_port(offsets=(0, 1, 100, 101)) -> int:
+    """A port P with P + each offset free on loopback now (the recipe's shard and
+    standby ports)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        try:
+            socks = []
+            for off in offsets:
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free ports")
+
+
+@pytest.mark.long  # minute-scale: .ci/run runs it after the default tier
+@pytest.mark.skipif(not Path(sys.executable).with_name("torchrun").exists(),
+                    reason="torchrun not installed")
+def test_slurm_script_runs_two_shards_with_standbys_on_one_machine(tmp_path, tiny_llama,
+                                                                    tiny_task):
+    """The Slurm recipe, run for real with stand-in srun and scontrol on one machine: two
+    nodes (two torchrun islands), SHARDS=2 with STANDBYS=1 (four syncers). It ends with
+    the run's adapter assembled from the shards, the islands' final weights bit for bit,
+    and each standby holding its shard's last state."""
+    from syncer import state
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN.replace("PYTHON", sys.executable))
+    (bin_dir / "scontrol").write_text(SCONTROL)
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    train, held_out = tiny_task
+    run = tmp_path / "run"
+    env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_NUM_NODES="2",
+               MODEL=str(tiny_llama), DATA=str(train), EVAL_DATA=str(held_out), RUN=str(run),
+               PORT=str(_free_base_port()), STEPS="20", SYNC_EVERY="5", SHARDS="2", FRAGMENTS="2",
+               STANDBYS="1", ISLAND_ARGS="--seq-len 64 --batch-size 4 --threads 1")
+    env.pop("SLURM_GPUS_PER_NODE", None)
+    out = subprocess.run(["bash", str(DEPLOY / "slurm.sbatch")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    logs = {p.name: p.read_text()[-1500:] for p in run.rglob("*.log*") if p.is_file()}
+    assert out.returncode == 0, (out.stdout, out.stderr, logs)
+    assert "the run's adapter is in" in out.stdout
+    adapter = load_file(run / "adapter" / "adapter_model.safetensors")
+    for i in range(2):
+        mine = load_file(run / "islands" / f"island-{i}" / "adapter" / "adapter_model.safetensors")
+        assert sorted(mine) == sorted(adapter)
+        assert all(np.array_equal(mine[k], adapter[k]) for k in adapter)
+    token = state.StateKey((run / "token").read_text().strip())
+    for i in range(2):
+        primary = state.load(run / f"syncer-{i}", token)[3]
+        standby = state.load(run / f"standby-{i}", token)[3]
+        assert standby["version"] == primary["version"] > 0
+
+
 def systemd_command(unit: Path) -> str:
     """The shell command of the unit's ExecStart (continuations joined, $$ -> $)."""
     text = unit.read_text().replace("\\\n", " ")
