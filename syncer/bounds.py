@@ -109,9 +109,10 @@ class Bounds:
                              f"can carry at most {sync_every * (CARRY_SLACK + missed)}")
         rate = self.max_steps_per_second
         if rate and steps > (most := self.steps_in(trained_s, sync_every)):
-            raise BoundError(f"push claims {steps} steps {trained_s:.1f} s after its last "
-                             f"accepted push (or its join): at most {most} at "
-                             f"{rate:g} steps per second (--max-steps-per-second)")
+            # (OVER_SCHEDULE: an island that declared H then cuts the claim it carries)
+            raise BoundError(f"push claims {steps} steps, {OVER_SCHEDULE} at {rate:g} steps "
+                             f"per second (--max-steps-per-second): {trained_s:.1f} s since "
+                             f"its last accepted push (or its join) allow at most {most}")
         per_step = min(tokens_per_step or self.max_tokens_per_step, self.max_tokens_per_step)
         if loss_tokens > steps * per_step:
             raise BoundError(f"push claims {loss_tokens} loss tokens in {steps} steps: more "

@@ -206,7 +206,8 @@ def test_steps_are_bounded_by_the_wall_time_at_the_fleets_speed(toy_layout):
             _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
                   numel=n, loss_tokens=6100, steps=61)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "at most 60 at 10 steps per second (--max-steps-per-second)" in e.value.details()
+        assert "at 10 steps per second (--max-steps-per-second)" in e.value.details()
+        assert "allow at most 60" in e.value.details()
         assert run.state_digest() == digest
         reply = _push(stub, _cred("rogue"), payload, learner_id="rogue", generation=gen,
                       numel=n, loss_tokens=6000, steps=60)
