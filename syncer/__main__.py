@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "required on every request (open http://HOST:PORT/?token=TOKEN)")
     p.add_argument("--dashboard-port-file", type=Path, default=None,
                    help="write the dashboard's bound port here once it listens")
+    p.add_argument("--dashboard-shards", default=None, metavar="'A;B;...'",
+                   help="a sharded run: every shard's address, in order (the islands' "
+                        "--syncer list; standbys after commas are skipped): this dashboard "
+                        "then shows each shard's version, rounds and bytes, and every island "
+                        "over all of them (asked with the run's token)")
     p.add_argument("--log-level", default="INFO")
     runfile.add_config_arg(p)
     return p
@@ -343,11 +348,22 @@ def _start_dashboard(run: Run, args: argparse.Namespace, token: str | None,
                      server: SyncerServer) -> DashboardServer | None:
     if args.dashboard_port is None:
         return None
-    from syncer.dashboard import DashboardError, start_dashboard
+    from syncer.dashboard import DashboardError, ShardView, start_dashboard
 
+    shards = None
+    if args.dashboard_shards:
+        entries = [e.strip() for e in args.dashboard_shards.split(";") if e.strip()]
+        try:  # each shard's primary (the first address of its entry)
+            firsts = [e.split(",")[0].strip() for e in entries]
+            for a in firsts:
+                net.parse_address(a)
+        except ValueError as e:
+            server.stop(grace=0)
+            sys.exit(f"error: --dashboard-shards: {e}")
+        shards = ShardView(firsts, token, run.cfg.peer_tls)
     try:
         dashboard = start_dashboard(run, args.dashboard_host, args.dashboard_port,
-                                    token=token, insecure=args.insecure)
+                                    token=token, insecure=args.insecure, shards=shards)
     except DashboardError as e:
         server.stop(grace=0)
         sys.exit(f"error: {e}")

@@ -8,7 +8,9 @@ serves, read-only:
                  the wire, round timings, rejected messages. It polls the API
                  every 2 s; everything (CSS, JS, SVG charts) is inline, so it
                  works with no internet access.
-  /api/status    the run: `Run.status()` plus its config and counters
+  /api/status    the run: `Run.status()` plus its config and counters; with
+                 ``--dashboard-shards`` (a sharded run) each shard's status too
+                 and every island over all of them
   /api/tape      the tape's records (``?since=N`` skips the first N)
   /healthz       "ok"
 
@@ -27,6 +29,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
+from yeto.client.connection import TLSConfig
 from yeto.io import JsonlFollower, finite_or_none, host_port
 from yeto.net import is_loopback
 from yeto.signals import GracefulStop
@@ -74,13 +78,46 @@ class TapeCache:
             return out, n + len(out)
 
 
+class ShardView:
+    """A sharded run as one dashboard shows it: every shard's Status (`yeto.client.status`,
+    with the run's token), fetched at most once a second; a shard that does not answer
+    is a row saying so."""
+
+    EVERY_S = 1.0
+    TIMEOUT_S = 2.0
+
+    def __init__(self, addresses: list[str], token: str | None, tls: TLSConfig | None):
+        self.addresses, self.token, self.tls = addresses, token, tls
+        self._lock = threading.Lock()
+        self._at, self._rows = -math.inf, []  # type: tuple[float, list[dict[str, Any]]]
+
+    def rows(self) -> list[dict[str, Any]]:
+        with self._lock:
+            if time.monotonic() - self._at >= self.EVERY_S:
+                self._rows = [self._fetch(pos, a) for pos, a in enumerate(self.addresses)]
+                self._at = time.monotonic()
+            return self._rows
+
+    def _fetch(self, pos: int, address: str) -> dict[str, Any]:
+        import grpc
+
+        from yeto.client.connection import status
+
+        try:
+            got = status(address, self.token, self.tls, timeout=self.TIMEOUT_S)
+        except grpc.RpcError as e:
+            return dict(position=pos, address=address, islands=[],
+                        error=f"{e.code().name}: {e.details()}")
+        return dict(got, position=pos, address=address)
+
+
 class Dashboard:
     """What the HTTP handler serves: built from a live `Run` (or only a tape file,
-    for looking at a finished run)."""
+    for looking at a finished run); `shards`: every shard of a sharded run."""
 
     def __init__(self, run: Run | None = None, tape_path: Path | None = None,
                  token: str | None = None, require_token: bool = False,
-                 loopback_only: bool = False):
+                 loopback_only: bool = False, shards: ShardView | None = None):
         if tape_path is None and run is not None and getattr(run, "tape", None) is not None:
             tape_path = run.tape.path
         self.run = run
@@ -88,6 +125,7 @@ class Dashboard:
         self.token = token
         self.require_token = require_token
         self.loopback_only = loopback_only  # listening on loopback: check the Host header
+        self.shards = shards
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(time=time.time(),
@@ -107,6 +145,11 @@ class Dashboard:
         if layout is not None:
             out["parameters"] = int(layout.numel)
             out["tensors"] = len(layout.specs)
+        if self.shards is not None:
+            from yeto.client.connection import merged_islands
+
+            out["shard_rows"] = rows = self.shards.rows()
+            out["run_islands"] = merged_islands(rows)
         return out
 
     def host_ok(self, host_header: str | None) -> bool:
@@ -231,10 +274,12 @@ class DashboardServer:
 
 def start_dashboard(run: Run | None = None, host: str = "127.0.0.1", port: int = 0, *,
                     token: str | None = None, insecure: bool = False,
-                    tape_path: Path | None = None) -> DashboardServer:
+                    tape_path: Path | None = None,
+                    shards: ShardView | None = None) -> DashboardServer:
     """Serve the dashboard of ``run`` (a `syncer.run.Run`) on host:port (0 = any free
     port) from a daemon thread. Beyond loopback ``token`` is required on every
-    request; without one this refuses to start unless ``insecure``."""
+    request; without one this refuses to start unless ``insecure``. ``shards``: the
+    run's shards, shown together."""
     loopback = is_loopback(host)
     if not loopback and not token and not insecure:
         raise DashboardError(
@@ -243,7 +288,7 @@ def start_dashboard(run: Run | None = None, host: str = "127.0.0.1", port: int =
             "--dashboard-host 127.0.0.1 and use an SSH tunnel, or pass --insecure")
     # the token whenever the run has one, loopback too (any local page could read it)
     dash = Dashboard(run, tape_path=tape_path, token=token, require_token=bool(token),
-                     loopback_only=loopback)
+                     loopback_only=loopback, shards=shards)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         httpd = _Server((host, port), _Handler, dash, family)

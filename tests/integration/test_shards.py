@@ -114,6 +114,47 @@ def test_status_shows_every_shard_and_each_island_over_all_of_them(tmp_path, cap
         assert "shard 1 of 2: its fragments only" in capsys.readouterr().out
 
 
+def test_one_dashboard_shows_every_shard_and_each_island_over_all_of_them(tmp_path):
+    """A shard's dashboard given every shard's address (--dashboard-shards) shows each
+    shard's version and each island once over all of them; a shard that does not answer
+    is a row saying so (each shard's own dashboard showed only its part before)."""
+    from helpers.status_dashboard import http_get
+
+    from syncer.dashboard import ShardView, start_dashboard
+
+    with contextlib.ExitStack() as stack:
+        served = [stack.enter_context(running_syncer(quorum=1, fragments=2, shard=Shard(i, 2),
+                                                     state_dir=tmp_path / f"s{i}",
+                                                     token="s3cret", secret="s3cret"))
+                  for i in range(2)]
+        for f, (run, _) in enumerate(served):  # shard f owns fragment f
+            gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy",
+                           "adapter_model.safetensors", {"adapter_config.json": CONFIG},
+                           )["generation"]
+            n = LAYOUT.numel
+            run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
+                     WholePush(codec.encode(np.zeros(n, np.float32), "f32")))
+            for seq in range(f + 1):  # shard 1 gets two pushes, shard 0 one
+                _push(run, gen, f, seq, run.committer.fragment_version(f))
+        addresses = [address for _, address in served]
+        with socket.socket() as closed:  # a third address nobody answers at
+            closed.bind(("127.0.0.1", 0))
+            silent = f"127.0.0.1:{closed.getsockname()[1]}"
+        dash = start_dashboard(served[0][0], token="s3cret",
+                               shards=ShardView([*addresses, silent], "s3cret", None))
+        try:
+            s = json.loads(http_get(dash.url + "api/status?token=s3cret")[2])
+        finally:
+            dash.stop()
+        assert [(x["position"], x.get("shard"), x["address"], x.get("version"))
+                for x in s["shard_rows"][:2]] == [(0, 0, addresses[0], 1), (1, 1, addresses[1], 2)]
+        assert s["shard_rows"][2]["address"] == silent
+        assert "UNAVAILABLE" in s["shard_rows"][2]["error"]
+        (row,) = s["run_islands"]
+        assert (row["learner_id"], row["pushes"], row["loss_tokens"]) == ("a", 3, 10)
+        assert s["version"] == 1  # the page's own shard, as before
+
+
 def test_a_shard_keeps_only_its_own_fragments(tmp_path):
     """Each shard held all of Θ (and, under a compressed downlink, the islands' copy):
     S shards took S times the memory. Now a shard keeps its own fragments' values; the

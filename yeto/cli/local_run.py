@@ -254,7 +254,8 @@ class LocalRun:
 
     def _fetch_status(self) -> dict:
         """The syncer's Status; with shards, shard 0's with each island over all of them."""
-        from yeto.cli.status import fetch, merged_islands
+        from yeto.cli.status import fetch
+        from yeto.client.connection import merged_islands
 
         tls = None
         if self.cfg.island_ca is not None:

@@ -51,17 +51,7 @@ def fetch(address: str, token: str | None = None, tls=None, timeout: float = 10.
     """The syncer's status as a plain dict (numbers as numbers)."""
     from yeto.client import status
 
-    s = status(address, token=token, tls=tls, timeout=timeout)
-    return normalize(s)
-
-
-def normalize(s: dict) -> dict:
-    """protobuf's JSON mapping writes 64-bit integers as strings: make them ints."""
-    ints = ("round", "version", "quorum", "bytes_in", "bytes_out", "pushes", "loss_tokens",
-            "generation", "shard", "shards")
-    out = {k: (int(v) if k in ints and isinstance(v, str) else v) for k, v in s.items()}
-    out["islands"] = [normalize(i) for i in s.get("islands", [])]
-    return out
+    return status(address, token=token, tls=tls, timeout=timeout)
 
 
 def view(s: dict, address: str = "") -> Group:
@@ -98,6 +88,8 @@ def _islands(islands: list[dict]) -> Table | Text:
 def view_shards(shards: list[dict], addresses: list[str]) -> Group:
     """A sharded run: a line per shard, then each island over all shards (its pushes
     and loss tokens summed, its newest contact, the state shard 0 holds)."""
+    from yeto.client.connection import merged_islands
+
     lines = []
     for pos, (s, address) in enumerate(zip(shards, addresses)):
         line = Text(f"shard {s.get('shard', 0)}/{max(1, s.get('shards', 0))} {address}  "
@@ -109,21 +101,6 @@ def view_shards(shards: list[dict], addresses: list[str]) -> Group:
             line.append(f"\n  not committing: {s['problem']}", style="bold red")
         lines.append(line)
     return Group(*lines, Text(""), _islands(merged_islands(shards)))
-
-
-def merged_islands(shards: list[dict]) -> list[dict]:
-    """Each island once over all shards: pushes and loss tokens summed (a shard counts
-    a push to each of its fragments; loss tokens only where fragment 0 lives), the
-    newest contact, and the state of its row on the first shard that has one."""
-    out: dict[str, dict] = {}
-    for s in shards:
-        for i in s["islands"]:
-            row = out.setdefault(i["learner_id"], dict(i, pushes=0, loss_tokens=0))
-            row["pushes"] += i.get("pushes", 0)
-            row["loss_tokens"] += i.get("loss_tokens", 0)
-            row["last_contact_s"] = min(row.get("last_contact_s", i.get("last_contact_s", 0)),
-                                        i.get("last_contact_s", 0))
-    return list(out.values())
 
 
 def render(s: dict, address: str = "") -> str:

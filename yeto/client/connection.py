@@ -217,12 +217,38 @@ class Connection:
 
 def status(address: str, token: str | None = None, tls: TLSConfig | None = None,
            timeout: float = 10) -> dict:
-    """One Status call (for `yeto status` and tests)."""
+    """One Status call, as a plain dict with numbers as numbers (`yeto status`, a
+    dashboard over shards, tests)."""
     from google.protobuf.json_format import MessageToDict
 
     with open_channel(address, tls) as ch:
         reply = pb_grpc.SyncerStub(ch).Status(pb.StatusRequest(),
                                               metadata=net.auth_metadata(
                                                   net.token_from_env(token)), timeout=timeout)
-    return MessageToDict(reply, preserving_proto_field_name=True,
-                         always_print_fields_with_no_presence=True)
+    return _normalized(MessageToDict(reply, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True))
+
+
+def _normalized(s: dict) -> dict:
+    """protobuf's JSON mapping writes 64-bit integers as strings: make them ints."""
+    ints = ("round", "version", "quorum", "bytes_in", "bytes_out", "pushes", "loss_tokens",
+            "generation", "shard", "shards")
+    out = {k: (int(v) if k in ints and isinstance(v, str) else v) for k, v in s.items()}
+    out["islands"] = [_normalized(i) for i in s.get("islands", [])]
+    return out
+
+
+def merged_islands(shards: list[dict]) -> list[dict]:
+    """Each island once over the `status` of every shard of a run: pushes and loss
+    tokens summed (a shard counts a push to each of its fragments; loss tokens only
+    where fragment 0 lives), the newest contact, and the state of its row on the first
+    shard that has one."""
+    out: dict[str, dict] = {}
+    for s in shards:
+        for i in s["islands"]:
+            row = out.setdefault(i["learner_id"], dict(i, pushes=0, loss_tokens=0))
+            row["pushes"] += i.get("pushes", 0)
+            row["loss_tokens"] += i.get("loss_tokens", 0)
+            row["last_contact_s"] = min(row.get("last_contact_s", i.get("last_contact_s", 0)),
+                                        i.get("last_contact_s", 0))
+    return list(out.values())
