@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("syncer")
 FINAL_DRAIN_S = 30.0  # how long a finished run waits for islands to take the final weights
+STANDBY_TELL_S = 5.0  # and then for its standbys to hear it finished (they ask every second)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -408,7 +409,12 @@ def _wait_for_finish(run: Run, stop: threading.Event) -> None:
     drain_until = time.monotonic() + FINAL_DRAIN_S
     while run.finished and not run.final_done() and time.monotonic() < drain_until:
         if stop.wait(0.1):
-            break
+            return
+    # a standby that does not hear it would take the finished run over
+    tell_until = time.monotonic() + STANDBY_TELL_S
+    while run.finished and not run.standbys_told() and time.monotonic() < tell_until:
+        if stop.wait(0.1):
+            return
 
 
 def _shutdown(run: Run, server: SyncerServer, dashboard: DashboardServer | None,

@@ -435,8 +435,12 @@ class Run:
         if self.standbys is None:
             raise Reject("precondition", "this syncer has no --state-dir: a standby needs "
                          "the states it saves")
-        self.standbys.register(address, version, self.version)
-        return dict(run_id=self.run_id, version=self.version)
+        self.standbys.register(address, version, self.version, self.finished)
+        return dict(run_id=self.run_id, version=self.version, finished=self.finished)
+
+    def standbys_told(self) -> bool:
+        """Every standby has heard that the run finished (so none takes it over)."""
+        return self.standbys is None or self.standbys.all_told()
 
     def committed(self, last: bool) -> None:
         """A round's state is on disk and published; `last`: the run's last round."""

@@ -79,13 +79,18 @@ class Standbys:
         self.metadata = net.auth_metadata(token)
         self._lock = threading.Lock()
         self._known: dict[str, int] = {}  # address -> the version it acknowledged
+        self._told: set[str] = set()  # those told the run finished (they stop)
 
-    def register(self, address: str, version: int, current: int) -> bool:
+    def register(self, address: str, version: int, current: int, finished: bool = False
+                 ) -> bool:
         """A standby at `address` holds `version`; returns whether it is new (then it is
-        sent the current state, `current`, at once, on a thread of its own)."""
+        sent the current state, `current`, at once, on a thread of its own). `finished`:
+        the run has finished, which its reply tells it."""
         with self._lock:
             new = address not in self._known
             self._known[address] = max(version, self._known.get(address, 0))
+            if finished:
+                self._told.add(address)
         if new:
             log.info("standby %s registered (holds version %d)", address, version)
             self.tape.event("standby", address=address, version=version)
@@ -131,6 +136,11 @@ class Standbys:
     def known(self) -> dict[str, int]:
         with self._lock:
             return dict(self._known)
+
+    def all_told(self) -> bool:
+        """Every standby known has been told the run finished."""
+        with self._lock:
+            return set(self._known) <= self._told
 
 
 def _chunks(path: Path, version: int, size: int) -> Iterator[pb.ReplicateChunk]:
@@ -198,7 +208,8 @@ class Standby:
 
     def watch(self, stop: threading.Event, token: str | None) -> bool:
         """Register with the primary every second until it has not answered for
-        `takeover_after_s` (True: take over) or `stop` is set (False)."""
+        `takeover_after_s` (True: take over), or it says the run finished, or `stop` is
+        set (False)."""
         metadata = net.auth_metadata(token)
         last_ok = time.monotonic()
         with _channel(self.primary, self.tls) as channel:
@@ -210,6 +221,10 @@ class Standby:
                         timeout=max(1.0, REGISTER_EVERY_S * 2))
                     last_ok = time.monotonic()
                     self.run_id = reply.run_id or self.run_id
+                    if reply.finished:
+                        log.info("the primary %s finished the run at version %d: this "
+                                 "standby stops", self.primary, reply.version)
+                        return False
                 except grpc.RpcError as e:
                     if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
                                     grpc.StatusCode.PERMISSION_DENIED):

@@ -147,3 +147,30 @@ def test_a_tls_standby_needs_the_run_token(tmp_path):
                           "127.0.0.1:1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "--standby-of with TLS needs the run's --token" in out.stderr
+
+
+def test_a_standby_stops_when_its_primary_finishes_the_run(tmp_path):
+    """A standby took a finished run over: once the primary exited after the last
+    round, the standby heard silence, resumed the run and served it with no island
+    left, forever. Now the primary's reply tells it the run finished (and the primary
+    waits, a few seconds at most, until it has): both exit 0, and nobody takes over."""
+    a, b = tmp_path / "primary", tmp_path / "standby"
+    primary = _syncer(a, "--quorum", "1")
+    standby = _syncer(b, "--quorum", "1", "--standby-of", primary.address,
+                      "--takeover-after-s", "1")
+    island = None
+    try:
+        assert wait_until(lambda: _events(a, "standby"), timeout=60), "no standby registered"
+        island = subprocess.run([*SIM, "--syncer", f"{primary.address},{standby.address}",
+                                 "--learner-id", "island-0", "--token", "s3cret-run",
+                                 "--steps", "20", "--sync-every", "5", "--dim", "256"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert island.returncode == 0, island.stdout[-2000:] + island.stderr[-2000:]
+        assert primary.wait(timeout=60) == 0
+        assert standby.wait(timeout=60) == 0, (tmp_path / "standby.log").read_text()[-2000:]
+    finally:
+        for p in (primary, standby):
+            if p.poll() is None:
+                p.kill()
+    assert not _events(b, "takeover")
+    assert "finished the run at version" in (tmp_path / "standby.log").read_text()

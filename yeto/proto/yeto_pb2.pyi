@@ -274,12 +274,14 @@ class RegisterStandbyRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RegisterStandbyReply(_message.Message):
-    __slots__ = ("run_id", "version")
+    __slots__ = ("run_id", "version", "finished")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    finished: bool
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class ReplicateChunk(_message.Message):
     __slots__ = ("version", "size", "data")
