@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the dashboard's bound port here once it listens")
     p.add_argument("--dashboard-shards", default=None, metavar="'A;B;...'",
                    help="a sharded run: every shard's address, in order (the islands' "
-                        "--syncer list; standbys after commas are skipped): this dashboard "
-                        "then shows each shard's version, rounds and bytes, and every island "
-                        "over all of them (asked with the run's token)")
+                        "--syncer list; standbys after commas are skipped; this syncer's own "
+                        "entry may be 'self'): this dashboard then shows each shard's version, "
+                        "rounds and bytes, and every island over all of them (asked with the "
+                        "run's token)")
     p.add_argument("--log-level", default="INFO")
     runfile.add_config_arg(p)
     return p
@@ -354,21 +355,24 @@ def _start_dashboard(run: Run, args: argparse.Namespace, token: str | None,
     shards = None
     if args.dashboard_shards:
         entries = [e.strip() for e in args.dashboard_shards.split(";") if e.strip()]
-        try:  # each shard's primary (the first address of its entry)
+        mine = run.cfg.shard.index
+        try:  # each shard's primary (the first address of its entry); "self" for this one
             firsts = [e.split(",")[0].strip() for e in entries]
-            for a in firsts:
-                net.parse_address(a)
+            for pos, a in enumerate(firsts):
+                if not (pos == mine and a == "self"):
+                    net.parse_address(a)
         except ValueError as e:
             server.stop(grace=0)
             sys.exit(f"error: --dashboard-shards: {e}")
-        shards = ShardView(firsts, token, run.cfg.peer_tls)
+        shards = ShardView(firsts, token, run.cfg.peer_tls, own=(mine, run.status))
     try:
         dashboard = start_dashboard(run, args.dashboard_host, args.dashboard_port,
                                     token=token, insecure=args.insecure, shards=shards)
     except DashboardError as e:
         server.stop(grace=0)
         sys.exit(f"error: {e}")
-    log.info("dashboard on %s", dashboard.url)
+    log.info("dashboard on %s%s", dashboard.url,
+             f" (every shard: {args.dashboard_shards})" if shards else "")
     if args.dashboard_port_file:
         atomic_write(args.dashboard_port_file, str(dashboard.port))
     return dashboard

@@ -33,7 +33,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -86,8 +86,11 @@ class ShardView:
     EVERY_S = 1.0
     TIMEOUT_S = 2.0
 
-    def __init__(self, addresses: list[str], token: str | None, tls: TLSConfig | None):
-        self.addresses, self.token, self.tls = addresses, token, tls
+    def __init__(self, addresses: list[str], token: str | None, tls: TLSConfig | None,
+                 own: tuple[int, Callable[[], dict[str, Any]]] | None = None):
+        """`own`: this syncer's position in `addresses` and its `Run.status`: that row
+        is answered in-process (its address may be "self")."""
+        self.addresses, self.token, self.tls, self.own = addresses, token, tls, own
         self._lock = threading.Lock()
         self._at, self._rows = -math.inf, []  # type: tuple[float, list[dict[str, Any]]]
 
@@ -103,6 +106,9 @@ class ShardView:
 
         from yeto.client.connection import status
 
+        if self.own is not None and self.own[0] == pos:
+            return dict(self.own[1](), position=pos,
+                        address="this syncer" if address == "self" else address)
         try:
             got = status(address, self.token, self.tls, timeout=self.TIMEOUT_S)
         except grpc.RpcError as e:

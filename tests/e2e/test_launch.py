@@ -153,6 +153,8 @@ def test_launch_with_two_shards(tmp_path, tiny_llama, tiny_task):
     out = tmp_path / "sharded"
     r = _launched(out, tiny_llama, tiny_task, "--shards", "2")
     assert "held-out loss:" in r.stdout and f"--state-dir {out / 'syncer-1'}" in r.stdout
+    # shard 0 starts last, its dashboard given every shard (itself as "self")
+    assert "(every shard: self;127.0.0.1:" in (out / "syncer" / "log.txt").read_text()
     _islands_hold_the_final_adapter(out)
     for d in ("syncer", "syncer-1"):  # each shard merged rounds of its own fragment
         merges = [r for r in read_tape(out / d / "tape.jsonl") if r["event"] == "merge"]

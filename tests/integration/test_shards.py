@@ -140,14 +140,16 @@ def test_one_dashboard_shows_every_shard_and_each_island_over_all_of_them(tmp_pa
         with socket.socket() as closed:  # a third address nobody answers at
             closed.bind(("127.0.0.1", 0))
             silent = f"127.0.0.1:{closed.getsockname()[1]}"
+        # the page's own shard answered in-process ("self": `yeto launch` starts it last)
         dash = start_dashboard(served[0][0], token="s3cret",
-                               shards=ShardView([*addresses, silent], "s3cret", None))
+                               shards=ShardView(["self", addresses[1], silent], "s3cret", None,
+                                                own=(0, served[0][0].status)))
         try:
             s = json.loads(http_get(dash.url + "api/status?token=s3cret")[2])
         finally:
             dash.stop()
         assert [(x["position"], x.get("shard"), x["address"], x.get("version"))
-                for x in s["shard_rows"][:2]] == [(0, 0, addresses[0], 1), (1, 1, addresses[1], 2)]
+                for x in s["shard_rows"][:2]] == [(0, 0, "this syncer", 1), (1, 1, addresses[1], 2)]
         assert s["shard_rows"][2]["address"] == silent
         assert "UNAVAILABLE" in s["shard_rows"][2]["error"]
         (row,) = s["run_islands"]

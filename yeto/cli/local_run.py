@@ -154,10 +154,13 @@ class LocalRun:
         slots = [iid for _, iid, _ in self._slots()]
         expect = ["--expect-islands", ",".join(slots)] if slots else []
         n = self.cfg.shards
-        for i in range(n):
+        for i in [*range(1, n), 0]:  # shard 0, whose dashboard shows them all, last
             state_dir = self.shard_dir(i)
             state_dir.mkdir(parents=True, exist_ok=True)
             shard = ["--shard", f"{i}/{n}", "--seed-from", "island-0"] if n > 1 else []
+            if i == 0 and n > 1 and self.cfg.dashboard_port is not None:
+                shard += ["--dashboard-shards",
+                          ";".join(["self", *(s.address for s in self.shards)])]
             try:
                 self.shards.append(start_syncer(
                     ["--quorum", str(quorum), "--state-dir", str(state_dir), *tls, *expect,
@@ -169,6 +172,7 @@ class LocalRun:
             except (SyncerStartError, ValueError) as e:
                 raise LaunchError(f"{e}\n(the syncer's log: {state_dir / 'log.txt'})") \
                     from None
+        self.shards = self.shards[-1:] + self.shards[:-1]  # in shard order: 0, 1, ...
         self.syncer = self.shards[0]
         self.address = ";".join(s.address for s in self.shards)
         self.dashboard_url = self.syncer.dashboard_url
