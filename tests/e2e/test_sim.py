@@ -165,3 +165,29 @@ def test_step_jitter_makes_equal_islands_wait_and_still_repeats(tiny_llama, tiny
     assert first["simulated_s"] != plain["simulated_s"]
     assert (first["simulated_s"], first["goodput"], first["eval_loss"]) == \
         (second["simulated_s"], second["goodput"], second["eval_loss"])
+
+
+@pytest.mark.long  # two sims of a minute's CPU: .ci/run runs it after the default tier
+def test_sim_with_two_syncer_shards_computes_the_one_syncer_run(tiny_llama, tiny_task,
+                                                                tmp_path):
+    """`python -m yeto.sim --syncer-shards 2`: two shards in the process (their own state
+    dirs, island-0 seeding both), each island pushing each fragment to its owner. With
+    blocking sync the islands end with the weights of the same fleet served by one
+    syncer (two fragments in both)."""
+    args = [*_island_args(tiny_llama, tiny_task), "--islands", "2", "--grace-ms", "0",
+            "--fragments", "2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    printed = _sims([*args, "--out", one], [*args, "--syncer-shards", "2", "--out", two])
+    assert all(p.strip().splitlines()[-1].startswith("RESULT eval_loss=") for p in printed)
+    adapter = "islands/island-{}/adapter/adapter_model.safetensors"
+    want = load_file(str(one / adapter.format(0)))
+    assert max(float(np.abs(want[k]).max()) for k in want if "lora_B" in k) > 0  # trained
+    for i in range(2):
+        got = load_file(str(two / adapter.format(i)))
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    for s in range(2):  # each shard merged rounds of its own fragment only
+        merges = [r for r in read_tape(two / f"syncer-{s}" / "tape.jsonl")
+                  if r["event"] == "merge"]
+        assert merges and {m["fragment"] for m in merges} == {s}

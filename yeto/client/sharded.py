@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -42,7 +43,10 @@ class AllSet:
 class ShardedClient(Transport):
     """`yeto.transport.Transport` over one `SyncerClient` per shard."""
 
-    def __init__(self, syncer: str, learner_id: str, layout: Layout, **options):
+    def __init__(self, syncer: str, learner_id: str, layout: Layout,
+                 connect: Callable[..., SyncerClient] = SyncerClient, **options):
+        """`connect(address, learner_id, layout, **options)`: each shard's client (a
+        `SyncerClient` over gRPC; `yeto.sim` gives in-process ones)."""
         addresses = [a.strip() for a in syncer.split(";") if a.strip()]
         if len(addresses) < 2:
             raise ValueError(f"--syncer {syncer!r}: a sharded run lists two or more shards "
@@ -51,8 +55,8 @@ class ShardedClient(Transport):
         self._lock = threading.Lock()
         self.owner: list[int] | None = None  # the shard owning each fragment, once known
         self.cond = threading.Condition()  # every shard's connection notifies it
-        self.clients = [SyncerClient(a, learner_id, layout, shard=i,
-                                     check_join=self._check_map, cond=self.cond, **options)
+        self.clients = [connect(a, learner_id, layout, shard=i, check_join=self._check_map,
+                                cond=self.cond, **options)
                         for i, a in enumerate(addresses)]
         self.connected = AllSet([c.connected for c in self.clients])
         self.background_pushes = self.clients[0].background_pushes

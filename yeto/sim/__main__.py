@@ -12,6 +12,7 @@ The flags are the islands' (`python -m yeto.learner --help`) and the syncer's
 
 Last line: `RESULT eval_loss=… bytes_up=… bytes_down=… rounds=…`.
 
+`--syncer-shards S` serves the run by S real syncer shards in the process (real time).
 With `--shards` or `--failures` it runs the fleet-scale model instead (`yeto.sim.scale`:
 1,000 synthetic islands against S modelled syncer shards under crashes and slow links,
 DiLoCo's goodput beside synchronous data-parallel's; its flags:
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "drawn uniformly from [1 - J, 1 + J] (seeded per island, so a "
                             "run repeats exactly), as real steps vary; without it islands "
                             "of equal speed push at the same instant")
+    fleet.add_argument("--syncer-shards", type=int, default=1, metavar="S",
+                       help="serve the run by S syncer shards, each a syncer in this process "
+                            "owning some fragments (as python -m syncer --shard I/S; "
+                            "--fragments at least S, island-0 seeds them all, state in "
+                            "OUT/syncer-I): each island pushes each fragment to its owner. "
+                            "Real time only. (--shards runs the fleet-scale model instead)")
     fleet.add_argument("--out", type=Path, default=Path("runs/sim"), help="output folder")
     _add_syncer_args(p.add_argument_group("the syncer (python -m syncer --help)"))
     return p
@@ -87,6 +94,10 @@ def configs(args: argparse.Namespace) -> tuple[IslandConfig, Config, list[float]
                           "share either way")
     if args.step_jitter and not args.step_seconds:
         raise ConfigError("--step-jitter needs --step-seconds (simulated time)")
+    if args.syncer_shards < 1:
+        raise ConfigError("--syncer-shards must be at least 1")
+    if args.syncer_shards > 1 and args.step_seconds:
+        raise ConfigError("--syncer-shards runs on real time: drop --step-seconds")
     if speeds and len(speeds) != args.islands:
         raise ConfigError(f"--speeds has {len(speeds)} values for {args.islands} islands")
     base = IslandConfig.from_args(args)
@@ -121,7 +132,7 @@ def main(argv=None) -> int:
     from yeto.sim.fleet import run_fleet
 
     r = run_fleet(base, syncer, args.islands, args.out, speeds, args.step_seconds,
-                  args.step_jitter)
+                  args.step_jitter, args.syncer_shards)
     simulated = f" ({r.simulated_s:.1f} simulated)" if args.step_seconds else ""
     print(f"{args.islands} islands, {r.rounds} rounds in {r.seconds:.0f} s{simulated}: held-out "
           f"loss {r.eval_loss_before:.4f} -> {r.eval_loss:.4f}; outputs in {args.out}")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from syncer.run import Config, Run
 from syncer.service import SyncerService
+from syncer.shards import Shard
+from yeto.client.sharded import ShardedClient
 from yeto.config import IslandConfig
 from yeto.io import atomic_write
 from yeto.loop import run_island
@@ -79,6 +81,17 @@ def _import_lazy_modules() -> None:
     )
 
 
+def shard_config(cfg: Config, out: Path, i: int, shards: int) -> Config:
+    """Shard i of `shards` (as `python -m syncer --shard I/S`): its own state dir, at
+    least one fragment per shard, island-0 seeding every shard. One shard: the run's
+    config, its state in OUT/syncer."""
+    if shards == 1:
+        return dataclasses.replace(cfg, state_dir=out / "syncer")
+    return dataclasses.replace(cfg, state_dir=out / f"syncer-{i}", shard=Shard(i, shards),
+                               fragments=max(cfg.fragments, shards),
+                               seed_from=cfg.seed_from or "island-0")
+
+
 def _ticker(run: Run, clock: VirtualClock | None, stop: threading.Event) -> None:
     """Commits rounds whose grace window or timeout passed. On simulated time the
     islands' steps move the clock and tick the run; when every island waits, this
@@ -103,25 +116,30 @@ def step_costs(seconds: float, jitter: float, seed: str) -> Iterator[float]:
 
 def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
               speeds: list[float] | None = None, step_seconds: float = 0.0,
-              step_jitter: float = 0.0) -> FleetResult:
+              step_jitter: float = 0.0, syncer_shards: int = 1) -> FleetResult:
     """Run k islands and a syncer in this process; returns the fleet's figures. With
     `step_seconds` > 0 the fleet runs on simulated time (`yeto.sim.clock`): a step at
     speed s costs s × step_seconds (± `step_jitter` of it, see `step_costs`), and
-    nobody sleeps."""
+    nobody sleeps. `syncer_shards` S > 1: the run is served by S shards (`shard_config`;
+    real time only), each island pushing each fragment to its owner."""
+    if syncer_shards > 1 and step_seconds > 0:
+        raise ValueError("syncer shards run on real time only: drop the simulated step time")
     _import_lazy_modules()
     out.mkdir(parents=True, exist_ok=True)
     clock = VirtualClock() if step_seconds > 0 else None
-    run = Run(dataclasses.replace(syncer_cfg, state_dir=out / "syncer"),
-              clock=clock.now if clock else time.monotonic)
+    runs = [Run(shard_config(syncer_cfg, out, i, syncer_shards),
+                clock=clock.now if clock else time.monotonic)
+            for i in range(max(1, syncer_shards))]
     cfgs = island_configs(base, k, out, speeds or [], simulated=clock is not None)
     if clock is not None:
-        clock.on_advance, run.on_publish = run.tick, clock.committed
+        clock.on_advance, runs[0].on_publish = runs[0].tick, clock.committed
         clock.expect([cfg.learner_id for cfg in cfgs])
     costs = [step_costs(speed * step_seconds, step_jitter, f"{cfg.seed}/{cfg.learner_id}")
              for cfg, speed in zip(cfgs, island_speeds(base, k, speeds or []))]
-    bodies = _islands(SyncerService(run), cfgs, clock, costs)
+    bodies = _islands([SyncerService(r) for r in runs], cfgs, clock, costs)
     stop, t0 = threading.Event(), time.perf_counter()
-    threading.Thread(target=_ticker, args=(run, clock, stop), daemon=True).start()
+    for run in runs:
+        threading.Thread(target=_ticker, args=(run, clock, stop), daemon=True).start()
     threads = [threading.Thread(target=fn, name=name) for name, fn in bodies.items()]
     for t in threads:
         t.start()
@@ -131,7 +149,7 @@ def run_fleet(base: IslandConfig, syncer_cfg: Config, k: int, out: Path,
     failed = {i: fn.code for i, fn in bodies.items() if fn.code != 0}
     if failed:
         raise RuntimeError(f"islands failed: {failed}; see the log")
-    return _collect(out, run, time.perf_counter() - t0, clock)
+    return _collect(out, runs, time.perf_counter() - t0, clock)
 
 
 class _Island:
@@ -145,19 +163,26 @@ class _Island:
         self.code = self.fn()
 
 
-def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClock | None,
-             costs: list[Iterator[float]]) -> dict[str, _Island]:
+def _islands(services: list[SyncerService], cfgs: list[IslandConfig],
+             clock: VirtualClock | None, costs: list[Iterator[float]]) -> dict[str, _Island]:
     """The islands' thread bodies: the real island loop on a torch backend, through a
-    `LocalClient`; on simulated time each step first takes its turn on the clock."""
+    `LocalClient` (with shards, a `ShardedClient` of one per shard); on simulated time
+    each step first takes its turn on the clock."""
     from yeto.torch.learner import TorchBackend
 
     setup = threading.Lock()
 
+    def local(address: str, learner_id: str, layout, **options) -> LocalClient:
+        return LocalClient(services[int(address)], learner_id, layout, clock=clock, **options)
+
     def connect(cfg: IslandConfig, layout, backend, tokens_per_step: int = 0):
         weights_file, files = backend.export_files(cfg)
-        return LocalClient(service, cfg.learner_id, layout, clock=clock, backend=backend.name,
-                           weights_file=weights_file, export_files=files,
-                           tokens_per_step=tokens_per_step)
+        options = dict(backend=backend.name, weights_file=weights_file, export_files=files,
+                       tokens_per_step=tokens_per_step)
+        if len(services) == 1:
+            return local("0", cfg.learner_id, layout, **options)
+        return ShardedClient(";".join(str(i) for i in range(len(services))), cfg.learner_id,
+                             layout, connect=local, **options)
 
     class SimBackend(TorchBackend):
         costs: Iterator[float]  # simulated seconds of each step
@@ -189,14 +214,16 @@ def _islands(service: SyncerService, cfgs: list[IslandConfig], clock: VirtualClo
             for cfg, s in zip(cfgs, costs)}
 
 
-def _collect(out: Path, run: Run, seconds: float, clock: VirtualClock | None) -> FleetResult:
+def _collect(out: Path, runs: list[Run], seconds: float, clock: VirtualClock | None
+             ) -> FleetResult:
     summaries = {p.parent.name: json.loads(p.read_text())
                  for p in sorted((out / "islands").glob("*/summary.json"))}
     first = next(iter(summaries.values()))
     result = FleetResult(eval_loss=first["eval_loss"], eval_loss_before=first["eval_loss_before"],
                          bytes_up=sum(s["bytes_up"] for s in summaries.values()),
                          bytes_down=sum(s["bytes_down"] for s in summaries.values()),
-                         rounds=run.version, seconds=seconds, islands=summaries)
+                         rounds=sum(r.version for r in runs), seconds=seconds,
+                         islands=summaries)
     if clock is not None:
         result.simulated_s = clock.fleet_now()
         result.goodput = clock.goodput()
