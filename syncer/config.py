@@ -3,8 +3,10 @@ them from here."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +53,12 @@ class Config:
     # how it dials the other syncer of a primary-standby pair (syncer.standby.peer_tls;
     # None: plaintext)
     peer_tls: TLSConfig | None = field(default=None, repr=False)
+
+    def public(self) -> dict[str, Any]:
+        """The settings as plain data, without its secrets (the fields kept out of its
+        repr: the run's token, the TLS key): what the dashboard and provenance.json show."""
+        shown = {f.name for f in dataclasses.fields(self) if f.repr}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in shown}
 
     def check(self) -> None:
         """Refuse settings that would make the outer step non-finite or meaningless."""

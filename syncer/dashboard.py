@@ -25,7 +25,6 @@ Standard library only: `http.server.ThreadingHTTPServer` in a daemon thread.
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import json
 import logging
@@ -139,18 +138,7 @@ class Dashboard:
                                    live=self.run is not None)
         if self.run is None:
             return out
-        run = self.run
-        out.update(run.status())
-        out.update(started=bool(getattr(run, "started", False)),
-                   rejected=int(getattr(run, "rejected", 0)))
-        cfg = getattr(run, "cfg", None)
-        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-            out["config"] = {k: (str(v) if isinstance(v, Path) else v)
-                             for k, v in dataclasses.asdict(cfg).items()}
-        layout = getattr(run, "layout", None)
-        if layout is not None:
-            out["parameters"] = int(layout.numel)
-            out["tensors"] = len(layout.specs)
+        out.update(self.run.overview())
         if self.shards is not None:
             from yeto.client.connection import merged_islands
 

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -565,6 +566,20 @@ class Run:
                 last_merge_s=now - last if last else -1.0,
                 shard=self.cfg.shard.index, shards=self.cfg.shard.count,
                 islands=self.members.status(self.cfg.expect_islands))
+
+    def overview(self) -> dict[str, Any]:
+        """`status` and what the dashboard shows beside it: started, calls refused, the
+        config (not its secrets: the fields it keeps out of its repr, the run's token and
+        the TLS key), and the model's size once it has a layout."""
+        out = self.status()
+        with self.cond:
+            out.update(started=self.started, rejected=self.rejected,
+                       config={k: (str(v) if isinstance(v, Path) else v)
+                               for k, v in self.cfg.public().items()})
+            if self.model.layout is not None:
+                out.update(parameters=int(self.model.layout.numel),
+                           tensors=len(self.model.layout.specs))
+        return out
 
     def state_digest(self) -> str:
         """SHA-256 over everything a rejected message must leave untouched."""

@@ -24,7 +24,6 @@ adapter), the files the islands sent along (e.g. `adapter_config.json`) and a
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -347,7 +346,7 @@ def final_provenance(config: Config | Mapping[str, Any], run: dict[str, Any]) ->
     environment, the run's config and `run` (id, version, layout, islands)."""
     from yeto.data.provenance import REDACTED_ARGS, build_record
 
-    fields = dict(config) if isinstance(config, Mapping) else dataclasses.asdict(config)
+    fields = dict(config) if isinstance(config, Mapping) else config.public()
     record = build_record(None, None, fields, backend=None)
     record["command"] = redact_command(record["command"], REDACTED_ARGS)
     record["syncer"] = run

@@ -115,3 +115,23 @@ def test_a_loopback_dashboard_checks_host_and_the_run_s_token():
                             {"Authorization": "Bearer tok", "Host": host})[0] == 200, host
         finally:
             dash.stop()
+
+
+def test_the_dashboard_shows_the_config_but_not_its_secrets():
+    """/api/status echoed the whole config, the run's token with it (and, once syncers
+    dialled each other over TLS, the private key of the certificate). Now the fields a
+    config keeps out of its repr stay out of the page."""
+    from yeto.client.connection import TLSConfig
+
+    with running_syncer(quorum=1, secret="run-secret-value") as (run, _):
+        run.cfg.peer_tls = TLSConfig(ca=b"ca-pem", cert=b"cert-pem", key=b"private-key-pem")
+        dash = start_dashboard(run, "127.0.0.1", 0, token="run-secret-value")
+        try:
+            body = http_get(dash.url + "api/status",
+                            {"Authorization": "Bearer run-secret-value"})[2].decode()
+        finally:
+            dash.stop()
+    s = json.loads(body)
+    assert s["config"]["quorum"] == 1 and "bounds" in s["config"]
+    assert "token" not in s["config"] and "peer_tls" not in s["config"]
+    assert "run-secret-value" not in body and "private-key-pem" not in body

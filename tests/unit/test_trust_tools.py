@@ -23,6 +23,11 @@ def test_the_run_s_secret_never_reaches_the_final_provenance():
     from syncer import state
     from syncer.run import Config
 
-    record = state.final_provenance(Config(token="s3cret-token-value"), {})
-    assert "s3cret-token-value" not in json.dumps(record)
-    assert record  # a record was built
+    from yeto.client.connection import TLSConfig
+
+    record = state.final_provenance(Config(token="s3cret-token-value", peer_tls=TLSConfig(
+        ca=b"ca-pem", cert=b"cert-pem", key=b"private-key-pem")), {})
+    text = json.dumps(record, default=str)
+    assert "s3cret-token-value" not in text
+    assert "private-key-pem" not in text  # the key a TLS syncer dials its standby with
+    assert record["config"]["quorum"] == 1  # the rest of the config is there
