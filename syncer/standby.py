@@ -51,12 +51,6 @@ MIN_RATE = 20e6             # bytes/s a replica must at least move at (its deadl
 INCOMING = ".incoming"      # where a standby checks a received state before using it
 
 
-def _channel(address: str, tls: TLSConfig | None) -> grpc.Channel:
-    """A channel to the other syncer of the pair (TLS when the run uses it: see
-    `peer_tls`)."""
-    return open_channel(address, tls)
-
-
 def peer_tls(cert: bytes, key: bytes, ca: bytes | None) -> TLSConfig:
     """How a syncer serving TLS (`cert`, `key`; `ca`: its --tls-ca, if any) dials the
     other syncer of a primary-standby pair: it trusts `ca`, or without one the
@@ -117,7 +111,7 @@ class Standbys:
     def send(self, address: str, version: int) -> int:
         """Stream the state file to `address`; returns the version it acknowledged."""
         size = self.path.stat().st_size
-        with _channel(address, self.tls) as channel:
+        with open_channel(address, self.tls) as channel:
             reply = pb_grpc.SyncerStub(channel).Replicate(
                 _chunks(self.path, version, size), metadata=self.metadata,
                 timeout=_deadline_s(size))
@@ -212,7 +206,7 @@ class Standby:
         set (False)."""
         metadata = net.auth_metadata(token)
         last_ok = time.monotonic()
-        with _channel(self.primary, self.tls) as channel:
+        with open_channel(self.primary, self.tls) as channel:
             stub = pb_grpc.SyncerStub(channel)
             while not stop.wait(REGISTER_EVERY_S):
                 try:
