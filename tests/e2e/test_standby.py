@@ -140,6 +140,7 @@ def test_a_standby_pair_speaks_tls_both_ways(tmp_path, toy_layout):
             p.wait()
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 def test_a_tls_standby_needs_the_run_token(tmp_path):
     cert, key = _self_signed(tmp_path)
     out = subprocess.run([sys.executable, "-m", "syncer", "--state-dir", str(tmp_path / "s"),
