@@ -80,23 +80,31 @@ def test_shards_exported_together_are_the_unsharded_run_bit_for_bit(tmp_path):
         export([tmp_path / "s0", tmp_path / "s0"], tmp_path / "out3", "peft")
 
 
+def _two_shards_pushed_to(stack: contextlib.ExitStack, tmp_path, **served_by
+                          ) -> list[tuple[Run, str]]:
+    """Two served shards (`running_syncer`, quorum 1, shard f owning fragment f), seeded
+    by island "a", which pushed once to shard 0 and twice to shard 1."""
+    served = [stack.enter_context(running_syncer(quorum=1, fragments=2, shard=Shard(i, 2),
+                                                 state_dir=tmp_path / f"s{i}", **served_by))
+              for i in range(2)]
+    for f, (run, _) in enumerate(served):
+        gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy",
+                       "adapter_model.safetensors", {"adapter_config.json": CONFIG},
+                       )["generation"]
+        n = LAYOUT.numel
+        run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
+                 WholePush(codec.encode(np.zeros(n, np.float32), "f32")))
+        for seq in range(f + 1):
+            _push(run, gen, f, seq, run.committer.fragment_version(f))
+    return served
+
+
 def test_status_shows_every_shard_and_each_island_over_all_of_them(tmp_path, capsys):
     """`yeto status 'A;B'`: a line per shard (its round, version, bytes), each island
     once with its pushes summed over the shards; the shards listed out of order, or one
     shard alone, are said as such."""
     with contextlib.ExitStack() as stack:
-        served = [stack.enter_context(running_syncer(quorum=1, fragments=2, shard=Shard(i, 2),
-                                                     state_dir=tmp_path / f"s{i}"))
-                  for i in range(2)]
-        for f, (run, _) in enumerate(served):  # shard f owns fragment f
-            gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy",
-                           "adapter_model.safetensors", {"adapter_config.json": CONFIG},
-                           )["generation"]
-            n = LAYOUT.numel
-            run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
-                     WholePush(codec.encode(np.zeros(n, np.float32), "f32")))
-            for seq in range(f + 1):  # shard 1 gets two pushes, shard 0 one
-                _push(run, gen, f, seq, run.committer.fragment_version(f))
+        served = _two_shards_pushed_to(stack, tmp_path)
         a, b = (address for _, address in served)
         assert status_cli.main([f"{a};{b}", "--json"]) == 0
         s = json.loads(capsys.readouterr().out)
@@ -123,19 +131,7 @@ def test_one_dashboard_shows_every_shard_and_each_island_over_all_of_them(tmp_pa
     from syncer.dashboard import ShardView, start_dashboard
 
     with contextlib.ExitStack() as stack:
-        served = [stack.enter_context(running_syncer(quorum=1, fragments=2, shard=Shard(i, 2),
-                                                     state_dir=tmp_path / f"s{i}",
-                                                     token="s3cret", secret="s3cret"))
-                  for i in range(2)]
-        for f, (run, _) in enumerate(served):  # shard f owns fragment f
-            gen = run.join("a", LAYOUT.specs, LAYOUT.fingerprint, "numpy",
-                           "adapter_model.safetensors", {"adapter_config.json": CONFIG},
-                           )["generation"]
-            n = LAYOUT.numel
-            run.push(PushHeader("a", gen, 0, 0, 0, 0, 0, "f32", n, 4 * n, True, 0),
-                     WholePush(codec.encode(np.zeros(n, np.float32), "f32")))
-            for seq in range(f + 1):  # shard 1 gets two pushes, shard 0 one
-                _push(run, gen, f, seq, run.committer.fragment_version(f))
+        served = _two_shards_pushed_to(stack, tmp_path, token="s3cret", secret="s3cret")
         addresses = [address for _, address in served]
         with socket.socket() as closed:  # a third address nobody answers at
             closed.bind(("127.0.0.1", 0))

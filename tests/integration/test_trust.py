@@ -159,16 +159,22 @@ def test_a_rogue_cannot_raise_its_own_norm_bound(toy_layout, rng, tmp_path):
     assert max(rogue_merged) < 20 * max(honest_norms)
 
 
+def _rogue_beside_honest(addr, stub, layout, **declared):
+    """An honest client started, and a raw "rogue" joined (100 tokens per step and
+    `declared`) as the quorum's second: (the honest client, the rogue's generation)."""
+    joined = []
+    honest, = _started(addr, layout, ["honest"], then=lambda: joined.append(
+        _join(stub, layout, "rogue", _cred("rogue"), tokens_per_step=100, **declared)))
+    return honest, joined[0].generation
+
+
 def test_steps_are_bounded_by_the_declared_schedule(toy_layout):
     """A rogue claiming 100,000 steps took a merge share of 0.9998 against an honest
     island's 20. Now steps <= the H declared at the first join x (2 + rounds missed)."""
     n = toy_layout.numel
     with running_syncer(quorum=2, token=SECRET) as (run, addr):
-        stub, joined = _stub(addr), []
-        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
-            _join(stub, toy_layout, "rogue", _cred("rogue"), tokens_per_step=100,
-                  sync_every=10)))
-        gen = joined[0].generation
+        stub = _stub(addr)
+        honest, gen = _rogue_beside_honest(addr, stub, toy_layout, sync_every=10)
         payload = np.full(n, 0.5, np.float32).tobytes()
         digest = run.state_digest()
         with pytest.raises(grpc.RpcError) as e:
@@ -195,10 +201,8 @@ def test_steps_are_bounded_by_the_wall_time_at_the_fleets_speed(toy_layout):
     n, now = toy_layout.numel, [1000.0]
     with running_syncer(quorum=2, token=SECRET, clock=lambda: now[0],
                         bounds=Bounds(max_steps_per_second=10)) as (run, addr):
-        stub, joined = _stub(addr), []
-        honest, = _started(addr, toy_layout, ["honest"], then=lambda: joined.append(
-            _join(stub, toy_layout, "rogue", _cred("rogue"), tokens_per_step=100)))
-        gen = joined[0].generation
+        stub = _stub(addr)
+        honest, gen = _rogue_beside_honest(addr, stub, toy_layout)
         now[0] += 5.0  # five seconds after both joined: at most 10 x (5 + 1) = 60 steps
         payload = np.full(n, 0.5, np.float32).tobytes()
         digest = run.state_digest()

@@ -22,7 +22,6 @@ def test_the_run_s_secret_never_reaches_the_final_provenance():
 
     from syncer import state
     from syncer.run import Config
-
     from yeto.client.connection import TLSConfig
 
     record = state.final_provenance(Config(token="s3cret-token-value", peer_tls=TLSConfig(
