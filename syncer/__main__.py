@@ -354,10 +354,9 @@ def _start_dashboard(run: Run, args: argparse.Namespace, token: str | None,
 
     shards = None
     if args.dashboard_shards:
-        entries = [e.strip() for e in args.dashboard_shards.split(";") if e.strip()]
         mine = run.cfg.shard.index
         try:  # each shard's primary (the first address of its entry); "self" for this one
-            firsts = [e.split(",")[0].strip() for e in entries]
+            firsts = [e.split(",")[0].strip() for e in net.shard_entries(args.dashboard_shards)]
             for pos, a in enumerate(firsts):
                 if not (pos == mine and a == "self"):
                     net.parse_address(a)

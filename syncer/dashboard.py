@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from yeto.client.connection import TLSConfig
+import grpc
+
+from yeto.client.connection import TLSConfig, merged_islands, status
 from yeto.io import JsonlFollower, finite_or_none, host_port
 from yeto.net import is_loopback
 from yeto.signals import GracefulStop
@@ -101,10 +103,6 @@ class ShardView:
             return self._rows
 
     def _fetch(self, pos: int, address: str) -> dict[str, Any]:
-        import grpc
-
-        from yeto.client.connection import status
-
         if self.own is not None and self.own[0] == pos:
             return dict(self.own[1](), position=pos,
                         address="this syncer" if address == "self" else address)
@@ -140,8 +138,6 @@ class Dashboard:
             return out
         out.update(self.run.overview())
         if self.shards is not None:
-            from yeto.client.connection import merged_islands
-
             out["shard_rows"] = rows = self.shards.rows()
             out["run_islands"] = merged_islands(rows)
         return out

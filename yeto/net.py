@@ -164,6 +164,12 @@ def token_from_env(token: str | None) -> str | None:
     return token or os.environ.get(TOKEN_ENV) or None
 
 
+def shard_entries(syncer: str) -> list[str]:
+    """The entries of a run's syncer list, one per shard in order ('A;B'; each entry may
+    list a shard's standbys after commas: 'A,A2;B,B2')."""
+    return [e.strip() for e in syncer.split(";") if e.strip()]
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """'host:port' or 'host' (default port); '[::1]:29400' for IPv6."""
     if address.startswith("["):

@@ -24,6 +24,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from yeto import net
 from yeto.display import Screen, human_bytes, human_seconds, show, table, to_text
 
 
@@ -109,7 +110,6 @@ def render(s: dict, address: str = "") -> str:
 
 
 def _tls(args):
-    from yeto import net
     from yeto.client import TLSConfig
 
     try:
@@ -140,7 +140,7 @@ def _fetch_or_say(args, address: str, tls) -> dict | int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tls = _tls(args)
-    addresses = [a.strip() for a in args.address.split(";") if a.strip()]
+    addresses = net.shard_entries(args.address)
     if not addresses:
         print("error: give the syncer's HOST:PORT (a sharded run: 'A;B')", file=sys.stderr)
         return 2

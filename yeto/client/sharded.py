@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from yeto import net
 from yeto.client.sender import seed_sha256
 from yeto.client.syncer_client import SyncerClient
 from yeto.layout import Layout
@@ -47,7 +48,7 @@ class ShardedClient(Transport):
                  connect: Callable[..., SyncerClient] = SyncerClient, **options):
         """`connect(address, learner_id, layout, **options)`: each shard's client (a
         `SyncerClient` over gRPC; `yeto.sim` gives in-process ones)."""
-        addresses = [a.strip() for a in syncer.split(";") if a.strip()]
+        addresses = net.shard_entries(syncer)
         if len(addresses) < 2:
             raise ValueError(f"--syncer {syncer!r}: a sharded run lists two or more shards "
                              "separated by ';'")
