@@ -140,6 +140,12 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
                         "push norm on its fragment (before any other island has pushed: of "
                         "the seed's norm there) is scaled down to it before it is summed; "
                         "an island's own pushes never raise its own bound (0 = off)")
+    g.add_argument("--center-factor", type=float, default=b.center_factor,
+                   help="in a round of 3 or more islands, a push farther from the round's "
+                        "coordinate-wise median than this multiple of the other islands' "
+                        "typical distance from it is pulled toward the median to that "
+                        "distance (its weight kept): a minority cannot drag Θ away round "
+                        "after round (0 = off)")
     g.add_argument("--max-tokens-per-step", type=int, default=b.max_tokens_per_step,
                    help="the most loss tokens per step a push may claim, whatever the "
                         "island declared when it joined (its batch x sequence length)")
@@ -184,7 +190,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     bounds = Bounds(max_delta=args.max_delta, norm_factor=args.norm_factor,
                     max_tokens_per_step=args.max_tokens_per_step,
                     max_steps_per_push=args.max_steps_per_push, max_params=args.max_params,
-                    max_share=args.max_share,
+                    max_share=args.max_share, center_factor=args.center_factor,
                     max_steps_per_second=args.max_steps_per_second)
     return round_config(args, quorum=args.quorum, rounds=args.rounds, bounds=bounds,
                         save_timeout_s=args.save_timeout_s,

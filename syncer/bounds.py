@@ -27,6 +27,15 @@ value enters, before it touches the round:
   this syncer enrolled it), plus one second's steps and 2 × its H of slack: an island
   that declared no schedule (a time-based one), or one that stayed away for many
   rounds, cannot claim more steps than the wall time it had.
+- **The centre** (`center_factor`, `center_scales`): in a round that k ≥ 3 islands
+  pushed to, each island's push (its pushes of the round, weighted as merged, averaged)
+  is measured by its distance from the round's coordinate-wise median; one farther than
+  center_factor × the lower median of the *other* islands' distances is pulled toward
+  the median to that distance before it is summed (its weight kept). The norm bound
+  follows the honest islands' norms, which grow as a rogue drags Θ from their optimum;
+  their distances from their own median do not (they measure how much honest islands
+  disagree), so a minority rogue's pull per round stays bounded however far it got.
+  Honest islands within the factor are merged bit for bit as without it.
 - **Shares** (`max_share`): no island's share of a round's merge exceeds the cap
   (`share_cap`: by default 2/k for k islands in the round, so none for k ≤ 2); an
   island over it keeps its direction with its weight lowered (`share_factors`). The
@@ -69,6 +78,7 @@ class Bounds:
     max_params: int = 1 << 32
     max_share: float = 0.0  # 0: auto (2/k for k islands in a round)
     max_steps_per_second: float = 0.0  # 0: no wall-time bound on claimed steps
+    center_factor: float = 3.0  # 0: off (BENCHMARKS.md, "Trust, round two")
 
     def check(self) -> None:
         for name in ("max_delta", "max_tokens_per_step", "max_steps_per_push", "max_params"):
@@ -78,6 +88,8 @@ class Bounds:
                                  f"got {v}")
         if not (np.isfinite(self.norm_factor) and self.norm_factor >= 0):
             raise ValueError(f"--norm-factor must be >= 0 (0 = off), got {self.norm_factor}")
+        if not (np.isfinite(self.center_factor) and self.center_factor >= 0):
+            raise ValueError(f"--center-factor must be >= 0 (0 = off), got {self.center_factor}")
         if not (np.isfinite(self.max_steps_per_second) and self.max_steps_per_second >= 0):
             raise ValueError("--max-steps-per-second must be >= 0 (0 = no wall-time bound), "
                              f"got {self.max_steps_per_second}")
@@ -214,6 +226,30 @@ class NormBounds:
 
     def has_ceiling(self) -> bool:
         return bool(self._ceiling)
+
+
+CENTER_MIN_ISLANDS = 3  # a median of fewer is no centre: one of two islands is half of it
+
+
+def center_scales(distances: dict[str, float], factor: float
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+    """("Centre" above) Per island, the factor on its distance from the round's median
+    that brings it to at most `factor` × the lower median of the other islands'
+    distances (1 within it), and its ratio to that lower median (what the tape keeps:
+    the margin an honest fleet had). No bound (all 1) for fewer than
+    CENTER_MIN_ISLANDS islands, with `factor` 0, or for an island whose others' lower
+    median is 0 (they agree exactly: nothing to measure a distance by)."""
+    scales, ratios = dict.fromkeys(distances, 1.0), dict[str, float]()
+    if factor <= 0 or len(distances) < CENTER_MIN_ISLANDS:
+        return scales, ratios
+    for lid, d in distances.items():
+        others = sorted(x for other, x in distances.items() if other != lid)
+        typical = others[(len(others) - 1) // 2]  # the lower median: a minority cannot raise it
+        if typical > 0:  # (0: the others agree exactly, nothing to measure by)
+            ratios[lid] = d / typical
+            if d > factor * typical:
+                scales[lid] = factor * typical / d
+    return scales, ratios
 
 
 def share_factors(weights: dict[str, float], cap: float) -> dict[str, float]:

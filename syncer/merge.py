@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from syncer import strategy
-from syncer.bounds import share_factors
+from syncer.bounds import CENTER_MIN_ISLANDS, center_scales, share_factors
 from syncer.staging import Pushed, StagedSum
 from yeto import codec
 from yeto.codec import buffers, chunked
@@ -64,11 +64,12 @@ class MergeAccumulator:
 
     def __init__(self, numel: int, rule: strategy.Mean | str = "mean", clip_factor: float = 0.0,
                  max_abs: float | None = None,
-                 share_cap: Callable[[int], float] | None = None):
+                 share_cap: Callable[[int], float] | None = None, center_factor: float = 0.0):
         self.rule = strategy.merge_rule(rule) if isinstance(rule, str) else rule
         self.numel, self.clip_factor = numel, float(clip_factor)
         # the most of the merge one island may hold, given how many pushed (None: no cap)
         self.share_cap = share_cap
+        self.center_factor = float(center_factor)  # the centre bound (syncer.bounds)
         # pushes are kept from now on (`expect`); a reducing rule keeps them all
         self.keeping = self.clip_factor > 0 or self.rule.keeps_pushes
         # (learner, rule weight) of each push summed as it came (not kept)
@@ -82,6 +83,8 @@ class MergeAccumulator:
         self.deferred: list[DeferredPush] = []  # only when it `keeps_pushes`
         self.clip_scales: list[float] = []
         self.share_scales: dict[str, float] = {}  # islands whose weight the cap lowered
+        self.center_scales: dict[str, float] = {}  # islands the centre bound pulled in
+        self.center_ratios: dict[str, float] = {}  # each one's distance ÷ the others'
         self.staging: StagedSum | None = None  # a push summed as it arrives (syncer.staging)
 
     @property
@@ -91,10 +94,12 @@ class MergeAccumulator:
         return self.keeping
 
     def expect(self, islands: int) -> None:
-        """`islands` islands may push to this round: if the share cap can bind for that
-        many, every push from now on is kept until the commit (those already summed
-        keep their weight)."""
+        """`islands` islands may push to this round: if the share cap or the centre bound
+        can bind for that many, every push from now on is kept until the commit (those
+        already summed keep their weight)."""
         if self.share_cap is not None and self.share_cap(islands) < 1.0:
+            self.keeping = True
+        if self.center_factor > 0 and islands >= CENTER_MIN_ISLANDS:
             self.keeping = True
 
     def weight_for(self, loss_tokens: int) -> float:
@@ -301,14 +306,16 @@ class MergeAccumulator:
     def _merge_deferred(self) -> float:
         """Merge the kept pushes into the sum of those summed as they came: each
         island's weight within the share cap, each push scaled to norm ≤ clip_factor ×
-        the round's median norm (with clipping on). Returns the round's divisor (Σ of
-        the weights as merged)."""
+        the round's median norm (with clipping on), then each island within the centre
+        bound (`_pull_to_center`). Returns the round's divisor (Σ of the weights as
+        merged)."""
         limit = self._clip_limit()
         factors = self._share_factors()
         summed = [self.merged_weight(w) for _, w in self.summed_weights]
         if not any(summed):  # nothing summed, or only 0-token pushes a weighted push drops
             self.fresh, self.norm_sum = True, 0.0
         buf, divisor = self._buffer(), float(sum(summed))
+        merged: dict[str, list[tuple[DeferredPush, float]]] = {}  # island: (push, its w)
         for p in self.deferred:
             scale = min(1.0, limit / p.norm) if limit and p.norm > 0 else 1.0
             weight = self.merged_weight(p.weight) * factors[p.learner]
@@ -319,8 +326,54 @@ class MergeAccumulator:
             chunked.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=self.fresh)
             self.fresh = False
             self.norm_sum += w * p.norm
+            merged.setdefault(p.learner, []).append((p, w))
+        self._pull_to_center(merged, buf)
         self.deferred.clear()
         return divisor
+
+    def _pull_to_center(self, merged: dict[str, list[tuple[DeferredPush, float]]],
+                        buf: np.ndarray) -> None:
+        """The centre bound (syncer.bounds, "The centre") on the kept pushes already
+        summed into `buf` (`merged`: each island's pushes with the weights they were
+        summed with, W_i in all). Island i's row rᵢ is its pushes' weighted mean, so
+        the sum holds Σ Wᵢrᵢ; with c the coordinate-wise median of the rows, one pass
+        measures ‖rᵢ − c‖, and, only where an island is over (`center_scales`), a second
+        adds Wᵢ(sᵢ − 1)(rᵢ − c): the sum then holds Wᵢ(c + sᵢ(rᵢ − c)) for it. Both passes
+        decode one chunk of each push at a time. Islands merged at weight 0 take no
+        part in the median."""
+        rows = {lid: ps for lid, ps in merged.items() if sum(w for _, w in ps) > 0}
+        if self.center_factor <= 0 or len(rows) < CENTER_MIN_ISLANDS:
+            return
+        ids = list(rows)
+        totals = [sum(w for _, w in rows[lid]) for lid in ids]
+
+        def off_center(lo: int, hi: int) -> np.ndarray:
+            """rᵢ − c over [lo, hi), one island per row."""
+            x = np.empty((len(ids), hi - lo), np.float32)
+            for row, lid, total in zip(x, ids, totals):
+                for j, (p, w) in enumerate(rows[lid]):
+                    piece = chunked.chunk_payload(p.payload, p.encoding, self.numel, lo, hi)
+                    fmt.decode_add(piece, p.encoding, hi - lo, row, w / total, assign=j == 0)
+            x -= np.median(x, axis=0)
+            return x
+
+        def squares(lo: int, hi: int) -> np.ndarray:
+            x = off_center(lo, hi)
+            out: np.ndarray = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+            return out
+
+        distances = np.sqrt(np.sum(chunked.each_chunk(self.numel, squares), axis=0))
+        scales, self.center_ratios = center_scales(dict(zip(ids, distances.tolist())),
+                                                   self.center_factor)
+        self.center_scales = {lid: s for lid, s in scales.items() if s < 1.0}
+        if not self.center_scales:
+            return
+        coef = np.array([t * (scales[lid] - 1.0) for lid, t in zip(ids, totals)], np.float32)
+
+        def pull(lo: int, hi: int) -> None:
+            buf[lo:hi] += coef @ off_center(lo, hi)
+
+        chunked.each_chunk(self.numel, pull)
 
     def _share_factors(self) -> dict[str, float]:
         """Each island's factor on its kept pushes under the share cap (1 without one):

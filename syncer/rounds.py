@@ -66,7 +66,7 @@ class Rounds:
 
     def _accumulator(self, numel: int, islands: int) -> MergeAccumulator:
         acc = MergeAccumulator(numel, self.rule, self.clip_factor, self.bounds.max_delta,
-                               self.bounds.share_cap)
+                               self.bounds.share_cap, self.bounds.center_factor)
         acc.expect(islands)  # more may join, or push (`add`)
         return acc
 

@@ -58,14 +58,17 @@ __all__ = ["MAX_QUORUM", "Config", "Member", "PushHeader", "Reject", "Run"]
 
 
 class Run:
-    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
+                 tape: Tape | None = None):
+        """`tape`: where the run's events go (default: tape.jsonl in the state dir, or
+        nowhere without one)."""
         config.check()
         self.cfg = config
         self.clock = clock  # seconds for grace windows and timeouts (yeto.sim: simulated)
         self.on_publish: Callable[[int, int], None] = lambda fragment, version: None
         self.run_id = uuid.uuid4().hex[:12]
         self.cond = threading.Condition()
-        self.tape = Tape(config.state_dir / "tape.jsonl" if config.state_dir else None)
+        self.tape = tape or Tape(config.state_dir / "tape.jsonl" if config.state_dir else None)
         self.members = Members(config.bounds, clock)
         self.model = Model(config.fragments, strategy.outer_optimizer(
             config.outer, config.outer_lr, config.outer_momentum), config.seed_from)

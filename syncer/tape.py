@@ -107,6 +107,8 @@ def merge_record(rnd: OpenRound, reason: str, now: float, merge_s: float, versio
         responders=rnd.responders, quorum=cfg.quorum, islands_live=live,
         bytes_in=rnd.bytes_in, bytes_out=bytes_out, duplicates=rnd.duplicates,
         merge_seconds=merge_s, clip_scales=rnd.acc.clip_scales, share_scales=capped,
+        center_scales=rnd.acc.center_scales,  # islands the centre bound pulled in
+        center_ratio=max(rnd.acc.center_ratios.values(), default=None),  # the round's margin
         round_seconds=now - rnd.started_at, outer=cfg.outer, outer_lr=outer.lr,
         outer_momentum=outer.momentum, step_lr=step_lr, step_momentum=step_mu,
         merge_rule=cfg.merge,

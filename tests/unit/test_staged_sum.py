@@ -83,8 +83,10 @@ LAYOUT = Layout.from_shapes({"w": (N,)})
 
 
 def _run(islands=("a", "b", "c")):
-    # no share cap: three islands would keep their pushes until the commit, not stage
-    run = Run(Config(quorum=len(islands), grace_ms=0, bounds=Bounds(max_share=1.0)))
+    # no share cap, no centre bound: with either, three islands would keep their pushes
+    # until the commit, not stage them
+    run = Run(Config(quorum=len(islands), grace_ms=0,
+                     bounds=Bounds(max_share=1.0, center_factor=0.0)))
     gens = {i: run.join(i, LAYOUT.specs, LAYOUT.fingerprint, "numpy", "w.safetensors",
                         {})["generation"] for i in islands}
     seed = codec.encode(np.linspace(-1, 1, N, dtype=np.float32), "f32")

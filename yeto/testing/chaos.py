@@ -72,9 +72,12 @@ Then the drift (--drift-rounds, in this process: `syncer.run.Run` objects driven
 round through the real Run.push, f32 pushes, the fleet's outer step; deterministic): the
 fleet's synthetic islands (yeto.testing.synthetic.Quadratic, seeds 0.., H = --sync-every, its
 tokens per step) from a LoRA-like Θ_0, and the rogue beside them with rogue-claims' most
-claims, pushing ±max_delta in one direction (summed at its norm bound) every round.
+claims, pushing in one direction every round, in two ways: ±max_delta (summed at its
+norm bound), and the honest pushes' median plus 1, 2, 3 or 5 × what the centre bound
+allows (pulled in to it; syncer.bounds, "The centre").
 rogue_drift_ratio = ‖Θ_R − Θ_0‖ with a minority rogue (beside max(3, --islands) honest
-islands) ÷ the same honest islands alone; rogue_drift_half beside one honest island;
+islands; the largest of those rogues) ÷ the same honest islands alone;
+rogue_drift_half beside one honest island;
 rogue_drift_alone the rogue alone ÷ one honest island alone. A run in which an honest
 push is refused (Θ pushed so far that its delta is over max_delta) stops there: its
 ratio is a lower bound. Measured, not checked (the exit status does not depend on it).
@@ -94,6 +97,7 @@ import argparse
 import collections
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -1445,14 +1449,13 @@ def drift_push(run: Run, lid: str, gen: int, v: int, delta: np.ndarray, steps: i
              WholePush(np.ascontiguousarray(delta, np.float32).tobytes()))
 
 
-def drift_run(args, honest: int, rogue: bool) -> Drift:
+def drift_run(args, honest: int, rogue: str = "") -> Drift:
     """--drift-rounds rounds of `honest` synthetic islands (Quadratic, seeds 0.., the
-    fleet's lr, H = --sync-every and tokens) and, with `rogue`, the rogue; the first to
-    join seeds Θ_0 (`drift_seed`)."""
+    fleet's lr, H = --sync-every and tokens) and, with `rogue` (a ROGUES name), the rogue;
+    the first to join seeds Θ_0 (`drift_seed`)."""
     layout = layout_for(args.dim)
-    run = Run(Config(quorum=honest + rogue, outer=OUTER, outer_lr=OUTER_LR,
-                     outer_momentum=OUTER_MOMENTUM, merge=args.drift_merge))
-    run.tape = KeptTape()
+    run = Run(Config(quorum=honest + bool(rogue), outer=OUTER, outer_lr=OUTER_LR,
+                     outer_momentum=OUTER_MOMENTUM, merge=args.drift_merge), tape=KeptTape())
     declared = {f"island-{i}": (ISLAND.get_default("tokens"), args.sync_every)
                 for i in range(honest)}
     if rogue:
@@ -1465,30 +1468,59 @@ def drift_run(args, honest: int, rogue: bool) -> Drift:
     drift_push(run, first, gens[first], 0, theta0, 0, 0, seed=True)
     models = {lid: Quadratic(layout, i, ISLAND.get_default("lr"))
               for i, lid in enumerate(declared) if lid != "rogue"}
-    stopped = drift_rounds(run, gens, models, args)
+    stopped = drift_rounds(run, gens, models, args, ROGUES.get(rogue))
     shares = [rogue_share(r)[0] for r in run.tape.records if r.get("event") == "merge"]
     return Drift(float(np.linalg.norm(run.theta.astype(np.float64) - theta0)),
                  max(shares, default=0.0), stopped)
 
 
-def drift_rounds(run: Run, gens: dict[str, int], models: dict[str, Quadratic], args) -> str:
+def rogue_at_norm_bound(honest: list[np.ndarray], direction: np.ndarray) -> np.ndarray:
+    """±max_delta in one direction, far over the norm bound: summed at that bound."""
+    return direction * BOUNDS.max_delta
+
+
+def rogue_at_center_bound(honest: list[np.ndarray], direction: np.ndarray,
+                          past: float = 1.0) -> np.ndarray:
+    """At the centre bound (syncer.bounds, "The centre"): it sees the honest pushes of
+    the round (it pushes last) and pushes their coordinate median plus `past` ×
+    center_factor × their typical distance from it, in one direction (past 1: the
+    syncer pulls it in to its bound as it measures it, with the rogue in the median)."""
+    if len(honest) < 2:  # no centre to sit on: the norm bound is the bound
+        return rogue_at_norm_bound(honest, direction)
+    rows = np.stack(honest)
+    center = np.median(rows, axis=0)
+    distances = sorted(np.linalg.norm(rows - center, axis=1))
+    typical = distances[(len(distances) - 1) // 2]
+    return center + past * BOUNDS.center_factor * typical * direction / np.linalg.norm(direction)
+
+
+CENTER_PAST = (1, 2, 3, 5)  # how far past its centre bound the rogue pushes (the worst counts)
+ROGUES = {"norm bound": rogue_at_norm_bound,
+          **{f"centre bound ×{m}": functools.partial(rogue_at_center_bound, past=m)
+             for m in CENTER_PAST}}
+
+
+def drift_rounds(run: Run, gens: dict[str, int], models: dict[str, Quadratic], args,
+                 rogue: Callable[[list[np.ndarray], np.ndarray], np.ndarray] | None) -> str:
     """Each island pushes once a round, the honest ones first (H steps of their quadratic
-    from Θ), then the rogue: the most steps and tokens its declaration allows, ±max_delta
-    in one direction (far over its norm bound: summed at the bound). Returns "" or why it
-    stopped early (a refused push)."""
+    from Θ), then the `rogue` (if any): the most steps and tokens its declaration allows,
+    what `rogue` makes of the honest pushes, in one direction all run long. Returns ""
+    or why it stopped early (a refused push)."""
     h, tokens = args.sync_every, ISLAND.get_default("tokens")
-    rogue = rogue_direction(run.layout.numel, args.seed) * BOUNDS.max_delta
+    direction = rogue_direction(run.layout.numel, args.seed)
     for v in range(args.drift_rounds):
-        theta = run.theta.copy()
+        theta, pushed = run.theta.copy(), []
         try:
             for lid, model in models.items():
                 model.set(theta)
                 for _ in range(h):
                     model.update()
-                drift_push(run, lid, gens[lid], v, theta - model.w, h, h * tokens)
-            if "rogue" in gens:
+                pushed.append(theta - model.w)
+                drift_push(run, lid, gens[lid], v, pushed[-1], h, h * tokens)
+            if rogue is not None:
                 steps = 2 * ROGUE_EVERY  # within H × (2 + missed) whatever it missed
-                drift_push(run, "rogue", gens["rogue"], v, rogue, steps, steps * ROGUE_TOKENS)
+                drift_push(run, "rogue", gens["rogue"], v, rogue(pushed, direction), steps,
+                           steps * ROGUE_TOKENS)
         except Reject as e:  # an island's push: the one being pushed when it raised
             return f"stopped in round {v + 1} ({e}): a lower bound"
         if run.version != v + 1:
@@ -1498,20 +1530,25 @@ def drift_rounds(run: Run, gens: dict[str, int], models: dict[str, Quadratic], a
 
 def measure_drift(args) -> dict[str, float]:
     """rogue_drift_*: ‖Θ_R − Θ_0‖ with the rogue ÷ the same honest islands without it, for
-    a minority rogue (beside max(3, --islands) honest ones), half (beside one), alone
+    a minority rogue (beside max(3, --islands) honest ones: the largest of the rogues at
+    the norm bound and at CENTER_PAST times the centre bound), half (beside one), alone
     (against one honest island alone)."""
     log = logging.getLogger("syncer")
     level, ratios, baseline = log.level, {}, {}
     log.setLevel(logging.ERROR)  # the norm bound's warning, every round
+    cases = [("minority", max(3, args.islands), rogue) for rogue in ROGUES]
+    cases += [("half", 1, "norm bound"), ("alone", 0, "norm bound")]
     try:
-        for name, honest in (("minority", max(3, args.islands)), ("half", 1), ("alone", 0)):
+        for name, honest, rogue in cases:
             n = max(honest, 1)
-            alone = baseline[n] = baseline.get(n) or drift_run(args, n, rogue=False)
-            with_rogue = drift_run(args, honest, rogue=True)
-            ratios[name] = with_rogue.moved / alone.moved
-            say(f"drift {name}: {honest} honest + rogue moved Θ {with_rogue.moved:.4g}, {n} "
-                f"honest alone {alone.moved:.4g}: ratio {ratios[name]:.4g} (rogue's share "
-                f"≤ {with_rogue.share:.4f}){' ' + with_rogue.stopped if with_rogue.stopped else ''}"
+            alone = baseline[n] = baseline.get(n) or drift_run(args, n)
+            with_rogue = drift_run(args, honest, rogue)
+            ratio = with_rogue.moved / alone.moved
+            ratios[name] = max(ratio, ratios.get(name, 0.0))
+            say(f"drift {name}: {honest} honest + the rogue at its {rogue} moved Θ "
+                f"{with_rogue.moved:.4g}, {n} honest alone {alone.moved:.4g}: ratio "
+                f"{ratio:.4g} (rogue's share ≤ {with_rogue.share:.4f})"
+                f"{' ' + with_rogue.stopped if with_rogue.stopped else ''}"
                 f"{' ' + alone.stopped if alone.stopped else ''}")
     finally:
         log.setLevel(level)
