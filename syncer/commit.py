@@ -258,5 +258,10 @@ class Committer:
             self.host.announce(p.broadcast)
         log.info("round %d (fragment %d) committed (%s): %d pushes from %s", self.version, f,
                  p.reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
+        for lid, scale in sorted(rnd.acc.center_scales.items()):
+            log.warning("round %d (fragment %d): %s's push was %.3g× the others' typical "
+                        "distance from the round's median; pulled in to %g× "
+                        "(--center-factor)", self.version, f, lid,
+                        rnd.acc.center_ratios.get(lid, 0.0), self.cfg.bounds.center_factor)
         self.host.committed(p.done)
 

@@ -14,7 +14,7 @@ from syncer import strategy
 from syncer.bounds import CENTER_MIN_ISLANDS, center_scales, share_factors
 from syncer.staging import Pushed, StagedSum
 from yeto import codec
-from yeto.codec import buffers, chunked
+from yeto.codec import buffers, chunked, kernels
 from yeto.codec import format as fmt
 
 # values per outer-step call: one compiled pass each (cache-sized chunks buy nothing to a
@@ -307,15 +307,14 @@ class MergeAccumulator:
         """Merge the kept pushes into the sum of those summed as they came: each
         island's weight within the share cap, each push scaled to norm ≤ clip_factor ×
         the round's median norm (with clipping on), then each island within the centre
-        bound (`_pull_to_center`). Returns the round's divisor (Σ of the weights as
-        merged)."""
+        bound (`Centre`). Returns the round's divisor (Σ of the weights as merged)."""
         limit = self._clip_limit()
         factors = self._share_factors()
         summed = [self.merged_weight(w) for _, w in self.summed_weights]
         if not any(summed):  # nothing summed, or only 0-token pushes a weighted push drops
             self.fresh, self.norm_sum = True, 0.0
         buf, divisor = self._buffer(), float(sum(summed))
-        merged: dict[str, list[tuple[DeferredPush, float]]] = {}  # island: (push, its w)
+        kept: list[tuple[DeferredPush, float]] = []  # each push, the weight it is summed with
         for p in self.deferred:
             scale = min(1.0, limit / p.norm) if limit and p.norm > 0 else 1.0
             weight = self.merged_weight(p.weight) * factors[p.learner]
@@ -323,57 +322,26 @@ class MergeAccumulator:
             divisor += weight
             if self.clip_factor > 0:
                 self.clip_scales.append(scale)
-            chunked.decode_add(p.payload, p.encoding, self.numel, buf, w, assign=self.fresh)
-            self.fresh = False
             self.norm_sum += w * p.norm
-            merged.setdefault(p.learner, []).append((p, w))
-        self._pull_to_center(merged, buf)
+            kept.append((p, w))
+        centre = Centre.of(kept, self.numel, self.center_factor)
+        first = self.fresh  # the first kept push writes the buffer instead of adding
+
+        def one(lo: int, hi: int) -> np.ndarray | None:
+            """Σ w·Δ over [lo, hi), push after push (the bits of decoding each whole
+            push in turn), and, with a centre, each island's squared distance there."""
+            for j, (p, w) in enumerate(kept):
+                piece = chunked.chunk_payload(p.payload, p.encoding, self.numel, lo, hi)
+                fmt.decode_add(piece, p.encoding, hi - lo, buf[lo:hi], w, assign=first and j == 0)
+            return None if centre is None else centre.squares(lo, hi)
+
+        parts = chunked.each_chunk(self.numel, one)
+        self.fresh = self.fresh and not kept
+        if centre is not None:
+            centre.pull(buf, [x for x in parts if x is not None])
+            self.center_scales, self.center_ratios = centre.scales, centre.ratios
         self.deferred.clear()
         return divisor
-
-    def _pull_to_center(self, merged: dict[str, list[tuple[DeferredPush, float]]],
-                        buf: np.ndarray) -> None:
-        """The centre bound (syncer.bounds, "The centre") on the kept pushes already
-        summed into `buf` (`merged`: each island's pushes with the weights they were
-        summed with, W_i in all). Island i's row rᵢ is its pushes' weighted mean, so
-        the sum holds Σ Wᵢrᵢ; with c the coordinate-wise median of the rows, one pass
-        measures ‖rᵢ − c‖, and, only where an island is over (`center_scales`), a second
-        adds Wᵢ(sᵢ − 1)(rᵢ − c): the sum then holds Wᵢ(c + sᵢ(rᵢ − c)) for it. Both passes
-        decode one chunk of each push at a time. Islands merged at weight 0 take no
-        part in the median."""
-        rows = {lid: ps for lid, ps in merged.items() if sum(w for _, w in ps) > 0}
-        if self.center_factor <= 0 or len(rows) < CENTER_MIN_ISLANDS:
-            return
-        ids = list(rows)
-        totals = [sum(w for _, w in rows[lid]) for lid in ids]
-
-        def off_center(lo: int, hi: int) -> np.ndarray:
-            """rᵢ − c over [lo, hi), one island per row."""
-            x = np.empty((len(ids), hi - lo), np.float32)
-            for row, lid, total in zip(x, ids, totals):
-                for j, (p, w) in enumerate(rows[lid]):
-                    piece = chunked.chunk_payload(p.payload, p.encoding, self.numel, lo, hi)
-                    fmt.decode_add(piece, p.encoding, hi - lo, row, w / total, assign=j == 0)
-            x -= np.median(x, axis=0)
-            return x
-
-        def squares(lo: int, hi: int) -> np.ndarray:
-            x = off_center(lo, hi)
-            out: np.ndarray = np.einsum("ij,ij->i", x, x, dtype=np.float64)
-            return out
-
-        distances = np.sqrt(np.sum(chunked.each_chunk(self.numel, squares), axis=0))
-        scales, self.center_ratios = center_scales(dict(zip(ids, distances.tolist())),
-                                                   self.center_factor)
-        self.center_scales = {lid: s for lid, s in scales.items() if s < 1.0}
-        if not self.center_scales:
-            return
-        coef = np.array([t * (scales[lid] - 1.0) for lid, t in zip(ids, totals)], np.float32)
-
-        def pull(lo: int, hi: int) -> None:
-            buf[lo:hi] += coef @ off_center(lo, hi)
-
-        chunked.each_chunk(self.numel, pull)
 
     def _share_factors(self) -> dict[str, float]:
         """Each island's factor on its kept pushes under the share cap (1 without one):
@@ -401,3 +369,67 @@ class MergeAccumulator:
 def _bound_scale(norm: float, limit: float | None) -> float:
     """The factor that brings a push of `norm` within `limit` (1: within already)."""
     return limit / norm if limit is not None and norm > limit else 1.0
+
+
+class Centre:
+    """The centre bound (syncer.bounds, "The centre") on a round's kept pushes. Island
+    i's row rᵢ is its pushes' weighted mean (weights as summed, Wᵢ in all), so the sum
+    holds Σ Wᵢrᵢ; with c the rows' coordinate-wise median, `squares` gives each
+    island's ‖rᵢ − c‖² one chunk at a time (in the merge's own pass), and `pull`, only
+    where an island is over (`center_scales`), adds Wᵢ(sᵢ − 1)(rᵢ − c) to the sum in a
+    second pass: it then holds Wᵢ(c + sᵢ(rᵢ − c)) for that island. Islands merged at
+    weight 0 take no part in the median."""
+
+    def __init__(self, rows: dict[str, list[tuple[DeferredPush, float]]], numel: int,
+                 factor: float):
+        self.rows, self.numel, self.factor = rows, numel, factor
+        self.ids = list(rows)
+        self.totals = [sum(w for _, w in rows[lid]) for lid in self.ids]
+        self.scales: dict[str, float] = {}  # islands pulled in: sᵢ < 1
+        self.ratios: dict[str, float] = {}  # each island's distance ÷ its others'
+
+    @classmethod
+    def of(cls, kept: list[tuple[DeferredPush, float]], numel: int, factor: float
+           ) -> Centre | None:
+        """The bound over `kept` (pushes with their summed weights), None where it does
+        not apply (factor 0, fewer than CENTER_MIN_ISLANDS islands with weight)."""
+        rows: dict[str, list[tuple[DeferredPush, float]]] = {}
+        for p, w in kept:
+            rows.setdefault(p.learner, []).append((p, w))
+        rows = {lid: ps for lid, ps in rows.items() if sum(w for _, w in ps) > 0}
+        if factor <= 0 or len(rows) < CENTER_MIN_ISLANDS:
+            return None
+        return cls(rows, numel, factor)
+
+    def off_center(self, lo: int, hi: int) -> np.ndarray:
+        """rᵢ − c over [lo, hi), one island per row."""
+        x = np.empty((len(self.ids), hi - lo), np.float32)
+        for row, lid, total in zip(x, self.ids, self.totals):
+            for j, (p, w) in enumerate(self.rows[lid]):
+                piece = chunked.chunk_payload(p.payload, p.encoding, self.numel, lo, hi)
+                fmt.decode_add(piece, p.encoding, hi - lo, row, w / total, assign=j == 0)
+        x -= kernels.column_median(x)
+        return x
+
+    def squares(self, lo: int, hi: int) -> np.ndarray:
+        """Each island's ‖rᵢ − c‖² over [lo, hi) (float32 per chunk, summed in float64)."""
+        x = self.off_center(lo, hi)
+        out: np.ndarray = np.einsum("ij,ij->i", x, x).astype(np.float64)
+        return out
+
+    def pull(self, buf: np.ndarray, squares: list[np.ndarray]) -> None:
+        """From the chunks' `squares`, each island's scale; the islands over it pulled in
+        (a second pass over the pushes, only then)."""
+        distances = np.sqrt(np.sum(squares, axis=0))
+        scales, self.ratios = center_scales(dict(zip(self.ids, distances.tolist())),
+                                            self.factor)
+        self.scales = {lid: s for lid, s in scales.items() if s < 1.0}
+        if not self.scales:
+            return
+        coef = np.array([t * (scales[lid] - 1.0) for lid, t in zip(self.ids, self.totals)],
+                        np.float32)
+
+        def one(lo: int, hi: int) -> None:
+            buf[lo:hi] += coef @ self.off_center(lo, hi)
+
+        chunked.each_chunk(self.numel, one)

@@ -96,7 +96,7 @@ class TrimmedMean(Mean):
         place): the kept values summed in float64 in sorted order, ÷ their count."""
         k = rows.shape[0]
         t = min(self.trim, (k - 1) // 2)
-        rows.sort(axis=0)
+        kernels.sort_columns(rows)
         kept = rows[t:k - t]
         out[...] = np.add.reduce(kept, axis=0, dtype=np.float64) / kept.shape[0]
 

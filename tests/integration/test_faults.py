@@ -267,9 +267,9 @@ def test_clip_factor_bounds_a_poisoned_island(toy_layout, rng):
     lr, mu, clip = 0.7, 0.9, 2.0
     moved = {}
     for factor in (0.0, clip):
-        # the norm bound off (syncer.bounds): clipping alone bounds the poison here
+        # the norm and centre bounds off (syncer.bounds): clipping alone bounds the poison
         with running_syncer(quorum=3, outer_lr=lr, outer_momentum=mu, clip_factor=factor,
-                            bounds=Bounds(norm_factor=0)) as (run, addr):
+                            bounds=Bounds(norm_factor=0, center_factor=0)) as (run, addr):
             cs = [make_client(addr, i, toy_layout) for i in ("a", "b", "evil")]
             for c in cs:
                 c.start(init)

@@ -101,3 +101,22 @@ def test_outer_step_reports_a_non_finite_result():
             m = np.zeros(2, np.float32)
             assert not kernels.outer_step(np.zeros(2, np.float32), m,
                                           np.array([np.inf, 0], np.float32), 0.5, 0.9, 0.9)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8, 16, 17])
+def test_the_column_median_is_numpy_s_bit_for_bit_compiled_and_not(k):
+    """The centre bound's median (syncer.merge.Centre): the kernel, its twin (a sorting
+    network) and np.median agree on every bit, ties and a partial last block included."""
+    rng = np.random.default_rng(k)
+    rows = rng.standard_normal((k, 1000)).astype(np.float32)
+    rows[:, :7] = 0.5  # ties
+    want = np.median(rows, axis=0).astype(np.float32)
+    if k % 2 == 0:  # float32 (a + b) × 0.5, as the module defines it
+        s = np.sort(rows, axis=0)
+        want = (s[k // 2 - 1] + s[k // 2]) * np.float32(0.5)
+    for name in ("auto", "numpy"):
+        with kernels.using(name):
+            assert np.array_equal(kernels.column_median(rows), want), name
+    sorted_rows = rows.copy()
+    kernels.sort_columns(sorted_rows)
+    assert np.array_equal(sorted_rows, np.sort(rows, axis=0))

@@ -48,12 +48,13 @@ def _honest(rng, k, n):
     return consensus + 0.3 * rng.standard_normal((k, n)).astype(np.float32)
 
 
-def test_honest_islands_within_the_bound_merge_bit_for_bit_as_without_it():
+@pytest.mark.parametrize("encoding", ["f32", "bf16", "q4"])
+def test_honest_islands_within_the_bound_merge_bit_for_bit_as_without_it(encoding):
     n = 2 * CHUNK + 100
     deltas = _honest(np.random.default_rng(3), 4, n)
     tokens = [100, 200, 300, 400]
-    acc, with_bound = _accumulate(deltas, "q4", 3.0, tokens)
-    _, without = _accumulate(deltas, "q4", 0.0, tokens)
+    acc, with_bound = _accumulate(deltas, encoding, 3.0, tokens)
+    _, without = _accumulate(deltas, encoding, 0.0, tokens)
     assert not acc.center_scales and len(acc.center_ratios) == 4
     assert max(acc.center_ratios.values()) < 3.0  # the margin the tape records
     assert np.array_equal(with_bound, without)

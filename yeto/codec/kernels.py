@@ -1,6 +1,7 @@
 """The syncer's hot loops as compiled passes: a q4 chunk decoded, weighted
 and added into the round's sum with its squared norm, reading each code once
-(`q4_add_square`); and the outer step with its finiteness check (`outer_step`).
+(`q4_add_square`); the outer step with its finiteness check (`outer_step`); and the
+median of each column of a round's island rows (`column_median`, the centre bound).
 
 numpy cannot fuse these: its q4 decode and sum take about eleven passes over each chunk
 (unpack, cast, spread the scales, multiply, square, weight, add), 1.7-2x the CPU a
@@ -19,11 +20,14 @@ The bits:
   implementations compute it in the same order.
 - the outer step: as `syncer.strategy.Nesterov` writes it, each operation rounded to
   float32 (`outer_step`).
+- the median: the middle value of each column's sorted values, or for an even count
+  float32(a + b) × 0.5 of the middle two (`column_median`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
@@ -43,6 +47,7 @@ class Kernels(NamedTuple):
     q4_sum: Callable[..., float]  # (scales, codes, n, acc, w, mode) -> Σ values²
     # (theta, m, g, divisor, lr, mu, lr·w, divide?, scale?, momentum?) -> finite?
     step: Callable[..., bool]
+    median: Callable[..., None]  # (rows k × n, out n) -> None
 
 
 # the numba kernel once built; False when numba is missing or refused
@@ -179,7 +184,7 @@ def _build() -> Kernels | Literal[False]:
     except RuntimeError:
         jit = numba.njit(**opts)
 
-    return Kernels(_q4_sum(jit), _step(jit))
+    return Kernels(_q4_sum(jit), _step(jit), _median(jit))
 
 
 def _q4_sum(jit: _Jit) -> Callable[..., float]:
@@ -245,6 +250,87 @@ def _step(jit: _Jit) -> Callable[..., bool]:
         return ok
 
     return step
+
+
+def _median(jit: _Jit) -> Callable[..., None]:
+    """The column median's kernel, compiled by `jit`: `sort_columns`' network applied to
+    a block of BLOCK columns at a time, copied into a small buffer that stays in the
+    cache (each comparator a vectorised min/max over the block's columns)."""
+
+    @jit
+    def median(rows: np.ndarray, comparators: np.ndarray, out: np.ndarray) -> None:
+        k, n = rows.shape
+        block = 256
+        buf = np.empty((k, block), np.float32)
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            w = hi - lo
+            for i in range(k):
+                for j in range(w):
+                    buf[i, j] = rows[i, lo + j]
+            for c in range(comparators.shape[0]):
+                a, b = comparators[c, 0], comparators[c, 1]
+                for j in range(w):
+                    x, y = buf[a, j], buf[b, j]
+                    buf[a, j] = min(x, y)
+                    buf[b, j] = max(x, y)
+            for j in range(w):
+                if k % 2:
+                    out[lo + j] = buf[k // 2, j]
+                else:
+                    out[lo + j] = (buf[k // 2 - 1, j] + buf[k // 2, j]) * np.float32(0.5)
+
+    return median
+
+
+def column_median(rows: np.ndarray) -> np.ndarray:
+    """The median of each column of `rows` (k × n float32, finite; k ≥ 1): one compiled
+    pass, or the numpy twin (a sorted copy by `sort_columns`), with the same bits."""
+    k = rows.shape[0]
+    out = np.empty(rows.shape[1], np.float32)
+    kernel = _kernel()
+    if kernel:
+        pairs = np.array(_comparators(k) or ((0, 0),), np.int64).reshape(-1, 2)
+        kernel.median(np.ascontiguousarray(rows, np.float32), pairs, out)
+        return out
+    s = rows.astype(np.float32, copy=True)
+    sort_columns(s)
+    if k % 2:
+        out[...] = s[k // 2]
+    else:
+        np.multiply(s[k // 2 - 1] + s[k // 2], np.float32(0.5), out=out)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _comparators(k: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort (Knuth, TAOCP vol. 3, §5.3.4) for the next power
+    of two ≥ k, without the comparators that touch a row past k (rows of +∞ there
+    would never move): a sorting network for k rows."""
+    n = 1 << max(0, (k - 1).bit_length())
+    out, p = [], 1
+    while p < n:
+        q = p
+        while q >= 1:
+            for j in range(q % p, n - q, 2 * q):
+                for i in range(min(q, n - j - q)):
+                    a, b = i + j, i + j + q
+                    if a // (2 * p) == b // (2 * p) and b < k:
+                        out.append((a, b))
+            q //= 2
+        p *= 2
+    return tuple(out)
+
+
+def sort_columns(rows: np.ndarray) -> None:
+    """Sort each column of `rows` (k × n, k small: the islands of a round; finite) in
+    place, by a sorting network of whole-row minimum and maximum passes: the order of
+    `rows.sort(axis=0)`, 5× faster at k = 16 than numpy's sort along the short axis."""
+    low = np.empty_like(rows[0])
+    for a, b in _comparators(rows.shape[0]):
+        np.minimum(rows[a], rows[b], out=low)
+        np.maximum(rows[a], rows[b], out=rows[b])
+        rows[a] = low
 
 
 def _cacheable() -> None:
