@@ -287,6 +287,36 @@ def test_clip_factor_bounds_a_poisoned_island(toy_layout, rng):
     assert moved[0.0] > 100 * bound  # without clipping the poison dominates
 
 
+def test_the_centre_bound_pulls_a_poisoned_island_in(toy_layout, rng):
+    """Through the real server, three honest islands and one whose push sits 1000× their
+    disagreement away from them (the norm bound off, so only the centre bound acts): its
+    part of the merge is pulled in to 3× the honest islands' typical distance from the
+    median, and Θ moves about as far as the honest pushes alone would move it."""
+    init = np.zeros(toy_layout.numel, np.float32)
+    consensus = rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.01
+    honest = [consensus + rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.002
+              for _ in range(3)]
+    poison = consensus + rng.standard_normal(toy_layout.numel).astype(np.float32) * 2.0
+    moved = {}
+    for factor in (0.0, 3.0):
+        with running_syncer(quorum=4, outer_lr=1.0, outer_momentum=0.0,
+                            bounds=Bounds(norm_factor=0, center_factor=factor)) as (run, addr):
+            cs = [make_client(addr, i, toy_layout) for i in ("a", "b", "c", "evil")]
+            for c in cs:
+                c.start(init)
+            for c in cs:
+                c.wait_one(timeout=20)
+            for c, d in zip(cs, [*honest, poison]):
+                c.push(codec.encode(d, "f32"), encoding="f32", base_version=0, loss_tokens=10,
+                       steps=1, seq=0).result(20)
+            moved[factor] = float(np.linalg.norm(cs[0].wait_one(timeout=20).theta - init))
+            for c in cs:
+                c.close()
+    alone = float(np.linalg.norm(np.mean(honest, axis=0)))  # the honest merge's step
+    assert moved[3.0] <= 1.5 * alone, (moved, alone)
+    assert moved[0.0] > 20 * alone, (moved, alone)  # without it the poison dominates
+
+
 def test_an_island_that_trained_through_a_syncer_restart_pushes_again(tmp_path, toy_layout):
     """A syncer stopped and resumed while an island trained on: the steps the island
     took offline all went into its next push, which claimed more than the syncer allows
