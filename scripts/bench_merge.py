@@ -87,10 +87,11 @@ class Memory:
         return max((rss for t, rss in self.samples if t0 <= t <= t1), default=0)
 
 
-def start(quorum: int, workdir: Path) -> SyncerProcess:
+def start(quorum: int, workdir: Path, center_factor: float | None) -> SyncerProcess:
+    centre = [] if center_factor is None else ["--center-factor", str(center_factor)]
     return start_syncer(["--quorum", str(quorum), "--grace-ms", "0", "--outer", "nesterov",
                          "--outer-lr", "0.7", "--outer-momentum", "0.9", "--log-level",
-                         "WARNING"],
+                         "WARNING", *centre],
                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                         log=workdir / "syncer.log")
 
@@ -128,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--params", type=int, default=8 << 20,
                    help="parameters in the fragment (default 8M = 32 MiB f32; 4M with --quick)")
     p.add_argument("--islands", type=int, default=16, help="islands = quorum = pushes per round")
+    p.add_argument("--center-factor", type=float, default=None,
+                   help="the syncer's --center-factor (default: the syncer's; 0 = the round "
+                        "without the centre bound, for its cost)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     n = (4 << 20) if args.quick and args.params == 8 << 20 else args.params
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
     layout = Layout.from_shapes({"bench.weight": (n,)})
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        syncer = start(args.islands, Path(tmp))
+        syncer = start(args.islands, Path(tmp), args.center_factor)
         clients = []
         try:
             mem = Memory(syncer.pid)

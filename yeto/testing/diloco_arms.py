@@ -143,6 +143,10 @@ def mixed_arms(rg: Regime) -> list[Arm]:
       mixed-steps: sync every H steps; a round needs both pushes (quorum 2) and an
                    island holds one push in flight, so the fast island can be at most
                    one push (H steps) ahead of the slow one: S + H steps, the slow S.
+    And mixed3-time: three islands syncing every T seconds, island-0 fast (3S steps),
+    the other two at --slowdown 3 (S each): the fast island's delta is the longest,
+    the one the centre bound (syncer.bounds, `--center-factor`; k >= 3) could pull in;
+    mixed3-time-c0 is the same fleet with the bound off.
     Wall seconds are measured and printed, so the budgets can be checked."""
     S, H = rg.steps // 4, 50
     slow = ((), ("--slowdown", "3"))
@@ -154,6 +158,10 @@ def mixed_arms(rg: Regime) -> list[Arm]:
         Arm(rg.name, "mixed-time", "mixed", k=2, steps=S, batch=rg.batch, H=H,
             island_steps=(3 * S, S), extra=("--sync-every-seconds", str(T)),
             per_island=slow, ref="mixed-steps"),
+        *(Arm(rg.name, f"mixed3-time{suffix}", "mixed", k=3, steps=S, batch=rg.batch, H=H,
+              island_steps=(3 * S, S, S), extra=("--sync-every-seconds", str(T)),
+              per_island=((), *slow[1:] * 2), syncer_extra=centre, ref="mixed-steps")
+          for suffix, centre in (("", ()), ("-c0", ("--center-factor", "0")))),
     ]
 
 
