@@ -227,7 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StateError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.standby_of:
-        run.tape.event("takeover", primary=args.standby_of, version=run.version)
+        try:
+            run.take_over(args.standby_of)
+        except OSError as e:
+            sys.exit(f"error: cannot save the takeover's state in {cfg.state_dir}: {e}")
     die_with_threads()
     try:
         server, port = serve(run, args.host, args.port, token=token, tls=tls,

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class Run:
         self.clock = clock  # seconds for grace windows and timeouts (yeto.sim: simulated)
         self.on_publish: Callable[[int, int], None] = lambda fragment, version: None
         self.run_id = uuid.uuid4().hex[:12]
+        self.term = 0  # raised by one at each standby takeover (`take_over`), saved with the state
         self.cond = threading.Condition()
         self.tape = tape or Tape(config.state_dir / "tape.jsonl" if config.state_dir else None)
         self.members = Members(config.bounds, clock)
@@ -161,12 +162,15 @@ class Run:
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
              weights_file: str, export_files: dict[str, str], observer: bool = False,
              tokens_per_step: int = 0, regime: str = "sft", sync_every: int = 0,
-             init_sha256: bytes = b"") -> dict[str, Any]:
+             init_sha256: bytes = b"", known_term: int = 0) -> dict[str, Any]:
         """An island joins; an `observer` (a rollout node) gets every Θ, never pushes or
         counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl";
         `sync_every`: its steps between pushes of a fragment (0: a schedule by time);
         `init_sha256`: the digest of its initial weights as a seed (b"": undeclared), which
-        the first quorum compares before round 1 (`Model.vote`)."""
+        the first quorum compares before round 1 (`Model.vote`). `known_term`: the newest
+        term the island heard of; a newer one than this syncer's fences it (`fence`)."""
+        if known_term > self.term:
+            self.fence(learner_id, known_term)
         if len(init_sha256) not in (0, 32):
             raise Reject("invalid", f"{learner_id}: init_sha256 must be a SHA-256 digest "
                          f"(32 bytes), not {len(init_sha256)} bytes")
@@ -207,7 +211,7 @@ class Run:
                         last_seq=member.last_seq, downlink=self.cfg.downlink,
                         shard=self.cfg.shard.index, shards=self.cfg.shard.count,
                         fragment_owner=self._owners() if self.cfg.shard.count > 1 and
-                        self.model.layout is not None else [])
+                        self.model.layout is not None else [], term=self.term)
 
     def _maybe_start(self) -> None:
         if self.started or self.model.theta is None or \
@@ -407,6 +411,32 @@ class Run:
                 return None
             return self.rounds.next_deadline(self.members.live_ids())
 
+    def take_over(self, primary: str) -> None:
+        """This syncer, a standby of `primary`, takes the run over: its term is the
+        primary's plus one, on disk before any island is served (an island that joins it
+        carries the new term to the old primary, should that one still answer: `fence`),
+        and on the tape."""
+        with self.cond:
+            self.term += 1
+            newest = max(range(self.cfg.fragments), key=self.committer.fragment_version)
+            self.save_state(self.version, newest)
+            self.tape.event("takeover", primary=primary, version=self.version, term=self.term)
+            log.warning("took the run over from %s at version %d (term %d)", primary,
+                        self.version, self.term)
+
+    def fence(self, learner_id: str, term: int) -> NoReturn:
+        """`learner_id` joined carrying `term`, newer than this syncer's: a standby took
+        the run over while this syncer was cut off or frozen. This syncer stops (it exits
+        non-zero, committing nothing more) and refuses the join as unavailable, so the
+        island moves on to the next address it holds."""
+        why = (f"fenced: {learner_id} knows term {term}, newer than this syncer's "
+               f"({self.term}): a standby took the run over while this syncer was cut off "
+               f"or frozen; its state dir is stale (the run goes on at the standby)")
+        self.tape.event("fenced", learner=learner_id, term=term, own_term=self.term,
+                        version=self.version)
+        self.fail(why)
+        raise Reject("unavailable", why)
+
     def fail(self, why: str) -> None:
         """The run cannot go on: `python -m syncer` exits non-zero with `why`."""
         with self.cond:
@@ -426,7 +456,7 @@ class Run:
         if self.store is None:
             return
         self.store.save(self.model.the_theta, self.model.m, self.downlink.island_theta, dict(
-            run_id=self.run_id, version=version, round=version,
+            run_id=self.run_id, version=version, round=version, term=self.term,
             shard=[self.cfg.shard.index, self.cfg.shard.count],
             fragment_versions=self.committer.fragment_versions(fragment, version),
             norm_history=self.rounds.norm_record(), bytes_in=self.bytes_in,
@@ -546,6 +576,7 @@ class Run:
                                   self.model.spans())
         self.members.restore(meta["islands"])
         self.run_id = meta["run_id"]
+        self.term = int(meta.get("term", 0))  # (states before terms: 0)
         self.bytes_in, self.bytes_out = meta["bytes_in"], meta["bytes_out"]
         log.info("resumed run %s at version %d (%d islands in the ledger)", self.run_id,
                  self.version, len(self.members.rows))

@@ -17,8 +17,17 @@ hold both addresses, move to it on their own and rejoin as after a syncer restar
 (pushes it does not hold are sent again). Its tape says so ("takeover"); the primary's
 says when each standby registered.
 
-Not covered: a primary that is alive but cut off from the standby only (both serve:
-no fencing), and state files bigger than one transfer within the deadline.
+Fencing by term: a takeover raises the run's term by one (saved in the state before the
+new primary serves anyone), every join reply tells islands the term, and every join
+carries the newest term the island has heard. A primary that was frozen or cut off
+while its standby took over, and answers again, is fenced by the first island that
+joins it from the new primary: it refuses the join as unavailable (the island moves on),
+tapes "fenced" and exits non-zero, committing nothing more.
+
+Not covered: islands that never reach the new primary (a partition that keeps some
+islands with the old one: both sides commit, unless --quorum is more than half of
+the islands, so that only one side can), and state files bigger than one transfer
+within the deadline.
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ def test_a_standby_takes_over_a_killed_primary_without_losing_a_round(tmp_path):
     # standby's that it took over at the saved version, and its rounds go on from there
     takeover = _events(b, "takeover")
     assert len(takeover) == 1 and takeover[0]["version"] == saved["version"]
+    assert takeover[0]["term"] == 1 and held_term(b) == 1  # on disk before it served
     versions = [r["version"] for r in _events(b, "merge")]
     assert versions and versions == list(range(saved["version"] + 1, versions[-1] + 1))
     # no island restarted; both ended with the run's final weights, the same bits
@@ -85,6 +86,59 @@ def test_a_standby_takes_over_a_killed_primary_without_losing_a_round(tmp_path):
     assert finals[0]["weights_sha256"] == finals[1]["weights_sha256"]
     theta_final = state.load(b, state.StateKey("s3cret-run"))[3]
     assert theta_final["version"] == versions[-1]
+
+
+def held_term(state_dir: Path) -> int:
+    return int(state.load(state_dir, state.StateKey("s3cret-run"))[3].get("term", 0))
+
+
+def test_a_frozen_primary_that_wakes_after_the_takeover_is_fenced(tmp_path):
+    """Split brain: the primary is frozen (SIGSTOP) long enough for its standby to take
+    the run over (term 1) and the islands to finish there; then it wakes (SIGCONT),
+    still a primary at term 0 with an older state. The first island that joins it
+    carries term 1: the old primary refuses it as unavailable (the island moves on),
+    tapes "fenced" and exits non-zero, committing nothing more. Before terms it served
+    on beside the new primary."""
+    import grpc
+
+    from yeto import net
+    from yeto.proto import yeto_pb2 as pb
+    from yeto.proto import yeto_pb2_grpc as pb_grpc
+
+    a, b = tmp_path / "primary", tmp_path / "standby"
+    primary = _syncer(a)
+    standby = _syncer(b, "--standby-of", primary.address, "--takeover-after-s", "2")
+    procs = [primary, standby]
+    try:
+        assert wait_until(lambda: _events(a, "standby"), timeout=60), "no standby registered"
+        islands = [_island(f"{primary.address},{standby.address}", f"island-{i}", tmp_path)
+                   for i in range(2)]
+        procs += islands
+        assert wait_until(lambda: len(_events(a, "merge")) >= 3, timeout=120)
+        primary.send_signal(signal.SIGSTOP)
+        for p in islands:  # they moved to the standby and finished the run there
+            assert p.wait(timeout=300) == 0
+        assert held_term(b) == 1 and _events(b, "takeover")[0]["term"] == 1
+        primary.send_signal(signal.SIGCONT)
+        stale = state.load(a)[3]
+        assert int(stale.get("term", 0)) == 0
+        with grpc.insecure_channel(primary.address) as ch:
+            md = net.auth_metadata(net.credential_for("s3cret-run", "island-0"))
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.SyncerStub(ch).Join(pb.JoinRequest(learner_id="island-0",
+                                                           known_term=1),
+                                            metadata=md, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "fenced" in refused.value.details()
+        assert primary.wait(timeout=60) != 0
+        assert state.load(a)[3]["version"] == stale["version"]  # it committed nothing more
+        fenced = _events(a, "fenced")
+        assert len(fenced) == 1 and fenced[0]["term"] == 1 and fenced[0]["own_term"] == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
 
 
 def _self_signed(d: Path) -> tuple[Path, Path]:

@@ -84,7 +84,9 @@ class Connection:
     broadcast receiver notifies it too, so one wait sees all three. Kept up to date:
     `connected` (set while joined), `generation` (bumps on every rejoin), `run_id`,
     `num_fragments`, `acked_seq` (newest push seq the syncer holds), `fatal` (a refusal
-    that retrying cannot fix), `last_error` (the newest connection error, for messages).
+    that retrying cannot fix), `last_error` (the newest connection error, for messages),
+    `term` (the newest syncer term heard: each join tells the syncer, and one at an
+    older term, a primary whose standby took the run over, fences itself and refuses).
     """
 
     def __init__(self, address: str, learner_id: str, request: pb.JoinRequest, *,
@@ -108,6 +110,7 @@ class Connection:
         self.connected = threading.Event()
         self.closed = False
         self.generation, self.run_id, self.num_fragments, self.acked_seq = 0, "", 1, -1
+        self.term = 0
         self.fatal: str | None = None
         self.last_error: str | None = None
 
@@ -182,7 +185,11 @@ class Connection:
             return self.closed
 
     def _join(self) -> pb.JoinReply:
-        reply = self.stub.Join(self.join_request, metadata=self.metadata, timeout=30)
+        request = pb.JoinRequest()
+        request.CopyFrom(self.join_request)
+        request.known_term = self.term
+        reply = self.stub.Join(request, metadata=self.metadata, timeout=30)
+        self.term = max(self.term, reply.term)
         if reply.finished:
             log.info("syncer reports the run already finished")
         self.generation, self.run_id = reply.generation, reply.run_id
