@@ -26,6 +26,7 @@ def _merges(out: Path) -> list[dict]:
     return [r for r in records if r.get("event") == "merge"]
 
 
+@pytest.mark.slow
 @pytest.mark.regimes
 @pytest.mark.mlx
 @pytest.mark.parametrize("argv", [
