@@ -37,6 +37,7 @@ def test_benchmarks_explain_themselves():
         assert out.returncode == 0 and "ratio" in out.stdout and "Goal" in out.stdout
 
 
+@pytest.mark.long  # two real fleets, ~10 s each: .ci/run's second run
 @pytest.mark.parametrize("args, key", [
     (["--quick", "--islands", "1", "--momentum", "none"], "syncer_bytes_per_param"),
     (["--half-billion", "--params", "2e6", "--rounds", "2", "--shards", "2"],

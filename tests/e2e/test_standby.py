@@ -92,6 +92,7 @@ def held_term(state_dir: Path) -> int:
     return int(state.load(state_dir, state.StateKey("s3cret-run"))[3].get("term", 0))
 
 
+@pytest.mark.long  # about a minute: the islands notice a frozen primary by keepalive
 def test_a_frozen_primary_that_wakes_after_the_takeover_is_fenced(tmp_path):
     """Split brain: the primary is frozen (SIGSTOP) long enough for its standby to take
     the run over (term 1) and the islands to finish there; then it wakes (SIGCONT),
