@@ -258,7 +258,7 @@ class Committer:
             self.host.announce(p.broadcast)
         log.info("round %d (fragment %d) committed (%s): %d pushes from %s", self.version, f,
                  p.reason, len(rnd.responders), ",".join(sorted(rnd.learners)))
-        for lid, scale in sorted(rnd.acc.center_scales.items()):
+        for lid in sorted(rnd.acc.center_scales):
             log.warning("round %d (fragment %d): %s's push was %.3g× the others' typical "
                         "distance from the round's median; pulled in to %g× "
                         "(--center-factor)", self.version, f, lid,

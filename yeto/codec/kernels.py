@@ -302,7 +302,7 @@ def column_median(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _comparators(k: int) -> tuple[tuple[int, int], ...]:
     """Batcher's odd-even merge sort (Knuth, TAOCP vol. 3, §5.3.4) for the next power
     of two ≥ k, without the comparators that touch a row past k (rows of +∞ there
