@@ -25,6 +25,7 @@ uniform weights (see `syncer.merge.MergeAccumulator`).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ from syncer.rounds import Rounds
 from syncer.staging import Into, OwnedSeed, PushBody, Received, StagedSum
 from syncer.standby import Standbys
 from syncer.tape import Tape
+from yeto import net
 from yeto.codec.buffers import SpilledPayload
 from yeto.layout import Layout, TensorSpec
 
@@ -162,15 +164,17 @@ class Run:
     def join(self, learner_id: str, specs: list[TensorSpec], fp: str, backend: str,
              weights_file: str, export_files: dict[str, str], observer: bool = False,
              tokens_per_step: int = 0, regime: str = "sft", sync_every: int = 0,
-             init_sha256: bytes = b"", known_term: int = 0) -> dict[str, Any]:
+             init_sha256: bytes = b"", known_term: int = 0,
+             term_proof: bytes = b"") -> dict[str, Any]:
         """An island joins; an `observer` (a rollout node) gets every Θ, never pushes or
         counts. `tokens_per_step`: its most loss tokens per step; `regime`: "sft" or "rl";
         `sync_every`: its steps between pushes of a fragment (0: a schedule by time);
         `init_sha256`: the digest of its initial weights as a seed (b"": undeclared), which
         the first quorum compares before round 1 (`Model.vote`). `known_term`: the newest
-        term the island heard of; a newer one than this syncer's fences it (`fence`)."""
+        term the island heard of, with the run's signature of it (`term_proof`); a newer
+        one than this syncer's, signed, fences it (`fence`)."""
         if known_term > self.term:
-            self.fence(learner_id, known_term)
+            self.fence(learner_id, known_term, term_proof)
         if len(init_sha256) not in (0, 32):
             raise Reject("invalid", f"{learner_id}: init_sha256 must be a SHA-256 digest "
                          f"(32 bytes), not {len(init_sha256)} bytes")
@@ -211,7 +215,8 @@ class Run:
                         last_seq=member.last_seq, downlink=self.cfg.downlink,
                         shard=self.cfg.shard.index, shards=self.cfg.shard.count,
                         fragment_owner=self._owners() if self.cfg.shard.count > 1 and
-                        self.model.layout is not None else [], term=self.term)
+                        self.model.layout is not None else [], term=self.term,
+                        term_proof=self._term_proof(self.term))
 
     def _maybe_start(self) -> None:
         if self.started or self.model.theta is None or \
@@ -424,11 +429,22 @@ class Run:
             log.warning("took the run over from %s at version %d (term %d)", primary,
                         self.version, self.term)
 
-    def fence(self, learner_id: str, term: int) -> NoReturn:
+    def _term_proof(self, term: int) -> bytes:
+        """The run's signature of `term` (b"" at term 0, or without a run secret)."""
+        return net.term_proof(self.cfg.token, self.run_id, term) if term and self.cfg.token \
+            else b""
+
+    def fence(self, learner_id: str, term: int, proof: bytes) -> NoReturn:
         """`learner_id` joined carrying `term`, newer than this syncer's: a standby took
         the run over while this syncer was cut off or frozen. This syncer stops (it exits
         non-zero, committing nothing more) and refuses the join as unavailable, so the
-        island moves on to the next address it holds."""
+        island moves on to the next address it holds. With a run secret the term must
+        carry the run's signature (`yeto.net.term_proof`): a term an island made up is
+        refused and taped, and fences nothing."""
+        if self.cfg.token and not hmac.compare_digest(proof, self._term_proof(term)):
+            raise Reject("invalid", f"{learner_id} claims term {term} without the run's "
+                         "signature of it: a term only a syncer that took the run over "
+                         "can hand out")
         why = (f"fenced: {learner_id} knows term {term}, newer than this syncer's "
                f"({self.term}): a standby took the run over while this syncer was cut off "
                f"or frozen; its state dir is stale (the run goes on at the standby)")

@@ -149,7 +149,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                               tokens_per_step=request.tokens_per_step,
                               regime=request.regime, sync_every=request.sync_every,
                               init_sha256=request.init_sha256,
-                              known_term=request.known_term)
+                              known_term=request.known_term,
+                              term_proof=request.term_proof)
         except Reject as e:
             _abort(context, e, self.run, "join", request.learner_id)
         return pb.JoinReply(**r)

@@ -18,8 +18,10 @@ hold both addresses, move to it on their own and rejoin as after a syncer restar
 says when each standby registered.
 
 Fencing by term: a takeover raises the run's term by one (saved in the state before the
-new primary serves anyone), every join reply tells islands the term, and every join
-carries the newest term the island has heard. A primary that was frozen or cut off
+new primary serves anyone), every join reply tells islands the term with the run's
+signature of it (`yeto.net.term_proof`, keyed by the run secret), and every join
+carries the newest signed term the island has heard (a term without the signature is
+refused and fences nothing: one credential cannot stop the run). A primary that was frozen or cut off
 while its standby took over, and answers again, is fenced by the first island that
 joins it from the new primary: it refuses the join as unavailable (the island moves on),
 tapes "fenced" and exits non-zero, committing nothing more.

@@ -152,6 +152,15 @@ def credential_for(token: str | None, learner_id: str) -> str | None:
     return token
 
 
+def term_proof(secret: str, run_id: str, term: int) -> bytes:
+    """The run's signature of `term` (syncer.standby, fencing): a syncer that took the run
+    over hands it to islands with its term, and a syncer at an older term believes a
+    newer term only with it, so no island can fence a syncer with a term it made up.
+    (The NUL keeps it apart from every island credential: ids hold no NUL.)"""
+    msg = f"yeto-term\0{run_id}\0{int(term)}".encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).digest()
+
+
 def credential_valid(secret: str, token: str) -> str | None:
     """The learner id `token` authenticates under `secret`, or None."""
     learner = credential_id(token)

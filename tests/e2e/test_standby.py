@@ -123,12 +123,18 @@ def test_a_frozen_primary_that_wakes_after_the_takeover_is_fenced(tmp_path):
         primary.send_signal(signal.SIGCONT)
         stale = state.load(a)[3]
         assert int(stale.get("term", 0)) == 0
+        md = net.auth_metadata(net.credential_for("s3cret-run", "island-0"))
+        signed = net.term_proof("s3cret-run", stale["run_id"], 1)  # what the new primary hands out
         with grpc.insecure_channel(primary.address) as ch:
-            md = net.auth_metadata(net.credential_for("s3cret-run", "island-0"))
+            stub = pb_grpc.SyncerStub(ch)
+            with pytest.raises(grpc.RpcError) as forged:  # a term an island made up
+                stub.Join(pb.JoinRequest(learner_id="island-0", known_term=1,
+                                         term_proof=bytes(32)), metadata=md, timeout=30)
+            assert forged.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert primary.poll() is None  # it fenced nothing
             with pytest.raises(grpc.RpcError) as refused:
-                pb_grpc.SyncerStub(ch).Join(pb.JoinRequest(learner_id="island-0",
-                                                           known_term=1),
-                                            metadata=md, timeout=30)
+                stub.Join(pb.JoinRequest(learner_id="island-0", known_term=1,
+                                         term_proof=signed), metadata=md, timeout=30)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "fenced" in refused.value.details()
         assert primary.wait(timeout=60) != 0

@@ -642,3 +642,29 @@ def test_a_trimmed_merge_drops_a_rogue_at_its_bound(toy_layout, rng, tmp_path):
     by = {r["learner"]: r for r in rec["responders"]}
     assert rec["merge_rule"] == "trimmed" and by["rogue"]["bound_scale"] < 1e-3
     assert 1e3 * by["rogue"]["bound_scale"] > 0.01  # still above every honest value
+
+
+def test_an_island_cannot_fence_the_syncer_with_a_term_it_made_up():
+    """Fencing (syncer.standby): a join carrying a newer term stops a syncer whose standby
+    took over. With a run secret the term must carry the run's signature, which only a
+    syncer that took the run over hands out: one valid credential and a made-up term
+    fence nothing (the join is refused and the run goes on); the signed term fences."""
+    from syncer.run import Config, Reject, Run
+    from yeto import net
+    from yeto.testing.synthetic import layout_for
+
+    layout = layout_for(64)
+    run = Run(Config(quorum=1, token="s3cret"))
+
+    def join(term, proof):
+        return run.join("a", layout.specs, layout.fingerprint, "numpy", "w.safetensors", {},
+                        known_term=term, term_proof=proof)
+
+    assert join(0, b"")["term"] == 0
+    for proof in (b"", bytes(32), net.term_proof("another-secret", run.run_id, 7)):
+        with pytest.raises(Reject) as e:
+            join(7, proof)
+        assert e.value.code == "invalid" and run.fatal is None
+    with pytest.raises(Reject) as e:
+        join(7, net.term_proof("s3cret", run.run_id, 7))
+    assert e.value.code == "unavailable" and "fenced" in (run.fatal or "")

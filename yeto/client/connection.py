@@ -85,8 +85,9 @@ class Connection:
     `connected` (set while joined), `generation` (bumps on every rejoin), `run_id`,
     `num_fragments`, `acked_seq` (newest push seq the syncer holds), `fatal` (a refusal
     that retrying cannot fix), `last_error` (the newest connection error, for messages),
-    `term` (the newest syncer term heard: each join tells the syncer, and one at an
-    older term, a primary whose standby took the run over, fences itself and refuses).
+    `term` and `term_proof` (the newest syncer term heard and the run's signature of it:
+    each join hands both on, and a syncer at an older term, a primary whose standby took
+    the run over, fences itself and refuses).
     """
 
     def __init__(self, address: str, learner_id: str, request: pb.JoinRequest, *,
@@ -110,7 +111,7 @@ class Connection:
         self.connected = threading.Event()
         self.closed = False
         self.generation, self.run_id, self.num_fragments, self.acked_seq = 0, "", 1, -1
-        self.term = 0
+        self.term, self.term_proof = 0, b""
         self.fatal: str | None = None
         self.last_error: str | None = None
 
@@ -187,9 +188,10 @@ class Connection:
     def _join(self) -> pb.JoinReply:
         request = pb.JoinRequest()
         request.CopyFrom(self.join_request)
-        request.known_term = self.term
+        request.known_term, request.term_proof = self.term, self.term_proof
         reply = self.stub.Join(request, metadata=self.metadata, timeout=30)
-        self.term = max(self.term, reply.term)
+        if reply.term > self.term:
+            self.term, self.term_proof = reply.term, reply.term_proof
         if reply.finished:
             log.info("syncer reports the run already finished")
         self.generation, self.run_id = reply.generation, reply.run_id

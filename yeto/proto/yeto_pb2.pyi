@@ -25,7 +25,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer", "tokens_per_step", "regime", "sync_every", "init_sha256", "known_term")
+    __slots__ = ("learner_id", "layout", "fingerprint", "backend", "weights_file", "export_files", "observer", "tokens_per_step", "regime", "sync_every", "init_sha256", "known_term", "term_proof")
     class ExportFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class JoinRequest(_message.Message):
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     INIT_SHA256_FIELD_NUMBER: _ClassVar[int]
     KNOWN_TERM_FIELD_NUMBER: _ClassVar[int]
+    TERM_PROOF_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     fingerprint: str
@@ -57,10 +58,11 @@ class JoinRequest(_message.Message):
     sync_every: int
     init_sha256: bytes
     known_term: int
-    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ..., sync_every: _Optional[int] = ..., init_sha256: _Optional[bytes] = ..., known_term: _Optional[int] = ...) -> None: ...
+    term_proof: bytes
+    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ..., sync_every: _Optional[int] = ..., init_sha256: _Optional[bytes] = ..., known_term: _Optional[int] = ..., term_proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink", "shard", "shards", "fragment_owner", "term")
+    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink", "shard", "shards", "fragment_owner", "term", "term_proof")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class JoinReply(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_OWNER_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    TERM_PROOF_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     generation: int
     num_fragments: int
@@ -89,7 +92,8 @@ class JoinReply(_message.Message):
     shards: int
     fragment_owner: _containers.RepeatedScalarFieldContainer[int]
     term: int
-    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ..., downlink: _Optional[str] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., fragment_owner: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ...) -> None: ...
+    term_proof: bytes
+    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ..., downlink: _Optional[str] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., fragment_owner: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., term_proof: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "generation", "round", "fragment", "base_version", "loss_tokens", "steps", "encoding", "numel", "payload_bytes", "kind", "seq", "train_loss", "eval_loss")
