@@ -47,7 +47,7 @@ class Kernels(NamedTuple):
     q4_sum: Callable[..., float]  # (scales, codes, n, acc, w, mode) -> Σ values²
     # (theta, m, g, divisor, lr, mu, lr·w, divide?, scale?, momentum?) -> finite?
     step: Callable[..., bool]
-    median: Callable[..., None]  # (rows k × n, out n) -> None
+    median: Callable[..., None]  # (rows k × n, comparators m × 2, out n) -> None
 
 
 # the numba kernel once built; False when numba is missing or refused
@@ -254,8 +254,8 @@ def _step(jit: _Jit) -> Callable[..., bool]:
 
 def _median(jit: _Jit) -> Callable[..., None]:
     """The column median's kernel, compiled by `jit`: `sort_columns`' network applied to
-    a block of BLOCK columns at a time, copied into a small buffer that stays in the
-    cache (each comparator a vectorised min/max over the block's columns)."""
+    256 columns at a time, copied into a small buffer that stays in the cache (each
+    comparator a vectorised min/max over the block's columns)."""
 
     @jit
     def median(rows: np.ndarray, comparators: np.ndarray, out: np.ndarray) -> None:
