@@ -19,9 +19,10 @@ from syncer.admission import Streams
 from syncer.broadcast import Downlink, Source
 from syncer.run import Config, Run
 from syncer.service import serve
-from yeto import codec
+from yeto import codec, net
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
+from yeto.proto import yeto_pb2_grpc as pb_grpc
 
 
 @pytest.mark.parametrize("trickle", [b"", b"\0"], ids=["empty chunks", "a byte at a time"])
@@ -92,7 +93,10 @@ def test_stalled_broadcast_readers_cannot_multiply_copies_of_theta(rng):
         a = make_client(addr, "a", layout)
         a.start(rng.standard_normal(n).astype(np.float32))
         thetas = [wait_version(a, 0).theta.tobytes()]
-        stub = _stub(addr)
+        # the stalled reader's receive window stays gRPC's initial one (no BDP probing
+        # to grow it toward all of Θ): what a stream buffers cannot depend on timing
+        stub = pb_grpc.SyncerStub(grpc.insecure_channel(
+            addr, options=[*net.GRPC_OPTIONS, ("grpc.http2.bdp_probe", 0)]))
         gen = _join(stub, layout, "reader", None, observer=True).generation
         streams = []
         for v in range(stalled):  # a reader of version v stalls after its first chunk
