@@ -3,6 +3,7 @@ the primary saves it, and when the primary is killed with SIGKILL it takes the r
 the islands, which hold both addresses, finish without a restart and no committed round
 is lost. Real processes: two syncers and synthetic numpy islands."""
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -48,7 +49,11 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_a_standby_takes_over_a_killed_primary_without_losing_a_round(tmp_path):
+@contextlib.contextmanager
+def _pair_with_islands(tmp_path: Path, merges: int):
+    """A primary (state dir tmp_path/primary) and its standby (tmp_path/standby), and two
+    islands holding both addresses, once the primary committed `merges` rounds: yields
+    (primary, standby, islands); every process still running at the end is killed."""
     a, b = tmp_path / "primary", tmp_path / "standby"
     primary = _syncer(a)
     standby = _syncer(b, "--standby-of", primary.address, "--takeover-after-s", "2")
@@ -58,7 +63,18 @@ def test_a_standby_takes_over_a_killed_primary_without_losing_a_round(tmp_path):
         islands = [_island(f"{primary.address},{standby.address}", f"island-{i}", tmp_path)
                    for i in range(2)]
         procs += islands
-        assert wait_until(lambda: len(_events(a, "merge")) >= 4, timeout=120)
+        assert wait_until(lambda: len(_events(a, "merge")) >= merges, timeout=120)
+        yield primary, standby, islands
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # (a stopped process ends only once woken)
+                p.kill()
+
+
+def test_a_standby_takes_over_a_killed_primary_without_losing_a_round(tmp_path):
+    a, b = tmp_path / "primary", tmp_path / "standby"
+    with _pair_with_islands(tmp_path, merges=4) as (primary, standby, islands):
         primary.send_signal(signal.SIGKILL)
         primary.wait()
         saved = state.load(a)[3]
@@ -68,10 +84,6 @@ def test_a_standby_takes_over_a_killed_primary_without_losing_a_round(tmp_path):
         for p in islands:
             assert p.wait(timeout=300) == 0
         assert standby.wait(timeout=60) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     # the takeover is on both tapes: the primary's says the standby registered, the
     # standby's that it took over at the saved version, and its rounds go on from there
     takeover = _events(b, "takeover")
@@ -107,15 +119,7 @@ def test_a_frozen_primary_that_wakes_after_the_takeover_is_fenced(tmp_path):
     from yeto.proto import yeto_pb2_grpc as pb_grpc
 
     a, b = tmp_path / "primary", tmp_path / "standby"
-    primary = _syncer(a)
-    standby = _syncer(b, "--standby-of", primary.address, "--takeover-after-s", "2")
-    procs = [primary, standby]
-    try:
-        assert wait_until(lambda: _events(a, "standby"), timeout=60), "no standby registered"
-        islands = [_island(f"{primary.address},{standby.address}", f"island-{i}", tmp_path)
-                   for i in range(2)]
-        procs += islands
-        assert wait_until(lambda: len(_events(a, "merge")) >= 3, timeout=120)
+    with _pair_with_islands(tmp_path, merges=3) as (primary, standby, islands):
         primary.send_signal(signal.SIGSTOP)
         for p in islands:  # they moved to the standby and finished the run there
             assert p.wait(timeout=300) == 0
@@ -141,11 +145,6 @@ def test_a_frozen_primary_that_wakes_after_the_takeover_is_fenced(tmp_path):
         assert state.load(a)[3]["version"] == stale["version"]  # it committed nothing more
         fenced = _events(a, "fenced")
         assert len(fenced) == 1 and fenced[0]["term"] == 1 and fenced[0]["own_term"] == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
 
 
 def _self_signed(d: Path) -> tuple[Path, Path]:

@@ -260,6 +260,25 @@ def test_client_drops_a_non_finite_broadcast_and_reconnects(toy_layout, rng):
 
 
 # ---- robust merge -------------------------------------------------------------------------
+def _one_round_moves(layout, init, deltas, **syncer_kw) -> float:
+    """‖Θ − init‖ after one round through the real server in which island i (the last
+    one "evil") pushes deltas[i] (f32, 10 loss tokens each)."""
+    ids = [*"abcdefgh"[:len(deltas) - 1], "evil"]
+    with running_syncer(quorum=len(deltas), **syncer_kw) as (run, addr):
+        cs = [make_client(addr, i, layout) for i in ids]
+        for c in cs:
+            c.start(init)
+        for c in cs:
+            c.wait_one(timeout=20)
+        for c, d in zip(cs, deltas):
+            c.push(codec.encode(d, "f32"), encoding="f32", base_version=0, loss_tokens=10,
+                   steps=1, seq=0).result(20)
+        moved = float(np.linalg.norm(cs[0].wait_one(timeout=20).theta - init))
+        for c in cs:
+            c.close()
+    return moved
+
+
 def test_clip_factor_bounds_a_poisoned_island(toy_layout, rng):
     init = np.zeros(toy_layout.numel, np.float32)
     honest = [rng.standard_normal(toy_layout.numel).astype(np.float32) * 0.01 for _ in range(2)]
@@ -268,19 +287,9 @@ def test_clip_factor_bounds_a_poisoned_island(toy_layout, rng):
     moved = {}
     for factor in (0.0, clip):
         # the norm and centre bounds off (syncer.bounds): clipping alone bounds the poison
-        with running_syncer(quorum=3, outer_lr=lr, outer_momentum=mu, clip_factor=factor,
-                            bounds=Bounds(norm_factor=0, center_factor=0)) as (run, addr):
-            cs = [make_client(addr, i, toy_layout) for i in ("a", "b", "evil")]
-            for c in cs:
-                c.start(init)
-            for c in cs:
-                c.wait_one(timeout=20)
-            for c, d in zip(cs, [*honest, poison]):
-                c.push(codec.encode(d, "f32"), encoding="f32", base_version=0, loss_tokens=10,
-                       steps=1, seq=0).result(20)
-            moved[factor] = float(np.linalg.norm(cs[0].wait_one(timeout=20).theta - init))
-            for c in cs:
-                c.close()
+        moved[factor] = _one_round_moves(toy_layout, init, [*honest, poison], outer_lr=lr,
+                                         outer_momentum=mu, clip_factor=factor,
+                                         bounds=Bounds(norm_factor=0, center_factor=0))
     median = float(np.median([np.linalg.norm(x) for x in [*honest, poison]]))
     bound = lr * (1 + mu) * clip * median  # first round: Θ moves lr·(1+μ)·g, ‖g‖ ≤ clip·median
     assert moved[clip] <= bound * (1 + 1e-5)
@@ -299,19 +308,9 @@ def test_the_centre_bound_pulls_a_poisoned_island_in(toy_layout, rng):
     poison = consensus + rng.standard_normal(toy_layout.numel).astype(np.float32) * 2.0
     moved = {}
     for factor in (0.0, 3.0):
-        with running_syncer(quorum=4, outer_lr=1.0, outer_momentum=0.0,
-                            bounds=Bounds(norm_factor=0, center_factor=factor)) as (run, addr):
-            cs = [make_client(addr, i, toy_layout) for i in ("a", "b", "c", "evil")]
-            for c in cs:
-                c.start(init)
-            for c in cs:
-                c.wait_one(timeout=20)
-            for c, d in zip(cs, [*honest, poison]):
-                c.push(codec.encode(d, "f32"), encoding="f32", base_version=0, loss_tokens=10,
-                       steps=1, seq=0).result(20)
-            moved[factor] = float(np.linalg.norm(cs[0].wait_one(timeout=20).theta - init))
-            for c in cs:
-                c.close()
+        moved[factor] = _one_round_moves(toy_layout, init, [*honest, poison], outer_lr=1.0,
+                                         outer_momentum=0.0,
+                                         bounds=Bounds(norm_factor=0, center_factor=factor))
     alone = float(np.linalg.norm(np.mean(honest, axis=0)))  # the honest merge's step
     assert moved[3.0] <= 1.5 * alone, (moved, alone)
     assert moved[0.0] > 20 * alone, (moved, alone)  # without it the poison dominates
