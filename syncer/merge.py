@@ -291,12 +291,7 @@ class MergeAccumulator:
         buf = self._buffer()
 
         def one(lo: int, hi: int) -> None:
-            rows = np.empty((len(rows_of), hi - lo), np.float32)
-            for row, pushes in zip(rows, rows_of):
-                for j, (p, w) in enumerate(pushes):
-                    piece = chunked.chunk_payload(p.payload, p.encoding, self.numel, lo, hi)
-                    fmt.decode_add(piece, p.encoding, hi - lo, row, w, assign=j == 0)
-            self.rule.reduce(rows, buf[lo:hi])
+            self.rule.reduce(island_rows(rows_of, self.numel, lo, hi), buf[lo:hi])
 
         chunked.each_chunk(self.numel, one)
         self.fresh, self.norm_sum = False, 0.0
@@ -366,6 +361,18 @@ class MergeAccumulator:
         return out
 
 
+def island_rows(islands: list[list[tuple[DeferredPush, float]]], numel: int, lo: int,
+                hi: int) -> np.ndarray:
+    """Values [lo, hi) of one row per island (k × (hi − lo) float32): each island's kept
+    pushes decoded one chunk at a time and summed with their weights."""
+    rows = np.empty((len(islands), hi - lo), np.float32)
+    for row, pushes in zip(rows, islands):
+        for j, (p, w) in enumerate(pushes):
+            piece = chunked.chunk_payload(p.payload, p.encoding, numel, lo, hi)
+            fmt.decode_add(piece, p.encoding, hi - lo, row, w, assign=j == 0)
+    return rows
+
+
 def _bound_scale(norm: float, limit: float | None) -> float:
     """The factor that brings a push of `norm` within `limit` (1: within already)."""
     return limit / norm if limit is not None and norm > limit else 1.0
@@ -385,6 +392,9 @@ class Centre:
         self.rows, self.numel, self.factor = rows, numel, factor
         self.ids = list(rows)
         self.totals = [sum(w for _, w in rows[lid]) for lid in self.ids]
+        # each island's pushes weighted to their mean: its row rᵢ (`island_rows`)
+        self.means = [[(p, w / total) for p, w in rows[lid]]
+                      for lid, total in zip(self.ids, self.totals)]
         self.scales: dict[str, float] = {}  # islands pulled in: sᵢ < 1
         self.ratios: dict[str, float] = {}  # each island's distance ÷ its others'
 
@@ -403,11 +413,7 @@ class Centre:
 
     def off_center(self, lo: int, hi: int) -> np.ndarray:
         """rᵢ − c over [lo, hi), one island per row."""
-        x = np.empty((len(self.ids), hi - lo), np.float32)
-        for row, lid, total in zip(x, self.ids, self.totals):
-            for j, (p, w) in enumerate(self.rows[lid]):
-                piece = chunked.chunk_payload(p.payload, p.encoding, self.numel, lo, hi)
-                fmt.decode_add(piece, p.encoding, hi - lo, row, w / total, assign=j == 0)
+        x = island_rows(self.means, self.numel, lo, hi)
         x -= kernels.column_median(x)
         return x
 
