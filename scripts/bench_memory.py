@@ -419,7 +419,7 @@ def _on_core(i: int | None):
 
 
 def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False,
-                     shards: int = 1) -> dict:
+                     shards: int = 1, extra: tuple[str, ...] = ()) -> dict:
     """The syncer (or `shards` shards, each owning one of as many fragments) and two
     synthetic islands (subprocesses), blocking sync every step, each push staged in the
     training loop (with blocking sync the loop waits for the round anyway:
@@ -432,7 +432,7 @@ def half_billion_run(numel: int, rounds: int, tmp: Path, pin: bool = False,
     children_cpu, t0 = _children_cpu_s(), time.perf_counter()
     flags = [["--quorum", "2", "--grace-ms", "0"] + (
         ["--shard", f"{s}/{shards}", "--fragments", str(shards), "--seed-from", "half-0"]
-        if shards > 1 else []) for s in range(shards)]
+        if shards > 1 else []) + list(extra) for s in range(shards)]
     with contextlib.ExitStack() as stack:
         syncers = [stack.enter_context(start_syncer(f, cwd=ROOT, log=tmp / f"syncer-{s}.log"))
                    for s, f in enumerate(flags)]
@@ -627,9 +627,10 @@ def half_billion_main(args) -> int:
     raw_cpu: dict = {}  # the raw server's CPU seconds for each direction, best
     before = raw_grpc(up, 4 * numel, streams=2, cpu=raw_cpu)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
-        run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands)
+        extra = tuple(args.syncer_args.split())
+        run = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands, extra=extra)
         sharded = half_billion_run(numel, rounds, Path(tmp), pin=args.pin_islands,
-                                   shards=args.shards) if args.shards > 1 else None
+                                   shards=args.shards, extra=extra) if args.shards > 1 else None
         guard, loop = island_overlap_run(numel, Path(tmp))
     after = raw_grpc(up, 4 * numel, streams=2, cpu=raw_cpu)  # the speed drifts: best of both
     raw_up, raw_down = min(before[0], after[0]), min(before[1], after[1])

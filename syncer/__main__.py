@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on; beyond loopback a token or TLS is required")
     p.add_argument("--port", type=net.port, default=net.DEFAULT_PORT,
                    help="port (0 = any free port)")
+    p.add_argument("--direct-port", type=net.port, default=0, metavar="PORT",
+                   help="where islands read their broadcasts as plain TCP sent from Θ's "
+                        "memory (the direct downlink: the same bytes and checks as gRPC, "
+                        "less of the syncer's CPU); 0 = any free port, named in each join "
+                        "reply. An island that cannot reach it falls back to gRPC. Off "
+                        "under TLS")
+    p.add_argument("--no-direct", action="store_true",
+                   help="no direct port: every broadcast over gRPC")
     p.add_argument("--quorum", type=int, default=Config.quorum, metavar="K",
                    help="islands that must join before round 1, and pushes that commit a round")
     p.add_argument("--rounds", type=int, default=Config.rounds, metavar="N",
@@ -237,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              max_inflight_pushes=max(1, args.max_inflight_pushes),
                              spill_min_bytes=int(args.spill_min_mib * 2**20),
                              streams=Streams(max(1, args.max_streams),
-                                             idle_s=max(0.1, args.stream_idle_s)))
+                                             idle_s=max(0.1, args.stream_idle_s)),
+                             direct_port=None if args.no_direct else args.direct_port)
     except OSError as e:
         sys.exit(f"error: {e}")
     dashboard = _start_dashboard(run, args, token, server)

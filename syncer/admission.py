@@ -23,10 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import grpc
+from typing import Protocol
 
 log = logging.getLogger("syncer")
 
@@ -37,10 +34,16 @@ class Exhausted(Exception):
     """A streaming call over a bound; the message says which."""
 
 
+class Call(Protocol):
+    """A streaming call as admitted: a gRPC context, or a direct-port stream."""
+
+    def cancel(self) -> object: ...
+
+
 class Watch:
     """One admitted streaming call: when it last moved, and whether it was cut off."""
 
-    def __init__(self, context: grpc.ServicerContext, learner_id: str | None,
+    def __init__(self, context: Call, learner_id: str | None,
                  idle_s: float | None):
         self.context, self.learner_id, self.idle_s = context, learner_id, idle_s
         self.last = time.monotonic()
@@ -59,7 +62,7 @@ class Streams:
         self._pushing: set[str] = set()  # learner ids with a push in progress
 
     @contextlib.contextmanager
-    def admit(self, context: grpc.ServicerContext, learner_id: str | None, push: bool = True
+    def admit(self, context: Call, learner_id: str | None, push: bool = True
               ) -> Iterator[Watch]:
         """Hold one stream slot for the `with` block, or raise Exhausted. `learner_id`:
         the authenticated caller (None without authentication: the total bound only).
@@ -109,7 +112,5 @@ class Streams:
         for w in idle:
             log.warning("a push stream from %r sent nothing for %.0f s: cancelled, its slot "
                         "freed", w.learner_id or "?", w.idle_s)
-            cancel = getattr(w.context, "cancel", None)
-            if cancel is not None:
-                cancel()
+            w.context.cancel()
         return len(idle)

@@ -37,6 +37,19 @@ log = logging.getLogger("syncer")
 T = TypeVar("T")
 
 
+class Sink(Protocol):
+    """Where a direct-downlink stream writes (`syncer.direct.DirectStream`)."""
+
+    def send_all(self, data: bytes | memoryview) -> None:
+        """Send all of `data` (waiting, bounded, while the peer catches up)."""
+
+    def send_some(self, view: memoryview) -> int:
+        """Bytes of `view` the kernel took at once (0: none now); never waits."""
+
+    def wait_writable(self) -> None:
+        """Wait until the peer may take more, or a while (a second at most)."""
+
+
 class Source:
     """The f32 bytes a broadcast streams to islands that need the whole fragment: a
     view of the live weights (Θ, or the islands' weights under a compressed
@@ -47,9 +60,12 @@ class Source:
     frees its copy when its last reader closes, or when `retire` ends its readers
     (`Downlink.KEPT`). A chunk built for one reader is kept for the others until they
     have all passed it (at most `SHARED` chunks): islands streaming in step share one
-    copy per chunk."""
+    copy per chunk. A reader on the direct downlink (`stream_to`) builds nothing: the
+    kernel copies from the weights themselves, each piece pinned while it does, and
+    `detach` waits for those pins (a non-blocking send each) before the weights change."""
 
     SHARED = 2  # chunks kept for readers behind (each net.CHUNK_BYTES at most)
+    PIECE = 4 << 20  # the most one non-blocking send of `stream_to` is offered
 
     def __init__(self, array: np.ndarray, filling: Filling | None = None):
         self._array: np.ndarray | None = array.view(np.uint8).reshape(-1)
@@ -62,6 +78,8 @@ class Source:
         self._built: collections.OrderedDict[tuple[int, int, bytes], bytes] = (
             collections.OrderedDict())
         self._lock = threading.Lock()
+        self._unpinned = threading.Condition(self._lock)
+        self._pins = 0  # sends in progress from the live weights (`stream_to`)
         self.filling = filling  # the bytes not yet written (an outer step behind it)
         self._retired = ""  # why its readers were ended (`retire`)
 
@@ -92,6 +110,44 @@ class Source:
             while len(self._built) > self.SHARED:
                 self._built.popitem(last=False)
             return data
+
+    def stream_to(self, reader: int, sink: Sink) -> None:
+        """Hand the whole payload to `sink` from the bytes themselves: a view of each
+        piece, pinned for one non-blocking `sink.send_some` (while the weights are live,
+        `detach` waits for it: a copy into the kernel, never a wait on the peer); when
+        the peer takes nothing, `sink.wait_writable` (bounded) and again. With a
+        `filling`, each piece once its bytes are final. Raises Reject once retired."""
+        pos = 0
+        while pos < self.size:
+            hi = min(pos + self.PIECE, self.size)
+            if self.filling is not None:
+                self.filling.wait(hi)
+            view, pinned = self._pin(pos, hi)
+            sent = 0
+            try:
+                sent = sink.send_some(view)
+            finally:
+                self._unpin(reader, pinned, pos + sent)
+            pos += sent
+            if not sent:
+                sink.wait_writable()
+
+    def _pin(self, lo: int, hi: int) -> tuple[memoryview, bool]:
+        """A view of bytes [lo, hi), and whether it pins the live weights."""
+        with self._lock:
+            if self._retired:
+                raise Reject("exhausted", self._retired)
+            view = self._held()[lo - self._offset:hi - self._offset].data
+            self._pins += self._live
+            return view, self._live
+
+    def _unpin(self, reader: int, pinned: bool, pos: int) -> None:
+        with self._lock:
+            if reader in self._readers:
+                self._readers[reader] = pos
+            if pinned:
+                self._pins -= 1
+                self._unpinned.notify_all()
 
     def close(self, reader: int) -> None:
         with self._lock:
@@ -137,6 +193,8 @@ class Source:
             lo = min(self._readers.values())
             self._array = self._held()[lo - self._offset:].copy()
             self._offset = lo
+            while self._pins:  # direct sends from the live weights: each one syscall
+                self._unpinned.wait()
             return self._array.size
 
 
@@ -314,13 +372,7 @@ class Subscription:
         its last chunk is handed to the transport. (An island that has its final
         weights hangs up at once: the stream may be closed at that last `yield`, and
         the record must not depend on the transport asking for more.)"""
-        run, bc = self.run, out.bc
-        size = bc.update.size if out.use_delta else bc.source.size
-        header = pb.BroadcastHeader(
-            version=bc.version, round=bc.version, fragment=bc.fragment,
-            encoding=run.cfg.downlink if out.use_delta else bc.encoding,
-            numel=run.model.numel(bc.fragment), payload_bytes=size,
-            final=bc.final, delta=out.use_delta, base_version=bc.base_version)
+        bc, header = out.bc, self._header(out)
         chunks: Iterator[bytes]
         if out.use_delta:
             chunks = (wire.chunk_bytes(header if i == 0 else None, piece) for i, piece
@@ -335,7 +387,32 @@ class Subscription:
         finally:
             out.release()
             if handed:
-                self._sent(bc, size)
+                self._sent(bc, header.payload_bytes)
+
+    def send_to(self, out: Outgoing, sink: Sink) -> None:
+        """One broadcast on the direct downlink (`yeto.wire`): its header frame, then
+        its payload straight from the weights (`Source.stream_to`) or from the one
+        compressed update all islands share; recorded as sent once the kernel has
+        its last byte."""
+        bc, header = out.bc, self._header(out)
+        try:
+            sink.send_all(wire.direct_frame(wire.FRAME_HEADER, header))
+            if out.use_delta:
+                sink.send_all(bc.update.data.cast("B"))
+            else:
+                bc.source.stream_to(out.place, sink)
+        finally:
+            out.release()
+        self._sent(bc, header.payload_bytes)
+
+    def _header(self, out: Outgoing) -> pb.BroadcastHeader:
+        run, bc = self.run, out.bc
+        return pb.BroadcastHeader(
+            version=bc.version, round=bc.version, fragment=bc.fragment,
+            encoding=run.cfg.downlink if out.use_delta else bc.encoding,
+            numel=run.model.numel(bc.fragment),
+            payload_bytes=bc.update.size if out.use_delta else bc.source.size,
+            final=bc.final, delta=out.use_delta, base_version=bc.base_version)
 
     def _sent(self, bc: Broadcast, size: int) -> None:
         self.run.count_sent(size)

@@ -18,16 +18,17 @@ import hmac
 import itertools
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
-from typing import Any, NoReturn, Protocol, TypeAlias, cast
+from typing import Any, NoReturn, Protocol, TypeAlias
 
 import grpc
 import numpy as np
 
 from syncer import staging
 from syncer.admission import UNARY_WORKERS, Exhausted, Streams, Watch
-from syncer.broadcast import Subscription
+from syncer.broadcast import Outgoing, Subscription
+from syncer.direct import DirectPort, DirectStream, Gone
 from syncer.errors import Reject
 from syncer.messages import PushHeader
 from syncer.run import Run
@@ -88,6 +89,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.spills = buffers.spill_pool(max_inflight_pushes, run.cfg.state_dir)
         self.spill_min_bytes = spill_min_bytes
         self.arrivals = staging.Arrivals()
+        self.direct_port = 0  # the direct downlink's port, once it listens (`offer_direct`)
 
     def _caller(self, context: grpc.ServicerContext, learner_id: str | None, call: str
                 ) -> str | None:
@@ -99,7 +101,12 @@ class SyncerService(pb_grpc.SyncerServicer):
             return self._certified(context, learner_id, call) if self.client_certs else None
         got = dict(context.invocation_metadata() or ()).get(net.AUTH_KEY, "")
         # (only "-bin" keys carry bytes: a bytes authorization is no credential)
-        token = got[len("Bearer "):] if isinstance(got, str) and got.startswith("Bearer ") else ""
+        return self._bearer(got if isinstance(got, str) else "", learner_id, call)
+
+    def _bearer(self, authorization: str, learner_id: str | None, call: str) -> str | None:
+        """`_caller` for an "authorization: Bearer <token>" value, under a run secret."""
+        assert self.secret is not None
+        token = authorization[len("Bearer "):] if authorization.startswith("Bearer ") else ""
         if token and hmac.compare_digest(token.encode(), self.secret.encode()):
             return None
         owner = net.credential_valid(self.secret, token) if token else None
@@ -153,7 +160,11 @@ class SyncerService(pb_grpc.SyncerServicer):
                               term_proof=request.term_proof)
         except Reject as e:
             _abort(context, e, self.run, "join", request.learner_id)
-        return pb.JoinReply(**r)
+        return pb.JoinReply(**r, direct_port=self.direct_port)
+
+    def offer_direct(self, port: int) -> None:
+        """Join replies name the direct port (`syncer.direct`) from now on."""
+        self.direct_port = port
 
     def Push(self, request_iterator: Iterator[wire.Chunk[pb.PushHeader]],
              context: grpc.ServicerContext) -> pb.PushReply:
@@ -210,19 +221,53 @@ class SyncerService(pb_grpc.SyncerServicer):
         with run.cond:
             run.check_island(request.learner_id, request.generation)
         context.add_callback(lambda: run.island_gone(request.learner_id, request.generation))
-        sub = Subscription(run, request.learner_id, request.generation)
+        for sub, nxt in self._outgoing(request.learner_id, request.generation,
+                                       context.is_active):
+            yield from sub.send(nxt)
+
+    def _outgoing(self, learner_id: str, generation: int, active: Callable[[], bool]
+                  ) -> Iterator[tuple[Subscription, Outgoing]]:
+        """Each broadcast an island's stream sends next, while `active()`, until it has
+        every final weight (then the run hears it was delivered)."""
+        sub = Subscription(self.run, learner_id, generation)
         try:
-            while context.is_active() and not sub.all_finals_sent():
-                nxt = sub.wait_next(context.is_active)  # Reject: superseded by a newer one
+            while active() and not sub.all_finals_sent():
+                nxt = sub.wait_next(active)  # Reject: superseded by a newer one
                 if nxt is None:
                     return
-                if not context.is_active():
+                if not active():
                     nxt.release()
                     return
-                yield from sub.send(nxt)
+                yield sub, nxt
         finally:  # also when the island hangs up at the last chunk of its final weights
             if sub.all_finals_sent():
-                run.mark_final_delivered(request.learner_id)
+                self.run.mark_final_delivered(learner_id)
+
+    def subscribe_direct(self, hello: pb.DirectHello, stream: DirectStream) -> None:
+        """A broadcast stream on the direct port (`syncer.direct`): Subscribe's checks,
+        bounds and broadcasts, each payload sent from the weights' own memory."""
+        run = self.run
+        try:
+            if self.secret is not None:
+                self._bearer(hello.authorization, hello.learner_id, "subscribe")
+            if hello.run_id != run.run_id:
+                raise Reject("precondition", f"this syncer serves run {run.run_id!r}, not "
+                             f"{hello.run_id!r}: join it first")
+            with self.streams.admit(stream, hello.learner_id, push=False):
+                with run.cond:
+                    run.check_island(hello.learner_id, hello.generation)
+                try:
+                    for sub, nxt in self._outgoing(hello.learner_id, hello.generation,
+                                                   stream.active):
+                        sub.send_to(nxt, stream)
+                finally:
+                    run.island_gone(hello.learner_id, hello.generation)
+        except Exhausted as e:
+            stream.fail(Reject("exhausted", str(e)))
+        except Reject as e:
+            stream.fail(e)
+        except Gone:
+            pass
 
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatReply:
@@ -397,22 +442,41 @@ def add_to_server(service: SyncerService, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
+class _Served:
+    """A `SyncerServer`: the gRPC server and the direct port, stopped together."""
+
+    def __init__(self, server: grpc.Server, direct: DirectPort | None,
+                 ticker_stop: threading.Event):
+        self._server, self._direct, self.ticker_stop = server, direct, ticker_stop
+
+    def stop(self, grace: float | None) -> threading.Event:
+        if self._direct is not None:
+            self._direct.stop(grace)
+        return self._server.stop(grace)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout)
+
+
 def serve(run: Run, host: str, port: int, token: str | None = None,
           tls: TLSFiles | None = None,
           max_inflight_pushes: int = 4, spill_min_bytes: int = SPILL_MIN_BYTES,
-          streams: Streams | None = None) -> tuple[SyncerServer, int]:
+          streams: Streams | None = None, direct_port: int | None = 0
+          ) -> tuple[SyncerServer, int]:
     """Start the server; returns (server, bound port). The port is the syncer's alone
     (a second syncer on it fails here). A ticker thread commits rounds whose grace
     window or timeout has passed, and cancels silent pushes; if it dies, the run
     stops (`Run.fatal`). Served, the run steps Θ behind its broadcasts when it has no
-    state dir (`syncer.stepping`)."""
+    state dir (`syncer.stepping`). Without TLS the direct downlink listens on
+    `direct_port` too (0: any free port; None: not at all; `syncer.direct`)."""
     streams = streams or Streams()
     run.overlap_steps()
     workers = streams.max_streams + UNARY_WORKERS  # unary calls always find a worker
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=net.SERVER_OPTIONS + EXCLUSIVE_PORT)
-    add_to_server(SyncerService(run, max_inflight_pushes, spill_min_bytes, token, streams,
-                                client_certs=bool(tls and tls[2] is not None)), server)
+    service = SyncerService(run, max_inflight_pushes, spill_min_bytes, token, streams,
+                            client_certs=bool(tls and tls[2] is not None))
+    add_to_server(service, server)
     address = host_port(host, port)
     try:
         bound = listen(server, address, tls)
@@ -422,13 +486,19 @@ def serve(run: Run, host: str, port: int, token: str | None = None,
         raise OSError(f"cannot listen on {address}: the port is in use (another syncer?) or "
                       "the address is not this machine's; choose another --port (0: any "
                       "free port)")
+    direct = None
+    if tls is None and direct_port is not None:
+        try:
+            direct = DirectPort(service, host, direct_port)
+        except OSError:
+            server.stop(None)
+            raise
+        service.offer_direct(direct.port)
     server.start()
     stop = threading.Event()
     threading.Thread(target=_tick, args=(run, streams, stop), name="syncer-ticker",
                      daemon=True).start()
-    ticking = cast(SyncerServer, server)  # a grpc server takes attributes: it now has one
-    ticking.ticker_stop = stop
-    return ticking, bound
+    return _Served(server, direct, stop), bound
 
 
 def listen(server: grpc.Server, address: str, tls: TLSFiles | None) -> int:

@@ -21,10 +21,10 @@ Fencing by term: a takeover raises the run's term by one (saved in the state bef
 new primary serves anyone), every join reply tells islands the term with the run's
 signature of it (`yeto.net.term_proof`, keyed by the run secret), and every join
 carries the newest signed term the island has heard (a term without the signature is
-refused and fences nothing: one credential cannot stop the run). A primary that was frozen or cut off
-while its standby took over, and answers again, is fenced by the first island that
-joins it from the new primary: it refuses the join as unavailable (the island moves on),
-tapes "fenced" and exits non-zero, committing nothing more.
+refused and fences nothing: one credential cannot stop the run). A primary that was
+frozen or cut off while its standby took over, and answers again, is fenced by the first
+island that joins it from the new primary: it refuses the join as unavailable (the
+island moves on), tapes "fenced" and exits non-zero, committing nothing more.
 
 Not covered: islands that never reach the new primary (a partition that keeps some
 islands with the old one: both sides commit, unless --quorum is more than half of

@@ -53,6 +53,19 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
 ]
 
 
+def keep_alive(sock: socket.socket, idle_s: float) -> None:
+    """TCP keepalive on a plain socket (the direct downlink), as gRPC's pings do on its
+    connections: probed after `idle_s` of silence, dropped when `idle_s` more pass
+    without an answer (Linux and macOS; elsewhere the system's defaults)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, probes = max(1, int(idle_s)), 4
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPALIVE", idle),
+                        ("TCP_KEEPINTVL", max(1, idle // probes)), ("TCP_KEEPCNT", probes)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 def port(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free port) to 65535 (gRPC and sockets would
     otherwise wrap 70000 to 4464 without a word)."""

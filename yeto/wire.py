@@ -14,6 +14,7 @@ bytes on the wire are exactly what the generated classes produce and accept.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -136,3 +137,76 @@ def passthrough(message: bytes | bytearray | Message) -> bytes:
     if isinstance(message, (bytes, bytearray)):
         return bytes(message)
     return message.SerializeToString()
+
+
+# ---- the direct downlink -------------------------------------------------------------
+# gRPC's Python API sends `bytes` only, so a broadcast over Subscribe costs a copy of
+# each chunk of Θ into a message, gRPC's copy of that message, and two of its threads
+# passing it along. A syncer without TLS also serves a *direct port*
+# (JoinReply.direct_port): a plain TCP stream on which it hands the kernel views of Θ
+# itself (`syncer.direct`). An island that reaches the port reads its broadcasts there
+# (`yeto.client.direct`), one that does not (a firewall) over Subscribe: the same
+# headers, bytes and checks either way. Everything else stays on gRPC.
+#
+#   island -> syncer:  DIRECT_MAGIC, u32 n, a DirectHello of n bytes; nothing after
+#   syncer -> island:  frames of u8 kind, u32 n, n bytes (integers little-endian):
+#                      FRAME_HEADER  a BroadcastHeader; its payload_bytes of raw
+#                                    payload follow, unframed
+#                      FRAME_ERROR   a DirectError: the stream's end, as a gRPC status
+#                      the syncer closes the socket when the stream ends.
+DIRECT_MAGIC = b"YETD"
+FRAME_HEADER, FRAME_ERROR = 1, 2
+MAX_FRAME_BYTES = 64 << 10  # a hello, a header or an error is far smaller
+
+
+def direct_hello(hello: pb.DirectHello) -> bytes:
+    body = hello.SerializeToString()
+    return DIRECT_MAGIC + len(body).to_bytes(4, "little") + body
+
+
+def direct_frame(kind: int, message: Message) -> bytes:
+    body = message.SerializeToString()
+    return bytes([kind]) + len(body).to_bytes(4, "little") + body
+
+
+def read_exact(sock: socket.socket, n: int) -> bytearray:
+    """`n` bytes from a blocking socket; ConnectionError when it ends before them."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"the connection ended {n - got} bytes short of a "
+                                  f"{n}-byte read")
+        got += k
+    return buf
+
+
+def read_hello(sock: socket.socket) -> pb.DirectHello:
+    """The hello a direct connection opens with; ValueError for anything else."""
+    head = read_exact(sock, len(DIRECT_MAGIC) + 4)
+    if bytes(head[:len(DIRECT_MAGIC)]) != DIRECT_MAGIC:
+        raise ValueError("not a direct-downlink hello (a yeto island opens with "
+                         f"{DIRECT_MAGIC!r})")
+    try:
+        return pb.DirectHello.FromString(bytes(read_exact(sock, _frame_length(head[-4:]))))
+    except DecodeError as e:
+        raise ValueError(f"a malformed direct-downlink hello: {e}") from None
+
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes] | None:
+    """The next frame's kind and body; None when the stream ended between frames."""
+    first = sock.recv(1)
+    if not first:
+        return None
+    kind = first[0]
+    if kind not in (FRAME_HEADER, FRAME_ERROR):
+        raise ValueError(f"unknown direct-downlink frame kind {kind}")
+    return kind, bytes(read_exact(sock, _frame_length(read_exact(sock, 4))))
+
+
+def _frame_length(raw: bytes | bytearray) -> int:
+    n = int.from_bytes(raw, "little")
+    if n > MAX_FRAME_BYTES:
+        raise ValueError(f"a direct-downlink frame of {n} bytes (at most {MAX_FRAME_BYTES})")
+    return n

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from yeto import net, wire
+from yeto.client.direct import DirectReader
 from yeto.io import host_port
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
@@ -112,6 +113,8 @@ class Connection:
         self.closed = False
         self.generation, self.run_id, self.num_fragments, self.acked_seq = 0, "", 1, -1
         self.term, self.term_proof = 0, b""
+        self.direct_port = 0  # the last join's (0: broadcasts over Subscribe)
+        self._unreachable: set[tuple[str, int]] = set()  # direct ports that did not answer
         self.fatal: str | None = None
         self.last_error: str | None = None
 
@@ -197,6 +200,7 @@ class Connection:
         self.generation, self.run_id = reply.generation, reply.run_id
         self.num_fragments = max(1, reply.num_fragments)
         self.acked_seq = reply.last_seq
+        self.direct_port = reply.direct_port
         self.connected.set()
         log.info("joined syncer %s as %s (generation %d, %d/%d islands, version %d)",
                  self.address, self.learner_id, reply.generation, reply.joined, reply.quorum,
@@ -205,7 +209,23 @@ class Connection:
 
     def subscribe(self):
         """This connection's broadcast stream; a new one starts from the current Θ (a
-        rejoined island catches up)."""
+        rejoined island catches up). On the syncer's direct port when it offers one
+        and this island reaches it (`yeto.client.direct`), else over Subscribe."""
+        port = self.direct_port
+        if port and self._tls is None and (self.address, port) not in self._unreachable:
+            host = net.parse_address(self.address)[0]
+            try:
+                self._stream = DirectReader.open(host, port, pb.DirectHello(
+                    learner_id=self.learner_id, generation=self.generation,
+                    authorization=dict(self.metadata).get(net.AUTH_KEY, ""),
+                    run_id=self.run_id), self._keepalive_s)
+                return self._stream
+            except OSError as e:
+                self._unreachable.add((self.address, port))
+                log.warning("the syncer's direct port %s is unreachable (%s): broadcasts "
+                            "come over gRPC (open that port to the islands for the faster "
+                            "path, or start the syncer with --direct-port fixed)",
+                            host_port(host, port), e)
         self._stream = self._subscribe_call(
             pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
             metadata=self.metadata)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15yeto/proto/yeto.proto\x12\x07yeto.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xff\x02\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x03(\x0b\x32\x13.yeto.v1.TensorSpec\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cweights_file\x18\x05 \x01(\t\x12;\n\x0c\x65xport_files\x18\x06 \x03(\x0b\x32%.yeto.v1.JoinRequest.ExportFilesEntry\x12\x10\n\x08observer\x18\x07 \x01(\x08\x12\x17\n\x0ftokens_per_step\x18\x08 \x01(\x04\x12\x0e\n\x06regime\x18\t \x01(\t\x12\x12\n\nsync_every\x18\n \x01(\r\x12\x13\n\x0binit_sha256\x18\x0b \x01(\x0c\x12\x12\n\nknown_term\x18\x0c \x01(\x04\x12\x12\n\nterm_proof\x18\r \x01(\x0c\x1a\x32\n\x10\x45xportFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x99\x02\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rnum_fragments\x18\x03 \x01(\r\x12\x11\n\tsend_seed\x18\x04 \x01(\x08\x12\x0e\n\x06quorum\x18\x05 \x01(\r\x12\x0e\n\x06joined\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x10\n\x08last_seq\x18\t \x01(\x03\x12\x10\n\x08\x64ownlink\x18\n \x01(\t\x12\r\n\x05shard\x18\x0b \x01(\r\x12\x0e\n\x06shards\x18\x0c \x01(\r\x12\x16\n\x0e\x66ragment_owner\x18\r \x03(\r\x12\x0c\n\x04term\x18\x0e \x01(\x04\x12\x12\n\nterm_proof\x18\x0f \x01(\x0c\"\x9c\x02\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\x12\r\n\x05numel\x18\t \x01(\x04\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x12\x1f\n\x04kind\x18\x0b \x01(\x0e\x32\x11.yeto.v1.PushKind\x12\x0b\n\x03seq\x18\x0c \x01(\x04\x12\x12\n\ntrain_loss\x18\r \x01(\x02\x12\x11\n\teval_loss\x18\x0e \x01(\x02\">\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.yeto.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"O\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\r\"c\n\x10SubscribeRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rafter_version\x18\x03 \x01(\x04\x12\x10\n\x08have_any\x18\x04 \x01(\x08\"\xaf\x01\n\x0f\x42roadcastHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12\r\n\x05\x64\x65lta\x18\x08 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\t \x01(\x04\"H\n\x0e\x42roadcastChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.yeto.v1.BroadcastHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"H\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"B\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"\x0f\n\rStatusRequest\"\x93\x01\n\x0cIslandStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x16\n\x0elast_contact_s\x18\x03 \x01(\x01\x12\x0e\n\x06pushes\x18\x04 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\"\xf2\x01\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12&\n\x07islands\x18\x05 \x03(\x0b\x32\x15.yeto.v1.IslandStatus\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x14\n\x0clast_merge_s\x18\t \x01(\x01\x12\x0f\n\x07problem\x18\n \x01(\t\x12\r\n\x05shard\x18\x0b \x01(\r\x12\x0e\n\x06shards\x18\x0c \x01(\r\"7\n\rFinishRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"#\n\x0b\x46inishReply\x12\x14\n\x0crun_finished\x18\x01 \x01(\x08\":\n\x16RegisterStandbyRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"I\n\x14RegisterStandbyReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"=\n\x0eReplicateChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"!\n\x0eReplicateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*\x1f\n\x08PushKind\x12\t\n\x05\x44\x45LTA\x10\x00\x12\x08\n\x04SEED\x10\x01\x32\xf4\x03\n\x06Syncer\x12\x30\n\x04Join\x12\x14.yeto.v1.JoinRequest\x1a\x12.yeto.v1.JoinReply\x12\x30\n\x04Push\x12\x12.yeto.v1.PushChunk\x1a\x12.yeto.v1.PushReply(\x01\x12\x41\n\tSubscribe\x12\x19.yeto.v1.SubscribeRequest\x1a\x17.yeto.v1.BroadcastChunk0\x01\x12?\n\tHeartbeat\x12\x19.yeto.v1.HeartbeatRequest\x1a\x17.yeto.v1.HeartbeatReply\x12\x36\n\x06Status\x12\x16.yeto.v1.StatusRequest\x1a\x14.yeto.v1.StatusReply\x12\x36\n\x06\x46inish\x12\x16.yeto.v1.FinishRequest\x1a\x14.yeto.v1.FinishReply\x12Q\n\x0fRegisterStandby\x12\x1f.yeto.v1.RegisterStandbyRequest\x1a\x1d.yeto.v1.RegisterStandbyReply\x12?\n\tReplicate\x12\x17.yeto.v1.ReplicateChunk\x1a\x17.yeto.v1.ReplicateReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15yeto/proto/yeto.proto\x12\x07yeto.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xff\x02\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x03(\x0b\x32\x13.yeto.v1.TensorSpec\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cweights_file\x18\x05 \x01(\t\x12;\n\x0c\x65xport_files\x18\x06 \x03(\x0b\x32%.yeto.v1.JoinRequest.ExportFilesEntry\x12\x10\n\x08observer\x18\x07 \x01(\x08\x12\x17\n\x0ftokens_per_step\x18\x08 \x01(\x04\x12\x0e\n\x06regime\x18\t \x01(\t\x12\x12\n\nsync_every\x18\n \x01(\r\x12\x13\n\x0binit_sha256\x18\x0b \x01(\x0c\x12\x12\n\nknown_term\x18\x0c \x01(\x04\x12\x12\n\nterm_proof\x18\r \x01(\x0c\x1a\x32\n\x10\x45xportFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xae\x02\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rnum_fragments\x18\x03 \x01(\r\x12\x11\n\tsend_seed\x18\x04 \x01(\x08\x12\x0e\n\x06quorum\x18\x05 \x01(\r\x12\x0e\n\x06joined\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x10\n\x08last_seq\x18\t \x01(\x03\x12\x10\n\x08\x64ownlink\x18\n \x01(\t\x12\r\n\x05shard\x18\x0b \x01(\r\x12\x0e\n\x06shards\x18\x0c \x01(\r\x12\x16\n\x0e\x66ragment_owner\x18\r \x03(\r\x12\x0c\n\x04term\x18\x0e \x01(\x04\x12\x12\n\nterm_proof\x18\x0f \x01(\x0c\x12\x13\n\x0b\x64irect_port\x18\x10 \x01(\r\"\x9c\x02\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\x12\r\n\x05numel\x18\t \x01(\x04\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x12\x1f\n\x04kind\x18\x0b \x01(\x0e\x32\x11.yeto.v1.PushKind\x12\x0b\n\x03seq\x18\x0c \x01(\x04\x12\x12\n\ntrain_loss\x18\r \x01(\x02\x12\x11\n\teval_loss\x18\x0e \x01(\x02\">\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.yeto.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"O\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\r\"c\n\x10SubscribeRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rafter_version\x18\x03 \x01(\x04\x12\x10\n\x08have_any\x18\x04 \x01(\x08\"\xaf\x01\n\x0f\x42roadcastHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12\r\n\x05\x64\x65lta\x18\x08 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\t \x01(\x04\"H\n\x0e\x42roadcastChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.yeto.v1.BroadcastHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\\\n\x0b\x44irectHello\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rauthorization\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\",\n\x0b\x44irectError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"H\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"B\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"\x0f\n\rStatusRequest\"\x93\x01\n\x0cIslandStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x16\n\x0elast_contact_s\x18\x03 \x01(\x01\x12\x0e\n\x06pushes\x18\x04 \x01(\x04\x12\x13\n\x0bloss_tokens\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\"\xf2\x01\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12&\n\x07islands\x18\x05 \x03(\x0b\x32\x15.yeto.v1.IslandStatus\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x14\n\x0clast_merge_s\x18\t \x01(\x01\x12\x0f\n\x07problem\x18\n \x01(\t\x12\r\n\x05shard\x18\x0b \x01(\r\x12\x0e\n\x06shards\x18\x0c \x01(\r\"7\n\rFinishRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"#\n\x0b\x46inishReply\x12\x14\n\x0crun_finished\x18\x01 \x01(\x08\":\n\x16RegisterStandbyRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"I\n\x14RegisterStandbyReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"=\n\x0eReplicateChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"!\n\x0eReplicateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*\x1f\n\x08PushKind\x12\t\n\x05\x44\x45LTA\x10\x00\x12\x08\n\x04SEED\x10\x01\x32\xf4\x03\n\x06Syncer\x12\x30\n\x04Join\x12\x14.yeto.v1.JoinRequest\x1a\x12.yeto.v1.JoinReply\x12\x30\n\x04Push\x12\x12.yeto.v1.PushChunk\x1a\x12.yeto.v1.PushReply(\x01\x12\x41\n\tSubscribe\x12\x19.yeto.v1.SubscribeRequest\x1a\x17.yeto.v1.BroadcastChunk0\x01\x12?\n\tHeartbeat\x12\x19.yeto.v1.HeartbeatRequest\x1a\x17.yeto.v1.HeartbeatReply\x12\x36\n\x06Status\x12\x16.yeto.v1.StatusRequest\x1a\x14.yeto.v1.StatusReply\x12\x36\n\x06\x46inish\x12\x16.yeto.v1.FinishRequest\x1a\x14.yeto.v1.FinishReply\x12Q\n\x0fRegisterStandby\x12\x1f.yeto.v1.RegisterStandbyRequest\x1a\x1d.yeto.v1.RegisterStandbyReply\x12?\n\tReplicate\x12\x17.yeto.v1.ReplicateChunk\x1a\x17.yeto.v1.ReplicateReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._loaded_options = None
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._serialized_options = b'8\001'
-  _globals['_PUSHKIND']._serialized_start=2428
-  _globals['_PUSHKIND']._serialized_end=2459
+  _globals['_PUSHKIND']._serialized_start=2589
+  _globals['_PUSHKIND']._serialized_end=2620
   _globals['_TENSORSPEC']._serialized_start=34
   _globals['_TENSORSPEC']._serialized_end=90
   _globals['_JOINREQUEST']._serialized_start=93
@@ -42,41 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._serialized_start=426
   _globals['_JOINREQUEST_EXPORTFILESENTRY']._serialized_end=476
   _globals['_JOINREPLY']._serialized_start=479
-  _globals['_JOINREPLY']._serialized_end=760
-  _globals['_PUSHHEADER']._serialized_start=763
-  _globals['_PUSHHEADER']._serialized_end=1047
-  _globals['_PUSHCHUNK']._serialized_start=1049
-  _globals['_PUSHCHUNK']._serialized_end=1111
-  _globals['_PUSHREPLY']._serialized_start=1113
-  _globals['_PUSHREPLY']._serialized_end=1192
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1194
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1293
-  _globals['_BROADCASTHEADER']._serialized_start=1296
-  _globals['_BROADCASTHEADER']._serialized_end=1471
-  _globals['_BROADCASTCHUNK']._serialized_start=1473
-  _globals['_BROADCASTCHUNK']._serialized_end=1545
-  _globals['_HEARTBEATREQUEST']._serialized_start=1547
-  _globals['_HEARTBEATREQUEST']._serialized_end=1619
-  _globals['_HEARTBEATREPLY']._serialized_start=1621
-  _globals['_HEARTBEATREPLY']._serialized_end=1687
-  _globals['_STATUSREQUEST']._serialized_start=1689
-  _globals['_STATUSREQUEST']._serialized_end=1704
-  _globals['_ISLANDSTATUS']._serialized_start=1707
-  _globals['_ISLANDSTATUS']._serialized_end=1854
-  _globals['_STATUSREPLY']._serialized_start=1857
-  _globals['_STATUSREPLY']._serialized_end=2099
-  _globals['_FINISHREQUEST']._serialized_start=2101
-  _globals['_FINISHREQUEST']._serialized_end=2156
-  _globals['_FINISHREPLY']._serialized_start=2158
-  _globals['_FINISHREPLY']._serialized_end=2193
-  _globals['_REGISTERSTANDBYREQUEST']._serialized_start=2195
-  _globals['_REGISTERSTANDBYREQUEST']._serialized_end=2253
-  _globals['_REGISTERSTANDBYREPLY']._serialized_start=2255
-  _globals['_REGISTERSTANDBYREPLY']._serialized_end=2328
-  _globals['_REPLICATECHUNK']._serialized_start=2330
-  _globals['_REPLICATECHUNK']._serialized_end=2391
-  _globals['_REPLICATEREPLY']._serialized_start=2393
-  _globals['_REPLICATEREPLY']._serialized_end=2426
-  _globals['_SYNCER']._serialized_start=2462
-  _globals['_SYNCER']._serialized_end=2962
+  _globals['_JOINREPLY']._serialized_end=781
+  _globals['_PUSHHEADER']._serialized_start=784
+  _globals['_PUSHHEADER']._serialized_end=1068
+  _globals['_PUSHCHUNK']._serialized_start=1070
+  _globals['_PUSHCHUNK']._serialized_end=1132
+  _globals['_PUSHREPLY']._serialized_start=1134
+  _globals['_PUSHREPLY']._serialized_end=1213
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1215
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1314
+  _globals['_BROADCASTHEADER']._serialized_start=1317
+  _globals['_BROADCASTHEADER']._serialized_end=1492
+  _globals['_BROADCASTCHUNK']._serialized_start=1494
+  _globals['_BROADCASTCHUNK']._serialized_end=1566
+  _globals['_DIRECTHELLO']._serialized_start=1568
+  _globals['_DIRECTHELLO']._serialized_end=1660
+  _globals['_DIRECTERROR']._serialized_start=1662
+  _globals['_DIRECTERROR']._serialized_end=1706
+  _globals['_HEARTBEATREQUEST']._serialized_start=1708
+  _globals['_HEARTBEATREQUEST']._serialized_end=1780
+  _globals['_HEARTBEATREPLY']._serialized_start=1782
+  _globals['_HEARTBEATREPLY']._serialized_end=1848
+  _globals['_STATUSREQUEST']._serialized_start=1850
+  _globals['_STATUSREQUEST']._serialized_end=1865
+  _globals['_ISLANDSTATUS']._serialized_start=1868
+  _globals['_ISLANDSTATUS']._serialized_end=2015
+  _globals['_STATUSREPLY']._serialized_start=2018
+  _globals['_STATUSREPLY']._serialized_end=2260
+  _globals['_FINISHREQUEST']._serialized_start=2262
+  _globals['_FINISHREQUEST']._serialized_end=2317
+  _globals['_FINISHREPLY']._serialized_start=2319
+  _globals['_FINISHREPLY']._serialized_end=2354
+  _globals['_REGISTERSTANDBYREQUEST']._serialized_start=2356
+  _globals['_REGISTERSTANDBYREQUEST']._serialized_end=2414
+  _globals['_REGISTERSTANDBYREPLY']._serialized_start=2416
+  _globals['_REGISTERSTANDBYREPLY']._serialized_end=2489
+  _globals['_REPLICATECHUNK']._serialized_start=2491
+  _globals['_REPLICATECHUNK']._serialized_end=2552
+  _globals['_REPLICATEREPLY']._serialized_start=2554
+  _globals['_REPLICATEREPLY']._serialized_end=2587
+  _globals['_SYNCER']._serialized_start=2623
+  _globals['_SYNCER']._serialized_end=3123
 # @@protoc_insertion_point(module_scope)

@@ -62,7 +62,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., weights_file: _Optional[str] = ..., export_files: _Optional[_Mapping[str, str]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., regime: _Optional[str] = ..., sync_every: _Optional[int] = ..., init_sha256: _Optional[bytes] = ..., known_term: _Optional[int] = ..., term_proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink", "shard", "shards", "fragment_owner", "term", "term_proof")
+    __slots__ = ("run_id", "generation", "num_fragments", "send_seed", "quorum", "joined", "version", "finished", "last_seq", "downlink", "shard", "shards", "fragment_owner", "term", "term_proof", "direct_port")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class JoinReply(_message.Message):
     FRAGMENT_OWNER_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     TERM_PROOF_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_PORT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     generation: int
     num_fragments: int
@@ -93,7 +94,8 @@ class JoinReply(_message.Message):
     fragment_owner: _containers.RepeatedScalarFieldContainer[int]
     term: int
     term_proof: bytes
-    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ..., downlink: _Optional[str] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., fragment_owner: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., term_proof: _Optional[bytes] = ...) -> None: ...
+    direct_port: int
+    def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_fragments: _Optional[int] = ..., send_seed: _Optional[bool] = ..., quorum: _Optional[int] = ..., joined: _Optional[int] = ..., version: _Optional[int] = ..., finished: _Optional[bool] = ..., last_seq: _Optional[int] = ..., downlink: _Optional[str] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., fragment_owner: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., term_proof: _Optional[bytes] = ..., direct_port: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "generation", "round", "fragment", "base_version", "loss_tokens", "steps", "encoding", "numel", "payload_bytes", "kind", "seq", "train_loss", "eval_loss")
@@ -188,6 +190,26 @@ class BroadcastChunk(_message.Message):
     header: BroadcastHeader
     data: bytes
     def __init__(self, header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DirectHello(_message.Message):
+    __slots__ = ("learner_id", "generation", "authorization", "run_id")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    generation: int
+    authorization: str
+    run_id: str
+    def __init__(self, learner_id: _Optional[str] = ..., generation: _Optional[int] = ..., authorization: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class DirectError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("learner_id", "generation", "step")

@@ -1,0 +1,99 @@
+"""The island's end of the direct downlink (`yeto.wire`): its broadcasts read from the
+syncer's direct port straight into fresh buffers, as the chunks `BroadcastReceiver.listen`
+takes from Subscribe (a header on the first, a view of the bytes on each), so everything
+after the socket (checks, decoding, streamed apply) is the same code."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from yeto import net, wire
+from yeto.proto import yeto_pb2 as pb
+
+CONNECT_S = 5.0  # a direct port that does not answer within this is taken as unreachable
+
+
+class DirectFailed(grpc.RpcError):
+    """The direct stream ended early, as the gRPC status Subscribe would have ended with
+    (UNAVAILABLE for a broken connection): the island's connection handles it alike."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self._code, self._details = code, message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class DirectReader:
+    """One broadcast stream on the direct port; iterate it for its chunks, `cancel` it
+    from another thread to end it (as a gRPC call's `cancel`)."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._cancelled = False
+
+    @classmethod
+    def open(cls, host: str, port: int, hello: pb.DirectHello,
+             keepalive_s: float = net.KEEPALIVE_S) -> DirectReader:
+        """Connect and say hello; OSError when the port cannot be reached."""
+        sock = socket.create_connection((host, port), timeout=CONNECT_S)
+        try:
+            sock.sendall(wire.direct_hello(hello))
+            sock.settimeout(None)  # broadcasts may be an hour apart: keepalive finds a dead link
+            net.keep_alive(sock, keepalive_s)
+        except OSError:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def __iter__(self) -> Iterator[wire.Chunk[pb.BroadcastHeader]]:
+        try:
+            while True:
+                frame = wire.read_frame(self._sock)
+                if frame is None:
+                    return
+                kind, body = frame
+                if kind == wire.FRAME_ERROR:
+                    raise _status(pb.DirectError.FromString(body))
+                yield from self._broadcast(pb.BroadcastHeader.FromString(body))
+        except DecodeError as e:
+            raise ValueError(f"a malformed direct-downlink frame: {e}") from None
+        except OSError as e:
+            if self._cancelled:
+                raise DirectFailed(grpc.StatusCode.CANCELLED, "the island closed the "
+                                   "direct stream") from None
+            raise DirectFailed(grpc.StatusCode.UNAVAILABLE,
+                               f"the direct downlink broke: {e}") from None
+        finally:
+            self._sock.close()
+
+    def _broadcast(self, header: pb.BroadcastHeader) -> Iterator[wire.Chunk[pb.BroadcastHeader]]:
+        """The header's payload, a chunk per `net.CHUNK_BYTES` (one, if it is empty)."""
+        left, first = header.payload_bytes, True
+        while left or first:
+            n = min(left, net.CHUNK_BYTES)
+            yield wire.Chunk(header if first else None,
+                             memoryview(wire.read_exact(self._sock, n)))
+            left, first = left - n, False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _status(err: pb.DirectError) -> DirectFailed:
+    code = getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN)
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    return DirectFailed(code, err.message)
