@@ -38,7 +38,11 @@ T = TypeVar("T")
 
 
 class Sink(Protocol):
-    """Where a direct-downlink stream writes (`syncer.direct.DirectStream`)."""
+    """Where a direct-downlink stream writes (`syncer.direct.DirectStream`): a header,
+    then exactly its payload's bytes."""
+
+    def send_header(self, header: pb.BroadcastHeader) -> None:
+        """Send a broadcast's header frame; its payload_bytes follow."""
 
     def send_all(self, data: bytes | memoryview) -> None:
         """Send all of `data` (waiting, bounded, while the peer catches up)."""
@@ -396,7 +400,7 @@ class Subscription:
         its last byte."""
         bc, header = out.bc, self._header(out)
         try:
-            sink.send_all(wire.direct_frame(wire.FRAME_HEADER, header))
+            sink.send_header(header)
             if out.use_delta:
                 sink.send_all(bc.update.data.cast("B"))
             else:

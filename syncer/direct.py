@@ -33,41 +33,75 @@ class Gone(ConnectionError):
 
 
 class DirectStream:
-    """One island's direct connection, after its hello: non-blocking writes, and
-    whether the island is still there (it sends nothing after its hello)."""
+    """One island's direct connection, after its hello: non-blocking writes, whether
+    the island is still there (it sends nothing after its hello), and a ping when
+    the stream has been silent for the hello's keepalive (`still_there`)."""
 
     WAKE_S = 1.0  # a wait for the peer looks again this often (a retired source, a close)
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, ping_s: float = net.KEEPALIVE_S):
         self._sock = sock
         sock.setblocking(False)
         self._closed = False
+        self._owed = 0  # payload bytes the last header announced and not yet sent
+        self._ping_s = min(max(ping_s, 1.0), 3600.0) / 2  # two pings per island timeout
+        self._last_sent = time.monotonic()
 
     def active(self) -> bool:
         """The island has not hung up (nor sent anything: that is not the protocol)."""
-        if self._closed:
+        return not self._closed and not _poll(self._sock, select.POLLIN, 0)
+
+    def still_there(self) -> bool:
+        """`active`, and a one-byte ping sent when nothing went out for the keepalive
+        and the socket takes it at once (it never waits: called under the run's lock
+        while the stream waits for a broadcast)."""
+        if not self.active():
             return False
-        try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
+        if not self._owed and time.monotonic() - self._last_sent >= self._ping_s:
+            try:
+                if self._sock.send(bytes([wire.FRAME_PING])):
+                    self._last_sent = time.monotonic()
+            except OSError:  # full (the island still has bytes to read), or gone
+                pass
+        return True
+
+    def send_header(self, header: pb.BroadcastHeader) -> None:
+        if self._owed:
+            raise RuntimeError(f"a broadcast header with {self._owed} bytes of the last "
+                               "payload unsent")
+        self._send_frame(wire.direct_frame(wire.FRAME_HEADER, header))
+        self._owed = header.payload_bytes
 
     def send_some(self, view: memoryview) -> int:
+        if len(view) > self._owed:
+            raise RuntimeError(f"{len(view)} payload bytes where the header announced "
+                               f"{self._owed} more")
+        sent = self._send(view)
+        self._owed -= sent
+        return sent
+
+    def _send(self, view: memoryview) -> int:
         try:
-            return self._sock.send(view)
+            sent = self._sock.send(view)
         except BlockingIOError:
             return 0
         except OSError as e:
             raise Gone(str(e)) from None
+        self._last_sent = time.monotonic()
+        return sent
+
+    def _send_frame(self, frame: bytes) -> None:
+        view = memoryview(frame)
+        while len(view):
+            n = self._send(view)
+            view = view[n:]
+            if not n:
+                self.wait_writable()
 
     def wait_writable(self) -> None:
         if not self.active():
             raise Gone("the island closed its direct connection")
-        try:
-            select.select([], [self._sock], [], self.WAKE_S)
-        except (OSError, ValueError) as e:
-            raise Gone(str(e)) from None
+        _poll(self._sock, select.POLLOUT, self.WAKE_S)
 
     def send_all(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -86,8 +120,11 @@ class DirectStream:
             pass
 
     def fail(self, reject: Reject) -> None:
-        """Tell the island why its stream ends (as gRPC would: a status), if its socket
-        takes it now; the stream's own thread closes it after."""
+        """Tell the island why its stream ends (as gRPC would: a status) when it is
+        between broadcasts and its socket takes the frame now; mid-broadcast the
+        connection just closes (the island rejoins). Its own thread closes it after."""
+        if self._owed:
+            return
         frame = wire.direct_frame(wire.FRAME_ERROR, pb.DirectError(
             code=reject.status.name, message=str(reject)))
         try:
@@ -99,6 +136,17 @@ class DirectStream:
         """The stream's own thread, once it is done with it."""
         self.cancel()
         self._sock.close()
+
+
+def _poll(sock: socket.socket, events: int, timeout_s: float) -> bool:
+    """Whether `sock` has any of `events` within `timeout_s` (a closed or broken socket
+    has: the next call on it says what). `poll`, not `select`: a syncer with a
+    thousand islands has descriptors past select's 1024."""
+    if sock.fileno() < 0:
+        return True
+    p = select.poll()
+    p.register(sock, events)
+    return bool(p.poll(timeout_s * 1000))
 
 
 class Subscriber(Protocol):
@@ -153,8 +201,7 @@ class DirectPort:
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(self.HELLO_S)
-            hello = wire.read_hello(sock)
+            hello = wire.read_hello(sock, time.monotonic() + self.HELLO_S)
         except (OSError, ValueError) as e:
             log.info("direct port: a connection closed before a valid hello (%s)", e)
             sock.close()
@@ -163,7 +210,7 @@ class DirectPort:
             with self._lock:
                 self._waiting -= 1
         net.keep_alive(sock, net.SERVER_KEEPALIVE_S)
-        stream = DirectStream(sock)
+        stream = DirectStream(sock, hello.keepalive_s or net.KEEPALIVE_S)
         with self._lock:
             if self._stopped:
                 stream.close()

@@ -68,6 +68,7 @@ class SyncerServer(Protocol):
     then `stop` the server)."""
 
     ticker_stop: threading.Event
+    direct: DirectPort | None  # the direct downlink's port (None: off)
 
     def stop(self, grace: float | None) -> threading.Event: ...
 
@@ -258,7 +259,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                     run.check_island(hello.learner_id, hello.generation)
                 try:
                     for sub, nxt in self._outgoing(hello.learner_id, hello.generation,
-                                                   stream.active):
+                                                   stream.still_there):
                         sub.send_to(nxt, stream)
                 finally:
                     run.island_gone(hello.learner_id, hello.generation)
@@ -443,15 +444,16 @@ def add_to_server(service: SyncerService, server: grpc.Server) -> None:
 
 
 class _Served:
-    """A `SyncerServer`: the gRPC server and the direct port, stopped together."""
+    """A `SyncerServer`: the gRPC server and the direct port (`direct`, None when off),
+    stopped together."""
 
     def __init__(self, server: grpc.Server, direct: DirectPort | None,
                  ticker_stop: threading.Event):
-        self._server, self._direct, self.ticker_stop = server, direct, ticker_stop
+        self._server, self.direct, self.ticker_stop = server, direct, ticker_stop
 
     def stop(self, grace: float | None) -> threading.Event:
-        if self._direct is not None:
-            self._direct.stop(grace)
+        if self.direct is not None:
+            self.direct.stop(grace)
         return self._server.stop(grace)
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:

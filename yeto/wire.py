@@ -15,6 +15,7 @@ bytes on the wire are exactly what the generated classes produce and accept.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -153,9 +154,14 @@ def passthrough(message: bytes | bytearray | Message) -> bytes:
 #                      FRAME_HEADER  a BroadcastHeader; its payload_bytes of raw
 #                                    payload follow, unframed
 #                      FRAME_ERROR   a DirectError: the stream's end, as a gRPC status
+#                      FRAME_PING    the kind byte alone, between broadcasts, after
+#                                    the hello's keepalive_s of silence: a frozen
+#                                    syncer (whose kernel still answers TCP) is found
+#                                    out by the island's read timeout, as gRPC's
+#                                    keepalive pings find it out on the other calls
 #                      the syncer closes the socket when the stream ends.
 DIRECT_MAGIC = b"YETD"
-FRAME_HEADER, FRAME_ERROR = 1, 2
+FRAME_HEADER, FRAME_ERROR, FRAME_PING = 1, 2, 3
 MAX_FRAME_BYTES = 64 << 10  # a hello, a header or an error is far smaller
 
 
@@ -169,11 +175,17 @@ def direct_frame(kind: int, message: Message) -> bytes:
     return bytes([kind]) + len(body).to_bytes(4, "little") + body
 
 
-def read_exact(sock: socket.socket, n: int) -> bytearray:
-    """`n` bytes from a blocking socket; ConnectionError when it ends before them."""
+def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """`n` bytes from a blocking socket; ConnectionError when it ends before them,
+    TimeoutError past `deadline` (`time.monotonic`) or its own timeout."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{n - got} bytes of a {n}-byte read still missing")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError(f"the connection ended {n - got} bytes short of a "
@@ -182,14 +194,16 @@ def read_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def read_hello(sock: socket.socket) -> pb.DirectHello:
-    """The hello a direct connection opens with; ValueError for anything else."""
-    head = read_exact(sock, len(DIRECT_MAGIC) + 4)
+def read_hello(sock: socket.socket, deadline: float) -> pb.DirectHello:
+    """The hello a direct connection opens with, whole by `deadline`
+    (`time.monotonic`); ValueError for anything else."""
+    head = read_exact(sock, len(DIRECT_MAGIC) + 4, deadline)
     if bytes(head[:len(DIRECT_MAGIC)]) != DIRECT_MAGIC:
         raise ValueError("not a direct-downlink hello (a yeto island opens with "
                          f"{DIRECT_MAGIC!r})")
     try:
-        return pb.DirectHello.FromString(bytes(read_exact(sock, _frame_length(head[-4:]))))
+        body = read_exact(sock, _frame_length(head[-4:]), deadline)
+        return pb.DirectHello.FromString(bytes(body))
     except DecodeError as e:
         raise ValueError(f"a malformed direct-downlink hello: {e}") from None
 
@@ -200,6 +214,8 @@ def read_frame(sock: socket.socket) -> tuple[int, bytes] | None:
     if not first:
         return None
     kind = first[0]
+    if kind == FRAME_PING:
+        return kind, b""
     if kind not in (FRAME_HEADER, FRAME_ERROR):
         raise ValueError(f"unknown direct-downlink frame kind {kind}")
     return kind, bytes(read_exact(sock, _frame_length(read_exact(sock, 4))))

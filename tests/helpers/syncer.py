@@ -16,12 +16,14 @@ AVERAGING = dict(outer="nesterov", outer_lr=1.0, outer_momentum=0.0)
 
 @contextlib.contextmanager
 def running_syncer(token=None, spill_min_bytes=SPILL_MIN_BYTES, secret=None, clock=None,
-                   **cfg):
+                   direct_port=0, **cfg):
     """A real gRPC syncer on a free loopback port, in this process. `token`: what
     callers must present; `secret`: what keys its state (`Config.token`); `clock`: the
-    run's clock (default: time.monotonic)."""
+    run's clock (default: time.monotonic); `direct_port`: its direct downlink's (None:
+    broadcasts over gRPC only)."""
     run = Run(Config(token=secret, **cfg), **({} if clock is None else dict(clock=clock)))
-    server, port = serve(run, "127.0.0.1", 0, token=token, spill_min_bytes=spill_min_bytes)
+    server, port = serve(run, "127.0.0.1", 0, token=token, spill_min_bytes=spill_min_bytes,
+                         direct_port=direct_port)
     try:
         yield run, f"127.0.0.1:{port}"
     finally:

@@ -88,7 +88,8 @@ class Connection:
     that retrying cannot fix), `last_error` (the newest connection error, for messages),
     `term` and `term_proof` (the newest syncer term heard and the run's signature of it:
     each join hands both on, and a syncer at an older term, a primary whose standby took
-    the run over, fences itself and refuses).
+    the run over, fences itself and refuses), `direct_port` (the syncer's direct
+    downlink, 0: none) and `via_direct` (the current broadcast stream reads it).
     """
 
     def __init__(self, address: str, learner_id: str, request: pb.JoinRequest, *,
@@ -114,6 +115,7 @@ class Connection:
         self.generation, self.run_id, self.num_fragments, self.acked_seq = 0, "", 1, -1
         self.term, self.term_proof = 0, b""
         self.direct_port = 0  # the last join's (0: broadcasts over Subscribe)
+        self.via_direct = False  # the current broadcast stream is on the direct port
         self._unreachable: set[tuple[str, int]] = set()  # direct ports that did not answer
         self.fatal: str | None = None
         self.last_error: str | None = None
@@ -219,6 +221,7 @@ class Connection:
                     learner_id=self.learner_id, generation=self.generation,
                     authorization=dict(self.metadata).get(net.AUTH_KEY, ""),
                     run_id=self.run_id), self._keepalive_s)
+                self.via_direct = True
                 return self._stream
             except OSError as e:
                 self._unreachable.add((self.address, port))
@@ -226,6 +229,7 @@ class Connection:
                             "come over gRPC (open that port to the islands for the faster "
                             "path, or start the syncer with --direct-port fixed)",
                             host_port(host, port), e)
+        self.via_direct = False
         self._stream = self._subscribe_call(
             pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
             metadata=self.metadata)

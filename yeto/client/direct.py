@@ -36,23 +36,25 @@ class DirectReader:
     """One broadcast stream on the direct port; iterate it for its chunks, `cancel` it
     from another thread to end it (as a gRPC call's `cancel`)."""
 
-    def __init__(self, sock: socket.socket):
-        self._sock = sock
+    def __init__(self, sock: socket.socket, silent_s: float):
+        self._sock, self._silent_s = sock, silent_s
         self._cancelled = False
 
     @classmethod
     def open(cls, host: str, port: int, hello: pb.DirectHello,
              keepalive_s: float = net.KEEPALIVE_S) -> DirectReader:
-        """Connect and say hello; OSError when the port cannot be reached."""
+        """Connect and say hello; OSError when the port cannot be reached. The syncer
+        pings a stream silent for `keepalive_s`; one silent for twice that is taken
+        as a dead link or a frozen syncer (UNAVAILABLE: the island joins again)."""
         sock = socket.create_connection((host, port), timeout=CONNECT_S)
+        hello.keepalive_s = keepalive_s
         try:
             sock.sendall(wire.direct_hello(hello))
-            sock.settimeout(None)  # broadcasts may be an hour apart: keepalive finds a dead link
-            net.keep_alive(sock, keepalive_s)
+            sock.settimeout(2 * keepalive_s)
         except OSError:
             sock.close()
             raise
-        return cls(sock)
+        return cls(sock, 2 * keepalive_s)
 
     def __iter__(self) -> Iterator[wire.Chunk[pb.BroadcastHeader]]:
         try:
@@ -63,9 +65,14 @@ class DirectReader:
                 kind, body = frame
                 if kind == wire.FRAME_ERROR:
                     raise _status(pb.DirectError.FromString(body))
-                yield from self._broadcast(pb.BroadcastHeader.FromString(body))
+                if kind == wire.FRAME_HEADER:
+                    yield from self._broadcast(pb.BroadcastHeader.FromString(body))
         except DecodeError as e:
             raise ValueError(f"a malformed direct-downlink frame: {e}") from None
+        except TimeoutError:
+            raise DirectFailed(grpc.StatusCode.UNAVAILABLE, "no word from the syncer's "
+                               f"direct port for {self._silent_s:.0f} s (a dead link, or a "
+                               "frozen syncer)") from None
         except OSError as e:
             if self._cancelled:
                 raise DirectFailed(grpc.StatusCode.CANCELLED, "the island closed the "

@@ -192,16 +192,18 @@ class BroadcastChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DirectHello(_message.Message):
-    __slots__ = ("learner_id", "generation", "authorization", "run_id")
+    __slots__ = ("learner_id", "generation", "authorization", "run_id", "keepalive_s")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_S_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     generation: int
     authorization: str
     run_id: str
-    def __init__(self, learner_id: _Optional[str] = ..., generation: _Optional[int] = ..., authorization: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    keepalive_s: float
+    def __init__(self, learner_id: _Optional[str] = ..., generation: _Optional[int] = ..., authorization: _Optional[str] = ..., run_id: _Optional[str] = ..., keepalive_s: _Optional[float] = ...) -> None: ...
 
 class DirectError(_message.Message):
     __slots__ = ("code", "message")
