@@ -24,6 +24,7 @@ Read it top to bottom, in the order a push travels:
   stepping   the outer step behind its broadcast: chunks stream as the step writes them
   persist    `Store`: the state dir, the state file (`state`: the formats) and final/
   broadcast  the next broadcast per fragment, its bytes, each island's stream
+  direct     the direct port: broadcasts over plain TCP, sent from the weights' memory
   shards     a run served by several syncers, each the owner of some fragments
   tape       the event tape: one JSON line per merge or refused message
   dashboard  the live dashboard: one HTML page and a JSON API
@@ -44,7 +45,8 @@ islands. Each push in flight is written as it arrives to an unlinked temporary f
 (validated on the way) and added to the sum from it chunk by chunk once whole; pushes
 under `--spill-min-mib` are held in memory instead; at most `--max-inflight-pushes` at
 once (clipping keeps a round's pushes, in their files, until it commits). Broadcasts
-stream from the live weights; the state file streams from the arrays. What grows with
+stream from the live weights (on the direct port the kernel copies from them: no
+message is built); the state file streams from the arrays. What grows with
 the number of islands is each connection's gRPC buffers, not a per-parameter cost.
 A shard (`--shard I/S`) holds these for its own fragments only.
 """

@@ -4,6 +4,8 @@
   thread, what the last join said; `TLSConfig`, `status` (one Status call).
 - `receiver`: broadcasts in, checked as they arrive, and the downlink's decoding
   state (`Downlink`: the Θ kept to add compressed updates to).
+- `direct`: broadcasts read from the syncer's direct port (plain TCP, `yeto.wire`),
+  as the chunks Subscribe would have brought.
 - `sender`: pushes, the seed and Finish out, on one background thread.
 - `syncer_client`: `SyncerClient`, the `yeto.transport.Transport` over the three.
 - `sharded`: `ShardedClient`, the transport to a run served by several shards (one
