@@ -26,6 +26,8 @@ What is measured, in one run:
            training loop waits for its own push without blocking sync (one synthetic
            island, quorum 1, a push every 2 steps): staged behind the guard
            (`Island.before_update`) against staged in the loop, every other push.
+           Broadcasts go over the syncer's direct port (`syncer.direct`) unless
+           --syncer-args=--no-direct sends them over gRPC.
            With --shards S: the same round served by S syncer shards too (`--shard
            I/S`, one fragment each; the islands push fragment 0, wait for its round,
            then fragment 1, ...), in the same run: each shard's round time, CPU per
@@ -260,7 +262,9 @@ def main(argv=None) -> int:
     p.add_argument("--islands", default=",".join(map(str, ISLANDS)),
                    help="island counts for the syncer runs, comma-separated (e.g. 1,2,4)")
     p.add_argument("--momentum", default="none,0.9", help="none and/or 0.9")
-    p.add_argument("--syncer-args", default="", help="more syncer flags, space-separated")
+    p.add_argument("--syncer-args", default="",
+                   help="more syncer flags, space-separated (with --half-billion too: "
+                        "--syncer-args=--no-direct measures broadcasts over gRPC)")
     p.add_argument("--skip-island", action="store_true", help="measure the syncer only")
     p.add_argument("--skip-syncer", action="store_true", help="measure the island only")
     p.add_argument("--steps", type=int, default=8, help="island training steps")
