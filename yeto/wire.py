@@ -179,7 +179,13 @@ def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
     """`n` bytes from a blocking socket; ConnectionError when it ends before them,
     TimeoutError past `deadline` (`time.monotonic`) or its own timeout."""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    read_into(sock, memoryview(buf), deadline)
+    return buf
+
+
+def read_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from a blocking socket (`read_exact`'s errors)."""
+    n, got = len(view), 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -191,7 +197,6 @@ def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
             raise ConnectionError(f"the connection ended {n - got} bytes short of a "
                                   f"{n}-byte read")
         got += k
-    return buf
 
 
 def read_hello(sock: socket.socket, deadline: float) -> pb.DirectHello:

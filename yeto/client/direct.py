@@ -9,6 +9,7 @@ import socket
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from yeto import net, wire
@@ -86,10 +87,10 @@ class DirectReader:
         """The header's payload, a chunk per `net.CHUNK_BYTES` (one, if it is empty)."""
         left, first = header.payload_bytes, True
         while left or first:
-            n = min(left, net.CHUNK_BYTES)
-            yield wire.Chunk(header if first else None,
-                             memoryview(wire.read_exact(self._sock, n)))
-            left, first = left - n, False
+            piece = np.empty(min(left, net.CHUNK_BYTES), np.uint8).data  # (not zeroed)
+            wire.read_into(self._sock, piece)
+            yield wire.Chunk(header if first else None, piece)
+            left, first = left - len(piece), False
 
     def cancel(self) -> None:
         self._cancelled = True
