@@ -123,7 +123,8 @@ class Source:
         `filling`, each piece once its bytes are final. Raises Reject once retired."""
         pos = 0
         while pos < self.size:
-            hi = min(pos + self.PIECE, self.size)
+            hi = min((pos // self.PIECE + 1) * self.PIECE, self.size)  # (after a part sent:
+            # the rest of its piece, not another piece's worth, so no more waits for a filling)
             if self.filling is not None:
                 self.filling.wait(hi)
             view, pinned = self._pin(pos, hi)

@@ -39,7 +39,11 @@ class Filling:
     """Which bytes of a payload being produced are final: chunks are marked `done` in
     any order; a reader of bytes [lo, hi) waits until every byte before hi is done.
     The last byte also waits for `complete` (the commit is whole); `abort` wakes
-    every reader with an error."""
+    every reader with an error. Readers are woken each `WAKE_BYTES` of progress (and
+    at the end), not at every chunk: a reader waits for a message's or a send's worth
+    (1 or 4 MiB), and each wake-up of every reader costs the step's thread and theirs."""
+
+    WAKE_BYTES = 1 << 20  # net.CHUNK_BYTES: a gRPC broadcast message
 
     def __init__(self, size: int):
         self.size = size
@@ -52,9 +56,12 @@ class Filling:
     def done(self, lo: int, hi: int) -> None:
         with self._cond:
             self._done[lo] = hi
+            before = self._ready
             while self._ready in self._done:
                 self._ready = self._done.pop(self._ready)
-            self._cond.notify_all()
+            if self._ready // self.WAKE_BYTES > before // self.WAKE_BYTES or \
+                    self._ready == self.size:
+                self._cond.notify_all()
 
     def complete(self) -> None:
         with self._cond:
