@@ -34,7 +34,12 @@ BENCHMARKS.md): the syncer spent
 2.80 CPU seconds a round (median) on 2 × 281,250,000 bytes of pushes in and 2 × 2e9
 bytes of broadcast out, 0.614 ns per byte (1.63 GB per CPU second). That run's
 syncer was 1.47–1.62× what raw gRPC and the arithmetic alone spend
-(`syncer_over_stack`), so a leaner transport would move the shard's limit up. A shard's
+(`syncer_over_stack`), so a leaner transport would move the shard's limit up: the
+direct downlink (2026-12-06) cut the syncer's CPU a round by 21–36 % against gRPC's
+broadcasts in alternating same-day pairs (BENCHMARKS.md, "The direct downlink against gRPC's"); the
+figure above is the earlier one, kept (that day's machine ran the same arithmetic 1.7–2×
+slower, so its absolute CPU per byte does not compare), which makes a shard's limit
+here a conservative one. A shard's
 NIC moves its bandwidth each way; its CPU moves cores ÷ CPU per byte, in and out
 together.
 """
