@@ -52,6 +52,7 @@ def _launch_cmd(out, model, train, held_out, *extra):
             "--eval-data", str(held_out), "--out", str(out), "--display", "plain", *SMALL, *extra]
 
 
+@pytest.mark.long  # ~10 s of launch and signals: .ci/run runs it after the default tier
 def test_ctrl_c_stops_everything_with_outputs_saved(tmp_path, tiny_llama, tiny_task):
     train, held_out = tiny_task
     out = tmp_path / "run"

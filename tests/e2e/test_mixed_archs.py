@@ -13,7 +13,7 @@ from helpers.mixed import mixed_run  # noqa: E402
 pytestmark = pytest.mark.mlx
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["lfm2", pytest.param("qwen3_moe", marks=pytest.mark.long)])
 def test_torch_and_mlx_islands_train_arch_together(arch, tiny_llama, tiny_task, tmp_path):
     model = model_with_tokenizer(arch, tiny_llama, tmp_path / "model")
     summaries = mixed_run(model, tiny_task, tmp_path, steps=6, sync_every=3, seq_len=32,

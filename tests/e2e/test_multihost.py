@@ -234,6 +234,7 @@ def read_join_block(stdout, lines: list[str]) -> list[str]:
     pytest.fail("launch ended before printing a join command:\n" + "".join(lines))
 
 
+@pytest.mark.long  # ~8 s on two lab hosts: .ci/run runs it after the default tier
 def test_launch_waits_for_an_external_island_that_joins_as_printed(lab, cert, tmp_path,
                                                                    tiny_llama, tiny_task):
     train, held_out = tiny_task

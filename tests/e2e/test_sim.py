@@ -58,6 +58,7 @@ def _merges(out: Path) -> list[dict]:
     return [r for r in read_tape(out / "syncer" / "tape.jsonl") if r["event"] == "merge"]
 
 
+@pytest.mark.long  # a real run and its sim, ~13 s: .ci/run runs it after the default tier
 def test_sim_equals_real(tiny_llama, tiny_task, tmp_path):
     with ThreadPoolExecutor(1) as pool:  # the sim's process beside the real ones
         simulated = pool.submit(_sim_run, tiny_llama, tiny_task, tmp_path / "sim")
