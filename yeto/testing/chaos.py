@@ -17,6 +17,10 @@ at random; --kinds picks some):
                   streams that send nothing at all; the fleet must commit while some are
                   still open (a commit only once the syncer cut them all off: starved, fail)
   garbage         random bytes (and an HTTP/2 preface, and HTTP/1) straight onto the port
+  direct-port     the syncer's direct downlink port: garbage, a hello of 1 GiB, a hello in
+                  another island's name (must be refused PERMISSION_DENIED), then readers
+                  with a valid hello that never read past their broadcast's header: the
+                  fleet must commit twice while they stall
   rogue-values    the rogue, as itself, pushes a NaN, f32 values of 1e38, and q4 whose block
                   scales are 3e38: each must be refused
   impersonation   the rogue sends Join and Push as an island, with its own credential:
@@ -128,7 +132,7 @@ from syncer.messages import PushHeader
 from syncer.run import Config, Run
 from syncer.staging import WholePush
 from syncer.tape import Tape
-from yeto import codec, net
+from yeto import codec, net, wire
 from yeto.client.sender import seed_sha256
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
@@ -552,11 +556,11 @@ class Rogue:
             self.gen, self.seq = reply.generation, max(self.seq, reply.last_seq + 1)
         return reply
 
-    def join_as_self(self, **declared) -> None:
+    def join_as_self(self, **declared) -> pb.JoinReply:
         """Join as itself; FaultFailed when the syncer refuses its valid credential
         (then no rogue fault can test what it means to)."""
         try:
-            self.join(**declared)
+            return self.join(**declared)
         except grpc.RpcError as e:
             raise FaultFailed(f"the syncer refused {self.lid}'s own valid credential at Join "
                               f"({e.code().name}: {e.details()}): per-island credentials "
@@ -764,6 +768,59 @@ def inject_garbage(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
             outcomes.append(f"{name}: {_drain(s, 10.0)}")
     m = fleet.next_merge("commit after the garbage bytes")
     return f"port {fleet.port}", "; ".join(outcomes) + f"; fleet committed v{m['version']}"
+
+
+def inject_direct_port(fleet: Fleet, rng: random.Random) -> tuple[str, str]:
+    """The syncer's direct downlink port (`syncer.direct`) under a rogue with a valid
+    credential: garbage, a hello of impossible length, a hello in another island's
+    name, then readers that say a valid hello and never read past their broadcast's
+    header. The fleet must commit twice while those readers are open (a commit waits
+    for no reader), and the impersonating hello must be refused."""
+    rogue = Rogue(fleet, learner_id="rogue-reader")  # (an observer: its own id)
+    stalled: list[socket.socket] = []
+    try:
+        reply = rogue.join_as_self(observer=True)
+        if not reply.direct_port:
+            raise FaultFailed("the syncer offers no direct port (started with --no-direct "
+                              "or TLS): nothing to test")
+        port, outcomes = reply.direct_port, []
+
+        def hello(learner: str) -> bytes:
+            return wire.direct_hello(pb.DirectHello(
+                learner_id=learner, generation=rogue.gen, run_id=reply.run_id,
+                authorization=f"Bearer {rogue.cred}"))
+
+        blobs = {"random": rng.randbytes(4096),
+                 "http/1": b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                 "1 GiB hello": wire.DIRECT_MAGIC + (1 << 30).to_bytes(4, "little")}
+        for name, blob in blobs.items():
+            with socket.create_connection(("127.0.0.1", port), timeout=RPC_S) as s:
+                s.sendall(blob)
+                outcomes.append(f"{name}: {_drain(s, 15.0)}")
+        with socket.create_connection(("127.0.0.1", port), timeout=RPC_S) as s:
+            s.sendall(hello("island-0"))
+            frame = wire.read_frame(s)
+        refused = frame is not None and frame[0] == wire.FRAME_ERROR and \
+            pb.DirectError.FromString(frame[1]).code == "PERMISSION_DENIED"
+        if not refused:
+            raise FaultFailed(f"a direct hello in island-0's name with the rogue's credential "
+                              f"was not refused as PERMISSION_DENIED: {frame!r:.200}")
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", port), timeout=RPC_S)
+            stalled.append(s)
+            s.sendall(hello(rogue.lid))
+            frame = wire.read_frame(s)
+            if frame is None or frame[0] != wire.FRAME_HEADER:
+                break  # (over the per-island stream bound: refused, as it should be)
+        first = fleet.next_merge(f"commit while {len(stalled)} direct readers stall")
+        second = fleet.next_merge(f"a second commit while {len(stalled)} direct readers stall")
+    finally:
+        for s in stalled:
+            s.close()
+        rogue.close()
+    return (f"direct port {port}", "; ".join(outcomes) + "; impersonating hello refused; "
+            f"fleet committed v{first['version']} and v{second['version']} beside "
+            f"{len(stalled)} stalled direct readers")
 
 
 def rogue_payloads(numel: int) -> dict[str, tuple[str, bytes]]:
@@ -1201,6 +1258,7 @@ KINDS = (
     Kind("island-stop", inject_island_stop),
     Kind("silent-streams", inject_silent_streams),
     Kind("garbage", inject_garbage),
+    Kind("direct-port", inject_direct_port),
     Kind("rogue-values", inject_rogue_values),
     Kind("impersonation", inject_impersonation),
     Kind("disk-full", inject_disk_full, lambda fleet: fleet.tmpfs_problem),
