@@ -35,16 +35,20 @@ class Gone(ConnectionError):
 class DirectStream:
     """One island's direct connection, after its hello: non-blocking writes, whether
     the island is still there (it sends nothing after its hello), and a ping when
-    the stream has been silent for the hello's keepalive (`still_there`)."""
+    the stream has been silent for half the hello's keepalive (`still_there`). A
+    reader that stops reading holds this stream's thread and one of its island's
+    stream slots (`Streams.per_island`), as a stalled gRPC stream holds a worker."""
 
     WAKE_S = 1.0  # a wait for the peer looks again this often (a retired source, a close)
 
-    def __init__(self, sock: socket.socket, ping_s: float = net.KEEPALIVE_S):
+    def __init__(self, sock: socket.socket, keepalive_s: float = net.KEEPALIVE_S):
+        """`keepalive_s`: the island's (its hello's); it gives up after twice that
+        without a byte, so a silent stream is pinged every half of it."""
         self._sock = sock
         sock.setblocking(False)
         self._closed = False
         self._owed = 0  # payload bytes the last header announced and not yet sent
-        self._ping_s = min(max(ping_s, 1.0), 3600.0) / 2  # two pings per island timeout
+        self._ping_s = min(max(keepalive_s, 1.0), 3600.0) / 2
         self._last_sent = time.monotonic()
 
     def active(self) -> bool:
@@ -52,8 +56,8 @@ class DirectStream:
         return not self._closed and not _poll(self._sock, select.POLLIN, 0)
 
     def still_there(self) -> bool:
-        """`active`, and a one-byte ping sent when nothing went out for the keepalive
-        and the socket takes it at once (it never waits: called under the run's lock
+        """`active`, and a one-byte ping sent when nothing went out for half the
+        keepalive and the socket takes it at once (it never waits: called under the run's lock
         while the stream waits for a broadcast)."""
         if not self.active():
             return False

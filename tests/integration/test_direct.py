@@ -153,16 +153,40 @@ def test_stalled_direct_readers_hold_up_no_commit_and_keep_few_copies(rng):
         a.close()
 
 
-def test_an_unreachable_direct_port_falls_back_to_grpc(toy_layout):
-    """Join replies name a direct port that refuses connections (as behind a firewall):
-    the islands read their broadcasts over Subscribe instead, every round."""
+class _Impostor:
+    """Another service on a port: answers every connection with an HTTP error."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_server(("127.0.0.1", port))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("behind", ["nothing", "another service"])
+def test_an_unusable_direct_port_falls_back_to_grpc(toy_layout, behind):
+    """Join replies name a direct port that refuses connections (as behind a firewall),
+    or where another service answers (a tunnelled or forwarded address): the islands
+    read their broadcasts over Subscribe instead, every round."""
     n = toy_layout.numel
     run = Run(Config(quorum=2, **AVERAGING))
     server, port = serve(run, "127.0.0.1", 0)
-    addr = f"127.0.0.1:{port}"
+    addr, impostor = f"127.0.0.1:{port}", None
     try:
         offered = server.direct.port
         server.direct.stop()
+        if behind == "another service":
+            impostor = _Impostor(offered)
         cs = [make_client(addr, f"i{k}", toy_layout) for k in range(2)]
         for c in cs:
             c.start(np.zeros(n, np.float32))
@@ -174,8 +198,13 @@ def test_an_unreachable_direct_port_falls_back_to_grpc(toy_layout):
             got = wait_version(c, 1)
             assert got is not None and np.allclose(got.theta, -1.5)
             assert c.connection.direct_port == offered and not c.connection.via_direct
+            if impostor is not None:  # it answered, and was told apart from a syncer
+                assert "something else" in (c.connection.last_error or ""), \
+                    c.connection.last_error
             c.close()
     finally:
+        if impostor is not None:
+            impostor.close()
         server.ticker_stop.set()
         server.stop(grace=0).wait()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from yeto import net, wire
-from yeto.client.direct import DirectReader
+from yeto.client.direct import DirectReader, NotDirect
 from yeto.io import host_port
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
@@ -161,6 +161,8 @@ class Connection:
                 self.connected.clear()
                 if self.closed:
                     return
+                if isinstance(e, NotDirect):
+                    self._not_direct(str(e))
                 self.last_error = f"{e.code().name}: {e.details()}"
                 if e.code() in REFUSALS and self.generation == 0:
                     self._refused(e)
@@ -224,16 +226,20 @@ class Connection:
                 self.via_direct = True
                 return self._stream
             except OSError as e:
-                self._unreachable.add((self.address, port))
-                log.warning("the syncer's direct port %s is unreachable (%s): broadcasts "
-                            "come over gRPC (open that port to the islands for the faster "
-                            "path, or start the syncer with --direct-port fixed)",
-                            host_port(host, port), e)
+                self._not_direct(f"unreachable ({e})")
         self.via_direct = False
         self._stream = self._subscribe_call(
             pb.SubscribeRequest(learner_id=self.learner_id, generation=self.generation),
             metadata=self.metadata)
         return self._stream
+
+    def _not_direct(self, why: str) -> None:
+        """This address's direct port cannot be used: broadcasts over gRPC from now on."""
+        port = self.direct_port
+        self._unreachable.add((self.address, port))
+        log.warning("the syncer's direct port %s: %s; broadcasts come over gRPC (open that "
+                    "port to the islands for the faster path, or fix it with the syncer's "
+                    "--direct-port)", host_port(net.parse_address(self.address)[0], port), why)
 
     def stop(self) -> None:
         """No more joins; waiters wake up."""

@@ -33,6 +33,14 @@ class DirectFailed(grpc.RpcError):
         return self._details
 
 
+class NotDirect(DirectFailed):
+    """The port answered, but not as a syncer's direct port (another service behind a
+    forwarded or tunnelled address): the island reads over gRPC from now on."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
 class DirectReader:
     """One broadcast stream on the direct port; iterate it for its chunks, `cancel` it
     from another thread to end it (as a gRPC call's `cancel`)."""
@@ -40,6 +48,7 @@ class DirectReader:
     def __init__(self, sock: socket.socket, silent_s: float):
         self._sock, self._silent_s = sock, silent_s
         self._cancelled = False
+        self._framed = False  # a valid frame came: this is a syncer's direct port
 
     @classmethod
     def open(cls, host: str, port: int, hello: pb.DirectHello,
@@ -60,7 +69,7 @@ class DirectReader:
     def __iter__(self) -> Iterator[wire.Chunk[pb.BroadcastHeader]]:
         try:
             while True:
-                frame = wire.read_frame(self._sock)
+                frame = self._frame()
                 if frame is None:
                     return
                 kind, body = frame
@@ -82,6 +91,24 @@ class DirectReader:
                                f"the direct downlink broke: {e}") from None
         finally:
             self._sock.close()
+
+    def _frame(self) -> tuple[int, bytes] | None:
+        """The next frame; before the first valid one, anything else is `NotDirect`."""
+        if self._framed:
+            return wire.read_frame(self._sock)
+        try:
+            frame = wire.read_frame(self._sock)
+            if frame is not None and frame[0] == wire.FRAME_HEADER:
+                pb.BroadcastHeader.FromString(frame[1])
+            elif frame is not None and frame[0] == wire.FRAME_ERROR:
+                pb.DirectError.FromString(frame[1])
+        except (ValueError, DecodeError, ConnectionError) as e:
+            raise NotDirect(f"the syncer's direct port answered with something else: {e}"
+                            ) from None
+        if frame is None:
+            raise NotDirect("the syncer's direct port closed before its first frame")
+        self._framed = True
+        return frame
 
     def _broadcast(self, header: pb.BroadcastHeader) -> Iterator[wire.Chunk[pb.BroadcastHeader]]:
         """The header's payload, a chunk per `net.CHUNK_BYTES` (one, if it is empty)."""
