@@ -304,13 +304,17 @@ def run_with_a_cut(lab, tmp_path, model, data, reset: bool, extra=()) -> dict:
     state = tmp_path / "syncer"
     syncer = start_syncer(lab, a, state, "--quorum", "1")
     procs = {}
-    for host, iid in ((b, "island-0"), (c, "island-1")):
+    # --slowdown: steps of ~50 ms or more that mostly sleep (cheap on a shared machine),
+    # so that training spans the cut. b steps 1.5x slower than c: offline, b pays no
+    # sync and steps ~15 % faster than it did online, and the syncer takes at most
+    # H x (2 + the rounds committed meanwhile) steps in b's next push (the claims
+    # bound, syncer/bounds.py); at the same speed as c a cut of 4 s left b ~5 steps over
+    # that in about half the runs, its claim was cut, and "every step counted once" failed
+    for host, iid, slowdown in ((b, "island-0", "6"), (c, "island-1", "4")):
         log = open(tmp_path / f"{iid}.log", "w")  # noqa: SIM115
-        # --slowdown: steps of ~50 ms or more that mostly sleep (cheap on a shared
-        # machine), so that training spans the cut
         procs[iid] = lab.popen(host, island_cmd("torch", model, data, tmp_path / iid, iid, 2,
                                                 "--max-steps", str(STEPS), "--sync-every", str(H),
-                                                "--slowdown", "4", *extra),
+                                                "--slowdown", slowdown, *extra),
                                stdout=log, stderr=subprocess.STDOUT, env=env(TOKEN))
         log.close()
     wait_for(lambda: sum(any(r["learner"] == "island-0" for r in m["responders"])
