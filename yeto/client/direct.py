@@ -54,8 +54,8 @@ class DirectReader:
     def open(cls, host: str, port: int, hello: pb.DirectHello,
              keepalive_s: float = net.KEEPALIVE_S) -> DirectReader:
         """Connect and say hello; OSError when the port cannot be reached. The syncer
-        pings a stream silent for `keepalive_s`; one silent for twice that is taken
-        as a dead link or a frozen syncer (UNAVAILABLE: the island joins again)."""
+        pings a stream silent for half of `keepalive_s`; one silent for twice that is
+        taken as a dead link or a frozen syncer (UNAVAILABLE: the island joins again)."""
         sock = socket.create_connection((host, port), timeout=CONNECT_S)
         hello.keepalive_s = keepalive_s
         try:
