@@ -10,6 +10,9 @@ zero-copy view of its data (`parse_chunk`; `parse_push_chunk` and
 `parse_broadcast_chunk` are the deserializers the syncer and the client register).
 `passthrough` is the serializer of calls whose messages are prepared wire bytes. The
 bytes on the wire are exactly what the generated classes produce and accept.
+
+Below them, the framing of the direct downlink (broadcasts over a plain TCP port, sent
+from Θ's memory): its hello, frames and reads.
 """
 
 from __future__ import annotations
