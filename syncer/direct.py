@@ -18,6 +18,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from syncer.errors import Reject
@@ -95,12 +96,7 @@ class DirectStream:
         return sent
 
     def _send_frame(self, frame: bytes) -> None:
-        view = memoryview(frame)
-        while len(view):
-            n = self._send(view)
-            view = view[n:]
-            if not n:
-                self.wait_writable()
+        self._send_whole(memoryview(frame), self._send)
 
     def wait_writable(self) -> None:
         if not self.active():
@@ -108,9 +104,13 @@ class DirectStream:
         _poll(self._sock, select.POLLOUT, self.WAKE_S)
 
     def send_all(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
+        self._send_whole(memoryview(data).cast("B"), self.send_some)
+
+    def _send_whole(self, view: memoryview, send: Callable[[memoryview], int]) -> None:
+        """All of `view` by `send` (a frame's bytes, or payload counted against the
+        header), waiting (bounded, `wait_writable`) while the peer catches up."""
         while len(view):
-            n = self.send_some(view)
+            n = send(view)
             view = view[n:]
             if not n:
                 self.wait_writable()

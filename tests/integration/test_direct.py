@@ -18,7 +18,7 @@ from syncer.run import Config, Run
 from syncer.service import serve
 from syncer.tape import read_tape
 from yeto import wire
-from yeto.client.direct import DirectFailed, DirectReader
+from yeto.client.direct import DirectReader, StatusError
 from yeto.layout import Layout
 from yeto.proto import yeto_pb2 as pb
 
@@ -271,6 +271,6 @@ def test_a_quiet_stream_is_pinged_and_a_silent_syncer_given_up(toy_layout):
     with socket.create_server(("127.0.0.1", 0)) as silent:
         reader = DirectReader.open("127.0.0.1", silent.getsockname()[1],
                                    pb.DirectHello(learner_id="x"), keepalive_s=0.2)
-        with pytest.raises(DirectFailed) as e:
+        with pytest.raises(StatusError) as e:
             list(reader)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no word" in e.value.details()

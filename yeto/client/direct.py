@@ -18,9 +18,11 @@ from yeto.proto import yeto_pb2 as pb
 CONNECT_S = 5.0  # a direct port that does not answer within this is taken as unreachable
 
 
-class DirectFailed(grpc.RpcError):
-    """The direct stream ended early, as the gRPC status Subscribe would have ended with
-    (UNAVAILABLE for a broken connection): the island's connection handles it alike."""
+class StatusError(grpc.RpcError):
+    """A gRPC status raised without a gRPC call, shaped like the error a call raises
+    (`code()`, `details()`): a direct stream that ended early (UNAVAILABLE for a broken
+    connection), or an in-process call of `yeto.sim`. The island's connection handles
+    it as it handles a call's."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -33,7 +35,7 @@ class DirectFailed(grpc.RpcError):
         return self._details
 
 
-class NotDirect(DirectFailed):
+class NotDirect(StatusError):
     """The port answered, but not as a syncer's direct port (another service behind a
     forwarded or tunnelled address): the island reads over gRPC from now on."""
 
@@ -80,14 +82,14 @@ class DirectReader:
         except DecodeError as e:
             raise ValueError(f"a malformed direct-downlink frame: {e}") from None
         except TimeoutError:
-            raise DirectFailed(grpc.StatusCode.UNAVAILABLE, "no word from the syncer's "
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "no word from the syncer's "
                                f"direct port for {self._silent_s:.0f} s (a dead link, or a "
                                "frozen syncer)") from None
         except OSError as e:
             if self._cancelled:
-                raise DirectFailed(grpc.StatusCode.CANCELLED, "the island closed the "
+                raise StatusError(grpc.StatusCode.CANCELLED, "the island closed the "
                                    "direct stream") from None
-            raise DirectFailed(grpc.StatusCode.UNAVAILABLE,
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                f"the direct downlink broke: {e}") from None
         finally:
             self._sock.close()
@@ -127,8 +129,8 @@ class DirectReader:
             pass
 
 
-def _status(err: pb.DirectError) -> DirectFailed:
+def _status(err: pb.DirectError) -> StatusError:
     code = getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN)
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
-    return DirectFailed(code, err.message)
+    return StatusError(code, err.message)

@@ -19,21 +19,8 @@ import grpc
 
 from syncer.service import add_to_server
 from yeto.client import SyncerClient
+from yeto.client.direct import StatusError
 from yeto.island.encoder import Inline
-
-
-class LocalRpcError(grpc.RpcError):
-    """What `context.abort` raises here, shaped like the error a gRPC call raises."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class LocalContext:
@@ -45,7 +32,7 @@ class LocalContext:
         self._callbacks: list = []
 
     def abort(self, code: grpc.StatusCode, details: str):
-        raise LocalRpcError(code, details)
+        raise StatusError(code, details)
 
     def is_active(self) -> bool:
         return self._active.is_set()
@@ -99,7 +86,7 @@ def _as_rpc_error(e: Exception) -> grpc.RpcError:
     """What a real server turns a handler's exception into."""
     if isinstance(e, grpc.RpcError):
         return e
-    return LocalRpcError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+    return StatusError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
 
 
 class LocalChannel:
